@@ -1,0 +1,31 @@
+# Every target creates its own virtual environment in .venv and installs what it needs.
+# torch==2.13.0 goes in first: it is the CPU build, so nothing asks pip for a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m attnlab.demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+test: lint
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/train_step.py
+	$(PY) bench/decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,26 @@
+"""attnlab: efficient-attention language models, built, trained and measured honestly."""
+
+from attnlab.accounting import kv_report, param_counts
+from attnlab.config import ModelConfig, load_config, model_config_from_dict
+from attnlab.errors import AttnlabError, ConfigError, DataError, InputError
+from attnlab.generate import generate
+from attnlab.interop import from_hf_llama
+from attnlab.model.transformer import Transformer, build_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttnlabError",
+    "ConfigError",
+    "DataError",
+    "InputError",
+    "ModelConfig",
+    "Transformer",
+    "build_model",
+    "from_hf_llama",
+    "generate",
+    "kv_report",
+    "load_config",
+    "model_config_from_dict",
+    "param_counts",
+]

@@ -1,0 +1,40 @@
+"""Bottleneck attention: Q, K, V projected to d_attn < d_model, attended per head, projected back.
+
+head_dim = d_attn / n_heads, scale 1/sqrt(d_attn / n_heads); an optional learned null key/value per
+head gives every query an explicit "attend nowhere" column (the bottleneck report's null token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from attnlab.attention.mha import HeadAttention
+from attnlab.config import AttentionConfig, ModelConfig, check_kv_heads
+
+
+@dataclass(frozen=True)
+class BottleneckConfig(AttentionConfig):
+    kind: ClassVar[str] = "bottleneck"
+    d_attn: int
+    null_attn: bool = False
+    n_kv_heads: int | None = None
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        out = check_kv_heads(self.n_kv_heads, model.n_heads)
+        if self.d_attn < 1 or self.d_attn % model.n_heads:
+            out.append(f"attention.d_attn={self.d_attn} must be a positive multiple of n_heads={model.n_heads}")
+        elif (self.d_attn // model.n_heads) % 2:
+            out.append(f"attention.d_attn / n_heads = {self.d_attn // model.n_heads} must be even for RoPE")
+        return out
+
+    def cache_fields(self, model: ModelConfig) -> dict[str, int]:
+        width = (self.n_kv_heads or model.n_heads) * self.d_attn // model.n_heads
+        return {"k": width, "v": width}
+
+
+class Bottleneck(HeadAttention):
+    def __init__(self, model: ModelConfig):
+        cfg: BottleneckConfig = model.attention
+        n_kv = cfg.n_kv_heads or model.n_heads
+        super().__init__(model, model.n_heads, n_kv, cfg.d_attn // model.n_heads, null_attn=cfg.null_attn)

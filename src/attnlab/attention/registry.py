@@ -1,0 +1,36 @@
+"""The attention variants, keyed by `attention.kind`. A new variant is one file and one line here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from attnlab.attention.bottleneck import Bottleneck, BottleneckConfig
+from attnlab.attention.decoupled import Decoupled, DecoupledConfig
+from attnlab.attention.mha import MHA, MHAConfig
+from attnlab.attention.mla import MLA, MLAConfig
+from attnlab.attention.sliding import Sliding, SlidingConfig
+
+
+class Kind(StrEnum):
+    MHA = "mha"
+    BOTTLENECK = "bottleneck"
+    DECOUPLED = "decoupled"
+    SLIDING = "sliding"
+    MLA = "mla"
+
+
+@dataclass(frozen=True)
+class Variant:
+    config: type
+    module: type
+    summary: str
+
+
+REGISTRY: dict[str, Variant] = {
+    Kind.MHA: Variant(MHAConfig, MHA, "standard multi-head attention; n_kv_heads < n_heads = GQA, 1 = MQA"),
+    Kind.BOTTLENECK: Variant(BottleneckConfig, Bottleneck, "Q/K/V projected to d_attn < d_model, optional null token"),
+    Kind.DECOUPLED: Variant(DecoupledConfig, Decoupled, "DBA: low-rank semantic path + RoPE geometric path"),
+    Kind.SLIDING: Variant(SlidingConfig, Sliding, "causal attention over the last `window` positions, ring cache"),
+    Kind.MLA: Variant(MLAConfig, MLA, "multi-head latent attention: cache a d_latent latent + d_rope key"),
+}

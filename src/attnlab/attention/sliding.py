@@ -1,0 +1,31 @@
+"""Sliding-window attention: each query sees the last `window` positions (its own included), with a
+ring-buffer cache of `window` slots, so decode memory stays fixed however long the sequence grows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from attnlab.attention.mha import HeadAttention, MHAConfig
+from attnlab.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class SlidingConfig(MHAConfig):
+    kind: ClassVar[str] = "sliding"
+    window: int = 256
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        out = super().problems(model)
+        if self.window < 1:
+            out.append(f"attention.window={self.window} must be >= 1")
+        return out
+
+    def cache_capacity(self, model: ModelConfig) -> int | None:
+        return self.window
+
+
+class Sliding(HeadAttention):
+    def __init__(self, model: ModelConfig):
+        cfg: SlidingConfig = model.attention
+        super().__init__(model, model.n_heads, cfg.kv_heads(model), cfg.dim(model), window=cfg.window)

@@ -1,0 +1,97 @@
+"""The `attnlab` command: thin argparse subcommands over library functions.
+
+User mistakes (bad config, bad input) print one clear line per problem and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from attnlab.errors import AttnlabError, ConfigError
+
+
+def cmd_list(args) -> int:
+    from attnlab.attention.registry import REGISTRY
+
+    for kind, variant in REGISTRY.items():
+        print(f"{kind}: {variant.summary}")
+        for f in dataclasses.fields(variant.config):
+            default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
+            print(f"    {f.name}: {f.type} ({default})")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from attnlab.config import load_config
+
+    status = 0
+    for path in args.files:
+        try:
+            cfg = load_config(path)
+        except ConfigError as e:
+            for problem in e.problems:
+                print(f"{path}: {problem}", file=sys.stderr)
+            status = 2
+            continue
+        print(f"{path}: ok ({cfg.attention.kind}, {cfg.n_layers} layers, d_model {cfg.d_model})")
+    return status
+
+
+def _fmt(n: float) -> str:
+    return f"{n:,.0f}"
+
+
+def cmd_info(args) -> int:
+    from attnlab.accounting import info
+    from attnlab.config import load_config
+
+    cfg = load_config(args.config)
+    report = info(cfg, dtype=args.dtype, seq_len=args.seq_len)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{args.config}: {report['kind']} attention, {cfg.n_layers} layers, d_model {cfg.d_model}")
+    print("parameters:")
+    for part, n in report["params"].items():
+        print(f"  {part:<10} {_fmt(n):>15}")
+    print(f"KV cache ({report['dtype']}, seq_len {report['seq_len']}):")
+    for name, size in report["cache_fields"].items():
+        print(f"  {name:<10} {_fmt(size):>15} bytes/token/layer")
+    print(f"  per token  {_fmt(report['kv_bytes_per_token']):>15} bytes (all layers)")
+    print(f"  per layer  {_fmt(report['kv_bytes_per_layer']):>15} bytes at seq_len")
+    print(f"  total      {_fmt(report['kv_bytes']):>15} bytes at seq_len")
+    if report["capacity"] is not None:
+        print(f"  (bounded cache: at most {report['capacity']} tokens per layer)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnlab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="attention kinds and their options").set_defaults(func=cmd_list)
+    p = sub.add_parser("validate", help="check config files, reporting every problem")
+    p.add_argument("files", nargs="+")
+    p.set_defaults(func=cmd_validate)
+    p = sub.add_parser("info", help="parameters by component and KV-cache bytes")
+    p.add_argument("config")
+    p.add_argument("--dtype", default="fp16", help="KV storage dtype: fp32, fp16, bf16 (default fp16)")
+    p.add_argument("--seq-len", type=int, default=None, help="context length (default max_seq_len)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except AttnlabError as e:
+        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Frozen, validated configuration dataclasses and the strict dict -> dataclass parser.
+
+Each attention variant's own config (`MHAConfig`, `DecoupledConfig`, ...) lives next to its maths in
+`attnlab/attention/<kind>.py`, so a new variant is one new file plus one registry line; they all derive
+from `AttentionConfig` here. Every config is checked when it is built, and every problem is reported at
+once in one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from attnlab.errors import ConfigError
+
+DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per stored element for a dtype name (quantized formats register here later)."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype={dtype!r} is not known (use one of {', '.join(DTYPE_BYTES)})")
+    return DTYPE_BYTES[dtype]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_kv_heads(n_kv_heads: int | None, n_heads: int) -> list[str]:
+    """Problems with `attention.n_kv_heads` (None means n_heads)."""
+    if n_kv_heads is None:
+        return []
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        options = ", ".join(str(d) for d in divisors(n_heads))
+        return [f"attention.n_kv_heads={n_kv_heads} must divide n_heads={n_heads} (use {options})"]
+    return []
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Base of every variant's config. `kind` is the registry key; subclasses add their options."""
+
+    kind: ClassVar[str] = ""
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        """Everything wrong with this config inside `model` (empty when valid)."""
+        return []
+
+    def cache_fields(self, model: ModelConfig) -> dict[str, int]:
+        """Elements stored per token per layer in the KV cache, by cache tensor name."""
+        raise NotImplementedError
+
+    def cache_capacity(self, model: ModelConfig) -> int | None:
+        """Tokens the cache holds at most (None = unbounded, grows with the sequence)."""
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A pre-norm decoder-only transformer. Validated at construction."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    max_seq_len: int = 1024
+    attention: AttentionConfig = field(default_factory=lambda: _default_attention())
+    mlp: str = "swiglu"
+    d_ff: int | None = None
+    tie_embeddings: bool = True
+    rope_base: float = 10000.0
+    rope_interleaved: bool = False
+    norm_eps: float = 1e-5
+    vocab_multiple: int = 64
+    init_std: float = 0.02
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "vocab_multiple"):
+            if getattr(self, key) < 1:
+                problems.append(f"{key}={getattr(self, key)} must be >= 1")
+        if self.mlp not in ("swiglu", "gelu"):
+            problems.append(f"mlp={self.mlp!r} is not known (use 'swiglu' or 'gelu')")
+        if self.d_ff is not None and self.d_ff < 1:
+            problems.append(f"d_ff={self.d_ff} must be >= 1")
+        if self.rope_base <= 0:
+            problems.append(f"rope_base={self.rope_base} must be > 0")
+        if not problems:
+            problems += self.attention.problems(self)
+        if problems:
+            raise ConfigError(problems)
+
+    # Derived values.
+    @property
+    def padded_vocab_size(self) -> int:
+        """Embedding/LM-head rows: vocab_size rounded up to vocab_multiple (faster matmuls)."""
+        m = self.vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def hidden_dim(self) -> int:
+        """MLP hidden width: d_ff, or Llama's 8/3 d_model (SwiGLU) / 4 d_model (GELU)."""
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.mlp == "swiglu":
+            return (int(8 * self.d_model / 3) + 63) // 64 * 64
+        return 4 * self.d_model
+
+    @property
+    def kind(self) -> str:
+        return self.attention.kind
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["attention"] = self.attention.to_dict()
+        return out
+
+    def config_hash(self) -> str:
+        """Short stable hash of the resolved config, for records."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _default_attention() -> AttentionConfig:
+    from attnlab.attention.mha import MHAConfig
+
+    return MHAConfig()
+
+
+# ----------------------------------------------------------------------------- strict parsing
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True
+
+
+def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+
+def unknown_key_problem(key: str, valid: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(sorted(valid))})"
+    return f"unknown key {where}{key!r}{hint}"
+
+
+def dataclass_kwargs(cls: type, data: Any, where: str, problems: list[str], skip: tuple[str, ...] = ()) -> dict:
+    """Checks `data` against the fields of dataclass `cls`: unknown keys, missing keys, value types.
+
+    Problems are appended (not raised) so every problem is reported at once.
+    """
+    if not isinstance(data, dict):
+        problems.append(f"{where.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
+        return {}
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in skip}
+    kwargs = {}
+    for key, value in data.items():
+        if key in skip:
+            continue
+        if key not in fields:
+            problems.append(unknown_key_problem(str(key), list(fields) + list(skip), where))
+            continue
+        if not _type_ok(value, hints[key]):
+            problems.append(f"{where}{key}={value!r} must be {_type_name(hints[key])}")
+            continue
+        kwargs[key] = float(value) if hints[key] is float else value
+    for name, f in fields.items():
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if no_default and name not in data:
+            problems.append(f"missing key {where}{name!r}")
+    return kwargs
+
+
+def attention_from_dict(data: Any, problems: list[str]) -> AttentionConfig | None:
+    from attnlab.attention.registry import REGISTRY
+
+    if not isinstance(data, dict):
+        problems.append(f"attention must be a mapping with a 'kind', got {type(data).__name__}")
+        return None
+    kind = data.get("kind", "mha")
+    if kind not in REGISTRY:
+        problems.append(
+            unknown_key_problem(str(kind), list(REGISTRY), "attention.kind=").replace("unknown key", "unknown value")
+        )
+        return None
+    cls = REGISTRY[kind].config
+    kwargs = dataclass_kwargs(cls, data, "attention.", problems, skip=("kind",))
+    if len(problems):
+        return None
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        problems.extend(e.problems)
+        return None
+
+
+def model_config_from_dict(data: Any, source: str | None = None) -> ModelConfig:
+    """Builds a validated ModelConfig from plain data; raises one ConfigError listing every problem."""
+    problems: list[str] = []
+    if isinstance(data, dict) and set(data) == {"model"}:
+        data = data["model"]
+    kwargs = dataclass_kwargs(ModelConfig, data, "", problems, skip=("attention",))
+    attention = attention_from_dict(data.get("attention", {}) if isinstance(data, dict) else {}, problems)
+    if problems:
+        raise ConfigError(problems, source=source)
+    try:
+        return ModelConfig(attention=attention, **kwargs)
+    except ConfigError as e:
+        raise e.with_source(source) if source else e from None
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Reads a model config YAML file (top-level keys = ModelConfig fields, or one `model:` key)."""
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError("file not found (check the path)", source=str(path))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"not valid YAML{at}: {getattr(e, 'problem', e)}", source=str(path)) from None
+    return model_config_from_dict(data if data is not None else {}, source=str(path))

@@ -1,0 +1,97 @@
+"""The pre-norm decoder-only transformer: the whole forward pass on one screen."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from attnlab.attention.registry import REGISTRY
+from attnlab.cache.base import ModelCache
+from attnlab.config import ModelConfig
+from attnlab.errors import InputError
+from attnlab.model.mlp import build_mlp
+from attnlab.model.norm import RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = REGISTRY[cfg.attention.kind].module(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = build_mlp(cfg.mlp, cfg.d_model, cfg.hidden_dim)
+
+    def forward(self, x, positions, cache=None):
+        h, cache = self.attn(self.attn_norm(x), positions, cache)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class Transformer(nn.Module):
+    """tokens (B, T) -> logits (B, T, vocab_size). The embedding and LM head have padded_vocab_size rows
+    (a multiple of 64, for speed); logits are cut back to the true vocab_size so no probability mass
+    lands on padding rows."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                continue  # RMSNorm gains start at 1
+            if p.dim() >= 2:
+                # GPT-2: residual-output projections scaled by 1/sqrt(2 * n_layers).
+                is_residual_out = name.endswith(("attn.out.weight", "mlp.down.weight"))
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers) if is_residual_out else std)
+
+    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None) -> ModelCache:
+        """An empty cache for `batch` sequences of up to max_len (default max_seq_len) tokens."""
+        max_len = max_len or self.cfg.max_seq_len
+        dtype = dtype or self.embed.weight.dtype
+        device = device or self.embed.weight.device
+        return ModelCache([b.attn.new_cache(batch, max_len, dtype, device) for b in self.blocks])
+
+    def forward(
+        self, tokens: torch.Tensor, cache: ModelCache | None = None, use_cache: bool | None = None
+    ) -> tuple[torch.Tensor, ModelCache | None]:
+        """tokens: (B, T) int64. With a cache, tokens continue the cached sequence.
+
+        use_cache (default: True in eval mode or when a cache is given) makes a new cache when none is
+        given and returns it; in training mode nothing is cached and the cache returned is None.
+        """
+        batch, length = tokens.shape
+        if use_cache is None:
+            use_cache = cache is not None or not self.training
+        if use_cache and cache is None:
+            cache = self.new_cache(batch)
+        start = cache.seen if cache is not None else 0
+        if start + length > self.cfg.max_seq_len:
+            raise InputError(
+                f"sequence of {start + length} tokens exceeds max_seq_len={self.cfg.max_seq_len} "
+                "(shorten the input or raise max_seq_len)"
+            )
+        positions = torch.arange(start, start + length, device=tokens.device)
+        x = self.embed(tokens)  # (B, T, d_model)
+        for i, block in enumerate(self.blocks):
+            x, _ = block(x, positions, cache.layers[i] if use_cache else None)
+        if use_cache:
+            cache.seen = start + length
+        logits = self.lm_head(self.norm(x))  # (B, T, padded_vocab_size)
+        return logits[..., : self.cfg.vocab_size], (cache if use_cache else None)
+
+
+def build_model(cfg: ModelConfig, device=None, dtype=None) -> Transformer:
+    """A freshly initialised model (fp32 unless dtype says otherwise)."""
+    model = Transformer(cfg)
+    return model.to(device=device, dtype=dtype) if (device or dtype) else model
