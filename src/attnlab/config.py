@@ -34,6 +34,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_head_split(model: ModelConfig, head_dim: int | None) -> list[str]:
+    """Problems when the per-head width is derived as d_model / n_heads (head_dim None)."""
+    if head_dim is None and model.d_model % model.n_heads:
+        return [f"d_model={model.d_model} must be divisible by n_heads={model.n_heads} (or set attention.head_dim)"]
+    return []
+
+
 def check_kv_heads(n_kv_heads: int | None, n_heads: int) -> list[str]:
     """Problems with `attention.n_kv_heads` (None means n_heads)."""
     if n_kv_heads is None:
@@ -166,10 +173,12 @@ def _type_name(annotation: Any) -> str:
     return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 
 
-def unknown_key_problem(key: str, valid: list[str], where: str) -> str:
+def unknown_key_problem(key: str, valid: list[str], where: str, what: str = "key") -> str:
+    """`unknown key 'n_kv_head' (did you mean 'n_kv_heads'?)`, or the valid choices when none is close."""
+    valid = [str(v) for v in valid]
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(sorted(valid))})"
-    return f"unknown key {where}{key!r}{hint}"
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (valid {what}s: {', '.join(sorted(valid))})"
+    return f"unknown {what} {where}{key!r}{hint}"
 
 
 def dataclass_kwargs(cls: type, data: Any, where: str, problems: list[str], skip: tuple[str, ...] = ()) -> dict:

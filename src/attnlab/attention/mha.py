@@ -18,7 +18,7 @@ from attnlab.attention.core import attend
 from attnlab.attention.masks import attention_mask
 from attnlab.cache.dense import DenseCache
 from attnlab.cache.ring import RingCache
-from attnlab.config import AttentionConfig, ModelConfig, check_kv_heads
+from attnlab.config import AttentionConfig, ModelConfig, check_head_split, check_kv_heads
 from attnlab.model.rope import Rotary
 
 
@@ -35,15 +35,9 @@ class MHAConfig(AttentionConfig):
         return self.head_dim or model.d_model // model.n_heads
 
     def problems(self, model: ModelConfig) -> list[str]:
-        out = check_kv_heads(self.n_kv_heads, model.n_heads)
-        if self.head_dim is None and model.d_model % model.n_heads:
-            out.append(
-                f"d_model={model.d_model} must be divisible by n_heads={model.n_heads} (or set attention.head_dim)"
-            )
-        elif self.dim(model) % 2:
-            out.append(
-                f"head_dim={self.dim(model)} must be even for RoPE (change d_model, n_heads or attention.head_dim)"
-            )
+        out = check_kv_heads(self.n_kv_heads, model.n_heads) + check_head_split(model, self.head_dim)
+        if not out and self.dim(model) % 2:
+            out.append(f"head_dim={self.dim(model)} must be even for RoPE (change d_model, n_heads or head_dim)")
         return out
 
     def cache_fields(self, model: ModelConfig) -> dict[str, int]:

@@ -25,7 +25,7 @@ from attnlab.attention.base import merge_heads, split_heads
 from attnlab.attention.core import attend
 from attnlab.attention.masks import attention_mask
 from attnlab.cache.dense import DenseCache
-from attnlab.config import AttentionConfig, ModelConfig
+from attnlab.config import AttentionConfig, ModelConfig, check_head_split
 from attnlab.model.norm import RMSNorm
 from attnlab.model.rope import Rotary
 
@@ -44,11 +44,8 @@ class MLAConfig(AttentionConfig):
         return head_dim, self.d_rope if self.d_rope is not None else head_dim // 2, self.v_head_dim or head_dim
 
     def problems(self, model: ModelConfig) -> list[str]:
-        out = []
-        if self.head_dim is None and model.d_model % model.n_heads:
-            out.append(
-                f"d_model={model.d_model} must be divisible by n_heads={model.n_heads} (or set attention.head_dim)"
-            )
+        out = check_head_split(model, self.head_dim)
+        if out:
             return out
         if self.d_latent < 1:
             out.append(f"attention.d_latent={self.d_latent} must be >= 1")
