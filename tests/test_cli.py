@@ -94,6 +94,6 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "bad.yaml" in lines[0] and "d_sem=12" in lines[0]
-    proc = subprocess.run([sys.executable, "-m", "attnlab.cli", "info", str(MODELS / "tiny-mha.yaml"), "--dtype", "fp8"],
-                          capture_output=True, text=True)  # fmt: skip
+    command = [sys.executable, "-m", "attnlab.cli", "info", str(MODELS / "tiny-mha.yaml"), "--dtype", "fp8"]
+    proc = subprocess.run(command, capture_output=True, text=True)
     assert proc.returncode == 2 and "dtype='fp8' is not known" in proc.stderr
