@@ -1,6 +1,8 @@
 # Every target creates its own virtual environment in .venv and installs what it needs.
 # torch==2.13.0 goes in first: it is the CPU build, so nothing asks pip for a multi-GB CUDA build.
 PYTHON ?= python3
+# Data files (WikiText-2, stories260K, ...) are read from here; override with DATA_DIR=... or $ATTNLAB_DATA.
+DATA_DIR ?= ../shared/data
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -14,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m attnlab.demo
+	$(PY) -m attnlab.demo --data-dir $(DATA_DIR)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

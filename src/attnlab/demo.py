@@ -3,10 +3,13 @@
 1. The seeds' published KV-cache figures, recomputed from the shipped configs.
 2. The design doc's tiny model with every attention kind: parameters, KV bytes at 256 tokens, a check
    that cached decoding reproduces the full forward pass, and greedy decode speed.
+3. A real trained model, karpathy's stories260K (llama2.c format), imported and telling a story, when
+   the data directory holds it (--data-dir DIR or $ATTNLAB_DATA).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -14,6 +17,9 @@ import torch
 
 import attnlab
 from attnlab.accounting import kv_report, param_counts
+from attnlab.errors import DataError
+from attnlab.interop import decode_llama2c, from_llama2c, load_llama2c_vocab
+from attnlab.paths import find_data_file
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 PUBLISHED = {  # bytes/token at fp16, as the seed papers state them
@@ -59,10 +65,29 @@ def tiny_zoo(new_tokens: int = 64) -> None:
         )
 
 
-def main() -> None:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+def story(data_dir: str | None) -> None:
+    print("\nA real model: llama2.c's stories260K (GQA 8/4 heads, interleaved RoPE), greedy from BOS")
+    try:
+        checkpoint = find_data_file("llama2c-stories260K/stories260K.bin", data_dir)
+        vocab = load_llama2c_vocab(find_data_file("llama2c-stories260K/tok512.bin", data_dir))
+    except DataError as e:
+        print(f"  skipped: {e}")
+        return
+    _, model = from_llama2c(checkpoint)
+    start = time.perf_counter()
+    ids = attnlab.generate(model, [1], max_new_tokens=120)
+    seconds = time.perf_counter() - start
+    print("  " + decode_llama2c(vocab, ids).replace("\n", "\n  "))
+    print(f"  ({len(ids)} tokens in {seconds:.2f} s)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="the attnlab demo")
+    parser.add_argument("--data-dir", default=None, help="directory with llama2c-stories260K/ (or $ATTNLAB_DATA)")
+    args = parser.parse_args(argv)
     seed_figures()
     tiny_zoo()
+    story(args.data_dir)
     print("\nNext: `attnlab info configs/models/<name>.yaml`, `attnlab list`, and the README.")
 
 
