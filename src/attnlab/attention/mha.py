@@ -84,8 +84,9 @@ class HeadAttention(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None):
         if self.window is not None:
-            shape = (batch, self.n_kv_heads, self.window, self.head_dim)
-            return RingCache({"k": shape, "v": shape}, self.window, dtype, device)
+            slots = min(self.window, max_len)
+            shape = (batch, self.n_kv_heads, slots, self.head_dim)
+            return RingCache({"k": shape, "v": shape}, slots, dtype, max_len, device)
         shape = (batch, self.n_kv_heads, max_len, self.head_dim)
         return DenseCache({"k": shape, "v": shape}, max_len, dtype, device)
 

@@ -60,3 +60,8 @@ class BufferCache:
 
     def overhead_nbytes(self) -> int:
         return self.slot_positions.nbytes
+
+    @staticmethod
+    def as_compute(held: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Held tensors in the dtype of the incoming values (a cache may be stored narrower, e.g. fp16)."""
+        return {name: held[name].to(new[name].dtype) for name in new}

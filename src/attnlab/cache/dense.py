@@ -28,4 +28,5 @@ class DenseCache(BufferCache):
             self.buffers[name][..., start:end, :] = value
         self.slot_positions[start:end] = positions
         self.length = end
-        return {name: b[..., :end, :] for name, b in self.buffers.items()}, self.slot_positions[:end]
+        held = {name: b[..., :end, :] for name, b in self.buffers.items()}
+        return self.as_compute(held, new), self.slot_positions[:end]

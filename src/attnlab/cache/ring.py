@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 
 from attnlab.cache.base import BufferCache
+from attnlab.errors import InputError
 
 
 class RingCache(BufferCache):
-    def __init__(self, shapes: dict[str, tuple[int, ...]], window: int, dtype: torch.dtype, device=None):
-        """shapes: name -> buffer shape with `window` at axis -2."""
-        super().__init__(shapes, window, dtype, device)
-        self.capacity = window
+    def __init__(self, shapes: dict[str, tuple[int, ...]], slots: int, dtype: torch.dtype, max_len: int, device=None):
+        """shapes: name -> buffer shape with `slots` at axis -2, slots = min(window, max_len): a sequence
+        that will never exceed max_len tokens needs no more slots than that."""
+        super().__init__(shapes, slots, dtype, device)
+        self.capacity, self.max_len, self.seen = slots, max_len, 0
 
     def positions(self) -> torch.Tensor:
         return self.slot_positions
@@ -25,13 +27,16 @@ class RingCache(BufferCache):
         self.slot_positions[slots] = positions[-keep:]
 
     def update(self, new: dict[str, torch.Tensor], positions: torch.Tensor):
+        self.seen += positions.shape[0]
+        if self.seen > self.max_len:  # fewer slots than the window would then overwrite visible tokens
+            raise InputError(f"ring cache made for max_len={self.max_len} tokens got {self.seen} (make a larger cache)")
         if positions.shape[0] == 1:
             # One token overwrites only the slot of position p - window, which its query no longer sees.
             self._write(new, positions)
-            return dict(self.buffers), self.slot_positions
+            return self.as_compute(self.buffers, new), self.slot_positions
         # A chunk's early queries still need slots its later tokens would overwrite: attend over
         # held + new, then keep the newest `window` tokens.
-        held = {name: torch.cat((self.buffers[name], value), dim=-2) for name, value in new.items()}
+        held = {name: torch.cat((self.buffers[name].to(value.dtype), value), dim=-2) for name, value in new.items()}
         held_positions = torch.cat((self.slot_positions, positions))
         self._write(new, positions)
         return held, held_positions
