@@ -261,3 +261,92 @@ def load_config(path: str | Path) -> ModelConfig:
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"not valid YAML{at}: {getattr(e, 'problem', e)}", source=str(path)) from None
     return model_config_from_dict(data if data is not None else {}, source=str(path))
+
+
+# ----------------------------------------------------------------------------- data and training
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which text, tokenized how. Sources: wikitext2 (tokenized v1 files), wikitext2-raw, tinyshakespeare,
+    fineweb-edu, or a path to a local .txt / .jsonl (a `text` field per line) / .parquet file."""
+
+    source: str = "wikitext2"
+    tokenizer: str = "gpt2"  # gpt2 | bpe:<vocab size> | word | byte | char
+    val_fraction: float = 0.05  # for sources without their own splits: share of documents, by hash
+    test_fraction: float = 0.0
+    max_tokens: int | None = None  # token budget for streamed sources (fineweb-edu)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (0.0 <= self.val_fraction < 1.0 and 0.0 <= self.test_fraction < 1.0):
+            problems.append("data.val_fraction and data.test_fraction must be in [0, 1)")
+        elif self.val_fraction + self.test_fraction >= 1.0:
+            problems.append("data.val_fraction + data.test_fraction must leave documents for training")
+        tok = self.tokenizer
+        if tok not in ("gpt2", "word", "byte", "char") and not (tok.startswith("bpe:") and tok[4:].isdigit()):
+            problems.append(f"data.tokenizer={tok!r} is not known (use gpt2, bpe:<vocab size>, word, byte or char)")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            problems.append(f"data.max_tokens={self.max_tokens} must be >= 1")
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train. Steps count optimizer updates; one update sees batch_size * grad_accum sequences."""
+
+    seq_len: int = 256
+    batch_size: int = 16
+    grad_accum: int = 1
+    steps: int = 1000
+    optimizer: str = "adamw"  # adamw | lion
+    lr: float = 1e-3
+    schedule: str = "cosine"  # constant | linear | cosine
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1  # never applied to norms, biases or embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    eval_every: int = 200
+    eval_tokens: int = 65536
+    log_every: int = 10
+    checkpoint_every: int = 200
+    seed: int = 0
+    precision: str = "auto"  # auto (bf16 autocast where the device is fast at it, else fp32) | fp32 | bf16
+    compile: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("seq_len", "batch_size", "grad_accum", "steps", "eval_every", "log_every", "checkpoint_every"):
+            if getattr(self, key) < 1:
+                problems.append(f"train.{key}={getattr(self, key)} must be >= 1")
+        if self.optimizer not in ("adamw", "lion"):
+            problems.append(f"train.optimizer={self.optimizer!r} is not known (use adamw or lion)")
+        if self.schedule not in ("constant", "linear", "cosine"):
+            problems.append(f"train.schedule={self.schedule!r} is not known (use constant, linear or cosine)")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            problems.append(f"train.precision={self.precision!r} is not known (use auto, fp32 or bf16)")
+        if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            problems.append("train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
+        if self.warmup_steps < 0 or self.eval_tokens < 1:
+            problems.append("train.warmup_steps must be >= 0 and train.eval_tokens >= 1")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            problems.append(f"train.grad_clip={self.grad_clip} must be > 0 (or null for no clipping)")
+        if problems:
+            raise ConfigError(problems)
+
+
+def section_from_dict(cls: type, data: Any, where: str, source: str | None = None):
+    """A validated DataConfig / TrainConfig from plain data; every problem in one ConfigError."""
+    problems: list[str] = []
+    kwargs = dataclass_kwargs(cls, data if data is not None else {}, where, problems)
+    if problems:
+        raise ConfigError(problems, source=source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise (e.with_source(source) if source else e) from None
