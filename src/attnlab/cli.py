@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from attnlab.errors import AttnlabError, ConfigError
 
@@ -26,10 +27,16 @@ def cmd_list(args) -> int:
 
 def cmd_validate(args) -> int:
     from attnlab.config import load_config
+    from attnlab.manifest import is_manifest, load_manifest
 
     status = 0
     for path in args.files:
         try:
+            if is_manifest(path):
+                manifest = load_manifest(path, args.set)
+                print(f"{path}: ok (manifest {manifest.name}: {len(manifest.targets)} targets, "
+                      f"{len(manifest.seeds)} seeds, {len(manifest.runs)} runs)")  # fmt: skip
+                continue
             cfg = load_config(path)
         except ConfigError as e:
             for problem in e.problems:
@@ -38,6 +45,32 @@ def cmd_validate(args) -> int:
             continue
         print(f"{path}: ok ({cfg.attention.kind}, {cfg.n_layers} layers, d_model {cfg.d_model})")
     return status
+
+
+def cmd_run(args) -> int:
+    from attnlab.compare import compare
+    from attnlab.manifest import load_manifest
+    from attnlab.runner import run_manifest
+
+    manifest = load_manifest(args.manifest, args.set)
+    run_manifest(
+        manifest, args.out, targets=args.target, seeds=args.seed, data_dir=args.data_dir, dry_run=args.dry_run,
+        resume=not args.no_resume, progress=not args.no_progress,
+    )  # fmt: skip
+    if not args.dry_run:
+        result = compare(Path(args.out) / manifest.name)
+        print("\n" + result["markdown"])
+        print(f"table: {result['markdown']}  csv: {result['csv']}  plot: {result['plot']}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from attnlab.compare import compare
+
+    result = compare(args.runs_dir, args.out, args.baseline)
+    print(result["markdown"])
+    print(f"table: {result['markdown']}  csv: {result['csv']}  plot: {result['plot']}")
+    return 0
 
 
 def _fmt(n: float) -> str:
@@ -72,9 +105,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="attention kinds and their options").set_defaults(func=cmd_list)
-    p = sub.add_parser("validate", help="check config files, reporting every problem")
+    p = sub.add_parser("validate", help="check model configs and manifests, reporting every problem")
     p.add_argument("files", nargs="+")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="manifest override")
     p.set_defaults(func=cmd_validate)
+    p = sub.add_parser("run", help="train a manifest's targets x seeds, then compare them")
+    p.add_argument("manifest")
+    p.add_argument("--target", action="append", help="only this target (repeatable)")
+    p.add_argument("--seed", action="append", type=int, help="only this seed (repeatable)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override, e.g. --set train.lr=3e-4 (repeatable)")  # fmt: skip
+    p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
+    p.add_argument("--out", default="runs", help="output root (default runs/); runs go to OUT/<manifest>/...")
+    p.add_argument("--dry-run", action="store_true", help="print what would run")
+    p.add_argument("--resume", action="store_true", help="continue interrupted runs (the default)")
+    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("compare", help="table and plot of the runs under a folder")
+    p.add_argument("runs_dir")
+    p.add_argument("--out", default=None, help="where to write compare.md/.csv/val_loss.png (default RUNS_DIR)")
+    p.add_argument("--baseline", default=None, help="target the others are compared with")
+    p.set_defaults(func=cmd_compare)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes")
     p.add_argument("config")
     p.add_argument("--dtype", default="fp16", help="KV storage dtype: fp32, fp16, bf16 (default fp16)")

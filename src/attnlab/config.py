@@ -198,10 +198,16 @@ def dataclass_kwargs(cls: type, data: Any, where: str, problems: list[str], skip
         if key not in fields:
             problems.append(unknown_key_problem(str(key), list(fields) + list(skip), where))
             continue
+        if isinstance(value, str) and _type_ok(1.5, hints[key]):
+            # PyYAML reads 3e-4 (no dot) as a string: accept numbers written that way.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if not _type_ok(value, hints[key]):
             problems.append(f"{where}{key}={value!r} must be {_type_name(hints[key])}")
             continue
-        kwargs[key] = float(value) if hints[key] is float else value
+        kwargs[key] = float(value) if _type_ok(1.5, hints[key]) and isinstance(value, int) else value
     for name, f in fields.items():
         no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if no_default and name not in data:

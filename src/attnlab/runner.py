@@ -1,0 +1,111 @@
+"""`attnlab run`: every target x seed (x phase) of a manifest into runs/<manifest>/<target>/seed<S>/.
+
+Finished runs (summary.json) are skipped, interrupted ones resume from their last checkpoint, and a run
+folder made with another config is an error rather than silently reused.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from attnlab.config import unknown_key_problem
+from attnlab.errors import ConfigError
+from attnlab.manifest import Manifest, RunSpec
+from attnlab.train.checkpoint import write_json_atomic
+
+
+def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
+    problems = [
+        unknown_key_problem(t, manifest.targets, "", what="target") for t in targets or [] if t not in manifest.targets
+    ]
+    problems += [
+        f"--seed {s} is not in the manifest's seeds {list(manifest.seeds)}"
+        for s in seeds or []
+        if s not in manifest.seeds
+    ]
+    if problems:
+        raise ConfigError(problems, source=str(manifest.path))
+    return [r for r in manifest.runs if (not targets or r.target in targets) and (not seeds or r.seed in seeds)]
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_manifest(
+    manifest: Manifest,
+    out_root: str | Path = "runs",
+    targets=None,
+    seeds=None,
+    data_dir: str | None = None,
+    dry_run: bool = False,
+    resume: bool = True,
+    progress: bool = True,
+    log=print,
+) -> list[dict]:
+    """Runs the selected runs in order; returns one summary per run (None for dry runs)."""
+    from attnlab.data import prepare
+    from attnlab.train.loop import full_config, train
+
+    root = Path(out_root) / manifest.name
+    runs = select_runs(manifest, targets, seeds)
+    prepared_by_data: dict = {}
+    previous_dir: dict[tuple[str, int], Path] = {}
+    summaries = []
+    for index, spec in enumerate(runs, 1):
+        run_dir = spec.run_dir(root)
+        label = f"[{index}/{len(runs)}] {spec.target} seed{spec.seed}" + (f" {spec.phase}" if spec.phase else "")
+        init_from = previous_dir.get((spec.target, spec.seed))
+        previous_dir[(spec.target, spec.seed)] = run_dir
+        if dry_run:
+            log(
+                f"{label}: would train {spec.train.steps} steps into {run_dir}"
+                + (f" from {init_from}" if init_from else "")
+            )
+            summaries.append(None)
+            continue
+        if spec.data not in prepared_by_data:
+            prepared_by_data[spec.data] = prepare(spec.data, data_dir=data_dir)
+        prepared = prepared_by_data[spec.data]
+        model_cfg = spec.model_config(prepared.vocab_size)
+        config = full_config(model_cfg, spec.data, spec.train)
+        summary_path = run_dir / "summary.json"
+        if summary_path.exists():
+            saved = json.loads((run_dir / "config.json").read_text())
+            if saved != config:
+                raise ConfigError(
+                    f"{run_dir} holds a finished run made with another config; "
+                    "use another --out directory or delete that folder", source=str(manifest.path)
+                )  # fmt: skip
+            summary = json.loads(summary_path.read_text())
+            log(f"{label}: done already (val loss {summary.get('val_loss', float('nan')):.4f}), skipped")
+            summaries.append(summary)
+            continue
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        _write_text_atomic(run_dir / "command.txt", shlex.join(sys.argv) + "\n")
+        log(f"{label}: training {spec.train.steps} steps ({model_cfg.attention.kind}) into {run_dir}")
+        start = time.perf_counter()
+        summary = train(
+            model_cfg, spec.data, spec.train, run_dir, prepared=prepared, resume=resume, init_from=init_from,
+            progress=progress,
+        )  # fmt: skip
+        nan = float("nan")
+        log(
+            f"{label}: val loss {summary.get('val_loss', nan):.4f} (ppl {summary.get('val_ppl', nan):.2f}),"
+            f" {summary.get('train_tok_per_s', 0):,.0f} tok/s, {time.perf_counter() - start:.0f} s"
+        )
+        summaries.append(summary)
+    if not dry_run:
+        write_json_atomic(root / "manifest.json", {"name": manifest.name, "path": str(manifest.path)})
+    return summaries

@@ -1,0 +1,69 @@
+"""Run logging: metrics.jsonl (always), TensorBoard event files (when tensorboard is installed) and a
+progress bar with loss, tok/s and ETA (tqdm, when installed and wanted)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, enabled: bool = True, resume_step: int = 0):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tensorboard = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_step)
+        self.file = open(self.path, "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step or None)
+        except ImportError:  # tensorboard is optional
+            self.tensorboard = None
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, rows logged after the checkpoint will be logged again: drop them (atomically)."""
+        if not self.path.exists():
+            return
+        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+        if len(kept) != len(rows):
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if key not in ("step", "tokens") and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, row["step"])
+
+    def progress_bar(self, total: int, initial: int, wanted: bool):
+        if not (self.enabled and wanted):
+            return None
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return None
+        return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
+
+    def advance(self, bar, steps: int, row: dict) -> None:
+        if bar is not None:
+            bar.update(steps)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tok_per_s']:,.0f}", refresh=False)
+
+    def close(self, bar) -> None:
+        if bar is not None:
+            bar.close()
+        if self.enabled:
+            self.file.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()

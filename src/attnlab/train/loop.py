@@ -1,0 +1,249 @@
+"""The training loop: one function, `train`, driven by a ModelConfig, DataConfig and TrainConfig."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.config import DataConfig, ModelConfig, TrainConfig
+from attnlab.errors import ConfigError
+from attnlab.model.transformer import build_model
+from attnlab.train.checkpoint import (
+    find_checkpoint,
+    load_optimizer,
+    load_weights,
+    save_checkpoint,
+    unwrap,
+    write_json_atomic,
+)
+from attnlab.train.distributed import DistInfo, all_reduce_mean, barrier, init_distributed
+from attnlab.train.evaluate import evaluate_loss
+from attnlab.train.logging import MetricsLog
+from attnlab.train.optim import build_optimizer, lr_at
+
+
+def pick_device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast only where the device is fast at it: on this kind of CPU bf16 matmuls run ~300x
+    slower than fp32, so `auto` means fp32 on the CPU."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def full_config(model: ModelConfig, data: DataConfig, train: TrainConfig) -> dict:
+    from dataclasses import asdict
+
+    return {"model": model.to_dict(), "data": asdict(data), "train": asdict(train)}
+
+
+def _config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: checkpoint {a!r}, now {b!r}")
+    return out
+
+
+def train(
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    train_cfg: TrainConfig,
+    run_dir: str | Path,
+    *,
+    prepared=None,
+    data_dir: str | None = None,
+    resume: bool = True,
+    init_from: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Trains into run_dir (metrics.jsonl, checkpoints/, summary.json) and returns the summary.
+
+    With resume (the default) an existing last checkpoint is continued exactly: the same batches, learning
+    rates and optimizer state, so the losses equal those of an uninterrupted run. init_from starts from
+    another run's weights (a previous phase) with a fresh optimizer and schedule.
+    """
+    from attnlab.data import BatchSampler, eval_batches, prepare
+
+    run_dir = Path(run_dir)
+    device = pick_device(train_cfg.device)
+    dist_info = init_distributed(device.type)
+    if dist_info.enabled and device.type == "cuda":
+        device = torch.device("cuda", dist_info.local_rank)
+    if train_cfg.batch_size % dist_info.world_size:
+        raise ConfigError(
+            f"train.batch_size={train_cfg.batch_size} must be divisible by the {dist_info.world_size} processes"
+        )
+    if model_cfg.max_seq_len < train_cfg.seq_len:
+        raise ConfigError(f"train.seq_len={train_cfg.seq_len} exceeds model max_seq_len={model_cfg.max_seq_len}")
+    prepared = prepared or prepare(data_cfg, data_dir=data_dir)
+    if model_cfg.vocab_size < prepared.vocab_size:
+        raise ConfigError(
+            f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {prepared.vocab_size} "
+            "(leave vocab_size out of the manifest to take the tokenizer's)"
+        )
+    config = full_config(model_cfg, data_cfg, train_cfg)
+
+    torch.manual_seed(train_cfg.seed)
+    model = build_model(model_cfg).to(device)
+    optimizer = build_optimizer(model, train_cfg)
+    sampler = BatchSampler(
+        prepared.split("train"), train_cfg.seq_len, train_cfg.batch_size, train_cfg.seed,
+        rank=dist_info.rank, world_size=dist_info.world_size,
+    )  # fmt: skip
+    state = {"step": 0, "tokens": 0, "best_val_loss": None, "train_seconds": 0.0}
+    checkpoint = find_checkpoint(run_dir) if resume else None
+    if checkpoint is not None:
+        differences = _config_differences(checkpoint.config, config)
+        if differences:
+            raise ConfigError(
+                [f"checkpoint {checkpoint.path} is from another config: {d}" for d in differences]
+                + ["use another --out directory, or delete the run to start over"]
+            )
+        load_weights(model, checkpoint)
+        load_optimizer(optimizer, checkpoint)
+        sampler.load_state_dict(checkpoint.trainer["sampler"])
+        state.update({k: checkpoint.trainer[k] for k in state})
+    elif init_from is not None:
+        from attnlab.train.checkpoint import load_model_from_checkpoint
+
+        _, previous = load_model_from_checkpoint(init_from, tag="last")
+        model.load_state_dict(previous.state_dict())
+
+    log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"])
+    if dist_info.is_main:
+        write_json_atomic(run_dir / "config.json", config)
+    train_model = model
+    if train_cfg.compile:
+        train_model = torch.compile(train_model)
+    if dist_info.enabled:
+        train_model = torch.nn.parallel.DistributedDataParallel(train_model)
+    amp_dtype = autocast_dtype(train_cfg.precision, device)
+    val_tokens = prepared.split("val")
+
+    def run_eval() -> dict:
+        batches = eval_batches(val_tokens, train_cfg.seq_len, train_cfg.batch_size, train_cfg.eval_tokens)
+        return evaluate_loss(unwrap(model), batches, device, amp_dtype)
+
+    def save(tags) -> None:
+        trainer = {**state, "sampler": sampler.state_dict()}
+        if dist_info.is_main:
+            save_checkpoint(run_dir, model, optimizer, trainer, config, tags)
+        barrier(dist_info)
+
+    tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * train_cfg.seq_len
+    bar = log.progress_bar(train_cfg.steps, state["step"], progress)
+    model.train()
+    window_loss, window_start, window_steps = 0.0, time.perf_counter(), 0
+    while state["step"] < train_cfg.steps:
+        step = state["step"]
+        lr = lr_at(step, train_cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step_loss = torch.zeros((), device=device)
+        for micro in range(train_cfg.grad_accum):
+            x, y = (t.to(device, non_blocking=True) for t in sampler.next_batch())
+            sync = micro == train_cfg.grad_accum - 1 or not dist_info.enabled
+            with contextlib.nullcontext() if sync else train_model.no_sync():
+                with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+                    logits, _ = train_model(x)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                (loss / train_cfg.grad_accum).backward()
+            step_loss += loss.detach() / train_cfg.grad_accum
+        if train_cfg.grad_clip is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
+        else:
+            grad_norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        state["tokens"] += tokens_per_step
+        loss_value = all_reduce_mean(step_loss, dist_info).item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss became {loss_value} at step {step} (lower train.lr or set train.grad_clip)")
+        window_loss += loss_value
+        window_steps += 1
+        if state["step"] % train_cfg.log_every == 0 or state["step"] == train_cfg.steps:
+            elapsed = time.perf_counter() - window_start
+            state["train_seconds"] += elapsed
+            row = {
+                "step": state["step"], "tokens": state["tokens"], "loss": window_loss / window_steps, "lr": lr,
+                "grad_norm": float(grad_norm), "tok_per_s": window_steps * tokens_per_step / max(elapsed, 1e-9),
+            }  # fmt: skip
+            log.write(row)
+            log.advance(bar, window_steps, row)
+            window_loss, window_steps = 0.0, 0
+            window_start = time.perf_counter()
+        is_last = state["step"] == train_cfg.steps
+        if state["step"] % train_cfg.eval_every == 0 or is_last:
+            result = run_eval() if dist_info.is_main else None
+            tags = ["last"]
+            if result is not None:
+                log.write({"step": state["step"], "tokens": state["tokens"], "val_loss": result["loss"],
+                           "val_ppl": result["ppl"]})  # fmt: skip
+                best = state["best_val_loss"]
+                if best is None or result["loss"] < best:
+                    state["best_val_loss"] = result["loss"]
+                    tags.append("best")
+            save(tags)
+            window_start = time.perf_counter()  # evaluation and checkpointing are not training time
+        elif state["step"] % train_cfg.checkpoint_every == 0:
+            save(["last"])
+            window_start = time.perf_counter()
+    log.close(bar)
+    summary = finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype, dist_info)
+    return summary
+
+
+def finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype, dist_info: DistInfo) -> dict:
+    """Final validation (and test, where the dataset has one) loss of the best checkpoint; summary.json."""
+    from attnlab.accounting import kv_report, param_counts
+    from attnlab.data import eval_batches
+
+    summary = {"status": "complete", "steps": state["step"], "tokens": state["tokens"]}
+    if dist_info.is_main:
+        best = find_checkpoint(run_dir, "best")
+        if best is not None:
+            load_weights(model, best)
+        model_cfg = unwrap(model).cfg
+        for split in ("val", "test"):
+            if split not in prepared.splits:
+                continue
+            tokens = prepared.split(split)  # the whole held-out split, not the in-training budget
+            batches = eval_batches(tokens, train_cfg.seq_len, train_cfg.batch_size, len(tokens))
+            result = evaluate_loss(unwrap(model), batches, device, amp_dtype)
+            summary.update(
+                {f"{split}_loss": result["loss"], f"{split}_ppl": result["ppl"], f"{split}_tokens": result["tokens"]}
+            )
+        summary.update(
+            best_step=best.step if best else state["step"],
+            params=param_counts(model_cfg)["total"],
+            kv_bytes_per_token_fp16=kv_report(model_cfg, "fp16")["kv_bytes_per_token"],
+            train_tok_per_s=state["tokens"] / max(state["train_seconds"], 1e-9),
+            train_seconds=state["train_seconds"],
+            config_hash=model_cfg.config_hash(),
+        )
+        write_json_atomic(Path(run_dir) / "summary.json", summary)
+    barrier(dist_info)
+    return summary
