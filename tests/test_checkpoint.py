@@ -1,0 +1,89 @@
+"""Checkpoints: safetensors round trip, atomic pointers, a full disk loses nothing, mismatches are clear."""
+
+import errno
+import json
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.config import TrainConfig
+from attnlab.train import checkpoint as ckpt
+from attnlab.train.optim import build_optimizer
+
+
+def make(seed=0, **extra):
+    torch.manual_seed(seed)
+    cfg = attnlab.model_config_from_dict({"vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": 4, **extra})
+    model = attnlab.build_model(cfg)
+    return model, build_optimizer(model, TrainConfig())
+
+
+def one_step(model, opt):
+    logits, _ = model(torch.randint(0, 64, (2, 8)))
+    logits.sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_round_trip_restores_weights_and_optimizer(tmp_path):
+    model, opt = make()
+    one_step(model, opt)
+    config = {"model": model.cfg.to_dict()}
+    ckpt.save_checkpoint(tmp_path, model, opt, {"step": 1, "sampler": {"k": 1}}, config, tags=("last", "best"))
+    found = ckpt.find_checkpoint(tmp_path)
+    assert found.step == 1 and found.trainer["sampler"] == {"k": 1} and found.config == config
+    other, other_opt = make(seed=1)
+    ckpt.load_weights(other, found)
+    ckpt.load_optimizer(other_opt, found)
+    for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert other.lm_head.weight is other.embed.weight  # tying survives loading
+    state_a, state_b = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert all(torch.equal(state_a[k]["exp_avg"], state_b[k]["exp_avg"]) for k in state_a)
+    cfg, loaded = ckpt.load_model_from_checkpoint(tmp_path)
+    assert cfg == model.cfg and not loaded.training
+
+
+def test_only_referenced_checkpoints_are_kept(tmp_path):
+    model, opt = make()
+    ckpt.save_checkpoint(tmp_path, model, opt, {"step": 1}, {}, tags=("last", "best"))
+    ckpt.save_checkpoint(tmp_path, model, opt, {"step": 2}, {}, tags=("last",))
+    ckpt.save_checkpoint(tmp_path, model, opt, {"step": 3}, {}, tags=("last",))
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert kept == ["step-000001", "step-000003"]  # best and last
+    assert json.loads((tmp_path / "checkpoints" / "best.json").read_text())["step"] == 1
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt = make()
+    ckpt.save_checkpoint(tmp_path, model, opt, {"step": 1}, {}, tags=("last",))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "save_model", disk_full)
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"No space left on device; the previous checkpoint \(step 1\) is intact"
+    ):
+        ckpt.save_checkpoint(tmp_path, model, opt, {"step": 2}, {}, tags=("last",))
+    assert ckpt.find_checkpoint(tmp_path).step == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.json", "step-000001"]
+
+
+def test_weights_of_another_shape_are_a_clear_error(tmp_path):
+    model, opt = make()
+    ckpt.save_checkpoint(tmp_path, model, opt, {"step": 1}, {}, tags=("last",))
+    other, _ = make(d_model=64)
+    with pytest.raises(ckpt.CheckpointError, match="weights do not fit this model"):
+        ckpt.load_weights(other, ckpt.find_checkpoint(tmp_path))
+
+
+def test_missing_or_corrupt_checkpoints(tmp_path):
+    assert ckpt.find_checkpoint(tmp_path) is None
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint here"):
+        ckpt.load_model_from_checkpoint(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.json").write_text('{"dir": "step-000009", "step": 9}')
+    with pytest.raises(ckpt.CheckpointError, match="incomplete or corrupt checkpoint"):
+        ckpt.find_checkpoint(tmp_path)
