@@ -1,0 +1,358 @@
+"""Prepared token files: `prepare(DataConfig) -> Prepared`, cached on disk and checked when reused.
+
+A prepared folder holds, per split, a flat array of token ids (`train.bin`, `val.bin`, `test.bin`; uint16, or
+uint32 when an id does not fit) read with np.memmap, the tokenizer's own files, and `meta.json` (tokenizer,
+vocab size, end-of-text id, dtype, token and document counts, sha256 of every source file and .bin, format
+version). Every file is written to a temporary name and renamed; meta.json is written last, so a folder
+without it is not prepared.
+
+In a split, documents are concatenated with the end-of-text id between them:
+    doc_0 <eot> doc_1 <eot> ... doc_n
+The folder is keyed by a hash of what determines its content (source, tokenizer, split fractions,
+max_tokens, format version), so a second `prepare` with the same config reads the files instead of
+tokenizing again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+
+from attnlab.config import DataConfig
+from attnlab.data.files import atomic_write_text, sha256_file, temp_path_beside
+from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
+from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
+from attnlab.errors import DataError
+from attnlab.paths import data_dirs
+
+FORMAT_VERSION = 1
+ENCODE_BATCH_CHARS = 1 << 22  # documents are encoded in batches of about 4M characters (threaded encoders)
+FIT_CHARS_PER_TOKEN = 8  # with max_tokens, a fitted tokenizer sees at most 8 * max_tokens training characters
+SPLIT_ALIASES = {"valid": "val", "validation": "val"}
+
+log = logging.getLogger(__name__)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id (< vocab_size) fits in 16 bits, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def default_cache_dir() -> Path:
+    """`<user cache>/attnlab/prepared` ($XDG_CACHE_HOME or ~/.cache)."""
+    return data_dirs(None)[-1] / "prepared"
+
+
+def cache_key(data_cfg: DataConfig, data_dir: str | Path | None = None) -> str:
+    """16 hex digits of sha256 over everything that determines the prepared files."""
+    own_splits = data_cfg.source in WIKITEXT  # the split fractions do not apply to WikiText
+    blob = {
+        "format_version": FORMAT_VERSION,
+        "source": source_key(data_cfg.source, data_dir),
+        "tokenizer": data_cfg.tokenizer,
+        "val_fraction": None if own_splits else data_cfg.val_fraction,
+        "test_fraction": None if own_splits else data_cfg.test_fraction,
+        "max_tokens": data_cfg.max_tokens,
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def folder_name(data_cfg: DataConfig, key: str) -> str:
+    """A readable folder name: `wikitext2-word-<key>`, `input-bpe4096-<key>`."""
+    source = data_cfg.source if data_cfg.source in NAMED_SOURCES else Path(data_cfg.source).name.split(".")[0]
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "", f"{source}-{data_cfg.tokenizer}")
+    return f"{slug}-{key}"
+
+
+class Prepared:
+    """A prepared folder: `.path`, `.meta`, `.tokenizer`, `.vocab_size`, `.eot_id`, `.splits`, `.split(name)`."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path = Path(path)
+        self.meta = meta
+        self._tokenizer: Tokenizer | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+    @property
+    def eot_id(self) -> int:
+        return self.meta["eot_id"]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.meta["dtype"])
+
+    @property
+    def splits(self) -> list[str]:
+        return list(self.meta["splits"])
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the files were made with, loaded from this folder (no data directory needed)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.meta["tokenizer"]["name"], self.path, download=False)
+        return self._tokenizer
+
+    def split(self, name: str) -> np.ndarray:
+        """The split's token ids as a read-only np.memmap of shape (n_tokens,); never loaded whole."""
+        name = SPLIT_ALIASES.get(name, name)
+        if name not in self.meta["splits"]:
+            raise DataError(
+                f"{self.path}: no {name!r} split (it has {', '.join(self.splits)}); for sources without their "
+                "own splits set data.val_fraction / data.test_fraction > 0"
+            )
+        entry = self.meta["splits"][name]
+        if entry["tokens"] == 0:
+            return np.empty(0, dtype=self.dtype)
+        return np.memmap(self.path / entry["file"], dtype=self.dtype, mode="r", shape=(entry["tokens"],))
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{s}={e['tokens']:,}" for s, e in self.meta["splits"].items())
+        return f"Prepared({str(self.path)!r}, tokenizer={self.meta['tokenizer']['name']!r}, {counts})"
+
+
+def open_prepared(path: str | Path, verify: bool = False) -> Prepared:
+    """A prepared folder, after checking each .bin's size against meta.json (and its sha256 when `verify`)."""
+    path = Path(path)
+    redo = f"delete {path} to prepare it again"
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path} is not a prepared data folder (no meta.json)") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path / 'meta.json'} is not valid JSON ({e}); {redo}") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DataError(
+            f"{path}: format version {meta.get('format_version')}, this attnlab reads {FORMAT_VERSION}; {redo}"
+        )
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for entry in meta["splits"].values():
+        file, expected = path / entry["file"], entry["tokens"] * itemsize
+        size = file.stat().st_size if file.exists() else None
+        if size != expected:
+            found = "missing" if size is None else f"{size:,} bytes"
+            raise DataError(
+                f"{file} is {found}, but meta.json records {entry['tokens']:,} {meta['dtype']} tokens "
+                f"({expected:,} bytes): the token file is truncated or corrupt; {redo}"
+            )
+        if verify and sha256_file(file) != entry["sha256"]:
+            raise DataError(f"{file}: sha256 differs from meta.json (the token file is corrupt); {redo}")
+    return Prepared(path, meta)
+
+
+def prepare(
+    data_cfg: DataConfig,
+    data_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    *,
+    download: bool | None = None,
+) -> Prepared:
+    """Token files for `data_cfg`, prepared once under `cache_dir` (default `default_cache_dir()`) and reused.
+
+    `data_dir` is looked in first for the source files (then $ATTNLAB_DATA, then the user cache); `download`
+    (default: unless $ATTNLAB_OFFLINE is set) allows fetching missing files. A reused folder whose .bin
+    sizes disagree with its meta.json is a DataError naming the file.
+    """
+    check_tokenizer_name(data_cfg.tokenizer)
+    folder = Path(cache_dir or default_cache_dir()) / folder_name(data_cfg, cache_key(data_cfg, data_dir))
+    if (folder / "meta.json").exists():
+        return open_prepared(folder)
+    return _build(data_cfg, folder, data_dir, download)
+
+
+# ----------------------------------------------------------------------------- building
+
+
+class _SplitWriter:
+    """Appends documents' ids to a temporary .bin, with <eot> between documents and an optional token limit."""
+
+    def __init__(self, path: Path, dtype: np.dtype, eot_id: int, limit: int | None = None):
+        self.path, self.dtype, self.eot_id, self.limit = path, dtype, eot_id, limit
+        self.tmp = temp_path_beside(path)
+        self.file: IO[bytes] = open(self.tmp, "wb")
+        self.digest = hashlib.sha256()
+        self.tokens = self.documents = 0
+
+    @property
+    def full(self) -> bool:
+        return self.limit is not None and self.tokens >= self.limit
+
+    def add(self, docs: list[list[int]]) -> None:
+        flat: list[int] = []
+        for ids in docs:
+            if self.documents:
+                flat.append(self.eot_id)
+            flat.extend(ids)
+            self.documents += 1
+            if self.limit is not None and self.tokens + len(flat) >= self.limit:
+                del flat[self.limit - self.tokens :]  # the budget cuts the last document
+                break
+        data = np.asarray(flat, dtype=self.dtype).tobytes()  # (n,) ids; OverflowError if an id does not fit
+        self.file.write(data)
+        self.digest.update(data)
+        self.tokens += len(flat)
+
+    def finish(self) -> dict:
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        return {
+            "file": self.path.name,
+            "tokens": self.tokens,
+            "documents": self.documents,
+            "sha256": self.digest.hexdigest(),
+        }
+
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _training_texts(source: Source, max_tokens: int | None) -> Iterator[str]:
+    """The training split's documents, for fitting a tokenizer (never a validation or test document)."""
+    budget = None if max_tokens is None else FIT_CHARS_PER_TOKEN * max_tokens
+    seen = 0
+    for split, text in source.documents():
+        if split != "train":
+            if source.own_splits:  # own-split sources yield all of train first
+                return
+            continue
+        yield text
+        seen += len(text)
+        if budget is not None and seen >= budget:
+            return
+
+
+def _encode(source: Source, tokenizer: Tokenizer, writers: dict[str, _SplitWriter]) -> None:
+    """Streams the documents through the tokenizer into the split writers, in batches of documents."""
+    batch: list[tuple[str, str]] = []
+    chars = 0
+
+    train = writers["train"]
+
+    def flush() -> None:
+        ids = tokenizer.encode_batch([text for _, text in batch])
+        # Walk the documents in order: once the training budget is spent, a hash-split stream stops there
+        # (later validation documents are dropped too), an own-split source only skips training documents.
+        kept: dict[str, list[list[int]]] = {split: [] for split in writers}
+        room = None if train.limit is None else train.limit - train.tokens
+        train_documents = train.documents
+        for (split, _), doc_ids in zip(batch, ids, strict=True):
+            if room is not None and room <= 0:
+                if not source.own_splits:
+                    break
+                if split == "train":
+                    continue
+            kept[split].append(doc_ids)
+            if split == "train" and room is not None:
+                room -= len(doc_ids) + (1 if train_documents else 0)  # + the <eot> before it
+                train_documents += 1
+        for split, docs in kept.items():
+            if docs:
+                writers[split].add(docs)
+        batch.clear()
+
+    for split, text in source.documents():
+        if split not in writers:
+            raise DataError(f"{source.name}: document in unexpected split {split!r}")
+        if writers["train"].full:
+            if not source.own_splits:
+                break  # the stream stops once the training budget is spent
+            if split == "train":
+                continue
+        batch.append((split, text))
+        chars += len(text)
+        if chars >= ENCODE_BATCH_CHARS:
+            flush()
+            chars = 0
+    flush()
+
+
+def _expected_splits(data_cfg: DataConfig, source: Source) -> list[str]:
+    if source.own_splits:
+        return list(SPLITS)
+    return ["train"] + (["val"] if data_cfg.val_fraction > 0 else []) + (["test"] if data_cfg.test_fraction > 0 else [])
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for package in ("attnlab", "numpy", "tiktoken", "tokenizers"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _build(data_cfg: DataConfig, folder: Path, data_dir, download) -> Prepared:
+    started = time.perf_counter()
+    source = open_source(
+        data_cfg.source,
+        data_dir,
+        val_fraction=data_cfg.val_fraction,
+        test_fraction=data_cfg.test_fraction,
+        max_tokens=data_cfg.max_tokens,
+        download=download,
+    )
+    log.info("preparing %s with %s into %s", data_cfg.source, data_cfg.tokenizer, folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "meta.json").unlink(missing_ok=True)
+    name = data_cfg.tokenizer
+    if needs_training(name):
+        tokenizer = train_tokenizer(name, _training_texts(source, data_cfg.max_tokens))
+    else:
+        tokenizer = load_tokenizer(name, data_dir=data_dir, download=download)
+    tokenizer.save(folder)
+    fitted_seconds = time.perf_counter() - started
+
+    dtype = token_dtype(tokenizer.vocab_size)
+    names = _expected_splits(data_cfg, source)
+    writers = {
+        s: _SplitWriter(folder / f"{s}.bin", dtype, tokenizer.eot_id, data_cfg.max_tokens if s == "train" else None)
+        for s in names
+    }
+    try:
+        _encode(source, tokenizer, writers)
+        for split, writer in writers.items():
+            if writer.tokens == 0:
+                raise DataError(
+                    f"{source.name}: no document fell in the {split!r} split ({writers['train'].documents} training "
+                    "documents); use a larger source, more documents (blank-line separated), or other fractions"
+                )
+        splits = {split: writer.finish() for split, writer in writers.items()}
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "data": dataclasses.asdict(data_cfg),
+        "source": source.name,
+        "split_method": "dataset" if source.own_splits else "hash",
+        "source_files": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in source.files],
+        "streamed_from": source.streamed_from,
+        "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id},
+        "vocab_size": tokenizer.vocab_size,
+        "eot_id": tokenizer.eot_id,
+        "dtype": dtype.name,
+        "splits": splits,
+        "seconds": {"tokenizer": round(fitted_seconds, 3), "total": round(time.perf_counter() - started, 3)},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": _versions(),
+    }
+    atomic_write_text(folder / "meta.json", json.dumps(meta, indent=2) + "\n")  # last: the folder is now prepared
+    log.info("prepared %s in %.1f s", folder, meta["seconds"]["total"])
+    return Prepared(folder, meta)

@@ -1,0 +1,342 @@
+"""Text sources as documents with their split: `open_source(name) -> Source`, `Source.documents()`.
+
+Named sources: `wikitext2` (the tokenized v1 files), `wikitext2-raw`, `tinyshakespeare`, `fineweb-edu`; any
+other name is a path to a local `.txt` (documents separated by blank lines), `.jsonl` (a `text` field per
+line) or `.parquet` (a `text` column) file, optionally compressed (`.xz`, `.gz`; not parquet).
+
+Splits: WikiText keeps its own train/valid/test files. Every other source assigns each document to
+train / val / test by a stable hash of its text (`split_of`), so the assignment never depends on file order,
+on the machine, or on where a window happens to fall.
+
+Files are looked up in the data directories of `attnlab.paths.data_dirs` (explicit dir, $ATTNLAB_DATA, user
+cache) and downloaded into the user cache only when downloads are allowed (see `files.downloads_allowed`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnlab.data.files import atomic_write, base_suffix, downloads_allowed, open_text, temp_path_beside
+from attnlab.errors import DataError
+from attnlab.paths import data_dirs, find_data_file
+
+SPLITS = ("train", "val", "test")
+NAMED_SOURCES = ("wikitext2", "wikitext2-raw", "tinyshakespeare", "fineweb-edu")
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+# WikiText: our split name -> the file's split name, and (file extension, HF Hub config) per source.
+WIKITEXT_SPLITS = {"train": "train", "val": "valid", "test": "test"}
+WIKITEXT = {"wikitext2": ("tokens", "wikitext-2-v1"), "wikitext2-raw": ("raw", "wikitext-2-raw-v1")}
+HF_WIKITEXT_URL = (
+    "https://huggingface.co/datasets/Salesforce/wikitext/resolve/main/{config}/{split}-00000-of-00001.parquet"
+)
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+FINEWEB_EDU = ("HuggingFaceFW/fineweb-edu", "sample-10BT")
+
+# A WikiText article title: " = Title = " (sub-sections are " = = Sub = = ").
+WIKITEXT_HEADING = re.compile(r"^ = [^=].* = $")
+
+
+@dataclass
+class Source:
+    """One dataset's documents. `documents()` yields (split, text) in a fixed order; `own_splits` is True when
+    the splits are the dataset's own (WikiText's files), False when they come from `split_of`."""
+
+    name: str
+    own_splits: bool
+    read: Callable[[], Iterator[tuple[str, str]]]
+    files: list[Path] = field(default_factory=list)  # local files read; their sha256 goes into meta.json
+    streamed_from: str | None = None  # e.g. "hf:HuggingFaceFW/fineweb-edu/sample-10BT"
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        return self.read()
+
+
+# ----------------------------------------------------------------------------- splits by hash
+
+
+def hash_unit(text: str) -> float:
+    """A number in [0, 1) fixed by the text alone: the first 8 bytes of its UTF-8 sha256."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2**64
+
+
+def split_of(text: str, val_fraction: float, test_fraction: float) -> str:
+    """'val' for a `val_fraction` share of documents, 'test' for the next `test_fraction`, else 'train'.
+
+    Identical documents always land in the same split, so no validation text can be trained on.
+    """
+    unit = hash_unit(text)
+    if unit < val_fraction:
+        return "val"
+    if unit < val_fraction + test_fraction:
+        return "test"
+    return "train"
+
+
+def _hash_split(texts: Callable[[], Iterable[str]], val_fraction: float, test_fraction: float):
+    def read() -> Iterator[tuple[str, str]]:
+        for text in texts():
+            yield split_of(text, val_fraction, test_fraction), text
+
+    return read
+
+
+# ----------------------------------------------------------------------------- document readers
+
+
+def split_wikitext(text: str) -> list[str]:
+    """WikiText articles: a document starts at each ` = Title = ` line that sits between two blank lines
+    (600 / 60 / 60 articles in WikiText-2 train / valid / test, the published counts; a bare ` = X = ` line
+    inside a table or formula is not a title). Lines before the first title join the first article, so the
+    documents concatenate back to `text` exactly."""
+    lines = text.split("\n")
+    starts = [
+        i
+        for i in range(1, len(lines) - 1)
+        if WIKITEXT_HEADING.match(lines[i]) and not lines[i - 1].strip() and not lines[i + 1].strip()
+    ]
+    if lines and WIKITEXT_HEADING.match(lines[0]):
+        starts.insert(0, 0)
+    bounds = [0, *starts[1:], len(lines)]
+    docs = ["\n".join(lines[a:b]) + ("\n" if b < len(lines) else "") for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [doc for doc in docs if doc.strip()]
+
+
+def paragraphs(lines: Iterable[str]) -> Iterator[str]:
+    """Documents of a plain-text file: runs of non-blank lines (each keeps its line ends); blank lines separate."""
+    doc: list[str] = []
+    for line in lines:
+        if line.strip():
+            doc.append(line if line.endswith("\n") else line + "\n")
+        elif doc:
+            yield "".join(doc)
+            doc = []
+    if doc:
+        yield "".join(doc)
+
+
+def jsonl_texts(path: Path) -> Iterator[str]:
+    """The `text` field of every line of a JSON-lines file (blank lines and empty texts are skipped)."""
+    with open_text(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line).get("text")
+            except (json.JSONDecodeError, AttributeError) as e:
+                raise DataError(f"{path}:{number}: not a JSON object ({e})") from None
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{number}: no 'text' string field (each line needs {{\"text\": ...}})")
+            if text.strip():
+                yield text
+
+
+def parquet_texts(path: Path) -> Iterator[str]:
+    """The `text` column of a parquet file, read in batches (needs pyarrow)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading parquet files needs pyarrow (pip install pyarrow)") from None
+    parquet = pq.ParquetFile(path)
+    if "text" not in parquet.schema_arrow.names:
+        raise DataError(f"{path}: no 'text' column (columns: {', '.join(parquet.schema_arrow.names)})")
+    for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
+        yield from (text for text in batch.column(0).to_pylist() if text and text.strip())
+
+
+def file_texts(path: Path) -> Iterator[str]:
+    """Documents of one local file, by its kind (.txt / .jsonl / .parquet, optionally .xz or .gz)."""
+    kind = base_suffix(path)
+    if kind == ".jsonl":
+        yield from jsonl_texts(path)
+    elif kind == ".parquet":
+        yield from parquet_texts(path)
+    else:
+        with open_text(path) as f:
+            yield from paragraphs(f)
+
+
+# ----------------------------------------------------------------------------- lookup and downloads
+
+
+def _how_to_provide(what: str) -> str:
+    return f"put {what} in one of those folders, pass --data-dir DIR, or set ATTNLAB_DATA"
+
+
+def _download(url: str, dest: Path) -> None:
+    """Fetches `url` into `dest` atomically (used only when downloads are allowed; never in tests)."""
+
+    def write(tmp: Path) -> None:
+        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
+            shutil.copyfileobj(response, out)
+
+    try:
+        atomic_write(dest, write)
+    except OSError as e:
+        raise DataError(f"download of {url} failed ({e}); put the file at {dest} by hand") from None
+
+
+def _download_wikitext(config: str, extension: str, splits: list[str], folder: Path) -> None:
+    """WikiText files from the HF Hub parquet copies (one row per line, "" for a blank line " ")."""
+    for split in splits:
+        file_split = WIKITEXT_SPLITS[split]
+        hf_split = "validation" if split == "val" else split
+        parquet = temp_path_beside(folder / f"{file_split}.parquet")
+        try:
+            _download(HF_WIKITEXT_URL.format(config=config, split=hf_split), parquet)
+            lines = [text or " " for text in parquet_texts_raw(parquet)]
+            rows = [line if line.endswith("\n") else line + "\n" for line in lines]
+        finally:
+            parquet.unlink(missing_ok=True)
+        atomic_write(
+            folder / f"wiki.{file_split}.{extension}", lambda tmp, r=rows: tmp.write_text("".join(r), encoding="utf-8")
+        )
+
+
+def parquet_texts_raw(path: Path) -> Iterator[str]:
+    """Every row of the `text` column, empty ones included (WikiText's blank lines)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("downloading WikiText from the HF Hub needs pyarrow (pip install pyarrow)") from None
+    yield from pq.read_table(path, columns=["text"]).column(0).to_pylist()
+
+
+def _wikitext(name: str, data_dir: str | Path | None, download: bool | None) -> Source:
+    extension, config = WIKITEXT[name]
+    dirs = [d / "wikitext-2" for d in data_dirs(data_dir)]
+
+    def find() -> dict[str, Path]:
+        found = {}
+        for split, file_split in WIKITEXT_SPLITS.items():
+            names = [f"wiki.{file_split}.{extension}{suffix}" for suffix in ("", ".xz", ".txt")]
+            names += [f"{file_split}.txt"] if extension == "tokens" else []  # pytorch/examples' names
+            hits = [folder / n for folder in dirs for n in names if (folder / n).is_file()]
+            if hits:
+                found[split] = hits[0]
+        return found
+
+    found = find()
+    missing = [s for s in WIKITEXT_SPLITS if s not in found]
+    if missing and downloads_allowed(download):
+        _download_wikitext(config, extension, missing, data_dirs(None)[-1] / "wikitext-2")
+        found = find()
+        missing = [s for s in WIKITEXT_SPLITS if s not in found]
+    if missing:
+        names = ", ".join(f"wiki.{WIKITEXT_SPLITS[s]}.{extension}" for s in missing)
+        have = "".join(f"; found {p}" for p in found.values())
+        raise DataError(
+            f"{name}: {names} not found (looked for them, plain or .xz, in: {', '.join(map(str, dirs))}{have}); "
+            f"{_how_to_provide('the files')}, or allow downloads (HF Hub Salesforce/wikitext, {config})"
+        )
+
+    def read() -> Iterator[tuple[str, str]]:
+        for split, path in found.items():
+            with open_text(path) as f:
+                text = f.read()
+            yield from ((split, doc) for doc in split_wikitext(text))
+
+    return Source(name=name, own_splits=True, read=read, files=list(found.values()))
+
+
+def _tinyshakespeare(data_dir, download, val_fraction, test_fraction) -> Source:
+    try:
+        path = find_data_file("tinyshakespeare/input.txt", data_dir)
+    except DataError as e:
+        if not downloads_allowed(download):
+            raise DataError(f"tinyshakespeare: {e}; or allow downloads ({TINYSHAKESPEARE_URL})") from None
+        path = data_dirs(None)[-1] / "tinyshakespeare" / "input.txt"
+        _download(TINYSHAKESPEARE_URL, path)
+    read = _hash_split(lambda: file_texts(path), val_fraction, test_fraction)
+    return Source(name="tinyshakespeare", own_splits=False, read=read, files=[path])
+
+
+def _fineweb_edu(data_dir, download, val_fraction, test_fraction, max_tokens) -> Source:
+    dirs = [d / "fineweb-edu" for d in data_dirs(data_dir)]
+    for folder in dirs:
+        files = sorted(p for p in folder.glob("*") if p.is_file() and base_suffix(p) in (".parquet", ".jsonl"))
+        if files:
+
+            def texts(files: list[Path] = files) -> Iterator[str]:
+                for path in files:
+                    yield from file_texts(path)
+
+            read = _hash_split(texts, val_fraction, test_fraction)
+            return Source(name="fineweb-edu", own_splits=False, read=read, files=files)
+    where = f"looked for *.parquet / *.jsonl in: {', '.join(map(str, dirs))}"
+    if not downloads_allowed(download):
+        raise DataError(f"fineweb-edu: no local files ({where}); {_how_to_provide('the files')}, or allow downloads")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"fineweb-edu: no local files ({where}); streaming it needs `pip install datasets`") from None
+    if max_tokens is None:
+        raise DataError("fineweb-edu is streamed from the HF Hub: set data.max_tokens (e.g. 100000000)")
+
+    def stream() -> Iterator[str]:
+        rows = datasets.load_dataset(FINEWEB_EDU[0], name=FINEWEB_EDU[1], split="train", streaming=True)
+        yield from (row["text"] for row in rows if row["text"].strip())
+
+    read = _hash_split(stream, val_fraction, test_fraction)
+    return Source(name="fineweb-edu", own_splits=False, read=read, streamed_from="hf:" + "/".join(FINEWEB_EDU))
+
+
+def local_path(source: str, data_dir: str | Path | None = None) -> Path:
+    """The file a non-named source refers to: the path itself, else relative to a data directory."""
+    path = Path(source).expanduser()
+    if not path.exists() and not path.is_absolute():
+        try:
+            path = find_data_file(source, data_dir)
+        except DataError as e:
+            raise DataError(
+                f"source {source!r} is not a known dataset ({', '.join(NAMED_SOURCES)}) nor an existing file: {e}"
+            ) from None
+    if not path.is_file():
+        raise DataError(
+            f"source {str(path)!r} not found or not a file (use a known dataset: "
+            f"{', '.join(NAMED_SOURCES)}, or a .txt / .jsonl / .parquet file)"
+        )
+    if base_suffix(path) not in LOCAL_SUFFIXES:
+        raise DataError(f"{path}: unknown file kind {path.suffix!r} (use .txt, .jsonl or .parquet, .xz/.gz allowed)")
+    return path.resolve()
+
+
+def source_key(source: str, data_dir: str | Path | None = None) -> str:
+    """What identifies a source's content for the preparation cache: a named dataset by its name (the
+    data is fixed), a local file by its path, size and modification time (an edited file is prepared anew)."""
+    if source in NAMED_SOURCES:
+        return source
+    path = local_path(source, data_dir)
+    stat = path.stat()
+    return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def open_source(
+    source: str,
+    data_dir: str | Path | None = None,
+    *,
+    val_fraction: float = 0.05,
+    test_fraction: float = 0.0,
+    max_tokens: int | None = None,
+    download: bool | None = None,
+) -> Source:
+    """The named dataset or local file `source`; DataError (where it looked, how to provide it) when missing.
+
+    The fractions apply to sources without their own splits; `max_tokens` only matters for streaming.
+    """
+    if source in WIKITEXT:
+        return _wikitext(source, data_dir, download)
+    if source == "tinyshakespeare":
+        return _tinyshakespeare(data_dir, download, val_fraction, test_fraction)
+    if source == "fineweb-edu":
+        return _fineweb_edu(data_dir, download, val_fraction, test_fraction, max_tokens)
+    path = local_path(source, data_dir)
+    read = _hash_split(lambda: file_texts(path), val_fraction, test_fraction)
+    return Source(name=str(path), own_splits=False, read=read, files=[path])

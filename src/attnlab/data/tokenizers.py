@@ -1,0 +1,387 @@
+"""Tokenizers: `gpt2` (tiktoken), `bpe:<N>` (byte-level BPE trained with `tokenizers`), `word`, `byte`, `char`.
+
+Every tokenizer has `name`, `vocab_size`, `eot_id` (the end-of-text id put between documents),
+`encode(str) -> list[int]`, `encode_batch(list[str]) -> list[list[int]]`, `decode(ids) -> str` and
+`save(folder)`. Encoding is "ordinary": the text `<|endoftext|>` inside a document is plain text, never the
+end-of-text id, so no document can forge a document boundary.
+
+`bpe:<N>`, `word` and `char` are fitted to a corpus (the training split only: `train_tokenizer`) and saved
+next to the prepared token files; `gpt2` and `byte` are fixed. `load_tokenizer(name, folder)` rebuilds any
+of them from a prepared folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed
+from attnlab.errors import ConfigError, DataError
+from attnlab.paths import data_dirs
+
+EOT = "<|endoftext|>"
+UNK = "<unk>"
+EOS = "<eos>"  # WikiText's end-of-line token, as pytorch's word_language_model counts it
+KINDS = ("gpt2", "bpe:<N>", "word", "byte", "char")
+
+# GPT-2's pre-tokenizer regex and the sha256 of its BPE files (the hashes tiktoken itself checks).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_SHA256 = {
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "r50k_base.tiktoken": "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
+}
+GPT2_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+GPT2_EOT_ID = 50256
+
+
+class Tokenizer:
+    """Base class: subclasses set name, vocab_size, eot_id and implement encode/decode (and save if fitted)."""
+
+    name: str
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def save(self, folder: str | Path) -> None:
+        """Writes what `load_tokenizer(self.name, folder)` needs (nothing for fixed tokenizers)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes: ids 0..255 are the bytes, 256 is end-of-text."""
+
+    name = "byte"
+    vocab_size = 257
+    eot_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        pieces, run = [], bytearray()
+        for i in map(int, ids):
+            if i < 256:
+                run.append(i)
+                continue
+            pieces.append(run.decode("utf-8", errors="replace") + EOT)
+            run = bytearray()
+        return "".join(pieces) + run.decode("utf-8", errors="replace")
+
+
+class VocabTokenizer(Tokenizer):
+    """A tokenizer defined by a token list (`word`, `char`); saved as `vocab.json` in the folder."""
+
+    file = "vocab.json"
+
+    def __init__(self, tokens: list[str]):
+        self.tokens = list(tokens)
+        self.ids = {token: i for i, token in enumerate(self.tokens)}
+        if len(self.ids) != len(self.tokens) or UNK not in self.ids or EOT not in self.ids:
+            raise DataError(f"{self.name} vocabulary must hold distinct tokens including {UNK} and {EOT}")
+        self.vocab_size = len(self.tokens)
+        self.unk_id = self.ids[UNK]
+        self.eot_id = self.ids[EOT]
+
+    def save(self, folder: str | Path) -> None:
+        blob = json.dumps({"name": self.name, "tokens": self.tokens}, ensure_ascii=False)
+        atomic_write_text(Path(folder) / self.file, blob)
+
+
+class CharTokenizer(VocabTokenizer):
+    """Characters of the training split (sorted), then `<unk>` (any other character) and end-of-text."""
+
+    name = "char"
+
+    @classmethod
+    def fit(cls, texts: Iterable[str]) -> CharTokenizer:
+        chars: set[str] = set()
+        for text in texts:
+            chars.update(text)
+        return cls(sorted(chars) + [UNK, EOT])
+
+    def encode(self, text: str) -> list[int]:
+        ids, unk = self.ids, self.unk_id
+        return [ids.get(c, unk) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # One unknown character decodes to U+FFFD, as undecodable bytes do.
+        names = {self.unk_id: "\ufffd"}
+        return "".join(names.get(i, self.tokens[i]) for i in map(int, ids))
+
+
+class WordTokenizer(VocabTokenizer):
+    """WikiText's word-level vocabulary, as pytorch's word_language_model builds it: whitespace-split words
+    and `<eos>` for every line end, ids in first-occurrence order over the training split; words never seen
+    in training map to `<unk>`; end-of-text is the last id."""
+
+    name = "word"
+    pattern = re.compile(r"\n|[^\s]+")
+
+    def __init__(self, tokens: list[str]):
+        super().__init__(tokens)
+        if EOS not in self.ids:
+            raise DataError(f"word vocabulary must hold {EOS}")
+        self.lookup = dict(self.ids)
+        self.lookup["\n"] = self.ids[EOS]
+        del self.lookup[EOT]  # the text "<|endoftext|>" is a plain (unknown) word
+
+    @classmethod
+    def fit(cls, texts: Iterable[str]) -> WordTokenizer:
+        first_seen: dict[str, None] = {}
+        for text in texts:
+            for word in cls.pattern.findall(text):
+                first_seen.setdefault(EOS if word == "\n" else word)
+        first_seen.pop(EOT, None)
+        for special in (EOS, UNK, EOT):  # WikiText's train split already holds <unk>; others get it appended
+            first_seen.setdefault(special)
+        return cls(list(first_seen))
+
+    def encode(self, text: str) -> list[int]:
+        lookup, unk = self.lookup, self.unk_id
+        return [lookup.get(word, unk) for word in self.pattern.findall(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Words joined by one space, `<eos>` as a line end (the text's own spacing is not kept)."""
+        pieces, line_start = [], True
+        for i in map(int, ids):
+            token = self.tokens[i]
+            if token == EOS:
+                pieces.append("\n")
+                line_start = True
+                continue
+            pieces.append(token if line_start else " " + token)
+            line_start = False
+        return "".join(pieces)
+
+
+class TiktokenTokenizer(Tokenizer):
+    """GPT-2's BPE through tiktoken (50,257 ids, end-of-text 50256); saved as `gpt2.tiktoken`."""
+
+    file = "gpt2.tiktoken"
+
+    def __init__(self, ranks: dict[bytes, int]):
+        import tiktoken
+
+        self.ranks = ranks
+        self.encoding = tiktoken.Encoding(
+            name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOT: GPT2_EOT_ID}
+        )
+        self.name = "gpt2"
+        self.vocab_size = self.encoding.n_vocab
+        self.eot_id = GPT2_EOT_ID
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.encoding.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.encoding.decode([int(i) for i in ids])
+
+    def save(self, folder: str | Path) -> None:
+        # The r50k_base.tiktoken format: base64(token bytes) rank, one per line in rank order.
+        lines = (base64.b64encode(token) + b" " + str(rank).encode() for token, rank in _by_rank(self.ranks))
+        atomic_write_bytes(Path(folder) / self.file, b"\n".join(lines) + b"\n")
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2 style pre-tokenizer) from the `tokenizers` library; saved as `tokenizer.json`."""
+
+    file = "tokenizer.json"
+
+    def __init__(self, name: str, tokenizer):
+        self.name = name
+        self.tokenizer = tokenizer
+        self.tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a document is plain text
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.eot_id = tokenizer.token_to_id(EOT)
+        if self.eot_id is None:
+            raise DataError(f"{name} tokenizer has no {EOT} token")
+
+    @classmethod
+    def fit(cls, name: str, texts: Iterable[str]) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        tokenizer = HFTokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=bpe_vocab_size(name),
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: nothing is ever unknown
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(texts, trainer=trainer)
+        return cls(name, tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def save(self, folder: str | Path) -> None:
+        atomic_write_text(Path(folder) / self.file, self.tokenizer.to_str())
+
+
+def _by_rank(ranks: dict[bytes, int]) -> list[tuple[bytes, int]]:
+    return sorted(ranks.items(), key=lambda item: item[1])
+
+
+def check_tokenizer_name(name: str) -> None:
+    """ConfigError unless `name` is gpt2, byte, word, char or bpe:<N> with N >= 257 (256 bytes + end-of-text)."""
+    if name in ("gpt2", "byte", "word", "char"):
+        return
+    if name.startswith("bpe:") and name[4:].isdigit():
+        if int(name[4:]) < 257:
+            raise ConfigError(f"tokenizer={name!r}: a byte-level BPE needs at least 257 ids (256 bytes + {EOT})")
+        return
+    raise ConfigError(f"tokenizer={name!r} is not known (use {', '.join(KINDS)})")
+
+
+def bpe_vocab_size(name: str) -> int:
+    check_tokenizer_name(name)
+    return int(name[4:])
+
+
+def needs_training(name: str) -> bool:
+    """True for tokenizers fitted to a training split (bpe:<N>, word, char)."""
+    check_tokenizer_name(name)
+    return name.startswith("bpe:") or name in ("word", "char")
+
+
+def train_tokenizer(name: str, texts: Iterable[str]) -> Tokenizer:
+    """Fits a `bpe:<N>`, `word` or `char` tokenizer on `texts` (pass the training split's documents only)."""
+    check_tokenizer_name(name)
+    if name.startswith("bpe:"):
+        return BPETokenizer.fit(name, texts)
+    if name == "word":
+        return WordTokenizer.fit(texts)
+    if name == "char":
+        return CharTokenizer.fit(texts)
+    raise ConfigError(f"tokenizer={name!r} is fixed, not trained (use load_tokenizer)")
+
+
+def load_tokenizer(
+    name: str, folder: str | Path | None = None, *, data_dir: str | Path | None = None, download: bool | None = None
+) -> Tokenizer:
+    """The tokenizer `name`, from a prepared folder when given (fitted kinds need one).
+
+    gpt2 comes from `folder/gpt2.tiktoken`, else the GPT-2 BPE files in a data directory
+    (`gpt2-bpe/encoder.json` + `vocab.bpe`, or `gpt2-bpe/r50k_base.tiktoken`), else tiktoken's download
+    when downloads are allowed.
+    """
+    check_tokenizer_name(name)
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        saved = Path(folder) / TiktokenTokenizer.file if folder else None
+        if saved is not None and saved.exists():
+            return TiktokenTokenizer(_read_tiktoken_file(saved))
+        return TiktokenTokenizer(_gpt2_ranks(data_dir, download))
+    if folder is None:
+        raise DataError(f"tokenizer {name!r} is fitted to a dataset: load it from its prepared folder (prepare())")
+    cls = {"word": WordTokenizer, "char": CharTokenizer}.get(name, BPETokenizer)
+    path = Path(folder) / cls.file
+    if not path.exists():
+        raise DataError(f"{path} not found: the prepared folder is incomplete (delete {folder} to prepare it again)")
+    try:
+        if cls is BPETokenizer:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            return BPETokenizer(name, HFTokenizer.from_file(str(path)))
+        return cls(json.loads(path.read_text(encoding="utf-8"))["tokens"])
+    except DataError:
+        raise
+    except Exception as e:  # json, KeyError, or the tokenizers library's plain Exception
+        raise DataError(
+            f"{path} is not a valid {name} tokenizer file ({e}); delete {folder} to prepare it again"
+        ) from e
+
+
+# ----------------------------------------------------------------------------- GPT-2 BPE files
+
+
+def _checked_bytes(path: Path, expected_as: str) -> bytes:
+    """The file's bytes, after checking their sha256 against GPT-2's file named `expected_as`."""
+    data = path.read_bytes()
+    digest, expected = hashlib.sha256(data).hexdigest(), GPT2_SHA256[expected_as]
+    if digest != expected:
+        raise DataError(
+            f"{path} has sha256 {digest[:16]}..., not that of GPT-2's {expected_as} ({expected[:16]}...): "
+            "the file is corrupt or from another tokenizer; replace it (or delete the prepared folder holding it)"
+        )
+    return data
+
+
+def _read_tiktoken_file(path: Path) -> dict[bytes, int]:
+    data = _checked_bytes(path, "r50k_base.tiktoken")
+    return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines() if line)}
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's `bytes_to_unicode` table inverted: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _ranks_from_encoder_json(encoder_json: Path, vocab_bpe: Path) -> dict[bytes, int]:
+    """tiktoken's mergeable ranks are GPT-2's encoder.json ids; vocab.bpe (the merges) is checked by hash."""
+    encoder = json.loads(_checked_bytes(encoder_json, "encoder.json"))
+    _checked_bytes(vocab_bpe, "vocab.bpe")
+    byte_of = _gpt2_byte_decoder()
+    return {bytes(byte_of[c] for c in token): rank for token, rank in encoder.items() if token != EOT}
+
+
+def _gpt2_ranks(data_dir: str | Path | None, download: bool | None) -> dict[bytes, int]:
+    tried = []
+    for directory in data_dirs(data_dir):
+        folder = directory / "gpt2-bpe"
+        tried.append(str(folder))
+        if (folder / "encoder.json").exists() and (folder / "vocab.bpe").exists():
+            return _ranks_from_encoder_json(folder / "encoder.json", folder / "vocab.bpe")
+        if (folder / "r50k_base.tiktoken").exists():
+            return _read_tiktoken_file(folder / "r50k_base.tiktoken")
+    where = f"looked for gpt2-bpe/encoder.json + vocab.bpe or gpt2-bpe/r50k_base.tiktoken in: {', '.join(tried)}"
+    if not downloads_allowed(download):
+        raise DataError(
+            f"GPT-2 BPE files not found ({where}); downloads are off. Pass --data-dir DIR or set "
+            "ATTNLAB_DATA to a directory holding gpt2-bpe/, or allow downloads (unset ATTNLAB_OFFLINE)"
+        )
+    try:
+        from tiktoken.load import load_tiktoken_bpe
+
+        return load_tiktoken_bpe(GPT2_URL, expected_hash=GPT2_SHA256["r50k_base.tiktoken"])
+    except Exception as e:  # requests/urllib/hash errors: report them with what to do
+        raise DataError(
+            f"GPT-2 BPE files not found ({where}) and the download from {GPT2_URL} failed ({e}); "
+            "put encoder.json + vocab.bpe in <data dir>/gpt2-bpe/"
+        ) from None
