@@ -57,9 +57,11 @@ def cmd_run(args) -> int:
         manifest, args.out, targets=args.target, seeds=args.seed, data_dir=args.data_dir, dry_run=args.dry_run,
         resume=not args.no_resume, progress=not args.no_progress,
     )  # fmt: skip
-    if not args.dry_run:
+    import os
+
+    if not args.dry_run and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
         result = compare(Path(args.out) / manifest.name)
-        print("\n" + result["markdown"])
+        print("\n" + result["text"])
         print(f"table: {result['markdown']}  csv: {result['csv']}  plot: {result['plot']}")
     return 0
 
@@ -68,7 +70,7 @@ def cmd_compare(args) -> int:
     from attnlab.compare import compare
 
     result = compare(args.runs_dir, args.out, args.baseline)
-    print(result["markdown"])
+    print(result["text"])
     print(f"table: {result['markdown']}  csv: {result['csv']}  plot: {result['plot']}")
     return 0
 

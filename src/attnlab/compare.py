@@ -152,4 +152,4 @@ def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: s
         tmp.write_text(text)
         tmp.replace(paths[key])
     plot_val_loss(runs, paths["plot"])
-    return {"rows": rows, "markdown": markdown, **paths}
+    return {"rows": rows, "text": markdown, **paths}

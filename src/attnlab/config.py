@@ -281,7 +281,7 @@ class DataConfig:
     tokenizer: str = "gpt2"  # gpt2 | bpe:<vocab size> | word | byte | char
     val_fraction: float = 0.05  # for sources without their own splits: share of documents, by hash
     test_fraction: float = 0.0
-    max_tokens: int | None = None  # token budget for streamed sources (fineweb-edu)
+    max_tokens: int | None = None  # cap on the training split's tokens (the budget for streamed fineweb-edu)
 
     def __post_init__(self) -> None:
         problems = []

@@ -54,11 +54,15 @@ def run_manifest(
     log=print,
 ) -> list[dict]:
     """Runs the selected runs in order; returns one summary per run (None for dry runs)."""
-    from attnlab.data import prepare
-    from attnlab.train.loop import full_config, train
+    from attnlab.train.distributed import init_distributed, prepare_rank0_first
+    from attnlab.train.loop import full_config, pick_device, train
 
     root = Path(out_root) / manifest.name
     runs = select_runs(manifest, targets, seeds)
+    # Under torchrun every rank runs this loop; rank 0 alone writes files and prints.
+    dist_info = init_distributed(pick_device(runs[0].train.device).type) if runs else None
+    if dist_info is not None and not dist_info.is_main:
+        log = lambda *a, **k: None  # noqa: E731
     prepared_by_data: dict = {}
     previous_dir: dict[tuple[str, int], Path] = {}
     summaries = []
@@ -75,7 +79,7 @@ def run_manifest(
             summaries.append(None)
             continue
         if spec.data not in prepared_by_data:
-            prepared_by_data[spec.data] = prepare(spec.data, data_dir=data_dir)
+            prepared_by_data[spec.data] = prepare_rank0_first(spec.data, data_dir, dist_info)
         prepared = prepared_by_data[spec.data]
         model_cfg = spec.model_config(prepared.vocab_size)
         config = full_config(model_cfg, spec.data, spec.train)
@@ -91,9 +95,10 @@ def run_manifest(
             log(f"{label}: done already (val loss {summary.get('val_loss', float('nan')):.4f}), skipped")
             summaries.append(summary)
             continue
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-        _write_text_atomic(run_dir / "command.txt", shlex.join(sys.argv) + "\n")
+        if dist_info.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+            _write_text_atomic(run_dir / "command.txt", shlex.join(sys.argv) + "\n")
         log(f"{label}: training {spec.train.steps} steps ({model_cfg.attention.kind}) into {run_dir}")
         start = time.perf_counter()
         summary = train(
@@ -106,6 +111,6 @@ def run_manifest(
             f" {summary.get('train_tok_per_s', 0):,.0f} tok/s, {time.perf_counter() - start:.0f} s"
         )
         summaries.append(summary)
-    if not dry_run:
+    if not dry_run and dist_info is not None and dist_info.is_main:
         write_json_atomic(root / "manifest.json", {"name": manifest.name, "path": str(manifest.path)})
     return summaries

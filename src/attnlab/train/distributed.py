@@ -46,3 +46,12 @@ def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()
+
+
+def prepare_rank0_first(data_cfg, data_dir, info: DistInfo):
+    """Prepares data on rank 0 while the other ranks wait, then they reuse its cached files."""
+    from attnlab.data import prepare
+
+    prepared = prepare(data_cfg, data_dir=data_dir) if info.is_main else None
+    barrier(info)
+    return prepared or prepare(data_cfg, data_dir=data_dir)

@@ -21,7 +21,7 @@ from attnlab.train.checkpoint import (
     unwrap,
     write_json_atomic,
 )
-from attnlab.train.distributed import DistInfo, all_reduce_mean, barrier, init_distributed
+from attnlab.train.distributed import DistInfo, all_reduce_mean, barrier, init_distributed, prepare_rank0_first
 from attnlab.train.evaluate import evaluate_loss
 from attnlab.train.logging import MetricsLog
 from attnlab.train.optim import build_optimizer, lr_at
@@ -82,7 +82,7 @@ def train(
     rates and optimizer state, so the losses equal those of an uninterrupted run. init_from starts from
     another run's weights (a previous phase) with a fresh optimizer and schedule.
     """
-    from attnlab.data import BatchSampler, eval_batches, prepare
+    from attnlab.data import BatchSampler, eval_batches
 
     run_dir = Path(run_dir)
     device = pick_device(train_cfg.device)
@@ -95,7 +95,7 @@ def train(
         )
     if model_cfg.max_seq_len < train_cfg.seq_len:
         raise ConfigError(f"train.seq_len={train_cfg.seq_len} exceeds model max_seq_len={model_cfg.max_seq_len}")
-    prepared = prepared or prepare(data_cfg, data_dir=data_dir)
+    prepared = prepared or prepare_rank0_first(data_cfg, data_dir, dist_info)
     if model_cfg.vocab_size < prepared.vocab_size:
         raise ConfigError(
             f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {prepared.vocab_size} "
@@ -107,7 +107,7 @@ def train(
     model = build_model(model_cfg).to(device)
     optimizer = build_optimizer(model, train_cfg)
     sampler = BatchSampler(
-        prepared.split("train"), train_cfg.seq_len, train_cfg.batch_size, train_cfg.seed,
+        prepared.split("train"), train_cfg.seq_len, train_cfg.batch_size // dist_info.world_size, train_cfg.seed,
         rank=dist_info.rank, world_size=dist_info.world_size,
     )  # fmt: skip
     state = {"step": 0, "tokens": 0, "best_val_loss": None, "train_seconds": 0.0}
@@ -230,8 +230,9 @@ def finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype
         for split in ("val", "test"):
             if split not in prepared.splits:
                 continue
-            tokens = prepared.split(split)  # the whole held-out split, not the in-training budget
-            batches = eval_batches(tokens, train_cfg.seq_len, train_cfg.batch_size, len(tokens))
+            tokens = prepared.split(split)  # validation: the in-training windows; test: the whole split
+            budget = len(tokens) if split == "test" else train_cfg.eval_tokens
+            batches = eval_batches(tokens, train_cfg.seq_len, train_cfg.batch_size, budget)
             result = evaluate_loss(unwrap(model), batches, device, amp_dtype)
             summary.update(
                 {f"{split}_loss": result["loss"], f"{split}_ppl": result["ppl"], f"{split}_tokens": result["tokens"]}
