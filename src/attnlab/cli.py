@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     except AttnlabError as e:
         print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
