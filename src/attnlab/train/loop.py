@@ -132,6 +132,8 @@ def train(
     log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"])
     if dist_info.is_main:
         write_json_atomic(run_dir / "config.json", config)
+        (run_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
+        prepared.tokenizer.save(run_dir / "tokenizer")  # so the run can be evaluated without its data
     train_model = model
     if train_cfg.compile:
         train_model = torch.compile(train_model)

@@ -1,0 +1,59 @@
+"""Records: one JSON line per measured figure set, with what is needed to trust and reproduce it."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def make_record(benchmark: str, model=None, **figures) -> dict:
+    """A row: benchmark name, model label/path/config hash, device, dtype, versions, time, then the figures."""
+    import attnlab
+
+    row = {
+        "benchmark": benchmark,
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "attnlab": attnlab.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+    }
+    if model is not None:
+        row.update(
+            model=model.name, model_path=str(model.path), config_hash=model.cfg.config_hash(),
+            kind=model.cfg.attention.kind, device=str(model.device),
+            dtype=str(next(model.model.parameters()).dtype).replace("torch.", ""),
+        )  # fmt: skip
+    row.update(figures)
+    return row
+
+
+def append_records(path: str | Path, rows: list[dict]) -> Path:
+    """Appends rows to a JSONL file atomically (old content + new rows to a temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.read_text() if path.exists() else ""
+    if old and not old.endswith("\n"):
+        old += "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(old + "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_records(path: str | Path, benchmark: str | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in rows if benchmark is None or r.get("benchmark") == benchmark]
