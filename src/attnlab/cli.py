@@ -103,6 +103,26 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _pm(value, stderr) -> str:
+    return "n/a" if value is None else f"{value:.4f}" + ("" if stderr is None else f" ± {stderr:.4f}")
+
+
+def cmd_mc(args) -> int:
+    from attnlab.eval import load_for_eval
+    from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
+
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
+    rows, s = run_multiple_choice(model, args.task, path=args.file, limit=args.limit, data_dir=args.data_dir)
+    print(
+        f"{model.name} {s['task']} (n={s['n']}, {s['n_truncated']} contexts cut to {s['max_seq_len']} tokens): "
+        f"acc {_pm(s['acc'], s['acc_stderr'])}  acc_norm {_pm(s['acc_norm'], s['acc_norm_stderr'])}"
+    )
+    if args.out:
+        summary_path, items_path = write_multiple_choice(args.out, rows, s)
+        print(f"records: {summary_path}  items: {items_path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="where to write compare.md/.csv/val_loss.png (default RUNS_DIR)")
     p.add_argument("--baseline", default=None, help="target the others are compared with")
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("mc", help="zero-shot multiple choice (arc_easy, piqa, winogrande, hellaswag), lm-eval style")
+    p.add_argument("task", help="arc_easy, piqa, winogrande or hellaswag")
+    p.add_argument("checkpoint", help="a run directory (its best checkpoint, else last) or a checkpoint folder")
+    p.add_argument("--limit", type=int, default=None, help="only the first N items")
+    p.add_argument("--file", default=None, help="the task's data file (default: its place in the data directory)")
+    p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
+    p.add_argument("--out", default=None, help="append records to OUT/multiple_choice.jsonl and *_items.jsonl")
+    p.set_defaults(func=cmd_mc)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes")
     p.add_argument("config")
     p.add_argument("--dtype", default="fp16", help="KV storage dtype: fp32, fp16, bf16 (default fp16)")

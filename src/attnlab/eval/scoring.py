@@ -9,11 +9,12 @@ from attnlab.generate import generate
 
 @torch.no_grad()
 def token_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """(len(ids) - 1,) log p(ids[t] | ids[:t]) for t >= 1, in fp32. Longer than max_seq_len: the last part."""
-    ids = ids[-model.cfg.max_seq_len :]
-    tokens = torch.tensor([ids], device=next(model.parameters()).device)
-    logits, _ = model(tokens, use_cache=False)  # (1, T, V)
-    logprobs = logits[0, :-1].float().log_softmax(dim=-1)
+    """(len(ids) - 1,) log p(ids[t] | ids[:t]) for t >= 1, in fp32. A sequence longer than max_seq_len + 1
+    keeps its last max_seq_len + 1 tokens (the model reads max_seq_len of them, as lm-eval's window does)."""
+    ids = ids[-(model.cfg.max_seq_len + 1) :]
+    tokens = torch.tensor([ids], device=next(model.parameters()).device)  # (1, T + 1)
+    logits, _ = model(tokens[:, :-1], use_cache=False)  # (1, T, V)
+    logprobs = logits[0].float().log_softmax(dim=-1)
     return logprobs.gather(-1, tokens[0, 1:, None])[:, 0]
 
 
@@ -23,8 +24,7 @@ def continuation_logprobs(model, context: list[int], continuation: list[int]) ->
     left to fit max_seq_len). This is what multiple-choice and likelihood probes sum or average."""
     if not continuation:
         raise ValueError("continuation is empty")
-    ids = (context + continuation)[-model.cfg.max_seq_len - 1 :]
-    return token_logprobs(model, ids)[-len(continuation) :]
+    return token_logprobs(model, context + continuation)[-len(continuation) :]
 
 
 def greedy_text(model, tokenizer, prompt: str, max_new_tokens: int = 32, stop_at_eot: bool = True) -> str:
