@@ -1,0 +1,86 @@
+"""Held-out perplexity: non-overlapping windows (or a given stride) over a split, on a fixed token budget,
+scored over the true vocabulary, with a confidence interval.
+
+With stride < seq_len, windows overlap and each scores only its last `stride` tokens (the first window
+scores all of its tokens), so every token is scored exactly once with up to seq_len - stride tokens of
+context (the "sliding window" evaluation of Hugging Face's perplexity guide). The interval is a percentile
+bootstrap over windows (tokens inside a window are correlated; windows much less so).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from attnlab.errors import DataError, InputError
+
+
+@torch.no_grad()
+def window_losses(
+    model, tokens: np.ndarray, seq_len: int, stride: int | None = None, max_tokens: int | None = None
+) -> list[tuple[float, int]]:
+    """[(summed loss in nats, tokens scored)] per window, in order, until max_tokens targets are scored.
+
+    Window w reads tokens[b : b + L] (b = w * stride) and predicts tokens[b + 1 : b + L + 1]; it scores only
+    the targets no earlier window scored, so each target counts once.
+    """
+    stride = stride or seq_len
+    if not 1 <= stride <= seq_len:
+        raise InputError(f"stride={stride} must be between 1 and seq_len={seq_len}")
+    if len(tokens) < 2:
+        raise DataError("the split has fewer than 2 tokens")
+    budget = min(max_tokens or len(tokens), len(tokens) - 1)
+    device = next(model.parameters()).device
+    results, scored_until, begin = [], 0, 0  # scored_until: index of the last target scored so far
+    while scored_until < budget:
+        length = min(seq_len, len(tokens) - 1 - begin)  # inputs in this window
+        new = begin + length - scored_until  # targets not scored by an earlier window: the window's last `new`
+        take = min(new, budget - scored_until)  # the first `take` of them, within the budget
+        window = torch.from_numpy(tokens[begin : begin + length + 1].astype(np.int64)).to(device)  # (L + 1,)
+        logits, _ = model(window[None, :-1], use_cache=False)  # (1, L, V), true vocabulary only
+        losses = F.cross_entropy(logits[0].float(), window[1:], reduction="none")  # (L,)
+        results.append((losses[length - new : length - new + take].sum().item(), take))
+        scored_until += take
+        begin += stride
+    return results
+
+
+def summarize_losses(windows: list[tuple[float, int]], n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """Mean loss per token, perplexity, and a percentile-bootstrap interval over windows."""
+    sums = np.array([s for s, _ in windows], dtype=np.float64)
+    counts = np.array([n for _, n in windows], dtype=np.float64)
+    loss = sums.sum() / counts.sum()
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(windows), size=(n_boot, len(windows)))
+    boot = sums[picks].sum(axis=1) / counts[picks].sum(axis=1)
+    low, high = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return {
+        "loss": float(loss), "ppl": math.exp(loss), "tokens": int(counts.sum()), "windows": len(windows),
+        "loss_ci": [float(low), float(high)], "ppl_ci": [math.exp(low), math.exp(high)], "ci_level": level,
+    }  # fmt: skip
+
+
+def run_perplexity(eval_model, split: str = "test", seq_len: int | None = None, stride: int | None = None,
+                   max_tokens: int | None = None, data_dir: str | None = None) -> dict:  # fmt: skip
+    """A `perplexity` record for a checkpoint on its own dataset's held-out split (never the training split
+    unless asked for by name). seq_len defaults to the run's training context."""
+    from attnlab.config import DataConfig
+    from attnlab.data import prepare
+    from attnlab.eval.records import make_record
+
+    data = eval_model.config.get("data")
+    if not data:
+        raise DataError(f"{eval_model.path}: no data config saved with this checkpoint: cannot find its held-out split")
+    prepared = prepare(DataConfig(**data), data_dir=data_dir)
+    if split not in prepared.splits:
+        raise DataError(f"split {split!r} is not in {prepared.path} (it has {', '.join(prepared.splits)})")
+    seq_len = seq_len or eval_model.config.get("train", {}).get("seq_len") or eval_model.cfg.max_seq_len
+    windows = window_losses(eval_model.model, prepared.split(split), seq_len, stride, max_tokens)
+    summary = summarize_losses(windows)
+    return make_record(
+        "perplexity", eval_model, split=split, seq_len=seq_len, stride=stride or seq_len, max_tokens=max_tokens,
+        dataset=data["source"], tokenizer=data["tokenizer"], **summary,
+    )  # fmt: skip
