@@ -123,6 +123,28 @@ def cmd_mc(args) -> int:
     return 0
 
 
+def cmd_probes(args) -> int:
+    from attnlab.eval import append_records, load_for_eval
+    from attnlab.eval.probes import comparison_record, load_suite, probe_records, run_probes, summarize, summary_table
+    from attnlab.eval.stats import paired_comparison
+
+    suite, out, runs = load_suite(args.suite), Path(args.out), []
+    for path in [args.checkpoint] + ([args.checkpoint_b] if args.checkpoint_b else []):
+        model = load_for_eval(path, data_dir=args.data_dir)
+        rows = run_probes(model, suite)
+        print(summary_table(summarize(rows), title=f"{model.name} on {suite.name} ({len(rows)} cases)"))
+        append_records(out / "probes.jsonl", probe_records(model, suite, rows))
+        runs.append((model, rows))
+    if len(runs) == 2:
+        (a, rows_a), (b, rows_b) = runs
+        names = (a.name, b.name) if a.name != b.name else ("A", "B")
+        comparison = paired_comparison(rows_a, rows_b, names=names, seed=args.seed)
+        print(comparison["verdict"])
+        append_records(out / "probes.jsonl", [comparison_record(a, b, suite, comparison)])
+    print(f"records: {out / 'probes.jsonl'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
     p.add_argument("--out", default=None, help="append records to OUT/multiple_choice.jsonl and *_items.jsonl")
     p.set_defaults(func=cmd_mc)
+    p = sub.add_parser("probes", help="behaviour probes per category; with two checkpoints, a paired head-to-head")
+    p.add_argument("suite", help="probe suite YAML (e.g. configs/probes/core.yml)")
+    p.add_argument("checkpoint", help="run directory or checkpoint folder")
+    p.add_argument("checkpoint_b", nargs="?", default=None, help="second checkpoint: McNemar exact test, bootstrap CI")
+    p.add_argument("--out", default="results", help="folder for probes.jsonl (default results/)")
+    p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    p.set_defaults(func=cmd_probes)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes")
     p.add_argument("config")
     p.add_argument("--dtype", default="fp16", help="KV storage dtype: fp32, fp16, bf16 (default fp16)")
