@@ -1,0 +1,195 @@
+"""Figures drawn from records (pure functions of them; the attention maps come from the .npz a record names).
+
+rank_spectra: singular values per layer (log scale), one panel per Q/K path (DBA: q_sem, q_geo, k_sem, k_geo),
+plus effective rank by layer. attention_heatmaps: a layers x heads grid of attention maps. attention_by_layer:
+one query's attention over the prompt, layers as rows. region_mass_bars: mass on marked regions by layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+PATH_ORDER = ["q", "k", "q_sem", "k_sem", "q_geo", "k_geo", "q_nope", "k_nope", "q_rope", "k_rope"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    _pyplot().close(fig)
+    return path
+
+
+def _label(record: dict) -> str:
+    return record.get("model") or record.get("kind") or "model"
+
+
+def _paths(record: dict) -> list[str]:
+    names = {name for layer in record["layers"] for name in layer}
+    return [n for n in PATH_ORDER if n in names] + sorted(names - set(PATH_ORDER))
+
+
+def rank_spectra(records: list[dict], path: str | Path) -> Path:
+    """effective_rank records -> one row per record: a log-scale singular value spectrum per Q/K path (one line
+    per layer, dark = first layer, light = last), and a last panel with each path's effective rank by layer
+    (solid: pooled over heads; dotted: mean of the per-head ranks)."""
+    plt = _pyplot()
+    columns = max(len(_paths(r)) for r in records) + 1
+    fig, axes = plt.subplots(len(records), columns, figsize=(3.2 * columns, 2.9 * len(records)), squeeze=False)
+    for row, record in zip(axes, records, strict=True):
+        paths, layers = _paths(record), record["layers"]
+        colors = plt.cm.viridis(np.linspace(0, 0.9, len(layers)))
+        for ax, name in zip(row, paths, strict=False):
+            for i, layer in enumerate(layers):
+                if name not in layer:
+                    continue
+                s = np.asarray(layer[name]["singular_values"])
+                ax.semilogy(np.arange(1, len(s) + 1), np.maximum(s, 1e-12), color=colors[i], lw=1.2,
+                            label=f"L{i}: {layer[name]['erank']:.1f}")  # fmt: skip
+            width = layers[0][name]["heads"] * layers[0][name]["head_dim"] if name in layers[0] else "?"
+            ax.set_title(f"{name} (width {width})", fontsize=9)
+            ax.set_xlabel("index", fontsize=8)
+            ax.grid(alpha=0.3, which="both", lw=0.4)
+            ax.tick_params(labelsize=7)
+            if len(layers) <= 12:
+                ax.legend(fontsize=6, title="layer: erank", title_fontsize=6, ncol=1 + len(layers) // 7)
+        row[0].set_ylabel(f"{_label(record)}\nsingular value", fontsize=8)
+        for ax in row[len(paths) : -1]:
+            ax.axis("off")
+        ax = row[-1]
+        for j, name in enumerate(paths):
+            xs = [i for i, layer in enumerate(layers) if name in layer]
+            color = f"C{j}"
+            ax.plot(xs, [layers[i][name]["erank"] for i in xs], "o-", color=color, ms=3, label=name)
+            ax.plot(xs, [np.mean(layers[i][name]["erank_heads"]) for i in xs], ":", color=color, lw=1)
+        ax.set_title("effective rank (dotted: mean per head)", fontsize=9)
+        ax.set_xlabel("layer", fontsize=8)
+        ax.set_xticks(range(len(layers)))
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    centered = "centred" if records[0].get("center") else "uncentred"
+    fig.suptitle(f"Q/K projection activations (before RoPE, {centered}), {records[0].get('tokens', '?')} tokens",
+                 fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _token_labels(record: dict, null: bool) -> list[str]:
+    labels = [repr(t)[1:-1][:12] for t in record.get("token_text", [])]
+    return (["<null>"] if null else []) + labels
+
+
+def _mark_regions(ax, record: dict, null: bool, axis: str = "x") -> None:
+    """Thin white lines at each region's token boundaries (key axis; query axis too when axis='xy')."""
+    for region in record.get("regions", []):
+        for edge in region["tokens"]:
+            ax.axvline(edge - 0.5 + (1 if null else 0), color="white", lw=0.8)
+            if "y" in axis:
+                ax.axhline(edge - 0.5, color="white", lw=0.8, ls=":")
+
+
+def attention_heatmaps(record: dict, probs: np.ndarray, path: str | Path, layers=None, heads=None,
+                       max_labelled_tokens: int = 32) -> Path:  # fmt: skip
+    """attention_maps record + its maps (n_layers, H, T, S) -> a grid: rows = layers, columns = heads, each cell
+    queries (down) x keys (across). The colour scale is a square root of probability (faint mass stays visible).
+    Prompts of at most max_labelled_tokens tokens get their tokens on the outer axes."""
+    import matplotlib.colors as mcolors
+
+    plt = _pyplot()
+    layers = list(range(probs.shape[0])) if layers is None else list(layers)
+    heads = list(range(probs.shape[1])) if heads is None else list(heads)
+    null, length = bool(record.get("null")), probs.shape[2]
+    labelled = length <= max_labelled_tokens and record.get("token_text")
+    cell = max(1.6, 0.13 * length) if labelled else 1.6
+    fig, axes = plt.subplots(len(layers), len(heads), figsize=(cell * len(heads) + 1.5, cell * len(layers) + 1),
+                             squeeze=False, layout="constrained")  # fmt: skip
+    norm = mcolors.PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
+    image = None
+    for r, layer in enumerate(layers):
+        for c, head in enumerate(heads):
+            ax = axes[r, c]
+            image = ax.imshow(probs[layer, head], cmap="magma", norm=norm, interpolation="nearest", aspect="auto")
+            if null:
+                ax.axvline(0.5, color="cyan", lw=0.6)
+            _mark_regions(ax, record, null)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(f"head {head}", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"layer {layer}", fontsize=8)
+            if labelled and c == 0:
+                ax.set_yticks(range(length), _token_labels(record, False)[:length], fontsize=6)
+            if labelled and r == len(layers) - 1:
+                ax.set_xticks(
+                    range(probs.shape[3]), _token_labels(record, null)[: probs.shape[3]], fontsize=6, rotation=90
+                )
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention probability (sqrt scale)")
+    fig.suptitle(f"{_label(record)}: attention maps (rows: queries, columns: keys{', first = null' if null else ''})",
+                 fontsize=10)  # fmt: skip
+    return _save(fig, path)
+
+
+def attention_by_layer(record: dict, probs: np.ndarray, path: str | Path, query: int = -1) -> Path:
+    """One query's attention over the prompt (mean over heads), a row per layer: keys across, region
+    boundaries as white lines (the seeds' dba-structural-regularization.md figure 8)."""
+    plt = _pyplot()
+    null, length = bool(record.get("null")), probs.shape[2]
+    query = query % length
+    rows = probs[:, :, query, :].mean(axis=1)  # (n_layers, S)
+    fig, ax = plt.subplots(figsize=(min(16, 3 + 0.12 * probs.shape[3]), 1 + 0.45 * probs.shape[0]))
+    image = ax.imshow(rows, cmap="magma", aspect="auto", interpolation="nearest", vmin=0)
+    _mark_regions(ax, record, null)
+    ax.set_yticks(range(probs.shape[0]), [f"layer {i}" for i in range(probs.shape[0])], fontsize=7)
+    if probs.shape[3] <= 64 and record.get("token_text"):
+        ax.set_xticks(range(probs.shape[3]), _token_labels(record, null), fontsize=6, rotation=90)
+    else:
+        ax.set_xlabel("key position" + (" (0 = null)" if null else ""))
+    fig.colorbar(image, ax=ax, label="probability (mean over heads)")
+    text = record.get("token_text", [])
+    query_text = repr(text[query]) if query < len(text) else str(query)
+    ax.set_title(f"{_label(record)}: attention of query {query} ({query_text}) by layer", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def region_mass_bars(records: list[dict], path: str | Path) -> Path:
+    """attention_maps records with regions -> grouped bars by layer, one bar per (model, region): the mean over
+    heads of the mass that queries after the region put on it; dots show the individual heads."""
+    plt = _pyplot()
+    bars = [(_label(r), region) for r in records for region in r.get("regions", [])]
+    if not bars:
+        raise ValueError("no regions in these records: nothing to plot")
+    n_layers = max(len(region["mass"]) for _, region in bars)
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + n_layers * (0.3 + 0.25 * len(bars))), 3.8))
+    for j, (label, region) in enumerate(bars):
+        mass = np.asarray(region["mass"])  # (n_layers, H)
+        xs = np.arange(len(mass)) + (j - (len(bars) - 1) / 2) * width
+        text = region.get("text", "").strip()
+        name = f"{label}: {region['name']}" + (f" ({text[:20]!r})" if text else "")
+        ax.bar(xs, mass.mean(axis=1), width * 0.9, color=f"C{j}", label=name, alpha=0.85)
+        for x, heads in zip(xs, mass, strict=True):
+            ax.scatter(np.full(len(heads), x), heads, s=6, color="black", alpha=0.5, lw=0, zorder=3)
+    ax.set_xticks(range(n_layers), [f"layer {i}" for i in range(n_layers)], fontsize=8)
+    ax.set_ylabel("attention mass on region\n(queries after it; mean over heads)", fontsize=8)
+    top = max(float(np.max(region["mass"])) for _, region in bars)
+    ax.set_ylim(0, min(1.0, 1.1 * top + 0.02))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("Attention mass on marked regions by layer (dots: heads)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
