@@ -145,6 +145,24 @@ def cmd_probes(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
+
+    if args.list:
+        for name, fn in BENCHMARKS.items():
+            params = ", ".join(f"{k}={v!r}" for k, v in parameters(name).items())
+            print(f"{name}: {fn.__doc__.splitlines()[0]}\n    {params}")
+        return 0
+    if not args.targets:
+        raise ConfigError("give a benchmark manifest or checkpoint folders (or --list)")
+    benchmarks = args.benchmarks.split(",") if args.benchmarks else None
+    plan = load_plan(args.targets, benchmarks, args.set, args.data_dir)
+    out = Path(args.out or Path("results") / plan.name)
+    records = run_plan(plan, out)
+    print(f"records: {records}  (render them with: attnlab report {out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     p.set_defaults(func=cmd_probes)
+    p = sub.add_parser("bench", help="run benchmarks on checkpoints (a benchmark manifest or folders) as records")
+    p.add_argument("targets", nargs="*", help="a benchmark manifest (.yml) or checkpoint/run folders")
+    p.add_argument("--benchmarks", default=None, help="comma-separated subset, e.g. perplexity,needle")
+    p.add_argument("--set", action="append", default=[], metavar="BENCH.PARAM=VALUE", help="parameter override")
+    p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
+    p.add_argument("--out", default=None, help="artifacts folder (default results/<manifest name>)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and their parameters")
+    p.set_defaults(func=cmd_bench)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes")
     p.add_argument("config")
     p.add_argument("--dtype", default="fp16", help="KV storage dtype: fp32, fp16, bf16 (default fp16)")

@@ -1,0 +1,233 @@
+"""`attnlab bench`: run named benchmarks on checkpoints and append their records to OUT/records.jsonl.
+
+A benchmark manifest:
+
+    name: wikitext2_harness
+    checkpoints: [runs/wikitext2_suite/*/seed0]        # run folders or checkpoint folders; globs allowed
+    benchmarks:                                        # name: parameters (all optional; see `attnlab bench --list`)
+      perplexity: {split: test}
+      probes: {suite: configs/probes/core.yml}
+      multiple_choice: {tasks: [arc_easy, piqa]}
+
+Every benchmark is a function (EvalModel, out_dir, data_dir, **params) -> records, registered in
+BENCHMARKS below; its keyword arguments are its parameters and their defaults. A benchmark already
+recorded for the same checkpoint and parameters is skipped, so an interrupted harness resumes.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from attnlab.config import unknown_key_problem
+from attnlab.errors import ConfigError
+from attnlab.eval.records import append_records, read_records
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_PROMPT = (
+    "The pass key is 4721. Remember it. The grass is green and the sky is blue. The pass key is"
+)  # fmt: skip
+
+
+def perplexity(model, out_dir, data_dir, split: str = "test", seq_len: int | None = None, stride: int | None = None,
+               max_tokens: int | None = None) -> list[dict]:  # fmt: skip
+    """Held-out loss and perplexity with a bootstrap interval (non-overlapping windows unless stride)."""
+    from attnlab.eval.perplexity import run_perplexity
+
+    return [run_perplexity(model, split, seq_len, stride, max_tokens, data_dir)]
+
+
+def probes(model, out_dir, data_dir, suite: str = "configs/probes/core.yml") -> list[dict]:
+    """Behaviour probes: per-case rows and a per-category summary."""
+    from attnlab.eval.probes import load_suite, probe_records, run_probes
+
+    shipped = REPO_ROOT / suite  # the shipped suites, wherever attnlab is run from
+    loaded = load_suite(suite if Path(suite).exists() or not shipped.exists() else shipped)
+    return probe_records(model, loaded, run_probes(model, loaded))
+
+
+def multiple_choice(model, out_dir, data_dir, tasks: list | None = None, limit: int | None = None) -> list[dict]:
+    """Zero-shot multiple choice scored as lm-evaluation-harness does (acc and acc_norm)."""
+    from attnlab.eval.multiple_choice import run_multiple_choice
+
+    return [
+        run_multiple_choice(model, task, limit=limit, data_dir=data_dir)[1] for task in tasks or ["arc_easy", "piqa"]
+    ]
+
+
+def effective_rank(model, out_dir, data_dir, split: str = "val", n_tokens: int = 4096, seq_len: int | None = None,
+                   center: bool = False) -> list[dict]:  # fmt: skip
+    """Singular-value spectra and entropy effective rank of the Q/K projections (DBA: per path)."""
+    from attnlab.eval.analysis import run_effective_rank
+
+    return [run_effective_rank(model, split, n_tokens, seq_len, 0, center, data_dir)]
+
+
+def attention_maps(model, out_dir, data_dir, prompt: str = DEFAULT_PROMPT, regions: dict | None = None,
+                   unit: str = "chars") -> list[dict]:  # fmt: skip
+    """Per layer and head attention maps for a prompt (saved as .npz) and the mass on marked regions."""
+    from attnlab.eval.analysis import run_attention_maps
+
+    regions = {k: tuple(v) for k, v in (regions or {"pass key": [16, 20]}).items()}
+    tag = hashlib.sha256(f"{model.path}|{prompt}".encode()).hexdigest()[:10]
+    return [run_attention_maps(model, prompt, Path(out_dir) / f"attn_{tag}.npz", regions, unit)]
+
+
+def needle(model, out_dir, data_dir, lengths: list | None = None, depths: list = (0.1, 0.3, 0.5, 0.7, 0.9),
+           trials: int = 5, seed: int = 0, filler: str = "sentences") -> list[dict]:  # fmt: skip
+    """Passkey retrieval at depths and lengths: strict accuracy and the likelihood gain of the needle."""
+    from attnlab.eval.longctx import run_needle
+
+    return run_needle(model, lengths=lengths, depths=tuple(depths), trials=trials, seed=seed, filler=filler,
+                      data_dir=data_dir)  # fmt: skip
+
+
+def context_sweep(model, out_dir, data_dir, lengths: list = (256, 512, 1024), chunk_size: int = 256,
+                  decode_tokens: int = 8) -> list[dict]:  # fmt: skip
+    """Chunked prefill to each length: prefill time, last-chunk latency and loss, decode ms/token at context."""
+    from attnlab.eval.longctx import context_sweep as sweep
+
+    return sweep(model, lengths=tuple(lengths), chunk_size=chunk_size, decode_tokens=decode_tokens, data_dir=data_dir)
+
+
+def rope_extrapolation(model, out_dir, data_dir, factors: list = (1, 2, 4), max_tokens: int = 65536) -> list[dict]:
+    """Held-out loss at 1x, 2x and 4x the training context."""
+    from attnlab.eval.longctx import run_extrapolation
+
+    return run_extrapolation(model, factors=tuple(factors), max_tokens=max_tokens, data_dir=data_dir)
+
+
+def latency(model, out_dir, data_dir, prompt_lengths: list = (128, 512), batch_sizes: list = (1,),
+            new_tokens: int = 32, repeats: int = 5) -> list[dict]:  # fmt: skip
+    """Cached decode tokens/s and time to first token against prompt length and batch size."""
+    from attnlab.eval.speed import run_latency
+
+    return run_latency(model, prompt_lengths=tuple(prompt_lengths), batch_sizes=tuple(batch_sizes),
+                       new_tokens=new_tokens, repeats=repeats)  # fmt: skip
+
+
+def memory(model, out_dir, data_dir, lengths: list = (256, 512, 1024), batch_size: int = 1,
+           cache_dtype: str | None = None) -> list[dict]:  # fmt: skip
+    """KV bytes measured from live caches next to the analytic figure, and peak process memory."""
+    from attnlab.eval.speed import run_memory
+
+    return run_memory(model, lengths=tuple(lengths), batch_size=batch_size, cache_dtype=cache_dtype)
+
+
+BENCHMARKS: dict[str, Callable[..., list[dict]]] = {
+    "needle": needle,
+    "context_sweep": context_sweep,
+    "rope_extrapolation": rope_extrapolation,
+    "latency": latency,
+    "memory": memory,
+    "perplexity": perplexity,
+    "probes": probes,
+    "multiple_choice": multiple_choice,
+    "effective_rank": effective_rank,
+    "attention_maps": attention_maps,
+}
+DEFAULT_SET = ("perplexity", "memory", "latency", "rope_extrapolation", "probes", "multiple_choice")
+
+
+def parameters(name: str) -> dict[str, Any]:
+    """A benchmark's parameters and their defaults."""
+    signature = inspect.signature(BENCHMARKS[name])
+    return {k: p.default for k, p in list(signature.parameters.items())[3:]}
+
+
+def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
+    problems = []
+    for name, params in spec.items():
+        if name not in BENCHMARKS:
+            problems.append(unknown_key_problem(str(name), list(BENCHMARKS), f"{where}.", what="benchmark"))
+            continue
+        if params is not None and not isinstance(params, dict):
+            problems.append(f"{where}.{name} must be a mapping of parameters, got {type(params).__name__}")
+            continue
+        valid = list(parameters(name))
+        problems += [unknown_key_problem(str(k), valid, f"{where}.{name}.") for k in params or {} if k not in valid]
+    return problems
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    name: str
+    checkpoints: tuple[str, ...]
+    benchmarks: dict  # name -> params
+    data_dir: str | None = None
+
+
+def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[str] = (), data_dir=None) -> BenchPlan:
+    """A plan from one benchmark manifest (YAML with `benchmarks`), or from checkpoint paths (default set)."""
+    if len(paths) == 1 and paths[0].endswith((".yml", ".yaml")):
+        path = Path(paths[0])
+        if not path.exists():
+            raise ConfigError("file not found (check the path)", source=str(path))
+        raw = yaml.safe_load(path.read_text()) or {}
+        problems = [unknown_key_problem(str(k), ["name", "checkpoints", "benchmarks", "data_dir"], "")
+                    for k in raw if k not in ("name", "checkpoints", "benchmarks", "data_dir")]  # fmt: skip
+        spec = raw.get("benchmarks") or {}
+        problems += check_benchmarks(spec if isinstance(spec, dict) else {})
+        checkpoints = raw.get("checkpoints") or []
+        if problems:
+            raise ConfigError(problems, source=str(path))
+        name, data_dir = raw.get("name") or path.stem, data_dir or raw.get("data_dir")
+    else:
+        name, checkpoints, spec = "bench", paths, {b: {} for b in DEFAULT_SET}
+    if benchmarks:
+        unknown = [b for b in benchmarks if b not in BENCHMARKS]
+        if unknown:
+            raise ConfigError([unknown_key_problem(b, list(BENCHMARKS), "", what="benchmark") for b in unknown])
+        spec = {b: spec.get(b, {}) for b in benchmarks}
+    spec = {k: dict(v or {}) for k, v in spec.items()}
+    for item in sets:  # --set perplexity.split=val
+        key, _, raw_value = item.partition("=")
+        bench, _, param = key.partition(".")
+        if not param:
+            raise ConfigError(f"--set {item!r} must look like BENCHMARK.PARAM=VALUE")
+        spec.setdefault(bench, {})[param] = yaml.safe_load(raw_value)
+    problems = check_benchmarks(spec)
+    resolved = []
+    for pattern in checkpoints:
+        matches = sorted(glob.glob(str(pattern))) if any(c in str(pattern) for c in "*?[") else [str(pattern)]
+        if not matches or not all(Path(m).exists() for m in matches):
+            problems.append(f"checkpoint {pattern!r} not found (a run folder or a checkpoint folder)")
+        resolved += matches
+    if problems:
+        raise ConfigError(problems)
+    return BenchPlan(name, tuple(resolved), spec, data_dir)
+
+
+def _key(record: dict) -> tuple:
+    return record.get("benchmark"), record.get("model_path"), json.dumps(record.get("params"), sort_keys=True)
+
+
+def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
+    """Runs every benchmark on every checkpoint; returns the records file."""
+    from attnlab.eval.loading import load_for_eval
+
+    out_dir = Path(out_dir)
+    records_path = out_dir / "records.jsonl"
+    done = {_key(r) for r in read_records(records_path)} if records_path.exists() else set()
+    for checkpoint in plan.checkpoints:
+        model = load_for_eval(checkpoint, data_dir=plan.data_dir)
+        for name, params in plan.benchmarks.items():
+            full = {**parameters(name), **params}
+            if (name, str(model.path), json.dumps(full, sort_keys=True)) in done:
+                log(f"{model.name} {name}: recorded already, skipped")
+                continue
+            log(f"{model.name} {name} ...")
+            records = BENCHMARKS[name](model, out_dir, plan.data_dir, **params)
+            for record in records:
+                record["params"] = full
+                record["benchmark"] = name  # the harness's name for it (e.g. rope_extrapolation)
+            append_records(records_path, records)
+    return records_path
