@@ -163,6 +163,15 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from attnlab.eval.report import build_report
+
+    result = build_report(args.dir)
+    counts = f"{len(result['tables'])} tables, {len(result['plots'])} plots"
+    print(f"report: {result['markdown']}  {result['html']}  ({counts})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -213,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="artifacts folder (default results/<manifest name>)")
     p.add_argument("--list", action="store_true", help="list the benchmarks and their parameters")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("report", help="tables, plots, report.md and report.html from a bench folder's records")
+    p.add_argument("dir", help="the folder `attnlab bench` wrote (holds records.jsonl)")
+    p.set_defaults(func=cmd_report)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes")
     p.add_argument("config")
     p.add_argument("--dtype", default="fp16", help="KV storage dtype: fp32, fp16, bf16 (default fp16)")

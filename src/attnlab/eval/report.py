@@ -1,0 +1,377 @@
+"""`attnlab report DIR`: tables (Markdown, CSV, LaTeX) and PNG plots from DIR/records.jsonl, then
+DIR/report.md and a self-contained DIR/report.html (plots embedded). Pure functions of the records: a
+report can be redrawn at any time without running anything."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from attnlab.errors import DataError
+from attnlab.eval.records import read_records
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+class Table:
+    """A titled table: headers and rows of plain values; renders to Markdown, CSV and LaTeX."""
+
+    def __init__(self, name: str, title: str, headers: list[str], rows: list[list], note: str = ""):
+        self.name, self.title, self.headers, self.rows, self.note = name, title, headers, rows, note
+
+    def markdown(self) -> str:
+        lines = ["| " + " | ".join(self.headers) + " |", "|" + " --- |" * len(self.headers)]
+        lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in self.rows]
+        return "\n".join(lines) + (f"\n\n{self.note}" if self.note else "")
+
+    def csv(self) -> str:
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(self.headers)
+        writer.writerows(self.rows)
+        return out.getvalue()
+
+    def latex(self) -> str:
+        def esc(text: str) -> str:
+            return re.sub(r"([&%$#_{}])", r"\\\1", text).replace("±", r"$\pm$")
+
+        lines = [r"\begin{tabular}{" + "l" * len(self.headers) + "}", r"\hline"]
+        lines.append(" & ".join(esc(h) for h in self.headers) + r" \\ \hline")
+        lines += [" & ".join(esc(_fmt(v)) for v in row) + r" \\" for row in self.rows]
+        return "\n".join(lines + [r"\hline", r"\end{tabular}"]) + "\n"
+
+
+def _ok(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("status", "ok") == "ok"]
+
+
+def _by_model(rows: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[r["model"]].append(r)
+    return groups
+
+
+def perplexity_table(records: list[dict]) -> Table | None:
+    rows = [r for r in records if r["benchmark"] == "perplexity"]
+    if not rows:
+        return None
+    body = [[r["model"], r["kind"], r["split"], r["tokens"], r["loss"], "{:.3f} to {:.3f}".format(*r["loss_ci"]),
+             r["ppl"], "{:.2f} to {:.2f}".format(*r["ppl_ci"])] for r in rows]  # fmt: skip
+    return Table("perplexity", "Held-out perplexity", ["model", "kind", "split", "tokens", "loss", "loss 95% CI",
+                 "ppl", "ppl 95% CI"], body, "Intervals: percentile bootstrap over windows.")  # fmt: skip
+
+
+def kv_per_token(records: list[dict]) -> dict[str, float]:
+    """Measured KV bytes per token of context per model (memory records at their largest length)."""
+    out = {}
+    for model, rows in _by_model(_ok([r for r in records if r["benchmark"] == "memory"])).items():
+        largest = max(rows, key=lambda r: r["length"])
+        out[model] = largest["kv_bytes"] / largest["length"] / largest.get("batch_size", 1)
+    return out
+
+
+def memory_table(records: list[dict]) -> Table | None:
+    rows = [r for r in records if r["benchmark"] == "memory"]
+    if not rows:
+        return None
+    body = [[r["model"], r["kind"], r["length"], r.get("status"), r.get("kv_bytes"), r.get("kv_bytes_analytic"),
+             r.get("kv_matches_analytic"), r.get("peak_rss_bytes")] for r in rows]  # fmt: skip
+    return Table("memory", "KV-cache memory measured from live caches", ["model", "kind", "tokens", "status",
+                 "KV bytes (measured)", "KV bytes (analytic)", "equal", "peak RSS bytes"], body)  # fmt: skip
+
+
+def latency_table(records: list[dict]) -> Table | None:
+    rows = _ok([r for r in records if r["benchmark"] == "latency"])
+    if not rows:
+        return None
+    body = [[r["model"], r["kind"], r["prompt_length"], r["batch_size"], r["decode_tokens_per_s_median"],
+             f"{r['decode_tokens_per_s_min']:.0f}-{r['decode_tokens_per_s_max']:.0f}", r["ttft_ms_median"]]
+            for r in rows]  # fmt: skip
+    return Table("latency", "Cached decode speed", ["model", "kind", "prompt", "batch", "decode tok/s (median)",
+                 "range", "time to first token ms"], body, "Median of repeats after warm-up.")  # fmt: skip
+
+
+def probes_tables(records: list[dict]) -> list[Table]:
+    from attnlab.eval.stats import paired_comparison
+
+    summaries = [r for r in records if r["benchmark"] == "probes" and r.get("record") == "summary"]
+    if not summaries:
+        return []
+    models = [s["model"] for s in summaries]
+    categories = list(dict.fromkeys(c for s in summaries for c in s["categories"]))
+    body = [[c] + [f"{s['categories'][c]['correct']}/{s['categories'][c]['total']}" if c in s["categories"] else "-"
+                   for s in summaries] for c in categories]  # fmt: skip
+    body.append(["overall"] + [f"{s['overall']['correct']}/{s['overall']['total']} ({s['overall']['accuracy']:.1%})"
+                               for s in summaries])  # fmt: skip
+    tables = [Table("probes", "Behaviour probes: correct / total by category", ["category", *models], body)]
+    cases = _by_model([r for r in records if r["benchmark"] == "probes" and r.get("record") == "case"])
+    if len(models) >= 2 and models[0] in cases:
+        paired = []
+        for other in models[1:]:
+            if other not in cases:
+                continue
+            c = paired_comparison(cases[models[0]], cases[other], names=(models[0], other))
+            paired.append([other, c["b_only"], c["a_only"], c["mcnemar_p"], c["verdict"]])
+        tables.append(Table("probes_paired", f"Paired head-to-head against {models[0]} (McNemar exact, bootstrap CI)",
+                            ["model", "only it right", f"only {models[0]} right", "p", "verdict"], paired))  # fmt: skip
+    return tables
+
+
+def multiple_choice_table(records: list[dict]) -> Table | None:
+    rows = [r for r in records if r["benchmark"] == "multiple_choice"]
+    if not rows:
+        return None
+    body = [[r["model"], r["task"], r["n"], r["acc"], r.get("acc_stderr"), r.get("acc_norm"), r.get("acc_norm_stderr")]
+            for r in rows]  # fmt: skip
+    return Table("multiple_choice", "Zero-shot multiple choice (lm-eval definitions)",
+                 ["model", "task", "n", "acc", "± stderr", "acc_norm", "± stderr"], body)  # fmt: skip
+
+
+def needle_table(records: list[dict]) -> Table | None:
+    rows = [r for r in records if r["benchmark"] == "needle" and r.get("scope") == "cell"]
+    if not rows:
+        return None
+    body = [[r["model"], r["length"], r["depth"], r.get("status"), r.get("accuracy"), r.get("gain_mean"),
+             r.get("gain_sem")] for r in rows]  # fmt: skip
+    return Table("needle", "Passkey retrieval: strict accuracy and the needle's likelihood gain (nats)",
+                 ["model", "length", "depth", "status", "accuracy", "gain", "± sem"], body)  # fmt: skip
+
+
+def extrapolation_table(records: list[dict]) -> Table | None:
+    rows = [r for r in records if r["benchmark"] == "rope_extrapolation"]
+    if not rows:
+        return None
+    body = [[r["model"], r.get("factor"), r.get("length"), r.get("status"), r.get("loss"), r.get("ppl")] for r in rows]
+    return Table("rope_extrapolation", "Held-out loss beyond the training context",
+                 ["model", "factor", "tokens", "status", "loss", "ppl"], body)  # fmt: skip
+
+
+def sweep_table(records: list[dict]) -> Table | None:
+    rows = [r for r in records if r["benchmark"] == "context_sweep"]
+    if not rows:
+        return None
+    body = [[r["model"], r.get("length"), r.get("status"), r.get("prefill_ms"), r.get("last_chunk_ms"),
+             r.get("decode_ms_per_token"), r.get("last_chunk_loss")] for r in rows]  # fmt: skip
+    return Table("context_sweep", "Context sweep (chunked prefill)", ["model", "tokens", "status", "prefill ms",
+                 "last chunk ms", "decode ms/token", "last-chunk loss"], body)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def pareto_plot(records: list[dict], path: Path) -> Path | None:
+    """Perplexity against measured KV bytes/token and against decode tok/s: the quality-efficiency frontier."""
+    ppl = {r["model"]: r["ppl"] for r in records if r["benchmark"] == "perplexity"}
+    kv = kv_per_token(records)
+    speed = {}
+    for model, rows in _by_model(_ok([r for r in records if r["benchmark"] == "latency"])).items():
+        speed[model] = min(rows, key=lambda r: (r["prompt_length"], r["batch_size"]))["decode_tokens_per_s_median"]
+    if not ppl or not (kv or speed):
+        return None
+    plt = _figure()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, xs, label in ((axes[0], kv, "KV bytes per token (measured)"), (axes[1], speed, "decode tokens/s")):
+        for model in ppl:
+            if model in xs:
+                ax.scatter(xs[model], ppl[model])
+                ax.annotate(model, (xs[model], ppl[model]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out perplexity")
+        ax.grid(alpha=0.3)
+    axes[0].set_xscale("log")
+    fig.suptitle("Quality against efficiency (lower-left is better on the left, lower-right on the right)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def lines_plot(
+    records: list[dict], benchmark: str, x: str, y: str, xlabel: str, ylabel: str, path: Path
+) -> Path | None:
+    rows = _ok([r for r in records if r["benchmark"] == benchmark and r.get(y) is not None and r.get(x) is not None])
+    if not rows:
+        return None
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for model, group in _by_model(rows).items():
+        group = sorted(group, key=lambda r: r[x])
+        ax.plot([r[x] for r in group], [r[y] for r in group], marker="o", label=model)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def probe_bars(records: list[dict], path: Path) -> Path | None:
+    summaries = [r for r in records if r["benchmark"] == "probes" and r.get("record") == "summary"]
+    if not summaries:
+        return None
+    plt = _figure()
+    categories = list(dict.fromkeys(c for s in summaries for c in s["categories"]))
+    fig, ax = plt.subplots(figsize=(max(7, len(categories) * 0.7), 4))
+    width = 0.8 / len(summaries)
+    for i, s in enumerate(summaries):
+        values = [s["categories"].get(c, {}).get("accuracy", 0) for c in categories]
+        ax.bar([j + i * width for j in range(len(categories))], values, width, label=s["model"])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=45, ha="right")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def loss_curves(records: list[dict], path: Path) -> Path | None:
+    """Validation loss against tokens seen, from the metrics.jsonl of each evaluated run (when present)."""
+    from attnlab.compare import plot_val_loss
+
+    runs, seen = [], set()
+    for r in records:
+        run_dir = Path(r.get("model_path", ""))
+        metrics = run_dir / "metrics.jsonl"
+        if r.get("model") in seen or not metrics.exists():
+            continue
+        seen.add(r["model"])
+        curve = [(row["tokens"], row["val_loss"]) for row in map(json.loads, metrics.read_text().splitlines())
+                 if "val_loss" in row]  # fmt: skip
+        runs.append({"target": r["model"], "phase": None, "val_curve": curve})
+    return plot_val_loss(runs, path) if runs else None
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def build_report(out_dir: str | Path) -> dict:
+    """Writes tables/, plots, report.md and report.html into out_dir; returns their paths."""
+    out_dir = Path(out_dir)
+    records_path = out_dir / "records.jsonl"
+    if not records_path.exists():
+        raise DataError(f"{records_path} not found: run `attnlab bench ... --out {out_dir}` first")
+    records = read_records(records_path)
+    tables = [t for t in (perplexity_table(records), memory_table(records), latency_table(records),
+                          multiple_choice_table(records), needle_table(records), sweep_table(records),
+                          extrapolation_table(records)) if t] + probes_tables(records)  # fmt: skip
+    (out_dir / "tables").mkdir(exist_ok=True)
+    for t in tables:
+        for suffix, text in ((".md", t.markdown()), (".csv", t.csv()), (".tex", t.latex())):
+            (out_dir / "tables" / f"{t.name}{suffix}").write_text(text)
+    plots = {
+        "Validation loss during training": loss_curves(records, out_dir / "loss_curves.png"),
+        "Quality against efficiency": pareto_plot(records, out_dir / "pareto.png"),
+        "Decode speed against prompt length": lines_plot(
+            records,
+            "latency",
+            "prompt_length",
+            "decode_tokens_per_s_median",
+            "prompt tokens",
+            "decode tokens/s",
+            out_dir / "latency.png",
+        ),  # fmt: skip
+        "KV memory against context length": lines_plot(
+            records, "memory", "length", "kv_bytes", "tokens", "KV bytes (measured)", out_dir / "memory.png"
+        ),  # fmt: skip
+        "Decode cost at context": lines_plot(
+            records,
+            "context_sweep",
+            "length",
+            "decode_ms_per_token",
+            "tokens",
+            "decode ms/token",
+            out_dir / "context_sweep.png",
+        ),  # fmt: skip
+        "Probe accuracy by category": probe_bars(records, out_dir / "probes.png"),
+    }
+    plots.update(_analysis_plots(records, out_dir))
+    plots = {title: p for title, p in plots.items() if p}
+    models = list(dict.fromkeys(r["model"] for r in records if "model" in r))
+    parts = [f"# Evaluation report: {out_dir.name}", "",
+             f"{len(records)} records, {len(models)} checkpoints: {', '.join(models)}.", ""]  # fmt: skip
+    for t in tables:
+        parts += [f"## {t.title}", "", t.markdown(), ""]
+    for title, p in plots.items():
+        parts += [f"## {title}", "", f"![{title}]({Path(p).name})", ""]
+    markdown = "\n".join(parts)
+    (out_dir / "report.md").write_text(markdown)
+    (out_dir / "report.html").write_text(to_html(markdown, out_dir))
+    return {"markdown": out_dir / "report.md", "html": out_dir / "report.html", "tables": [t.name for t in tables],
+            "plots": [str(p) for p in plots.values()]}  # fmt: skip
+
+
+def _analysis_plots(records: list[dict], out_dir: Path) -> dict:
+    from attnlab.eval import plots
+
+    out = {}
+    ranks = [r for r in records if r["benchmark"] == "effective_rank"]
+    if ranks:
+        out["Effective rank of the Q/K projections"] = plots.rank_spectra(ranks, out_dir / "rank_spectra.png")
+    maps = [r for r in records if r["benchmark"] == "attention_maps"]
+    if maps:
+        out["Attention mass on marked regions"] = plots.region_mass_bars(maps, out_dir / "region_mass.png")
+    return out
+
+
+def to_html(markdown: str, base: Path) -> str:
+    """A self-contained HTML page from the report's Markdown: headings, paragraphs, tables, embedded PNGs."""
+    body, table = [], []
+
+    def flush_table():
+        if table:
+            rows = [[c.strip() for c in line.strip("|").split("|")] for line in table if not set(line) <= set("|- ")]
+            head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
+            cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>")
+            table.clear()
+
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush_table()
+        image = re.fullmatch(r"!\[(.*)\]\((.*)\)", line)
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            body.append(f"<h{level}>{html.escape(line.lstrip('# '))}</h{level}>")
+        elif image:
+            data = base64.b64encode((base / image.group(2)).read_bytes()).decode()
+            body.append(f'<img alt="{html.escape(image.group(1))}" src="data:image/png;base64,{data}">')
+        elif line.strip():
+            body.append(f"<p>{html.escape(line)}</p>")
+    flush_table()
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;"
+             "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px}img{max-width:100%}")  # fmt: skip
+    head = f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head>"
+    return head + f"<body>{''.join(body)}</body></html>"
