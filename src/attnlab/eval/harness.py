@@ -218,6 +218,9 @@ def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
     records_path = out_dir / "records.jsonl"
     done = {_key(r) for r in read_records(records_path)} if records_path.exists() else set()
     for checkpoint in plan.checkpoints:
+        if (Path(checkpoint) / "checkpoints").exists() and not (Path(checkpoint) / "summary.json").exists():
+            log(f"{checkpoint}: training has not finished (no summary.json), skipped")
+            continue
         model = load_for_eval(checkpoint, data_dir=plan.data_dir)
         for name, params in plan.benchmarks.items():
             full = {**parameters(name), **params}
