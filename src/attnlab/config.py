@@ -253,8 +253,8 @@ def model_config_from_dict(data: Any, source: str | None = None) -> ModelConfig:
         raise e.with_source(source) if source else e from None
 
 
-def load_config(path: str | Path) -> ModelConfig:
-    """Reads a model config YAML file (top-level keys = ModelConfig fields, or one `model:` key)."""
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's data ({} when empty); a missing file or bad YAML is a ConfigError naming the file."""
     import yaml
 
     path = Path(path)
@@ -266,7 +266,12 @@ def load_config(path: str | Path) -> ModelConfig:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"not valid YAML{at}: {getattr(e, 'problem', e)}", source=str(path)) from None
-    return model_config_from_dict(data if data is not None else {}, source=str(path))
+    return data if data is not None else {}
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Reads a model config YAML file (top-level keys = ModelConfig fields, or one `model:` key)."""
+    return model_config_from_dict(read_yaml(path), source=str(path))
 
 
 # ----------------------------------------------------------------------------- data and training

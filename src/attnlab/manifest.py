@@ -35,6 +35,7 @@ from attnlab.config import (
     ModelConfig,
     TrainConfig,
     model_config_from_dict,
+    read_yaml,
     section_from_dict,
     unknown_key_problem,
 )
@@ -171,16 +172,9 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict)
 def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> Manifest:
     """Reads and fully resolves a manifest; raises one ConfigError listing every problem."""
     path = Path(path)
-    if not path.exists():
-        raise ConfigError("file not found (check the path)", source=str(path))
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"not valid YAML{at}: {getattr(e, 'problem', e)}", source=str(path)) from None
+    raw = read_yaml(path)
     problems: list[str] = []
-    raw = _check_keys(raw if raw is not None else {}, TOP_KEYS, "", problems)
+    raw = _check_keys(raw, TOP_KEYS, "", problems)
     variables = raw.get("vars") or {}
     if not isinstance(variables, dict):
         problems.append("vars must be a mapping of names to values")

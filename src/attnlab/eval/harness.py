@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from attnlab.config import unknown_key_problem
+from attnlab.config import read_yaml, unknown_key_problem
 from attnlab.errors import ConfigError
 from attnlab.eval.records import append_records, read_records
 
@@ -169,9 +169,7 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
     """A plan from one benchmark manifest (YAML with `benchmarks`), or from checkpoint paths (default set)."""
     if len(paths) == 1 and paths[0].endswith((".yml", ".yaml")):
         path = Path(paths[0])
-        if not path.exists():
-            raise ConfigError("file not found (check the path)", source=str(path))
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path)
         problems = [unknown_key_problem(str(k), ["name", "checkpoints", "benchmarks", "data_dir"], "")
                     for k in raw if k not in ("name", "checkpoints", "benchmarks", "data_dir")]  # fmt: skip
         spec = raw.get("benchmarks") or {}
