@@ -123,9 +123,9 @@ def test_gram_route_equals_svd_and_chunking_does_not_matter():
             pooled = k.transpose(1, 2).reshape(-1, 16).double().numpy()
             pooled = pooled - pooled.mean(axis=0) if center else pooled
             assert a["k"]["erank"] == pytest.approx(reference_erank(pooled), rel=1e-6)
-            for name in a:
-                assert b[name]["erank"] == pytest.approx(a[name]["erank"], rel=1e-9)
-                assert b[name]["erank_heads"] == pytest.approx(a[name]["erank_heads"], rel=1e-9)
+            for name in a:  # fp32 activations of one batch of 4 and of 4 batches of 1 differ in the last bits
+                assert b[name]["erank"] == pytest.approx(a[name]["erank"], rel=1e-6)
+                assert b[name]["erank_heads"] == pytest.approx(a[name]["erank_heads"], rel=1e-6)
 
 
 # ---- captures ------------------------------------------------------------------------------------------
