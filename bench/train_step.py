@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per model per round (default 2)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=240.0,
+        help="stop starting new rounds (after at least 2) once the next one would end past this many seconds "
+        "(default 240; a busy shared machine can make steps 10x slower)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per model before round 1")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of variants")
@@ -214,7 +222,12 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.warmup):
             steps[case.name]()
     matmul, matmul_loads = [], []
+    started = time.perf_counter()
     for r in range(args.rounds):
+        elapsed = time.perf_counter() - started
+        if r >= 2 and elapsed * (r + 1) / r > args.time_budget:
+            print(f"  stopping after {r} rounds: the time budget of {args.time_budget:.0f}s would be exceeded")
+            break
         load.lap()
         matmul.append(matmul_gflops(repeats=3))
         matmul_loads.append(load.lap())
@@ -269,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             "matmul_gflops_rounds": matmul,
             "matmul_other_load": matmul_loads,
             "fraction_of_matmul": achieved / matmul_ref,
-            "rounds": args.rounds,
+            "rounds": len(matmul),
             "steps_per_round": args.steps,
         }
         records.append(row("train_step", case.cfg.config_hash(), env, **figures))
@@ -289,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     if env["other_load"] is not None and env["other_load"] > 0.1:
         print(f"\nWARNING: other processes used {env['other_load']:.0%} of the machine's CPU during the run")
     print(
-        f"\nreference fp32 matmul 2048^3: {matmul_ref:.0f} GFLOP/s (median of {args.rounds} rounds: "
+        f"\nreference fp32 matmul 2048^3: {matmul_ref:.0f} GFLOP/s (median of {len(matmul)} rounds: "
         + ", ".join(f"{g:.0f}" for g in matmul)
         + ")"
     )
