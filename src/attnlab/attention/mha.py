@@ -68,8 +68,9 @@ class HeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None):
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split((q_width, kv_width, kv_width), dim=-1)
-        q = self.rotary(split_heads(q, self.n_heads), positions)  # (B, H, T, D)
-        k = self.rotary(split_heads(k, self.n_kv_heads), positions)  # (B, H_kv, T, D)
+        # One RoPE call for q and k together: (B, H + H_kv, T, D), then split (fewer small ops per step).
+        qk = self.rotary(torch.cat((split_heads(q, self.n_heads), split_heads(k, self.n_kv_heads)), dim=1), positions)
+        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)  # (B, H, T, D), (B, H_kv, T, D)
         v = split_heads(v, self.n_kv_heads)
         k_pos = None
         if cache is not None:

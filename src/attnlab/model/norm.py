@@ -15,4 +15,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 as Llama does, so low-precision activations do not lose the mean square.
+        if x.dtype == torch.float32:  # one fused call, no casts (this is on the decode hot path)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
