@@ -8,12 +8,10 @@ dtype, threads, git commit and the model's config hash.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -123,26 +121,11 @@ def environment(device: str = "cpu", dtype: str = "fp32") -> dict:
 
 
 def append_rows(name: str, rows: list[dict]) -> Path:
-    """Appends rows as JSON lines to bench/results/<name>.jsonl, atomically: the old content plus the new
-    rows go to a temporary file in the same directory, which then replaces the old file, so an interrupted
-    run never leaves a truncated record."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.jsonl"
-    old = path.read_text() if path.exists() else ""
-    if old and not old.endswith("\n"):
-        old += "\n"
-    new = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
-    fd, tmp = tempfile.mkstemp(dir=RESULTS_DIR, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(old + new)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Appends rows as JSON lines to bench/results/<name>.jsonl, atomically (attnlab's record writer: the old
+    content plus the new rows replace the file in one rename, so an interrupted run never truncates it)."""
+    from attnlab.eval.records import append_records
+
+    return append_records(RESULTS_DIR / f"{name}.jsonl", rows)
 
 
 def row(benchmark: str, config_hash: str, env: dict, **figures) -> dict:

@@ -12,6 +12,7 @@ import re
 import statistics
 from pathlib import Path
 
+from attnlab.data.files import atomic_write_text
 from attnlab.errors import DataError
 
 SEED_DIR = re.compile(r"seed(\d+)")
@@ -147,9 +148,7 @@ def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: s
     out_dir.mkdir(parents=True, exist_ok=True)
     markdown = to_markdown(rows)
     paths = {"markdown": out_dir / "compare.md", "csv": out_dir / "compare.csv", "plot": out_dir / "val_loss.png"}
-    for key, text in (("markdown", markdown), ("csv", to_csv(rows))):
-        tmp = paths[key].with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(paths[key])
+    atomic_write_text(paths["markdown"], markdown)
+    atomic_write_text(paths["csv"], to_csv(rows))
     plot_val_loss(runs, paths["plot"])
     return {"rows": rows, "text": markdown, **paths}

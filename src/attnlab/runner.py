@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from attnlab.config import unknown_key_problem
+from attnlab.data.files import atomic_write_text
 from attnlab.errors import ConfigError
 from attnlab.manifest import Manifest, RunSpec
 from attnlab.train.checkpoint import write_json_atomic
@@ -32,14 +33,6 @@ def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
     if problems:
         raise ConfigError(problems, source=str(manifest.path))
     return [r for r in manifest.runs if (not targets or r.target in targets) and (not seeds or r.seed in seeds)]
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    import os
-
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def run_manifest(
@@ -97,8 +90,8 @@ def run_manifest(
             continue
         if dist_info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            _write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-            _write_text_atomic(run_dir / "command.txt", shlex.join(sys.argv) + "\n")
+            atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+            atomic_write_text(run_dir / "command.txt", shlex.join(sys.argv) + "\n")
         log(f"{label}: training {spec.train.steps} steps ({model_cfg.attention.kind}) into {run_dir}")
         start = time.perf_counter()
         summary = train(
