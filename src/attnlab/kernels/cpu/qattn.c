@@ -1,0 +1,415 @@
+/* Decode attention over quantized KV rows, for attnlab.cache.quantized (CPU, one query per head).
+ *
+ * Rows are a token's values over all KV heads, H_kv * d, in one of the cache's storage formats:
+ *   0 fp32, 1 fp16, 2 bf16 (the row's bytes), 3 q8_0, 4 q4_0, 5 nf4 (ggml blocks of 32 values: quants
+ *   (n, nb, 32 | 16) and fp16 scales (n, nb, 2) in two arrays, as the cache stores them).
+ * Rows are decoded a few at a time into a small float buffer that stays in L1 and used at once: the cache
+ * is read in its stored width and no full-precision copy of it is written.
+ *
+ *   attnlab_scores: s[b, h, t] (+)= sum_i q[b, h, i] * K[b, t, h / G, i]      (h: query head, G = H / H_kv)
+ *   attnlab_wsum:   o[b, h, i]  += sum_t p[b, h, t] * V[b, t, h / G, i]
+ *
+ *   attnlab_quantize: rows of floats -> q8_0 / q4_0 / nf4 blocks, byte for byte what attnlab.quant.quantize
+ *                     (and ggml) writes; built with -ffp-contract=off so its two-rounding steps stay two.
+ *
+ * Decoded values are exactly those of attnlab.quant.dequantize (fp16 scale times the code, in fp32); only the
+ * order of the sums differs from a matmul (and with the number of threads). Built by attnlab.kernels.cpu with the
+ * system C compiler; with OpenMP, the calls share the threads of PyTorch's OpenMP runtime (torch.set_num_threads).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MAX_WIDTH 4096 /* values in a row, H_kv * d (the decode buffers live on the stack) */
+#define TILE 16        /* rows decoded together */
+#define PARALLEL_MIN 65536 /* values read below which a call stays on one thread (OpenMP, when built with it) */
+
+static const float NF4[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
+    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
+    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
+    0.7229568362236023f, 1.0f};
+
+#if defined(__F16C__)
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exponent = 113;
+            while (!(mantissa & 0x400)) {
+                mantissa <<= 1;
+                exponent--;
+            }
+            bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Row t of a segment (width values) as floats: a pointer into the segment for fp32, else decoded into buf
+ * (portable C; row_values below uses AVX-512 where the machine has it). */
+static inline const float *row_values_c(int fmt, const uint8_t *quants, const uint8_t *scales, int64_t t,
+                                      int64_t width, float *restrict buf) {
+    const int64_t nb = width / 32;
+    switch (fmt) {
+    case 0:
+        return (const float *)(quants + t * width * 4);
+    case 1: {
+        const uint16_t *row = (const uint16_t *)(quants + t * width * 2);
+        for (int64_t i = 0; i < width; i++) buf[i] = half_to_float(row[i]);
+        return buf;
+    }
+    case 2: {
+        const uint16_t *row = (const uint16_t *)(quants + t * width * 2);
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) buf[i] = bf16_to_float(row[i]);
+        return buf;
+    }
+    case 3: {
+        const int8_t *row = (const int8_t *)(quants + t * nb * 32);
+        const uint16_t *scale = (const uint16_t *)(scales + t * nb * 2);
+        for (int64_t b = 0; b < nb; b++) {
+            const float d = half_to_float(scale[b]);
+            const int8_t *qs = row + b * 32;
+            float *restrict out = buf + b * 32;
+#pragma omp simd
+            for (int i = 0; i < 32; i++) out[i] = d * (float)qs[i];
+        }
+        return buf;
+    }
+    default: { /* 4 q4_0, 5 nf4: byte j holds element j (low nibble) and j + 16 (high nibble) */
+        const uint8_t *row = quants + t * nb * 16;
+        const uint16_t *scale = (const uint16_t *)(scales + t * nb * 2);
+        for (int64_t b = 0; b < nb; b++) {
+            const float d = half_to_float(scale[b]);
+            const uint8_t *qs = row + b * 16;
+            float *restrict out = buf + b * 32;
+            if (fmt == 4) {
+                for (int i = 0; i < 16; i++) {
+                    out[i] = d * (float)((int)(qs[i] & 15) - 8);
+                    out[i + 16] = d * (float)((int)(qs[i] >> 4) - 8);
+                }
+            } else {
+                for (int i = 0; i < 16; i++) {
+                    out[i] = d * NF4[qs[i] & 15];
+                    out[i + 16] = d * NF4[qs[i] >> 4];
+                }
+            }
+        }
+        return buf;
+    }
+    }
+}
+
+
+#if defined(__AVX512F__)
+static inline const float *row_values(int fmt, const uint8_t *quants, const uint8_t *scales, int64_t t,
+                                      int64_t width, float *restrict buf) {
+    const int64_t nb = width / 32;
+    switch (fmt) {
+    case 0:
+        return (const float *)(quants + t * width * 4);
+    case 1:
+    case 2: {
+        const uint16_t *row = (const uint16_t *)(quants + t * width * 2);
+        int64_t i = 0;
+        for (; i + 16 <= width; i += 16) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(row + i));
+            const __m512 v = fmt == 1 ? _mm512_cvtph_ps(h)
+                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            _mm512_storeu_ps(buf + i, v);
+        }
+        for (; i < width; i++) buf[i] = fmt == 1 ? half_to_float(row[i]) : bf16_to_float(row[i]);
+        return buf;
+    }
+    case 3: {
+        const int8_t *row = (const int8_t *)(quants + t * nb * 32);
+        const uint16_t *scale = (const uint16_t *)(scales + t * nb * 2);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 d = _mm512_set1_ps(half_to_float(scale[b]));
+            const __m256i qs = _mm256_loadu_si256((const __m256i *)(row + b * 32));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(qs)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(qs, 1)));
+            _mm512_storeu_ps(buf + b * 32, _mm512_mul_ps(d, lo));
+            _mm512_storeu_ps(buf + b * 32 + 16, _mm512_mul_ps(d, hi));
+        }
+        return buf;
+    }
+    default: { /* 4 q4_0, 5 nf4 */
+        const uint8_t *row = quants + t * nb * 16;
+        const uint16_t *scale = (const uint16_t *)(scales + t * nb * 2);
+        const __m512i mask = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+        const __m512 table = _mm512_loadu_ps(NF4);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 d = _mm512_set1_ps(half_to_float(scale[b]));
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b * 16)));
+            const __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_srli_epi32(bytes, 4);
+            __m512 vlo, vhi;
+            if (fmt == 4) {
+                vlo = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight));
+                vhi = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight));
+            } else {
+                vlo = _mm512_permutexvar_ps(lo, table);
+                vhi = _mm512_permutexvar_ps(hi, table);
+            }
+            _mm512_storeu_ps(buf + b * 32, _mm512_mul_ps(d, vlo));
+            _mm512_storeu_ps(buf + b * 32 + 16, _mm512_mul_ps(d, vhi));
+        }
+        return buf;
+    }
+    }
+}
+#else
+#define row_values row_values_c
+#endif
+
+#if defined(__AVX512F__)
+/* v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes: a transpose-and-add tree, about 3 ops per
+ * vector instead of a horizontal reduction each. */
+static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#endif
+
+/* Scores of a tile of `count` rows (row pointers) for every query head, into s (head stride s_hstride). */
+static inline void tile_scores(const float *const *rows, int64_t count, int64_t heads, int64_t group, int64_t d,
+                               const float *q, int64_t q_hstride, float *s, int64_t s_hstride, int accumulate) {
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+        const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+        for (int64_t h = 0; h < heads; h++) {
+            const float *qh = q + h * q_hstride;
+            const int64_t offset = (h / group) * d;
+            __m512 v[TILE];
+            for (int64_t j = 0; j < TILE; j++) {
+                __m512 acc = _mm512_setzero_ps();
+                if (j < count)
+                    for (int64_t c = 0; c < d; c += 16)
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c), _mm512_loadu_ps(rows[j] + offset + c), acc);
+                v[j] = acc;
+            }
+            __m512 sum = sum_lanes16(v);
+            float *o = s + h * s_hstride;
+            if (accumulate) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, o));
+            _mm512_mask_storeu_ps(o, mask, sum);
+        }
+        return;
+    }
+#endif
+    for (int64_t h = 0; h < heads; h++) {
+        const float *qh = q + h * q_hstride;
+        const int64_t offset = (h / group) * d;
+        for (int64_t j = 0; j < count; j++) {
+            const float *kh = rows[j] + offset;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t i = 0; i < d; i++) acc += qh[i] * kh[i];
+            s[h * s_hstride + j] = accumulate ? s[h * s_hstride + j] + acc : acc;
+        }
+    }
+}
+
+/* acc[h] += sum over a tile of `count` rows of p[h, j] * row_j[h / G] (p head stride p_hstride). */
+static inline void tile_wsum(const float *const *rows, int64_t count, int64_t heads, int64_t group, int64_t d,
+                             const float *p, int64_t p_hstride, float *acc) {
+    for (int64_t h = 0; h < heads; h++) {
+        const float *ph = p + h * p_hstride;
+        const int64_t offset = (h / group) * d;
+        float *restrict ah = acc + h * d;
+#if defined(__AVX512F__)
+        if (d % 16 == 0) {
+            for (int64_t c = 0; c < d; c += 16) {
+                __m512 a = _mm512_loadu_ps(ah + c);
+                for (int64_t j = 0; j < count; j++)
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(ph[j]), _mm512_loadu_ps(rows[j] + offset + c), a);
+                _mm512_storeu_ps(ah + c, a);
+            }
+            continue;
+        }
+#endif
+        for (int64_t j = 0; j < count; j++) {
+            const float w = ph[j], *vh = rows[j] + offset;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) ah[i] += w * vh[i];
+        }
+    }
+}
+
+/* q: (B, H, d) float with element strides (q_bstride, q_hstride, 1); K rows: n rows (B, n, H_kv * d) in format
+ * fmt with batch strides in bytes; s: (B, H, >= n) float with strides (s_bstride, s_hstride, 1).
+ * accumulate: add to s instead of overwriting it. Returns 0, -1 for a row wider than MAX_WIDTH, -2 out of memory. */
+int attnlab_scores(int fmt, const uint8_t *quants, const uint8_t *scales, int64_t quants_bstride,
+                   int64_t scales_bstride, int64_t batch, int64_t n, int64_t kv_heads, int64_t d, const float *q,
+                   int64_t q_bstride, int64_t q_hstride, int64_t group, float *s, int64_t s_bstride,
+                   int64_t s_hstride, int accumulate) {
+    const int64_t width = kv_heads * d, heads = kv_heads * group, tiles = (n + TILE - 1) / TILE;
+    if (width > MAX_WIDTH) return -1;
+    int failed = 0;
+#pragma omp parallel if (n * width >= PARALLEL_MIN) reduction(| : failed)
+    {
+        float *buf = malloc(sizeof(float) * TILE * width);
+        const float *rows[TILE];
+        failed = buf == NULL;
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < batch * tiles; job++) {
+            if (failed) continue;
+            const int64_t b = job / tiles, t0 = (job % tiles) * TILE, count = n - t0 < TILE ? n - t0 : TILE;
+            const uint8_t *qb = quants + b * quants_bstride, *sb = scales ? scales + b * scales_bstride : 0;
+            for (int64_t j = 0; j < count; j++) rows[j] = row_values(fmt, qb, sb, t0 + j, width, buf + j * width);
+            tile_scores(rows, count, heads, group, d, q + b * q_bstride, q_hstride, s + b * s_bstride + t0,
+                        s_hstride, accumulate);
+        }
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}
+
+/* p: (B, H, >= n) float with strides (p_bstride, p_hstride, 1); V rows as in attnlab_scores; o: (B, H, d) float
+ * with strides (o_bstride, o_hstride, 1), added to. Returns as attnlab_scores does. */
+int attnlab_wsum(int fmt, const uint8_t *quants, const uint8_t *scales, int64_t quants_bstride,
+                 int64_t scales_bstride, int64_t batch, int64_t n, int64_t kv_heads, int64_t d, const float *p,
+                 int64_t p_bstride, int64_t p_hstride, int64_t group, float *o, int64_t o_bstride,
+                 int64_t o_hstride) {
+    const int64_t width = kv_heads * d, heads = kv_heads * group, tiles = (n + TILE - 1) / TILE;
+    if (width > MAX_WIDTH) return -1;
+    int failed = 0;
+#pragma omp parallel if (n * width >= PARALLEL_MIN) reduction(| : failed)
+    {
+        /* Each thread sums its share of the rows into its own accumulator, then adds it to o. */
+        float *buf = malloc(sizeof(float) * TILE * width), *acc = calloc(batch * heads * d, sizeof(float));
+        const float *rows[TILE];
+        failed = buf == NULL || acc == NULL;
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < batch * tiles; job++) {
+            if (failed) continue;
+            const int64_t b = job / tiles, t0 = (job % tiles) * TILE, count = n - t0 < TILE ? n - t0 : TILE;
+            const uint8_t *qb = quants + b * quants_bstride, *sb = scales ? scales + b * scales_bstride : 0;
+            for (int64_t j = 0; j < count; j++) rows[j] = row_values(fmt, qb, sb, t0 + j, width, buf + j * width);
+            tile_wsum(rows, count, heads, group, d, p + b * p_bstride + t0, p_hstride, acc + b * heads * d);
+        }
+#pragma omp critical
+        if (!failed)
+            for (int64_t b = 0; b < batch; b++)
+                for (int64_t h = 0; h < heads; h++) {
+                    float *restrict oh = o + b * o_bstride + h * o_hstride;
+                    const float *ah = acc + (b * heads + h) * d;
+                    for (int64_t i = 0; i < d; i++) oh[i] += ah[i];
+                }
+        free(buf);
+        free(acc);
+    }
+    return failed ? -2 : 0;
+}
+
+/* float -> fp16 bits, rounded to nearest even (as torch's .half()). */
+static inline uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, 0);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, abs = x & 0x7fffffff;
+    if (abs >= 0x7f800000) return sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0); /* inf, nan */
+    if (abs >= 0x477ff000) return sign | 0x7c00;                                  /* >= 65520: inf */
+    if (abs < 0x38800000) {                                                       /* below 2^-14: subnormal */
+        float a;
+        memcpy(&a, &abs, 4);
+        return sign | (uint16_t)rintf(a * 16777216.0f); /* units of 2^-24, exact scaling, nearest even */
+    }
+    uint32_t h = ((abs >> 23) - 112) << 10 | (abs & 0x7fffff) >> 13;
+    const uint32_t rest = abs & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++; /* a carry moves into the exponent, as it should */
+    return sign | h;
+#endif
+}
+
+/* rows (n, width) float with row stride x_rstride -> quants (n, width / 32, 32 | 16) and fp16 scales
+ * (n, width / 32, 2), contiguous. nf4_below / nf4_inside: attnlab.quant's NF4 lookup tables (256 cells).
+ * Returns 0, or -1 for a non-finite value or a scale beyond fp16 (nothing is promised about the output then:
+ * the caller runs attnlab.quant.quantize, which names the problem). */
+int attnlab_quantize(int fmt, const float *x, int64_t n, int64_t width, int64_t x_rstride, uint8_t *quants,
+                     uint8_t *scales, const uint8_t *nf4_below, const float *nf4_inside) {
+    const int64_t nb = width / 32, qbytes = fmt == 3 ? 32 : 16;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * x_rstride + b * 32;
+            uint8_t *q = quants + (r * nb + b) * qbytes;
+            uint16_t *scale = (uint16_t *)(scales + (r * nb + b) * 2);
+            float amax = fabsf(v[0]), max = v[0];
+            for (int i = 0; i < 32; i++) {
+                if (!isfinite(v[i])) return -1;
+                if (fabsf(v[i]) > amax) { /* the first value of the largest magnitude, as gguf (x[0] if all 0) */
+                    amax = fabsf(v[i]);
+                    max = v[i];
+                }
+            }
+            if (fmt == 3) { /* q8_0: d = amax / 127, q = round(x / d) half away from zero */
+                const float d = amax / 127.0f;
+                float id = d != 0.0f ? 1.0f / d : 0.0f;
+                if (isinf(id)) id = 0.0f;
+                for (int i = 0; i < 32; i++) ((int8_t *)q)[i] = (int8_t)roundf(v[i] * id);
+                *scale = float_to_half(d);
+            } else if (fmt == 4) { /* q4_0: d = max / -8, q = min(15, trunc(x / d + 8.5)) */
+                const float d = max / -8.0f;
+                float id = d != 0.0f ? 1.0f / d : 0.0f;
+                if (isinf(id)) id = 0.0f;
+                uint8_t codes[32];
+                for (int i = 0; i < 32; i++) {
+                    const float product = v[i] * id, shifted = product + 8.5f;
+                    const int code = (int)shifted;
+                    codes[i] = (uint8_t)(code < 15 ? code : 15);
+                }
+                for (int i = 0; i < 16; i++) q[i] = codes[i] | (uint8_t)(codes[i + 16] << 4);
+                *scale = float_to_half(d);
+            } else { /* nf4: s = amax rounded up to fp16, q = nearest codebook entry to x / s (via the tables) */
+                uint16_t h = float_to_half(amax);
+                if (half_to_float(h) < amax) h++;
+                if ((h & 0x7c00) == 0x7c00) return -1;
+                const float divisor = h ? half_to_float(h) : 1.0f, m = 128.0f / divisor;
+                uint8_t codes[32];
+                for (int i = 0; i < 32; i++) {
+                    const float cellv = v[i] * m, shifted = cellv + 128.0f;
+                    int64_t cell = (int64_t)shifted;
+                    cell = cell < 0 ? 0 : (cell > 255 ? 255 : cell);
+                    codes[i] = (uint8_t)(nf4_below[cell] + (cellv > nf4_inside[cell]));
+                }
+                for (int i = 0; i < 16; i++) q[i] = codes[i] | (uint8_t)(codes[i + 16] << 4);
+                *scale = h;
+                continue;
+            }
+            if ((*scale & 0x7c00) == 0x7c00) return -1;
+        }
+    return 0;
+}

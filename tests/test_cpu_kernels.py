@@ -1,0 +1,157 @@
+"""The C decode-attention kernels (attnlab.kernels.cpu) against matmuls over attnlab.quant's dequantized rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.cache.quantized import Codec
+from attnlab.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no working C compiler for the CPU kernels")
+
+FORMATS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4"]
+SHAPES = [(8, 1, 16), (2, 4, 32), (1, 8, 64), (4, 2, 8), (2, 3, 48)]  # (H_kv, G, d): d % 16 == 0 and not
+
+
+def stored(fmt: str, rows: torch.Tensor) -> tuple[Codec, list[torch.Tensor]]:
+    codec = Codec(fmt, rows.shape[-1], True, 32, "k")
+    return codec, [t.contiguous() for t in codec.encode(rows)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kv_heads,group,d", SHAPES)
+def test_scores_and_wsum_match_matmuls_over_dequantized_rows(fmt, kv_heads, group, d):
+    g = torch.Generator().manual_seed(kv_heads * 100 + d)
+    batch, n, heads = 2, 37, kv_heads * group  # 37: two whole tiles of 16 and a partial one
+    codec, arrays = stored(fmt, torch.randn(batch, n, kv_heads * d, generator=g))
+    keys = codec.decode(arrays, torch.float32).view(batch, n, kv_heads, d).transpose(1, 2)  # (B, H_kv, n, d)
+    keys = keys.repeat_interleave(group, dim=1)  # query head h reads K/V head h // G
+    q = torch.randn(batch, heads, d + 3, generator=g)[..., 1 : d + 1]  # a strided view
+    out = torch.full((batch, heads, n + 5), 7.0)
+    cpu.scores(fmt, arrays, n, kv_heads, q, out, accumulate=False)
+    want = torch.einsum("bhd,bhtd->bht", q, keys)
+    torch.testing.assert_close(out[..., :n], want, rtol=1e-5, atol=1e-5)
+    assert (out[..., n:] == 7.0).all()  # nothing written past n
+    cpu.scores(fmt, arrays, n, kv_heads, q, out, accumulate=True)
+    torch.testing.assert_close(out[..., :n], 2 * want, rtol=1e-5, atol=1e-5)
+
+    p = torch.rand(batch, heads, n + 2, generator=g)
+    acc = torch.randn(batch, heads, d, generator=g)
+    o = acc.clone()
+    cpu.wsum(fmt, arrays, n, kv_heads, p, o)
+    torch.testing.assert_close(o, acc + torch.einsum("bht,bhtd->bhd", p[..., :n], keys), rtol=1e-5, atol=1e-5)
+
+
+def test_decoded_values_are_the_dequantized_values_exactly():
+    """A one-hot query reads single values back: the kernel decodes exactly as quant.dequantize does."""
+    g = torch.Generator().manual_seed(0)
+    for fmt in FORMATS:
+        codec, arrays = stored(fmt, torch.randn(1, 20, 64, generator=g) * 3)
+        values = codec.decode(arrays, torch.float32)  # (1, 20, 64)
+        for i in (0, 5, 31, 63):
+            q = torch.zeros(1, 1, 64)
+            q[0, 0, i] = 1.0
+            out = torch.empty(1, 1, 20)
+            cpu.scores(fmt, arrays, 20, 1, q, out, accumulate=False)
+            assert torch.equal(out[0, 0], values[0, :, i]), (fmt, i)
+
+
+def test_build_is_cached_and_the_switch_turns_the_kernels_off(tmp_path, monkeypatch):
+    first = cpu.build(tmp_path)
+    assert first.exists() and cpu.build(tmp_path) == first
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+    monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "0")
+    cpu.library.cache_clear()
+    try:
+        assert cpu.library() is None
+    finally:
+        monkeypatch.delenv("ATTNLAB_CPU_KERNELS")
+        cpu.library.cache_clear()
+    assert cpu.available()
+
+
+def test_a_failing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="false failed on qattn.c"):
+        cpu.build(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q8_0", "q4_0"])
+def test_long_segments_split_over_threads_give_the_same_sums(fmt):
+    """Above qattn.c's PARALLEL_MIN the rows are shared among torch's threads (batch 3: jobs span sequences)."""
+    g = torch.Generator().manual_seed(1)
+    batch, n, kv_heads, group, d = 3, 1100, 4, 2, 32  # 1100 * 128 values per sequence
+    codec, arrays = stored(fmt, torch.randn(batch, n, kv_heads * d, generator=g))
+    keys = codec.decode(arrays, torch.float32).view(batch, n, kv_heads, d).transpose(1, 2)
+    keys = keys.repeat_interleave(group, dim=1)
+    q = torch.randn(batch, kv_heads * group, d, generator=g)
+    p = torch.rand(batch, kv_heads * group, n, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, o = torch.empty(batch, kv_heads * group, n), torch.zeros(batch, kv_heads * group, d)
+        cpu.scores(fmt, arrays, n, kv_heads, q, out, accumulate=False)
+        cpu.wsum(fmt, arrays, n, kv_heads, p, o)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, torch.einsum("bhd,bhtd->bht", q, keys), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o, torch.einsum("bht,bhtd->bhd", p, keys), rtol=1e-4, atol=1e-4)
+
+
+def adversarial_rows(fmt: str) -> torch.Tensor:
+    """Rows of 4 blocks: random at many scales, ties, zeros (signed), outliers, negative maxima, tiny values."""
+    g = torch.Generator().manual_seed(7)
+    limit = {"q8_0": 8e6, "q4_0": 5e5, "nf4": 6e4}[fmt]
+    rows = [torch.randn(128, generator=g) * s for s in (1e-30, 1e-6, 1e-2, 1, 30, limit / 10)]
+    grid = torch.randint(-16, 17, (128,), generator=g) / 2.0  # halves: ties of x / d at .5 for d = 1 and 0.5
+    rows += [grid, grid * 127 / 8, torch.zeros(128), -torch.zeros(128)]
+    signed_zero = torch.zeros(128)
+    signed_zero[::3] = -0.0
+    outlier = torch.randn(128, generator=g) * 0.01
+    outlier[[3, 40, 77, 100]] = torch.tensor([50.0, -50.0, 1e3, -1e3])
+    negative = torch.rand(128, generator=g)
+    negative[[0, 33, 70, 127]] = -2.0  # the signed maximum is negative (q4_0's d > 0)
+    both = torch.rand(128, generator=g)
+    both[[1, 2]], both[[60, 61]] = torch.tensor([-3.0, 3.0]), torch.tensor([3.0, -3.0])  # +-max ties: first wins
+    tiny = torch.full((128,), 1e-40) * torch.randn(128, generator=g).sign()  # float32 subnormals
+    rows += [signed_zero, outlier, negative, both, tiny, torch.full((128,), limit * 0.999)]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "nf4"])
+def test_quantize_writes_the_bytes_of_quant_quantize(fmt):
+    from attnlab import quant
+
+    x = adversarial_rows(fmt)
+    want = quant.quantize(x, fmt).view(x.shape[0], 4, -1)  # ggml's blocks: fp16 scale, then the codes
+    quants, scales = cpu.quantize(fmt, x)
+    assert torch.equal(scales, want[..., :2]) and torch.equal(quants, want[..., 2:])
+    strided = torch.cat((x, x), dim=-1)[:, 128:]  # rows with a stride of 256
+    assert all(torch.equal(a, b) for a, b in zip(cpu.quantize(fmt, strided), (quants, scales), strict=True))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "nf4"])
+def test_quantize_leaves_bad_values_to_quant_quantize(fmt):
+    for bad in (float("nan"), float("inf"), 1e9):  # 1e9: beyond every format's fp16 scale
+        x = torch.randn(2, 64)
+        x[1, 40] = bad
+        assert cpu.quantize(fmt, x) is None
+
+
+def test_the_portable_c_path_matches_too(tmp_path, monkeypatch):
+    """The same checks on a build without AVX-512 and F16C (the plain C loops, the software fp16 conversions)."""
+    import ctypes
+
+    flags = ("-mno-avx512f", "-mno-f16c") if "avx512f" in cpu._cpu_flags() else ()
+    portable = ctypes.CDLL(str(cpu.build(tmp_path, flags)))
+    for name, args in (("scores", cpu._SCORES_ARGS), ("wsum", cpu._WSUM_ARGS), ("quantize", cpu._QUANTIZE_ARGS)):
+        getattr(portable, f"attnlab_{name}").argtypes = args
+    monkeypatch.setattr(cpu, "library", lambda: portable)
+    for fmt in FORMATS:
+        for kv_heads, group, d in SHAPES:
+            test_scores_and_wsum_match_matmuls_over_dequantized_rows(fmt, kv_heads, group, d)
+    test_decoded_values_are_the_dequantized_values_exactly()
+    for fmt in ("q8_0", "q4_0", "nf4"):
+        test_quantize_writes_the_bytes_of_quant_quantize(fmt)
+        test_quantize_leaves_bad_values_to_quant_quantize(fmt)
