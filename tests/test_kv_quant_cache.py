@@ -9,6 +9,7 @@ from attnlab.accounting import kv_report
 from attnlab.cache.dense import DenseCache
 from attnlab.cache.quantized import KVPolicy
 from attnlab.errors import ConfigError, InputError
+from attnlab.kernels import cpu as cpu_kernels
 
 BASE = {"vocab_size": 97, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 96, "init_std": 0.1}
 MHA = {"kind": "mha", "n_kv_heads": 2}  # a token's k row: 2 heads x 16 = 32 values, one block
@@ -229,3 +230,55 @@ def test_flush_keeps_up_to_flush_minus_one_more_rows_at_full_precision():
     assert cache.nbytes() == expected == kv_report(model.cfg, "fp32", 64, "k=q8_0,v=q8_0,resid=16,flush=16")["kv_bytes"]
     run(model, cache, tokens(40, batch=1), prefill=5)
     assert cache.layers[0].stored == 16  # 40 - 16 = 24 tokens left the window: one block of 16 is quantized
+
+
+# -- the CPU kernel path (attend_one) ----------------------------------------------------------------------------
+KERNEL_CASES = [
+    (MHA, "k=q8_0,v=q4_0,resid=4"),  # GQA: 4 query heads over 2 KV heads
+    ({"kind": "mha"}, "k=nf4,v=fp16,flush=4"),
+    ({"kind": "mha", "n_kv_heads": 1}, "k=fp16,v=bf16"),  # MQA (rows of 16: float formats), no window
+    (DECOUPLED, "ksem=q4_0,kgeo=q8_0,v=q4_0,resid=8"),  # two key parts in two formats
+    (MLA, "latent=q4_0,krope=fp16,resid=4"),  # absorbed: K = [latent | k_rope], V = latent
+    (MLA, "latent=q8_0,krope=bf16"),
+]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no working C compiler for the CPU kernels")
+@pytest.mark.parametrize(("attention", "text"), KERNEL_CASES, ids=[f"{a['kind']}-{t}" for a, t in KERNEL_CASES])
+def test_kernel_decode_equals_the_pytorch_path(attention, text, monkeypatch):
+    model, ids = model_for(attention), tokens(60)
+    calls = []
+    scores = cpu_kernels.scores
+    monkeypatch.setattr(cpu_kernels, "scores", lambda *a, **k: calls.append(a[0]) or scores(*a, **k))
+    got = run(model, model.new_cache(2, 64, policy=text), ids, prefill=21)
+    assert len(calls) >= 2 * 39 * model.cfg.n_layers  # every decode step read the stored rows and the window
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    want = run(model, model.new_cache(2, 64, policy=text), ids, prefill=21)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    assert torch.equal(got[:, :21], want[:, :21])  # the prompt's chunk does not use the kernels
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no working C compiler for the CPU kernels")
+def test_kernel_greedy_tokens_equal_the_pytorch_path(monkeypatch):
+    model, prompt = model_for(MHA), tokens(30, batch=1)[0]
+    got = attnlab.generate(model, prompt, max_new_tokens=40, kv_policy="k=q4_0,v=q4_0,resid=8", compile=False)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    want = attnlab.generate(model, prompt, max_new_tokens=40, kv_policy="k=q4_0,v=q4_0,resid=8", compile=False)
+    assert torch.equal(got, want)
+
+
+def test_kernel_path_is_skipped_where_it_does_not_apply(monkeypatch):
+    """KIVI formats, a bounded (sliding) cache, a gradient: attend_one declines, having stored nothing."""
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "scores", lambda *a, **k: calls.append(a))
+    for attention, text in ((MHA, "k=kivi4,v=kivi4,group=8"), (SLIDING, "k=q8_0,v=q8_0")):
+        model = model_for(attention)
+        run(model, model.new_cache(2, 64, policy=text), tokens(40), prefill=20)
+    assert calls == []
+    model = model_for(MHA)
+    cache = model.new_cache(1, 64, policy="k=q8_0,v=q8_0")
+    model(tokens(8, batch=1), cache=cache)
+    layer = cache.layers[0]
+    q = torch.randn(1, 4, 1, 16, requires_grad=True)
+    new = {"k": torch.randn(1, 2, 1, 16), "v": torch.randn(1, 2, 1, 16)}
+    assert layer.attend_one(q, new, torch.tensor([8]), 0.25) is None and layer.seen == 8

@@ -115,11 +115,15 @@ class Decoupled(nn.Module):
             q_sem, q_geo = q_sem * sem_scale, q_geo * geo_scale
         q = torch.cat((q_sem, q_geo), dim=-1)  # (B, H, T, d_sem/H + d_geo/H)
         k = torch.cat((k_sem, k_geo), dim=-1)  # (B, H_kv, T, d_sem/H + d_geo/H)
+        null = self.null_k is not None
+        if not null and hasattr(cache, "attend_one"):  # a quantized cache reading its blocks in a kernel
+            y = cache.attend_one(q, {"k": k, "v": v}, positions, 1.0)
+            if y is not None:
+                return self.out(merge_heads(y)), cache
         k_pos = None
         if cache is not None:
             held, k_pos = cache.update({"k": k, "v": v}, positions)
             k, v = held["k"], held["v"]
-        null = self.null_k is not None
         mask, is_causal = attention_mask(positions, k_pos, None, null, getattr(cache, "static", False))
         if null:  # eq. 10: the null key's score has the same two-path form
             k, v = prepend_null(k, self.null_k), prepend_null(v, self.null_v)

@@ -82,11 +82,15 @@ class HeadAttention(nn.Module):
         qk = self.rotary(torch.cat((split_heads(q, self.n_heads), split_heads(k, self.n_kv_heads)), dim=1), positions)
         q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)  # (B, H, T, D), (B, H_kv, T, D)
         v = split_heads(v, self.n_kv_heads)
+        null = self.null_k is not None
+        if not null and hasattr(cache, "attend_one"):  # a quantized cache reading its blocks in a kernel
+            y = cache.attend_one(q, {"k": k, "v": v}, positions, 1 / math.sqrt(self.head_dim))
+            if y is not None:
+                return self.out(merge_heads(y)), cache
         k_pos = None
         if cache is not None:
             held, k_pos = cache.update({"k": k, "v": v}, positions)
             k, v = held["k"], held["v"]
-        null = self.null_k is not None
         if hasattr(cache, "mask"):  # bounded memories (cache/bounded.py): slots differ per sequence
             mask, is_causal = cache.mask(positions, k_pos, null), False
         else:

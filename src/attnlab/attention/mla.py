@@ -81,12 +81,17 @@ class MLA(nn.Module):
         q_rope = self.rotary(q_rope, positions)
         latent, k_rope = self.kv_down(x).split((self.d_latent, self.rope_dim), dim=-1)  # (B, T, .)
         latent = torch.cat((self.kv_norm(latent), self.rotary(k_rope, positions)), dim=-1)  # (B, T, L + R)
+        use_absorbed = self.cfg.absorb and cache is not None if absorb is None else absorb
+        if use_absorbed and hasattr(cache, "attend_one"):  # a quantized cache reading its blocks in a kernel
+            q_latent = torch.cat((self._absorb_query(q_nope), q_rope), dim=-1)
+            y = cache.attend_one(q_latent, {"latent": latent}, positions, self.scale, "latent", "latent", self.d_latent)
+            if y is not None:
+                return self.out(merge_heads(self._expand_values(y))), cache
         k_pos = None
         if cache is not None:
             held, k_pos = cache.update({"latent": latent}, positions)
             latent = held["latent"]  # (B, S, L + R)
         mask, is_causal = attention_mask(positions, k_pos, static=getattr(cache, "static", False))
-        use_absorbed = self.cfg.absorb and cache is not None if absorb is None else absorb
         if use_absorbed:
             y = self._absorbed(q_nope, q_rope, latent, mask, is_causal)
         else:
@@ -102,15 +107,22 @@ class MLA(nn.Module):
         k = torch.cat((k_nope, k_rope), dim=-1)
         return attend(q, k, v, mask, scale=self.scale, is_causal=is_causal)
 
-    def _absorbed(self, q_nope, q_rope, latent, mask, is_causal):
+    def _absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope (B, H, T, head_dim) -> its scores' weights on the latent, (B, H, T, d_latent)."""
         w_uk = self.k_up.weight.view(self.n_heads, self.head_dim, self.d_latent)
+        return torch.einsum("bhtd,hdl->bhtl", q_nope, w_uk)
+
+    def _expand_values(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """Attention output over the latent (B, H, T, d_latent) -> over the values, (B, H, T, v_dim)."""
         w_uv = self.v_up.weight.view(self.n_heads, self.v_dim, self.d_latent)
-        q_latent = torch.einsum("bhtd,hdl->bhtl", q_nope, w_uk)  # (B, H, T, d_latent)
-        q = torch.cat((q_latent, q_rope), dim=-1)  # (B, H, T, d_latent + d_rope)
+        return torch.einsum("bhtl,hvl->bhtv", out_latent, w_uv)
+
+    def _absorbed(self, q_nope, q_rope, latent, mask, is_causal):
+        q = torch.cat((self._absorb_query(q_nope), q_rope), dim=-1)  # (B, H, T, d_latent + d_rope)
         k = latent[:, None]  # (B, 1, S, d_latent + d_rope): one K "head" for all queries
         v = latent[:, None, :, : self.d_latent]  # (B, 1, S, d_latent): a view, no copy
         out_latent = attend(q, k, v, mask, scale=self.scale, is_causal=is_causal)  # (B, H, T, d_latent)
-        return torch.einsum("bhtl,hvl->bhtv", out_latent, w_uv)  # (B, H, T, v_dim)
+        return self._expand_values(out_latent)
 
     def cache_parts(self) -> dict[str, list[tuple[str, int]]]:
         """The named tensors inside the cache buffer: the latent and the RoPE key, along the last axis."""

@@ -23,6 +23,7 @@ import torch
 
 from attnlab import quant
 from attnlab.errors import ConfigError, InputError
+from attnlab.kernels import cpu as cpu_kernels
 
 FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BLOCK_FORMATS = quant.FORMATS  # q8_0, q4_0, nf4: blocks of 32 with an fp16 scale
@@ -170,6 +171,10 @@ class Codec:
         if self.fmt in FLOAT_FORMATS:
             return [x.to(FLOAT_FORMATS[self.fmt]).contiguous().view(torch.uint8)]
         if self.fmt in BLOCK_FORMATS:
+            if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels.available():
+                arrays = cpu_kernels.quantize(self.fmt, x)  # the same bytes, without ~20 small torch ops
+                if arrays is not None:
+                    return arrays
             blocks = quant.quantize(x, self.fmt).unflatten(-1, (-1, quant.block_bytes(self.fmt)))  # ggml's bytes
             return [blocks[..., 2:], blocks[..., :2]]
         return [quant.quantize_kivi(x, KIVI_FORMATS[self.fmt], self.group, self.per_channel)]
@@ -351,10 +356,7 @@ class QuantizedCache:
 
     def update(self, new: dict[str, torch.Tensor], positions: torch.Tensor):
         start, count = self.seen, positions.shape[0]
-        if start + count > self.max_len:
-            raise InputError(
-                f"KV cache is full: {start + count} tokens exceed its max_len={self.max_len} (make a larger cache)"
-            )
+        self.check_room(count)
         held_positions, n_stored, recent = self.held()
         n_held = held_positions.shape[0]
         n_recent = n_held - n_stored
@@ -383,6 +385,73 @@ class QuantizedCache:
             out[buffer] = held
         self.write({p.name: self.to_rows(new[p.buffer][..., p.lo : p.hi]) for p in self.parts}, start)
         return out, torch.cat((held_positions, positions))
+
+    def attend_one(
+        self,
+        q: torch.Tensor,
+        new: dict[str, torch.Tensor],
+        positions: torch.Tensor,
+        scale: float,
+        key: str = "k",
+        value: str = "v",
+        value_width: int | None = None,
+    ) -> torch.Tensor | None:
+        """One decode step with the attention read straight from the stored blocks (the C kernels of
+        attnlab.kernels.cpu): stores `new` as `update` does and returns softmax(q K^T scale) V over what the cache
+        held plus the new token, (B, H, 1, d_v), the same as `update` then `attend` up to the order of the sums;
+        no full-precision copy of the held tokens is made. K is buffer `key`, V the first `value_width` values
+        (default all) of buffer `value`, their heads the buffers' KV heads (one for a (B, S, d) buffer).
+
+        None, having stored nothing, where the kernels do not apply or bring nothing: not one token, a bounded
+        cache, nothing quantized yet, no compiler, not float32 on the CPU, a gradient needed, or a KIVI format;
+        the caller then runs `update`."""
+        cpu = cpu_kernels  # short name
+        if (
+            positions.shape[0] != 1
+            or self.capacity is not None
+            or self.dtype != torch.float32
+            or q.dtype != torch.float32
+            or q.device.type != "cpu"
+            or (torch.is_grad_enabled() and q.requires_grad)
+            or not cpu.available()
+        ):
+            return None
+        keys = [p for p in self.parts if p.buffer == key]
+        values = [p for p in self.parts if p.buffer == value and p.hi <= (value_width or p.hi)]
+        if any(p.codec.fmt not in cpu.FORMAT_CODES or p.codec.width > cpu.MAX_WIDTH for p in keys + values):
+            return None
+        self.check_room(1)
+        _, n_stored, recent = self.held()
+        if n_stored == 0:  # all held at full precision: `update` and `attend` are exactly the plain cache's maths
+            return None
+        n_tail = self.seen - n_stored + 1  # the residual window, then the new token
+        kv_heads = new[key].shape[1] if new[key].dim() == 4 else 1
+        rows = {p.name: self.to_rows(new[p.buffer][..., p.lo : p.hi]) for p in self.parts}  # (B, 1, width)
+
+        def tail(p: Part) -> list[torch.Tensor]:  # full-precision rows: the window in slot order, then the new one
+            window = self.recent[p.name].index_select(1, recent)
+            return [torch.cat((window, rows[p.name].to(self.dtype)), dim=1)]
+
+        batch, heads = q.shape[:2]
+        scores = q.new_empty(batch, heads, n_stored + n_tail)
+        for i, p in enumerate(keys):
+            q_part = q[:, :, 0, p.lo : p.hi]  # (B, H, d_part)
+            cpu.scores(p.codec.fmt, self.store[p.name], n_stored, kv_heads, q_part, scores, accumulate=i > 0)
+            cpu.scores("fp32", tail(p), n_tail, kv_heads, q_part, scores[..., n_stored:], accumulate=i > 0)
+        probs = torch.softmax(scores.mul_(scale), dim=-1)
+        out = q.new_zeros(batch, heads, value_width or values[-1].hi)
+        for p in values:
+            out_part = out[..., p.lo : p.hi]
+            cpu.wsum(p.codec.fmt, self.store[p.name], n_stored, kv_heads, probs, out_part)
+            cpu.wsum("fp32", tail(p), n_tail, kv_heads, probs[..., n_stored:], out_part)
+        self.write(rows, self.seen)
+        return out[:, :, None]
+
+    def check_room(self, count: int) -> None:
+        if self.seen + count > self.max_len:
+            raise InputError(
+                f"KV cache is full: {self.seen + count} tokens exceed its max_len={self.max_len} (make a larger cache)"
+            )
 
     @staticmethod
     def to_rows(x: torch.Tensor) -> torch.Tensor:
