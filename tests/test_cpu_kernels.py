@@ -139,6 +139,63 @@ def test_quantize_leaves_bad_values_to_quant_quantize(fmt):
         assert cpu.quantize(fmt, x) is None
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 37, 4097])
+def test_softmax_matches_torch(n):
+    g = torch.Generator().manual_seed(n)
+    scores = torch.randn(2, 5, n + 3, generator=g) * 30  # spreads of hundreds: tails below exp's range
+    scores[0, 1, :n] = 0.0  # a constant row
+    want = torch.softmax(scores[..., :n] * 0.125, dim=-1)
+    got = cpu.softmax_(scores[..., :n].clone().contiguous(), 0.125)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    strided = scores.clone()
+    cpu.softmax_(strided[..., :n], 0.125)  # rows with a stride of n + 3: the last 3 values untouched
+    torch.testing.assert_close(strided[..., :n], want, rtol=2e-6, atol=1e-7)
+    assert torch.equal(strided[..., n:], scores[..., n:])
+
+
+def test_quantize_into_writes_cache_slots():
+    from attnlab import quant
+
+    x = torch.randn(2, 5, 64)
+    quants, scales = torch.zeros(2, 9, 2, 16, dtype=torch.uint8), torch.zeros(2, 9, 2, 2, dtype=torch.uint8)
+    assert cpu.quantize_into("q4_0", x, [quants, scales], 3)
+    want = quant.quantize(x, "q4_0").view(2, 5, 2, 18)
+    assert torch.equal(quants[:, 3:8], want[..., 2:]) and torch.equal(scales[:, 3:8], want[..., :2])
+    assert not quants[:, :3].any() and not quants[:, 8:].any()
+
+
+def test_attend_over_runs_of_rows_is_softmax_attention():
+    """Keys in two parts (q4_0 and fp16 columns of each head), each as stored rows, a window and a new row."""
+    g = torch.Generator().manual_seed(3)
+    batch, kv_heads, group, d1, d2, dv = 2, 2, 3, 32, 16, 32
+    heads, n_store, n_window = kv_heads * group, 45, 7
+    n = n_store + n_window + 1
+
+    def rows(fmt, d, count):
+        codec, arrays = stored(fmt, torch.randn(batch, count, kv_heads * d, generator=g))
+        return arrays, codec.decode(arrays, torch.float32).view(batch, count, kv_heads, d)
+
+    k1, k2, v = rows("q4_0", d1, n_store), rows("fp16", d2, n_store), rows("q8_0", dv, n_store)
+    window = [torch.randn(batch, n_window + 2, kv_heads * w, generator=g) for w in (d1, d2, dv)]  # a ring
+    new = [torch.randn(batch, 1, kv_heads * w, generator=g) for w in (d1, d2, dv)]
+    q = torch.randn(batch, heads, d1 + d2, generator=g)
+    keys = [("q4_0", k1[0], 0, n_store, 0, 0, d1), ("fp32", [window[0]], 2, n_window, n_store, 0, d1),
+            ("fp32", [new[0]], 0, 1, n - 1, 0, d1), ("fp16", k2[0], 0, n_store, 0, d1, d2),
+            ("fp32", [window[1]], 2, n_window, n_store, d1, d2), ("fp32", [new[1]], 0, 1, n - 1, d1, d2)]  # fmt: skip
+    values = [("q8_0", v[0], 0, n_store, 0, 0, dv), ("fp32", [window[2]], 2, n_window, n_store, 0, dv),
+              ("fp32", [new[2]], 0, 1, n - 1, 0, dv)]  # fmt: skip
+    out = torch.zeros(batch, heads, dv)
+    cpu.attend(keys, values, kv_heads, q, 0.3, n, out)
+
+    def full(stored_part, index, width):
+        tail = torch.cat((window[index][:, 2 : 2 + n_window], new[index]), dim=1).view(batch, -1, kv_heads, width)
+        return torch.cat((stored_part, tail), dim=1).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, n, w)
+
+    key = torch.cat((full(k1[1], 0, d1), full(k2[1], 1, d2)), dim=-1)
+    probs = torch.softmax(torch.einsum("bhd,bhtd->bht", q, key) * 0.3, dim=-1)
+    torch.testing.assert_close(out, torch.einsum("bht,bhtd->bhd", probs, full(v[1], 2, dv)), rtol=1e-5, atol=1e-6)
+
+
 def test_the_portable_c_path_matches_too(tmp_path, monkeypatch):
     """The same checks on a build without AVX-512 and F16C (the plain C loops, the software fp16 conversions)."""
     import ctypes
@@ -147,6 +204,8 @@ def test_the_portable_c_path_matches_too(tmp_path, monkeypatch):
     portable = ctypes.CDLL(str(cpu.build(tmp_path, flags)))
     for name, args in (("scores", cpu._SCORES_ARGS), ("wsum", cpu._WSUM_ARGS), ("quantize", cpu._QUANTIZE_ARGS)):
         getattr(portable, f"attnlab_{name}").argtypes = args
+    portable.attnlab_softmax.argtypes, portable.attnlab_softmax.restype = cpu._SOFTMAX_ARGS, None
+    portable.attnlab_attend.argtypes = cpu._ATTEND_ARGS
     monkeypatch.setattr(cpu, "library", lambda: portable)
     for fmt in FORMATS:
         for kv_heads, group, d in SHAPES:
@@ -155,3 +214,7 @@ def test_the_portable_c_path_matches_too(tmp_path, monkeypatch):
     for fmt in ("q8_0", "q4_0", "nf4"):
         test_quantize_writes_the_bytes_of_quant_quantize(fmt)
         test_quantize_leaves_bad_values_to_quant_quantize(fmt)
+    test_quantize_into_writes_cache_slots()
+    for n in (1, 37, 4097):
+        test_softmax_matches_torch(n)
+    test_attend_over_runs_of_rows_is_softmax_attention()

@@ -93,6 +93,11 @@ class Decoupled(nn.Module):
         else:
             self.null_k = self.null_v = None
 
+    @property
+    def reads_quantized_cache(self) -> bool:
+        """Whether a decode step reads a quantized cache through its attend_one (no null key)."""
+        return self.null_k is None
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None):
         parts = self.proj(x).split(self.widths, dim=-1)
         if self.cfg.tie_qk:

@@ -75,6 +75,11 @@ class HeadAttention(nn.Module):
         self.null_k = null_parameter(n_kv_heads, head_dim, model.init_std) if null_attn else None
         self.null_v = null_parameter(n_kv_heads, head_dim, model.init_std) if null_attn else None
 
+    @property
+    def reads_quantized_cache(self) -> bool:
+        """Whether a decode step reads a quantized cache through its attend_one (no null key, no window)."""
+        return self.null_k is None and self.window is None
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None):
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split((q_width, kv_width, kv_width), dim=-1)

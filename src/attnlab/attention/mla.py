@@ -75,6 +75,11 @@ class MLA(nn.Module):
         self.rotary = Rotary(self.rope_dim, model.rope_base, model.max_seq_len, model.rope_interleaved)
         self.scale = 1 / math.sqrt(self.head_dim + self.rope_dim)
 
+    @property
+    def reads_quantized_cache(self) -> bool:
+        """Whether a decode step reads a quantized cache through its attend_one (the absorbed path)."""
+        return self.cfg.absorb
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None, absorb: bool | None = None):
         q = split_heads(self.q_proj(x), self.n_heads)  # (B, H, T, head_dim + d_rope)
         q_nope, q_rope = q.split((self.head_dim, self.rope_dim), dim=-1)

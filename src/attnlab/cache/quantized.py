@@ -15,8 +15,10 @@ precision; a single decode step therefore sees exactly the stored values.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -307,8 +309,10 @@ class QuantizedCache:
         max_len: int,
         dtype: torch.dtype,
         device=None,
+        attends: bool = False,
     ):
         self.policy, self.dtype, self.capacity, self.max_len = policy, dtype, capacity, max_len
+        self.attends = attends  # the layer's attention decodes through attend_one (else through update)
         self.batch = next(iter(shapes.values()))[0]
         default = next(name for name, d in FLOAT_FORMATS.items() if d == dtype)
         policy.check([name for names in parts.values() for name, _ in names])
@@ -321,6 +325,7 @@ class QuantizedCache:
                 codec = Codec(fmt, heads * width, name.startswith("k"), policy.group_size, name)
                 self.parts.append(Part(buffer, name, lo, lo + width, codec))
                 lo += width
+        self.row_width = {buffer: sum(width for _, width in names) for buffer, names in parts.items()}  # per head
         self.tokens_per_block = policy.step(p.codec for p in self.parts)
         if capacity is not None and self.tokens_per_block > 1 and (slots - policy.resid) % self.tokens_per_block:
             raise ConfigError(
@@ -340,10 +345,44 @@ class QuantizedCache:
         self.recent_positions = torch.full((self.ring_slots,), -1, dtype=torch.long, device=device)
         self.seen = 0  # tokens written
         self.stored = 0  # tokens [0, stored) have left the residual window (quantized or dropped)
+        self.static = False
+        self.register()
+
+    def register(self) -> None:
+        """A handle (a tensor, so a compiled step takes it as an input) by which the static decode op finds this
+        cache; copies get their own."""
+        self.handle = torch.tensor(next(_HANDLES))
+        _LIVE[int(self.handle)] = self
+
+    def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
+        self.__dict__.update(state)
+        self.register()
+
+    @property
+    def supports_static(self) -> bool:
+        """Whether generate's compiled decode step can run on this cache: the layer's attention reads it
+        through attend_one, it grows (not a window), every tensor is per token in a format of the C kernels,
+        float32 on the CPU. In static mode attend_one is one opaque op (`attnlab::quantized_attend`) to the
+        compiler: the step around it compiles once, and the cache keeps its counters in Python."""
+        return (
+            self.attends
+            and self.capacity is None
+            and self.dtype == torch.float32
+            and self.store_positions.device.type == "cpu"
+            and all(p.codec.tokens_per_block == 1 and p.codec.fmt in cpu_kernels.FORMAT_CODES for p in self.parts)
+            and cpu_kernels.available()
+        )
+
+    def set_static(self, static: bool) -> None:
+        if static and not self.supports_static:
+            raise ValueError("this quantized cache has no static mode (see QuantizedCache.supports_static)")
+        self.static = static
 
     # -- protocol -------------------------------------------------------------------------------------
     def positions(self) -> torch.Tensor:
         """Absolute positions of the held tokens (stored blocks, then the residual window)."""
+        if self.capacity is None:  # every token so far, stored slot = position
+            return torch.arange(self.seen, device=self.store_positions.device)
         held = torch.cat((self.store_positions, self.recent_positions))
         return held[held >= 0]
 
@@ -405,6 +444,12 @@ class QuantizedCache:
         None, having stored nothing, where the kernels do not apply or bring nothing: not one token, a bounded
         cache, nothing quantized yet, no compiler, not float32 on the CPU, a gradient needed, or a KIVI format;
         the caller then runs `update`."""
+        if self.static:  # inside generate's compiled step: one opaque op, which runs _attend_kernel
+            names = ",".join(new)
+            width = value_width or self.row_width[value]
+            return torch.ops.attnlab.quantized_attend(
+                self.handle, q, list(new.values()), names, scale, key, value, value_width or 0, width
+            )
         cpu = cpu_kernels  # short name
         if (
             positions.shape[0] != 1
@@ -420,30 +465,34 @@ class QuantizedCache:
         values = [p for p in self.parts if p.buffer == value and p.hi <= (value_width or p.hi)]
         if any(p.codec.fmt not in cpu.FORMAT_CODES or p.codec.width > cpu.MAX_WIDTH for p in keys + values):
             return None
-        self.check_room(1)
-        _, n_stored, recent = self.held()
-        if n_stored == 0:  # all held at full precision: `update` and `attend` are exactly the plain cache's maths
+        if self.stored == 0:  # all held at full precision: `update` and `attend` are exactly the plain cache's maths
             return None
-        n_tail = self.seen - n_stored + 1  # the residual window, then the new token
+        return self._attend_kernel(q, new, scale, key, value, value_width)
+
+    def _attend_kernel(
+        self, q: torch.Tensor, new: dict[str, torch.Tensor], scale: float, key: str, value: str, value_width
+    ) -> torch.Tensor:
+        """attend_one's kernel path (any number of stored rows, none included)."""
+        cpu = cpu_kernels
+        keys = [p for p in self.parts if p.buffer == key]
+        values = [p for p in self.parts if p.buffer == value and p.hi <= (value_width or p.hi)]
+        self.check_room(1)
+        n_stored = self.stored
+        # What the query reads: the stored rows, the residual window (one or two runs of ring slots), the new row.
+        window = self.ring_pieces(n_stored, self.seen)
         kv_heads = new[key].shape[1] if new[key].dim() == 4 else 1
-        rows = {p.name: self.to_rows(new[p.buffer][..., p.lo : p.hi]) for p in self.parts}  # (B, 1, width)
+        rows = {p.name: self.to_rows(new[p.buffer][..., p.lo : p.hi]).contiguous() for p in self.parts}
 
-        def tail(p: Part) -> list[torch.Tensor]:  # full-precision rows: the window in slot order, then the new one
-            window = self.recent[p.name].index_select(1, recent)
-            return [torch.cat((window, rows[p.name].to(self.dtype)), dim=1)]
+        def runs(parts: list[Part]):  # (format, arrays, first row, rows, first score column, lo, d) of every run
+            for p in parts:
+                d = p.hi - p.lo
+                yield p.codec.fmt, self.store[p.name], 0, n_stored, 0, p.lo, d
+                for position, slot, length in window:
+                    yield "fp32", [self.recent[p.name]], slot, length, position, p.lo, d
+                yield "fp32", [rows[p.name]], 0, 1, self.seen, p.lo, d
 
-        batch, heads = q.shape[:2]
-        scores = q.new_empty(batch, heads, n_stored + n_tail)
-        for i, p in enumerate(keys):
-            q_part = q[:, :, 0, p.lo : p.hi]  # (B, H, d_part)
-            cpu.scores(p.codec.fmt, self.store[p.name], n_stored, kv_heads, q_part, scores, accumulate=i > 0)
-            cpu.scores("fp32", tail(p), n_tail, kv_heads, q_part, scores[..., n_stored:], accumulate=i > 0)
-        probs = torch.softmax(scores.mul_(scale), dim=-1)
-        out = q.new_zeros(batch, heads, value_width or values[-1].hi)
-        for p in values:
-            out_part = out[..., p.lo : p.hi]
-            cpu.wsum(p.codec.fmt, self.store[p.name], n_stored, kv_heads, probs, out_part)
-            cpu.wsum("fp32", tail(p), n_tail, kv_heads, probs[..., n_stored:], out_part)
+        out = q.new_zeros(q.shape[0], q.shape[1], value_width or values[-1].hi)
+        cpu.attend(list(runs(keys)), list(runs(values)), kv_heads, q[:, :, 0], scale, self.seen + 1, out)
         self.write(rows, self.seen)
         return out[:, :, None]
 
@@ -468,12 +517,14 @@ class QuantizedCache:
             if self.seen == 0:
                 return self.store_positions[:0], 0, None
             return torch.cat((self.store_positions, self.recent_positions)), self.store_slots, None
-        recent_positions = torch.arange(self.stored, self.seen, device=self.store_positions.device)
-        positions = torch.cat((self.store_positions[: self.stored], recent_positions))
-        return positions, self.stored, recent_positions % max(self.ring_slots, 1)
+        positions = torch.arange(self.seen, device=self.store_positions.device)  # stored slot = position
+        return positions, self.stored, positions[self.stored :] % max(self.ring_slots, 1)
 
     def write(self, rows: dict[str, torch.Tensor], start: int) -> None:
         """Stores the chunk's rows (positions start..), quantizing every token that leaves the window."""
+        if self.capacity is None and all(p.codec.tokens_per_block == 1 for p in self.parts):
+            self.write_unbounded(rows, start)
+            return
         count, step = next(iter(rows.values())).shape[1], self.tokens_per_block
         end = start + count
         self.seen = end
@@ -509,6 +560,50 @@ class QuantizedCache:
                 self.recent[p.name].index_copy_(1, index, rows[p.name][:, first - start :].to(self.dtype))
             self.recent_positions[index] = torch.arange(first, end, device=index.device)
 
+    def ring_pieces(self, first: int, end: int) -> list[tuple[int, int, int]]:
+        """Positions [first, end) as at most two runs of ring slots: (position, slot, length) each."""
+        pieces, position = [], first
+        while position < end:
+            slot = position % self.ring_slots
+            length = min(end - position, self.ring_slots - slot)
+            pieces.append((position, slot, length))
+            position += length
+        return pieces
+
+    def write_unbounded(self, rows: dict[str, torch.Tensor], start: int) -> None:
+        """`write` for a cache that grows (stored slot = position) with per-token formats: slices and one
+        quantizer call per run of rows, no index tensors (a decode step writes one row per tensor)."""
+        count, step = next(iter(rows.values())).shape[1], self.tokens_per_block
+        end = start + count
+        leave = self.stored + max(0, (end - self.policy.resid - self.stored) // step) * step  # new `stored`
+        if leave > self.stored:  # tokens [stored, leave) leave the window: older ones from the ring, then the chunk's
+            for p in self.parts:
+                for position, slot, length in self.ring_pieces(self.stored, min(start, leave)):
+                    self.store_rows(p, self.recent[p.name][:, slot : slot + length], position)
+                if leave > start:
+                    first = max(start, self.stored)
+                    self.store_rows(p, rows[p.name][:, first - start : leave - start], first)
+            self.stored = leave
+        for position, slot, length in self.ring_pieces(max(start, leave), end):  # the rest stays at full precision
+            offset = position - start
+            for p in self.parts:
+                self.recent[p.name][:, slot : slot + length] = rows[p.name][:, offset : offset + length]
+        self.seen = end
+
+    def store_rows(self, p: Part, x: torch.Tensor, position: int) -> None:
+        """Quantizes rows x (B, n, width) into part p's store at slots position.. (an unbounded store)."""
+        if (
+            p.codec.fmt in BLOCK_FORMATS
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.stride(-1) == 1
+            and cpu_kernels.available()
+            and cpu_kernels.quantize_into(p.codec.fmt, x, self.store[p.name], position)
+        ):
+            return
+        for array, values in zip(self.store[p.name], p.codec.encode(x), strict=True):
+            array[:, position : position + x.shape[1]] = values
+
 
 def quantized_cache(
     layer_cache,
@@ -517,10 +612,41 @@ def quantized_cache(
     max_len: int,
     dtype: torch.dtype,
     device=None,
+    attends: bool = False,
 ) -> QuantizedCache:
     """A QuantizedCache with the layout of `layer_cache` (a dense or ring cache, may live on the meta
-    device: only its buffer shapes and capacity are read)."""
+    device: only its buffer shapes and capacity are read). attends: the layer's attention decodes through
+    `attend_one` (it then has a static mode for generate's compiled step)."""
     shapes = {name: tuple(buffer.shape) for name, buffer in layer_cache.buffers.items()}
     parts = parts or {name: [(name, shape[-1])] for name, shape in shapes.items()}
     slots = next(iter(shapes.values()))[-2]
-    return QuantizedCache(shapes, parts, policy, slots, layer_cache.capacity, max_len, dtype, device)
+    return QuantizedCache(shapes, parts, policy, slots, layer_cache.capacity, max_len, dtype, device, attends)
+
+
+_HANDLES = itertools.count()
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> QuantizedCache
+
+
+@torch.library.custom_op("attnlab::quantized_attend", mutates_args=())
+def quantized_attend(
+    handle: torch.Tensor,
+    q: torch.Tensor,
+    new: list[torch.Tensor],
+    names: str,
+    scale: float,
+    key: str,
+    value: str,
+    value_width: int,
+    width: int,
+) -> torch.Tensor:
+    """A static-mode QuantizedCache's attend_one as one op: stores the new rows (names: their buffers,
+    comma-separated) in the cache `handle` names and returns the attention output (B, H, 1, width). It changes
+    the cache's state, which no other op of a compiled step reads."""
+    cache = _LIVE[int(handle)]
+    rows = dict(zip(names.split(","), new, strict=True))
+    return cache._attend_kernel(q, rows, scale, key, value, value_width or None)
+
+
+@quantized_attend.register_fake
+def _(handle, q, new, names, scale, key, value, value_width, width):
+    return q.new_empty(q.shape[0], q.shape[1], 1, width)

@@ -85,7 +85,8 @@ class Transformer(nn.Module):
         for b in self.blocks:
             layout = b.attn.new_cache(batch, max_len, dtype, "meta")  # shapes only, nothing allocated
             parts = b.attn.cache_parts() if hasattr(b.attn, "cache_parts") else None
-            layers.append(quantized_cache(layout, parts, policy, max_len, dtype, device))
+            attends = getattr(b.attn, "reads_quantized_cache", False)  # decodes through attend_one
+            layers.append(quantized_cache(layout, parts, policy, max_len, dtype, device, attends))
         return ModelCache(layers)
 
     def forward(

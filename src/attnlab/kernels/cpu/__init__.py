@@ -9,6 +9,7 @@ against. ATTNLAB_CPU_KERNELS=0 turns them off.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -36,7 +37,10 @@ MAX_WIDTH = 4096  # values in a K/V row (H_kv * d), qattn.c's MAX_WIDTH
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SCORES_ARGS = [ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64]
 _SCORES_ARGS.append(ctypes.c_int)
-_QUANTIZE_ARGS = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
+_QUANTIZE_ARGS = [ctypes.c_int, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
+_SOFTMAX_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float]
+_ATTEND_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i64, _ptr, _i64, _i64]
+SEGMENT_FIELDS = 10  # qattn.c's record of one run of rows for attnlab_attend
 _WSUM_ARGS = [ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64]
 
 
@@ -104,60 +108,128 @@ def library() -> ctypes.CDLL | None:
     lib.attnlab_scores.argtypes, lib.attnlab_scores.restype = _SCORES_ARGS, ctypes.c_int
     lib.attnlab_wsum.argtypes, lib.attnlab_wsum.restype = _WSUM_ARGS, ctypes.c_int
     lib.attnlab_quantize.argtypes, lib.attnlab_quantize.restype = _QUANTIZE_ARGS, ctypes.c_int
+    lib.attnlab_softmax.argtypes, lib.attnlab_softmax.restype = _SOFTMAX_ARGS, None
+    lib.attnlab_attend.argtypes, lib.attnlab_attend.restype = _ATTEND_ARGS, ctypes.c_int
     return lib
 
 
+_DISABLED = [0]  # depth of `disabled()` blocks
+
+
 def available() -> bool:
-    return library() is not None
+    return not _DISABLED[0] and library() is not None
 
 
-def _segment(arrays: list[torch.Tensor], fmt: str, n: int) -> tuple[int, int, int, int]:
-    """(quants pointer, scales pointer or 0, their batch strides in bytes) of rows [0, n) of stored arrays."""
+@contextlib.contextmanager
+def disabled():
+    """Within this block the kernels count as unavailable (callers run their PyTorch path): for comparisons."""
+    _DISABLED[0] += 1
+    try:
+        yield
+    finally:
+        _DISABLED[0] -= 1
+
+
+def _segment(arrays: list[torch.Tensor], first: int, n: int) -> tuple[int, int, int, int]:
+    """(quants pointer, scales pointer or 0, their batch strides in bytes) of rows [first, first + n) of stored
+    arrays, contiguous tensors (B, slots, ...)."""
     quants = arrays[0]
-    scales = arrays[1] if len(arrays) > 1 else None
-    if quants.shape[1] < n or not quants[0, :n].is_contiguous():
-        raise ValueError("kernel rows must be contiguous within each sequence")
+    if first < 0 or first + n > quants.shape[1] or not all(a.is_contiguous() for a in arrays):
+        raise ValueError(f"rows [{first}, {first + n}) must lie in contiguous arrays of {quants.shape[1]} rows")
     item = quants.element_size()
+    if len(arrays) == 1:
+        return quants.data_ptr() + first * quants.stride(1) * item, 0, quants.stride(0) * item, 0
+    scales = arrays[1]  # uint8, like quants
     return (
-        quants.data_ptr(),
-        0 if scales is None else scales.data_ptr(),
-        quants.stride(0) * item,
-        0 if scales is None else scales.stride(0) * scales.element_size(),
+        quants.data_ptr() + first * quants.stride(1),
+        scales.data_ptr() + first * scales.stride(1),
+        quants.stride(0),
+        scales.stride(0),
     )
 
 
 def scores(
-    fmt: str, arrays: list[torch.Tensor], n: int, kv_heads: int, q: torch.Tensor, out: torch.Tensor, accumulate: bool
+    fmt: str,
+    arrays: list[torch.Tensor],
+    n: int,
+    kv_heads: int,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    first: int = 0,
+    column: int = 0,
 ) -> None:
-    """out[b, h, :n] (+)= q[b, h] . K[b, t, h // G] for the first n rows of stored arrays (the cache's layout:
-    block formats [quants, scales], float formats [row bytes]); q (B, H, d) and out (B, H, >= n) float32 with
-    unit last stride."""
+    """out[b, h, column + t] (+)= q[b, h] . K[b, first + t, h // G] for t < n, K the rows of stored arrays (the
+    cache's layout: block formats [quants, scales] (uint8), float formats [rows] (their bytes as uint8, or
+    float32 rows)); q (B, H, d) and out (B, H, >= column + n) float32 with unit last stride."""
     if n == 0:
         return
-    quants, scales, qstride, sstride = _segment(arrays, fmt, n)
+    quants, scales, qstride, sstride = _segment(arrays, first, n)
     batch, heads, d = q.shape
-    assert q.stride(2) == 1 and out.stride(2) == 1 and q.dtype == out.dtype == torch.float32
+    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError("q and out must be float32 with unit last stride")
     status = library().attnlab_scores(
         FORMAT_CODES[fmt], quants, scales, qstride, sstride, batch, n, kv_heads, d,
-        q.data_ptr(), q.stride(0), q.stride(1), heads // kv_heads, out.data_ptr(), out.stride(0), out.stride(1),
-        int(accumulate),
+        q.data_ptr(), q.stride(0), q.stride(1), heads // kv_heads, out.data_ptr() + 4 * column, out.stride(0),
+        out.stride(1), int(accumulate),
     )  # fmt: skip
     _check(status, kv_heads * d)
 
 
-def wsum(fmt: str, arrays: list[torch.Tensor], n: int, kv_heads: int, p: torch.Tensor, out: torch.Tensor) -> None:
-    """out[b, h] += sum over the first n stored rows of p[b, h, t] V[b, t, h // G]; p (B, H, >= n) and
-    out (B, H, d) float32 with unit last stride."""
+def wsum(
+    fmt: str,
+    arrays: list[torch.Tensor],
+    n: int,
+    kv_heads: int,
+    p: torch.Tensor,
+    out: torch.Tensor,
+    first: int = 0,
+    column: int = 0,
+) -> None:
+    """out[b, h] += sum over t < n of p[b, h, column + t] V[b, first + t, h // G], V the rows of stored arrays
+    (as in `scores`); p (B, H, >= column + n) and out (B, H, d) float32 with unit last stride."""
     if n == 0:
         return
-    quants, scales, qstride, sstride = _segment(arrays, fmt, n)
+    quants, scales, qstride, sstride = _segment(arrays, first, n)
     batch, heads, d = out.shape
-    assert p.stride(2) == 1 and out.stride(2) == 1 and p.dtype == out.dtype == torch.float32
+    if p.stride(2) != 1 or out.stride(2) != 1 or p.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError("p and out must be float32 with unit last stride")
     status = library().attnlab_wsum(
         FORMAT_CODES[fmt], quants, scales, qstride, sstride, batch, n, kv_heads, d,
-        p.data_ptr(), p.stride(0), p.stride(1), heads // kv_heads, out.data_ptr(), out.stride(0), out.stride(1),
+        p.data_ptr() + 4 * column, p.stride(0), p.stride(1), heads // kv_heads, out.data_ptr(), out.stride(0),
+        out.stride(1),
     )  # fmt: skip
     _check(status, kv_heads * d)
+
+
+def attend(
+    keys: list[tuple],
+    values: list[tuple],
+    kv_heads: int,
+    q: torch.Tensor,
+    scale: float,
+    n_columns: int,
+    out: torch.Tensor,
+) -> None:
+    """One decode step's attention in one call: out[b, h] += softmax(scale * q K^T) V, K and V given as runs of
+    rows, each (fmt, arrays, first row, rows n, first score column, lo, d) (as `scores` and `wsum` take them; a
+    key run with lo > 0 adds its scores to an earlier part's). q (B, H, D) and out (B, H, d_v) float32 with unit
+    last stride; the runs' columns must cover 0..n_columns - 1."""
+    batch, heads = q.shape[:2]
+    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError("q and out must be float32 with unit last stride")
+    records = []
+    for i, (fmt, arrays, first, n, column, lo, d) in enumerate((*keys, *values)):
+        quants, scales, qstride, sstride = _segment(arrays, first, n)
+        accumulate = int(i < len(keys) and lo > 0)  # a later part of the key rows
+        records += (FORMAT_CODES[fmt], quants, scales, qstride, sstride, n, column, lo, d, accumulate)
+    workspace = q.new_empty(batch, heads, n_columns)
+    status = library().attnlab_attend(
+        (ctypes.c_int64 * len(records))(*records), len(keys), len(values), batch, kv_heads, heads // kv_heads,
+        q.data_ptr(), q.stride(0), q.stride(1), scale, workspace.data_ptr(), n_columns, out.data_ptr(),
+        out.stride(0), out.stride(1),
+    )  # fmt: skip
+    _check(status, max(kv_heads * d for *_, d in (*keys, *values)))
 
 
 def _check(status: int, width: int) -> None:
@@ -174,15 +246,35 @@ def quantize(fmt: str, x: torch.Tensor) -> list[torch.Tensor] | None:
     overflow): the caller then runs it."""
     from attnlab import quant
 
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = x.reshape(1, -1, x.shape[-1])
     nb = x.shape[-1] // quant.BLOCK
-    quants = torch.empty(*x.shape[:-1], nb, quant.block_bytes(fmt) - 2, dtype=torch.uint8)
-    scales = torch.empty(*x.shape[:-1], nb, 2, dtype=torch.uint8)
-    below, inside = quant._NF4_BELOW, quant._NF4_INSIDE
+    quants = torch.empty(1, rows.shape[1], nb, quant.block_bytes(fmt) - 2, dtype=torch.uint8)
+    scales = torch.empty(1, rows.shape[1], nb, 2, dtype=torch.uint8)
+    if not quantize_into(fmt, rows, [quants, scales], 0):
+        return None
+    return [quants.view(*x.shape[:-1], nb, -1), scales.view(*x.shape[:-1], nb, 2)]
+
+
+def quantize_into(fmt: str, x: torch.Tensor, arrays: list[torch.Tensor], start: int) -> bool:
+    """Quantizes rows x (B, n, width) float32 (unit last stride) into the cache's arrays [quants (B, slots, nb,
+    32 | 16), scales (B, slots, nb, 2)] at slots start..start + n, as `quantize` would; False (having written
+    who knows what there) where quant.quantize must name a problem."""
+    from attnlab import quant
+
+    quants, scales = arrays
+    assert x.dtype == torch.float32 and x.stride(-1) == 1 and quants.stride(-1) == scales.stride(-1) == 1
     status = library().attnlab_quantize(
-        FORMAT_CODES[fmt], rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), quants.data_ptr(),
-        scales.data_ptr(), below.data_ptr(), inside.data_ptr(),
+        FORMAT_CODES[fmt], x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), x.stride(1),
+        quants.data_ptr() + start * quants.stride(1), quants.stride(0), quants.stride(1),
+        scales.data_ptr() + start * scales.stride(1), scales.stride(0), scales.stride(1),
+        quant._NF4_BELOW.data_ptr(), quant._NF4_INSIDE.data_ptr(),
     )  # fmt: skip
-    return None if status else [quants, scales]
+    return status == 0
+
+
+def softmax_(scores: torch.Tensor, scale: float) -> torch.Tensor:
+    """scores (B, H, n) float32 (unit last stride) -> softmax(scale * scores, dim=-1), in place."""
+    assert scores.dtype == torch.float32 and scores.stride(-1) == 1
+    batch, heads, n = scores.shape
+    library().attnlab_softmax(scores.data_ptr(), batch, heads, n, scores.stride(0), scores.stride(1), scale)
+    return scores

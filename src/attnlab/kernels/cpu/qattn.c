@@ -9,6 +9,8 @@
  *   attnlab_scores: s[b, h, t] (+)= sum_i q[b, h, i] * K[b, t, h / G, i]      (h: query head, G = H / H_kv)
  *   attnlab_wsum:   o[b, h, i]  += sum_t p[b, h, t] * V[b, t, h / G, i]
  *
+ *   attnlab_softmax:  s[b, h, :] = softmax(scale * s[b, h, :]), in place
+ *   attnlab_attend:   the three above over several runs of rows (stored blocks, the residual window, the new row)
  *   attnlab_quantize: rows of floats -> q8_0 / q4_0 / nf4 blocks, byte for byte what attnlab.quant.quantize
  *                     (and ggml) writes; built with -ffp-contract=off so its two-rounding steps stay two.
  *
@@ -333,6 +335,86 @@ int attnlab_wsum(int fmt, const uint8_t *quants, const uint8_t *scales, int64_t 
     return failed ? -2 : 0;
 }
 
+/* exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; within 2 ulp), 0 below -87. */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) return 0.0f;
+    const float n = rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float e = p * r * r + r + 1.0f;
+    const int32_t bits = (int32_t)(n + 127.0f) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return e * two_n;
+}
+
+#if defined(__AVX512F__)
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 e = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~under, e, _mm512_castsi512_ps(bits));
+}
+#endif
+
+/* s: (B, H, n) float with strides (s_bstride, s_hstride, 1) -> softmax(scale * s) over the last axis, in place. */
+void attnlab_softmax(float *s, int64_t batch, int64_t heads, int64_t n, int64_t s_bstride, int64_t s_hstride,
+                     float scale) {
+#pragma omp parallel for schedule(static) if (batch * heads * n >= PARALLEL_MIN / 4)
+    for (int64_t row = 0; row < batch * heads; row++) {
+        float *x = s + (row / heads) * s_bstride + (row % heads) * s_hstride;
+        float max = -INFINITY;
+        double sum = 0.0; /* a float running sum over thousands of values drifts by 1e-5 */
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+        const __m512 vscale = _mm512_set1_ps(scale);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), vscale);
+            _mm512_storeu_ps(x + i, v);
+            vmax = _mm512_max_ps(vmax, v);
+        }
+        max = _mm512_reduce_max_ps(vmax);
+#endif
+        for (int64_t j = i; j < n; j++) {
+            x[j] *= scale;
+            max = x[j] > max ? x[j] : max;
+        }
+        i = 0;
+#if defined(__AVX512F__)
+        const __m512 vm = _mm512_set1_ps(max);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+            _mm512_storeu_ps(x + i, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        sum = _mm512_reduce_add_ps(vsum);
+#endif
+        for (int64_t j = i; j < n; j++) {
+            x[j] = exp_nonpositive(x[j] - max);
+            sum += x[j];
+        }
+        const float inv = (float)(1.0 / sum);
+        for (int64_t j = 0; j < n; j++) x[j] *= inv;
+    }
+}
+
 /* float -> fp16 bits, rounded to nearest even (as torch's .half()). */
 static inline uint16_t float_to_half(float f) {
 #if defined(__F16C__)
@@ -355,18 +437,21 @@ static inline uint16_t float_to_half(float f) {
 #endif
 }
 
-/* rows (n, width) float with row stride x_rstride -> quants (n, width / 32, 32 | 16) and fp16 scales
- * (n, width / 32, 2), contiguous. nf4_below / nf4_inside: attnlab.quant's NF4 lookup tables (256 cells).
- * Returns 0, or -1 for a non-finite value or a scale beyond fp16 (nothing is promised about the output then:
- * the caller runs attnlab.quant.quantize, which names the problem). */
-int attnlab_quantize(int fmt, const float *x, int64_t n, int64_t width, int64_t x_rstride, uint8_t *quants,
-                     uint8_t *scales, const uint8_t *nf4_below, const float *nf4_inside) {
+/* rows (batch, n, width) float with strides (x_bstride, x_rstride, 1) -> quants (batch, n, width / 32, 32 | 16)
+ * and fp16 scales (batch, n, width / 32, 2) with batch and row strides in bytes (the blocks of a row contiguous).
+ * nf4_below / nf4_inside: attnlab.quant's NF4 lookup tables (256 cells). Returns 0, or -1 for a non-finite value
+ * or a scale beyond fp16 (nothing is promised about the output then: the caller runs attnlab.quant.quantize,
+ * which names the problem). */
+int attnlab_quantize(int fmt, const float *x, int64_t batch, int64_t n, int64_t width, int64_t x_bstride,
+                     int64_t x_rstride, uint8_t *quants, int64_t q_bstride, int64_t q_rstride, uint8_t *scales,
+                     int64_t s_bstride, int64_t s_rstride, const uint8_t *nf4_below, const float *nf4_inside) {
     const int64_t nb = width / 32, qbytes = fmt == 3 ? 32 : 16;
-    for (int64_t r = 0; r < n; r++)
+    for (int64_t r = 0; r < batch * n; r++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * x_rstride + b * 32;
-            uint8_t *q = quants + (r * nb + b) * qbytes;
-            uint16_t *scale = (uint16_t *)(scales + (r * nb + b) * 2);
+            const int64_t i0 = r / n, i1 = r % n;
+            const float *v = x + i0 * x_bstride + i1 * x_rstride + b * 32;
+            uint8_t *q = quants + i0 * q_bstride + i1 * q_rstride + b * qbytes;
+            uint16_t *scale = (uint16_t *)(scales + i0 * s_bstride + i1 * s_rstride + b * 2);
             float amax = fabsf(v[0]), max = v[0];
             for (int i = 0; i < 32; i++) {
                 if (!isfinite(v[i])) return -1;
@@ -411,5 +496,36 @@ int attnlab_quantize(int fmt, const float *x, int64_t n, int64_t width, int64_t 
             }
             if ((*scale & 0x7c00) == 0x7c00) return -1;
         }
+    return 0;
+}
+
+/* One decode step's attention over runs of rows in several formats, in one call (the Python side makes one
+ * ctypes call per layer, not one per run). segments: n_keys then n_values records of SEGMENT_FIELDS int64:
+ *   fmt, quants pointer, scales pointer (0 if none), their batch strides (bytes), rows n, first score column,
+ *   lo (the part's first value in a head's q (keys) or o (values) row), d (the part's values per head),
+ *   accumulate (keys: add to the scores, for the second part of a row onwards; values: unused).
+ * s: (B, H, n_columns) float workspace, left holding the probabilities; o: (B, H, d_v) float, added to. */
+#define SEGMENT_FIELDS 10
+int attnlab_attend(const int64_t *segments, int64_t n_keys, int64_t n_values, int64_t batch, int64_t kv_heads,
+                   int64_t group, const float *q, int64_t q_bstride, int64_t q_hstride, float scale, float *s,
+                   int64_t n_columns, float *o, int64_t o_bstride, int64_t o_hstride) {
+    const int64_t heads = kv_heads * group;
+    for (int64_t i = 0; i < n_keys + n_values; i++) {
+        const int64_t *g = segments + i * SEGMENT_FIELDS;
+        const int fmt = (int)g[0];
+        const uint8_t *quants = (const uint8_t *)(intptr_t)g[1], *scales = (const uint8_t *)(intptr_t)g[2];
+        const int64_t n = g[5], column = g[6], lo = g[7], d = g[8];
+        if (i == n_keys) attnlab_softmax(s, batch, heads, n_columns, heads * n_columns, n_columns, scale);
+        if (n == 0) continue;
+        int status;
+        if (i < n_keys)
+            status = attnlab_scores(fmt, quants, scales, g[3], g[4], batch, n, kv_heads, d, q + lo, q_bstride,
+                                    q_hstride, group, s + column, heads * n_columns, n_columns, (int)g[9]);
+        else
+            status = attnlab_wsum(fmt, quants, scales, g[3], g[4], batch, n, kv_heads, d, s + column,
+                                  heads * n_columns, n_columns, group, o + lo, o_bstride, o_hstride);
+        if (status) return status;
+    }
+    if (n_values == 0) attnlab_softmax(s, batch, heads, n_columns, heads * n_columns, n_columns, scale);
     return 0;
 }
