@@ -69,7 +69,8 @@ def static_decode_step(
 
 
 def static_decode_supported(model, cache) -> bool:
-    """Whether `model` and `cache` can run `static_decode_step` (dense caches; not ring buffers)."""
+    """Whether `model` and `cache` can run `static_decode_step` (dense caches and quantized caches the C
+    kernels read; not ring buffers)."""
     return hasattr(model, "forward_at") and isinstance(cache, ModelCache) and cache.supports_static()
 
 
@@ -151,7 +152,8 @@ def generate(
     compile: decode through a `torch.compile`d static-shape step (same tokens; about 3x faster per token
     on CPU for small models; the first call for a model, batch size and cache size compiles for seconds).
     None = on for CPU when a C++ compiler is found. Caches without a static mode (the sliding window's
-    ring buffer) decode eagerly either way. callback(tokens (B, 1)) is called with each new token as soon
+    ring buffer, bounded memories, quantized caches the C kernels cannot read, e.g. KIVI) decode eagerly
+    either way; a quantized cache's attention is one opaque op inside the compiled step. callback(tokens (B, 1)) is called with each new token as soon
     as it is chosen.
     """
     cfg = model.cfg

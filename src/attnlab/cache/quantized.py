@@ -341,8 +341,10 @@ class QuantizedCache:
             p.name: torch.zeros(self.batch, self.ring_slots, p.codec.width, dtype=dtype, device=device)
             for p in self.parts
         }
-        self.store_positions = torch.full((self.store_slots,), -1, dtype=torch.long, device=device)
-        self.recent_positions = torch.full((self.ring_slots,), -1, dtype=torch.long, device=device)
+        # Slot positions, kept for a bounded cache only (unbounded: stored slot = position, the window follows).
+        tracked = capacity is not None
+        self.store_positions = torch.full((self.store_slots * tracked,), -1, dtype=torch.long, device=device)
+        self.recent_positions = torch.full((self.ring_slots * tracked,), -1, dtype=torch.long, device=device)
         self.seen = 0  # tokens written
         self.stored = 0  # tokens [0, stored) have left the residual window (quantized or dropped)
         self.static = False
@@ -461,8 +463,7 @@ class QuantizedCache:
             or not cpu.available()
         ):
             return None
-        keys = [p for p in self.parts if p.buffer == key]
-        values = [p for p in self.parts if p.buffer == value and p.hi <= (value_width or p.hi)]
+        keys, values = self.kernel_parts(key, value, value_width)
         if any(p.codec.fmt not in cpu.FORMAT_CODES or p.codec.width > cpu.MAX_WIDTH for p in keys + values):
             return None
         if self.stored == 0:  # all held at full precision: `update` and `attend` are exactly the plain cache's maths
@@ -474,8 +475,7 @@ class QuantizedCache:
     ) -> torch.Tensor:
         """attend_one's kernel path (any number of stored rows, none included)."""
         cpu = cpu_kernels
-        keys = [p for p in self.parts if p.buffer == key]
-        values = [p for p in self.parts if p.buffer == value and p.hi <= (value_width or p.hi)]
+        keys, values = self.kernel_parts(key, value, value_width)
         self.check_room(1)
         n_stored = self.stored
         # What the query reads: the stored rows, the residual window (one or two runs of ring slots), the new row.
@@ -495,6 +495,11 @@ class QuantizedCache:
         cpu.attend(list(runs(keys)), list(runs(values)), kv_heads, q[:, :, 0], scale, self.seen + 1, out)
         self.write(rows, self.seen)
         return out[:, :, None]
+
+    def kernel_parts(self, key: str, value: str, value_width: int | None) -> tuple[list[Part], list[Part]]:
+        """The parts read as keys (all of buffer `key`) and as values (those of buffer `value` within value_width)."""
+        keys = [p for p in self.parts if p.buffer == key]
+        return keys, [p for p in self.parts if p.buffer == value and p.hi <= (value_width or p.hi)]
 
     def check_room(self, count: int) -> None:
         if self.seen + count > self.max_len:
@@ -548,9 +553,11 @@ class QuantizedCache:
                 for array, values in zip(self.store[p.name], encoded, strict=True):
                     array.index_copy_(1, index, values)
             held = torch.arange(keep_from, leave, device=self.store_positions.device)
-            self.store_positions[held % self.store_slots] = held
+            if self.capacity is not None:
+                self.store_positions[held % self.store_slots] = held
             left = torch.arange(self.stored, max(self.stored, min(start, leave)), device=held.device)  # left the ring
-            self.recent_positions[left % self.ring_slots] = -1
+            if self.capacity is not None:
+                self.recent_positions[left % self.ring_slots] = -1
             self.stored = leave
         # Tokens [max(start, leave), end) stay at full precision in the ring.
         first = max(start, leave)
@@ -558,7 +565,8 @@ class QuantizedCache:
             index = torch.arange(first, end, device=self.store_positions.device) % self.ring_slots
             for p in self.parts:
                 self.recent[p.name].index_copy_(1, index, rows[p.name][:, first - start :].to(self.dtype))
-            self.recent_positions[index] = torch.arange(first, end, device=index.device)
+            if self.capacity is not None:
+                self.recent_positions[index] = torch.arange(first, end, device=index.device)
 
     def ring_pieces(self, first: int, end: int) -> list[tuple[int, int, int]]:
         """Positions [first, end) as at most two runs of ring slots: (position, slot, length) each."""

@@ -1,6 +1,6 @@
 """Fused GPU kernels (Triton). Each is optional: a layer uses one only on CUDA, when triton is importable
 and nothing needs a gradient (the kernels are forward-only), and otherwise runs its PyTorch path, which
-the kernel is tested against."""
+the kernel is tested against. attnlab.kernels.cpu holds the C kernels of quantized KV caches (CPU)."""
 
 from __future__ import annotations
 
