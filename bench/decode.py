@@ -43,6 +43,7 @@ VARIANTS = {
     "gqa2": MHAConfig(n_kv_heads=2),
     "bottleneck32": BottleneckConfig(d_attn=32),
     "decoupled16/32": DecoupledConfig(d_sem=16, d_geo=32),
+    "decoupled32/64": DecoupledConfig(d_sem=32, d_geo=64),  # rows of 32 and 64: block formats for both key paths
 }
 
 

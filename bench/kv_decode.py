@@ -37,7 +37,8 @@ from attnlab.kernels import cpu as cpu_kernels  # noqa: E402
 POLICIES = {
     "mha": "k=fp16,v=fp16;k=q8_0,v=q8_0;k=q8_0,v=q8_0,flush=32;k=q8_0,v=q4_0;k=q4_0,v=q4_0;"
     "k=q4_0,v=q4_0,flush=32;k=q4_0,v=q4_0,resid=128;k=nf4,v=nf4;k=kivi4,v=kivi4,resid=128",
-    "decoupled16/32": "k=fp16,v=fp16;ksem=q4_0,kgeo=q8_0,v=fp16;ksem=q4_0,kgeo=q8_0,v=q4_0,resid=128",
+    "decoupled32/64": "k=fp16,v=fp16;ksem=q4_0,kgeo=q8_0,v=fp16;ksem=q4_0,kgeo=q8_0,v=q4_0;"
+    "ksem=q4_0,kgeo=q8_0,v=q4_0,resid=128",
 }
 
 

@@ -8,7 +8,9 @@ bits (groups of 32; "values" per token, "keys" per channel). Figures are GB/s of
 read by quantize, written by dequantize, which also allocates its output), medians over rounds; every round times
 each codec and the reference, a copy into a preallocated tensor (`dst.copy_(src)`), in rotated order, and
 ratios are against the copy's median in the same run. A copy into a fresh tensor (`src.clone()`) is shown too:
-at this size faulting in a new 64 MB output costs more than the copy, and every dequantize pays it.
+at this size faulting in a new 64 MB output costs more than the copy, and every dequantize pays it. Rows "(C)":
+the C quantizer a quantized cache writes with (attnlab.kernels.cpu, the same bytes, one thread); its decode
+happens inside the attention kernel, so it has no dequantize row.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OtherLoad, append_rows, environment, median, print_table, row, spread, time_once  # noqa: E402
 
 from attnlab import quant  # noqa: E402
+from attnlab.kernels import cpu as cpu_kernels  # noqa: E402
 
 CODECS = {  # name -> (quantize, dequantize given the width, bytes per value)
     **{
@@ -71,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         x_hat = dequantize(codes[name], args.width)
         error[name] = ((x_hat - x).square().mean() / x.square().mean()).sqrt().item()
     tasks = {"copy": lambda: dst.copy_(x), "clone": lambda: x.clone()}
+    c_formats = quant.FORMATS if cpu_kernels.available() else ()
+    for fmt in c_formats:
+        tasks[f"{fmt} (C) quantize"] = lambda f=fmt: cpu_kernels.quantize(f, x)
     for name, (quantize, dequantize, _) in CODECS.items():
         tasks[f"{name} quantize"] = lambda f=quantize: f(x)
         tasks[f"{name} dequantize"] = lambda f=dequantize, q=codes[name]: f(q, args.width)
@@ -122,6 +128,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"{error[name]:.4f}",
             ]
         )
+    for fmt in c_formats:
+        q_gbps = gbps[f"{fmt} (C) quantize"]
+        figures = {"codec": f"{fmt} (C)", **config, "bytes_per_value": quant.bytes_per_value(fmt),
+                   "quantize_seconds": seconds[f"{fmt} (C) quantize"], "copy_seconds": seconds["copy"],
+                   "quantize_gbps": q_gbps, "copy_gbps": gbps["copy"], "quantize_vs_copy": q_gbps / gbps["copy"],
+                   "rounds": args.rounds, "other_load": other}  # fmt: skip
+        records.append(row("quant_codec", config_hash, env, **figures))
+        table.append([f"{fmt} (C)", f"{quant.bytes_per_value(fmt):.4g}", f"{q_gbps:.2f}",
+                      f"{q_gbps / gbps['copy']:.3f}", "-", "-", f"{error[fmt]:.4f}"])  # fmt: skip
     headers = ["codec", "bytes/value", "quantize GB/s", "x copy", "dequantize GB/s", "x copy", "rel. RMS error"]
     print_table(headers, table)
     if other is not None and other > 0.1:

@@ -11,7 +11,7 @@ from attnlab.kernels import cpu
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no working C compiler for the CPU kernels")
 
 FORMATS = ["fp32", "fp16", "bf16", "q8_0", "q4_0", "nf4"]
-SHAPES = [(8, 1, 16), (2, 4, 32), (1, 8, 64), (4, 2, 8), (2, 3, 48)]  # (H_kv, G, d): d % 16 == 0 and not
+SHAPES = [(8, 1, 16), (2, 4, 32), (1, 8, 64), (4, 2, 8), (8, 1, 8), (8, 2, 4), (16, 1, 4), (2, 3, 48)]  # (H_kv, G, d)
 
 
 def stored(fmt: str, rows: torch.Tensor) -> tuple[Codec, list[torch.Tensor]]:

@@ -153,8 +153,8 @@ def generate(
     on CPU for small models; the first call for a model, batch size and cache size compiles for seconds).
     None = on for CPU when a C++ compiler is found. Caches without a static mode (the sliding window's
     ring buffer, bounded memories, quantized caches the C kernels cannot read, e.g. KIVI) decode eagerly
-    either way; a quantized cache's attention is one opaque op inside the compiled step. callback(tokens (B, 1)) is called with each new token as soon
-    as it is chosen.
+    either way; a quantized cache's attention is one opaque op inside the compiled step.
+    callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
     cfg = model.cfg
     device = next(model.parameters()).device

@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_WIDTH 4096 /* values in a row, H_kv * d (the decode buffers live on the stack) */
+#define MAX_WIDTH 4096 /* values in a row (H_kv * d) the kernels take */
 #define TILE 16        /* rows decoded together */
 #define PARALLEL_MIN 65536 /* values read below which a call stays on one thread (OpenMP, when built with it) */
 
@@ -188,20 +188,71 @@ static inline const float *row_values(int fmt, const uint8_t *quants, const uint
 #endif
 
 #if defined(__AVX512F__)
-/* v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes: a transpose-and-add tree, about 3 ops per
- * vector instead of a horizontal reduction each. */
-static inline __m512 sum_lanes16(const __m512 *v) {
-    __m512 a[8], b[4], c[2];
+/* The first two levels of a transpose-and-add tree over v[0..15]: b[i]'s 128-bit lane L holds, for v[4i + k]
+ * (k = 0..3), the sum of v[4i + k]'s four values in lane L. */
+static inline void sum_lanes_by4(const __m512 *v, __m512 *b) {
+    __m512 a[8];
     for (int i = 0; i < 8; i++)
         a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
     for (int i = 0; i < 4; i++) {
         const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
         b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* Sums of adjacent 128-bit lanes: [x.L0 + x.L1, x.L2 + x.L3, y.L0 + y.L1, y.L2 + y.L3]. */
+static inline __m512 sum_lane_pairs(__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+/* v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes: a transpose-and-add tree, about 3 ops per
+ * vector instead of a horizontal reduction each. */
+static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 b[4];
+    sum_lanes_by4(v, b);
+    return sum_lane_pairs(sum_lane_pairs(b[0], b[1]), sum_lane_pairs(b[2], b[3]));
+}
+
+/* Stores 16 row scores (masked to count) at o, added to what is there when accumulate. */
+static inline void store_scores(float *o, __m512 v, __mmask16 mask, int accumulate) {
+    if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o));
+    _mm512_mask_storeu_ps(o, mask, v);
+}
+
+/* tile_scores for heads of d = 4 or 8 values, H_kv * d a multiple of 16: each 16 values of a row span 16 / d
+ * heads, so the products of a whole row chunk are summed per head by the first levels of the tree. qg: the
+ * queries laid out as rows, one per group member g: qg[g][k * d + i] = q[k * G + g][i]. */
+static inline void tile_scores_narrow(const float *const *rows, int64_t count, int64_t kv_heads, int64_t group,
+                                      int64_t d, const float *qg, float *s, int64_t s_hstride, int accumulate) {
+    const int64_t width = kv_heads * d;
+    const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < width; c += 16) {
+            const __m512 qv = _mm512_loadu_ps(qg + g * width + c);
+            __m512 v[TILE], b[4], heads[4];
+            for (int64_t j = 0; j < TILE; j++)
+                v[j] = j < count ? _mm512_mul_ps(qv, _mm512_loadu_ps(rows[j] + c)) : _mm512_setzero_ps();
+            sum_lanes_by4(v, b); /* b[i] lane L: rows 4i..4i+3, the 4 values of lane L */
+            int per;
+            if (d == 4) { /* a head per 128-bit lane: gather lane L of b[0..3] -> rows 0..15 of head L */
+                const __m512 t0 = _mm512_shuffle_f32x4(b[0], b[1], 0x44), t1 = _mm512_shuffle_f32x4(b[0], b[1], 0xEE);
+                const __m512 t2 = _mm512_shuffle_f32x4(b[2], b[3], 0x44), t3 = _mm512_shuffle_f32x4(b[2], b[3], 0xEE);
+                heads[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+                heads[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+                heads[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+                heads[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+                per = 4;
+            } else { /* d == 8: a head per pair of lanes */
+                const __m512 c0 = sum_lane_pairs(b[0], b[1]), c1 = sum_lane_pairs(b[2], b[3]);
+                heads[0] = _mm512_shuffle_f32x4(c0, c1, 0x88);
+                heads[1] = _mm512_shuffle_f32x4(c0, c1, 0xDD);
+                per = 2;
+            }
+            for (int m = 0; m < per; m++) {
+                const int64_t h = (c / d + m) * group + g;
+                store_scores(s + h * s_hstride, heads[m], mask, accumulate);
+            }
+        }
 }
 #endif
 
@@ -222,10 +273,7 @@ static inline void tile_scores(const float *const *rows, int64_t count, int64_t 
                         acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c), _mm512_loadu_ps(rows[j] + offset + c), acc);
                 v[j] = acc;
             }
-            __m512 sum = sum_lanes16(v);
-            float *o = s + h * s_hstride;
-            if (accumulate) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, o));
-            _mm512_mask_storeu_ps(o, mask, sum);
+            store_scores(s + h * s_hstride, sum_lanes16(v), mask, accumulate);
         }
         return;
     }
@@ -278,7 +326,19 @@ int attnlab_scores(int fmt, const uint8_t *quants, const uint8_t *scales, int64_
                    int64_t s_hstride, int accumulate) {
     const int64_t width = kv_heads * d, heads = kv_heads * group, tiles = (n + TILE - 1) / TILE;
     if (width > MAX_WIDTH) return -1;
-    int failed = 0;
+    int failed = 0, narrow = 0;
+    float *qg = NULL;
+#if defined(__AVX512F__)
+    narrow = (d == 4 || d == 8) && width % 16 == 0;
+    if (narrow) { /* the queries as rows, one per group member (see tile_scores_narrow) */
+        qg = malloc(sizeof(float) * batch * group * width);
+        if (qg == NULL) return -2;
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t h = 0; h < heads; h++)
+                for (int64_t i = 0; i < d; i++)
+                    qg[(b * group + h % group) * width + (h / group) * d + i] = q[b * q_bstride + h * q_hstride + i];
+    }
+#endif
 #pragma omp parallel if (n * width >= PARALLEL_MIN) reduction(| : failed)
     {
         float *buf = malloc(sizeof(float) * TILE * width);
@@ -290,11 +350,19 @@ int attnlab_scores(int fmt, const uint8_t *quants, const uint8_t *scales, int64_
             const int64_t b = job / tiles, t0 = (job % tiles) * TILE, count = n - t0 < TILE ? n - t0 : TILE;
             const uint8_t *qb = quants + b * quants_bstride, *sb = scales ? scales + b * scales_bstride : 0;
             for (int64_t j = 0; j < count; j++) rows[j] = row_values(fmt, qb, sb, t0 + j, width, buf + j * width);
+#if defined(__AVX512F__)
+            if (narrow) {
+                tile_scores_narrow(rows, count, kv_heads, group, d, qg + b * group * width, s + b * s_bstride + t0,
+                                   s_hstride, accumulate);
+                continue;
+            }
+#endif
             tile_scores(rows, count, heads, group, d, q + b * q_bstride, q_hstride, s + b * s_bstride + t0,
                         s_hstride, accumulate);
         }
         free(buf);
     }
+    free(qg);
     return failed ? -2 : 0;
 }
 
