@@ -115,7 +115,13 @@ def adversarial_rows(fmt: str) -> torch.Tensor:
     both = torch.rand(128, generator=g)
     both[[1, 2]], both[[60, 61]] = torch.tensor([-3.0, 3.0]), torch.tensor([3.0, -3.0])  # +-max ties: first wins
     tiny = torch.full((128,), 1e-40) * torch.randn(128, generator=g).sign()  # float32 subnormals
+    # Ties: blocks whose scale is exactly 1 (q8_0: absmax 127; q4_0: signed max -8), so x / d = x is a .5 tie.
+    near = [0.5 - 2**-25, -(0.5 - 2**-25), 1.5 - 2**-23, -2.5, 2.5]
+    q8_ties = [127.0] + [k + 0.5 for k in range(-13, 13)] + near
+    q4_ties = [-8.0] + [k + 0.5 for k in range(-8, 8)] + near + [7.49, -7.51, 0.0, -0.0, 3.5, -3.5, 6.5, -6.5]
+    q4_ties += [1e-9, -1e-9]
     rows += [signed_zero, outlier, negative, both, tiny, torch.full((128,), limit * 0.999)]
+    rows.append(torch.tensor(q8_ties + q4_ties + q8_ties[::-1] + q4_ties[::-1]))
     return torch.stack(rows)
 
 

@@ -532,7 +532,12 @@ int attnlab_quantize(int fmt, const float *x, int64_t batch, int64_t n, int64_t 
                 const float d = amax / 127.0f;
                 float id = d != 0.0f ? 1.0f / d : 0.0f;
                 if (isinf(id)) id = 0.0f;
-                for (int i = 0; i < 32; i++) ((int8_t *)q)[i] = (int8_t)roundf(v[i] * id);
+                int8_t codes[32];
+                for (int i = 0; i < 32; i++) { /* roundf: half away from zero, p + 0.5 exact in double */
+                    const float p = v[i] * id;
+                    codes[i] = (int8_t)(int32_t)((double)p + (p < 0.0f ? -0.5 : 0.5));
+                }
+                memcpy(q, codes, 32);
                 *scale = float_to_half(d);
             } else if (fmt == 4) { /* q4_0: d = max / -8, q = min(15, trunc(x / d + 8.5)) */
                 const float d = max / -8.0f;
