@@ -159,6 +159,19 @@ def test_softmax_matches_torch(n):
     assert torch.equal(strided[..., n:], scores[..., n:])
 
 
+def test_wide_rows_and_long_softmax_rows():
+    """Rows of 4,160 values (no width limit) and a softmax over 2^20 columns (sums in double: no drift)."""
+    g = torch.Generator().manual_seed(5)
+    codec, arrays = stored("q8_0", torch.randn(1, 20, 4160, generator=g))
+    keys = codec.decode(arrays, torch.float32).view(1, 20, 1, 4160).transpose(1, 2)
+    q, out = torch.randn(1, 2, 4160, generator=g), torch.empty(1, 2, 20)
+    cpu.scores("q8_0", arrays, 20, 1, q, out, accumulate=False)
+    torch.testing.assert_close(out, torch.einsum("bhd,bhtd->bht", q, keys), rtol=1e-5, atol=1e-4)
+    long = torch.randn(1, 1, 1 << 20, generator=g)
+    want = torch.softmax(long.double() * 0.5, dim=-1).float()
+    torch.testing.assert_close(cpu.softmax_(long.clone(), 0.5), want, rtol=1e-5, atol=1e-12)
+
+
 def test_quantize_into_writes_cache_slots():
     from attnlab import quant
 
@@ -223,4 +236,5 @@ def test_the_portable_c_path_matches_too(tmp_path, monkeypatch):
     test_quantize_into_writes_cache_slots()
     for n in (1, 37, 4097):
         test_softmax_matches_torch(n)
+    test_wide_rows_and_long_softmax_rows()
     test_attend_over_runs_of_rows_is_softmax_attention()

@@ -319,6 +319,17 @@ def test_static_mode_steps_equal_the_eager_kernel_steps(attention, text):
         assert all(torch.equal(x, y) for n in a.store for x, y in zip(a.store[n], b.store[n], strict=True))
 
 
+def test_a_static_quantized_cache_takes_one_token_per_step():
+    model = model_for(MHA)
+    cache = model.new_cache(1, 64, policy="k=q8_0,v=q8_0")
+    with torch.no_grad():
+        model(tokens(8, batch=1), cache=cache)
+        cache.set_static(True)
+        with pytest.raises(InputError, match="one token per step"):
+            model.forward_at(tokens(4, batch=1), torch.arange(8, 12), cache.layers)
+    assert [layer.seen for layer in cache.layers] == [8, 8]  # nothing stored
+
+
 def test_caches_without_a_static_mode():
     """KIVI keys (groups of tokens), a sliding window, a null key: generate decodes them eagerly."""
     null = {"kind": "bottleneck", "d_attn": 64, "null_attn": True}  # rows of 64

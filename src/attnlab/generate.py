@@ -46,7 +46,8 @@ def decode_step(model, token: torch.Tensor, cache: ModelCache) -> torch.Tensor:
 @torch.no_grad()
 def prefill_last(model, tokens: torch.Tensor, cache: ModelCache, chunk_size: int = 512) -> torch.Tensor:
     """`prefill` through `model.forward_at`, with the LM head on each chunk's last position only (all that
-    generating needs): the last position's logits (B, V). The cache may be in either mode."""
+    generating needs): the last position's logits (B, V). A dense cache may be in either mode; a quantized
+    cache must not be in static mode (it takes one token per step there)."""
     logits = None
     for start in range(0, tokens.shape[1], chunk_size):
         chunk = tokens[:, start : start + chunk_size]  # (B, T)

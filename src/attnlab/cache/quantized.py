@@ -447,6 +447,11 @@ class QuantizedCache:
         cache, nothing quantized yet, no compiler, not float32 on the CPU, a gradient needed, or a KIVI format;
         the caller then runs `update`."""
         if self.static:  # inside generate's compiled step: one opaque op, which runs _attend_kernel
+            if positions.shape[0] != 1:
+                raise InputError(
+                    f"a quantized cache in static mode takes one token per step, not {positions.shape[0]}: feed the "
+                    "prompt before set_static(True)"
+                )
             names = ",".join(new)
             width = value_width or self.row_width[value]
             return torch.ops.attnlab.quantized_attend(
@@ -464,7 +469,7 @@ class QuantizedCache:
         ):
             return None
         keys, values = self.kernel_parts(key, value, value_width)
-        if any(p.codec.fmt not in cpu.FORMAT_CODES or p.codec.width > cpu.MAX_WIDTH for p in keys + values):
+        if any(p.codec.fmt not in cpu.FORMAT_CODES for p in keys + values):
             return None
         if self.stored == 0:  # all held at full precision: `update` and `attend` are exactly the plain cache's maths
             return None

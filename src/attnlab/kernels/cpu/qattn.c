@@ -26,7 +26,6 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_WIDTH 4096 /* values in a row (H_kv * d) the kernels take */
 #define TILE 16        /* rows decoded together */
 #define PARALLEL_MIN 65536 /* values read below which a call stays on one thread (OpenMP, when built with it) */
 
@@ -319,13 +318,12 @@ static inline void tile_wsum(const float *const *rows, int64_t count, int64_t he
 
 /* q: (B, H, d) float with element strides (q_bstride, q_hstride, 1); K rows: n rows (B, n, H_kv * d) in format
  * fmt with batch strides in bytes; s: (B, H, >= n) float with strides (s_bstride, s_hstride, 1).
- * accumulate: add to s instead of overwriting it. Returns 0, -1 for a row wider than MAX_WIDTH, -2 out of memory. */
+ * accumulate: add to s instead of overwriting it. Returns 0, or -2 out of memory. */
 int attnlab_scores(int fmt, const uint8_t *quants, const uint8_t *scales, int64_t quants_bstride,
                    int64_t scales_bstride, int64_t batch, int64_t n, int64_t kv_heads, int64_t d, const float *q,
                    int64_t q_bstride, int64_t q_hstride, int64_t group, float *s, int64_t s_bstride,
                    int64_t s_hstride, int accumulate) {
     const int64_t width = kv_heads * d, heads = kv_heads * group, tiles = (n + TILE - 1) / TILE;
-    if (width > MAX_WIDTH) return -1;
     int failed = 0, narrow = 0;
     float *qg = NULL;
 #if defined(__AVX512F__)
@@ -373,7 +371,6 @@ int attnlab_wsum(int fmt, const uint8_t *quants, const uint8_t *scales, int64_t 
                  int64_t p_bstride, int64_t p_hstride, int64_t group, float *o, int64_t o_bstride,
                  int64_t o_hstride) {
     const int64_t width = kv_heads * d, heads = kv_heads * group, tiles = (n + TILE - 1) / TILE;
-    if (width > MAX_WIDTH) return -1;
     int failed = 0;
 #pragma omp parallel if (n * width >= PARALLEL_MIN) reduction(| : failed)
     {
@@ -451,7 +448,8 @@ void attnlab_softmax(float *s, int64_t batch, int64_t heads, int64_t n, int64_t 
         double sum = 0.0; /* a float running sum over thousands of values drifts by 1e-5 */
         int64_t i = 0;
 #if defined(__AVX512F__)
-        __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        __m512d vsum_lo = _mm512_setzero_pd(), vsum_hi = _mm512_setzero_pd(); /* doubles: no drift over long rows */
         const __m512 vscale = _mm512_set1_ps(scale);
         for (; i + 16 <= n; i += 16) {
             const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), vscale);
@@ -470,9 +468,10 @@ void attnlab_softmax(float *s, int64_t batch, int64_t heads, int64_t n, int64_t 
         for (; i + 16 <= n; i += 16) {
             const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
             _mm512_storeu_ps(x + i, e);
-            vsum = _mm512_add_ps(vsum, e);
+            vsum_lo = _mm512_add_pd(vsum_lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+            vsum_hi = _mm512_add_pd(vsum_hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
         }
-        sum = _mm512_reduce_add_ps(vsum);
+        sum = _mm512_reduce_add_pd(_mm512_add_pd(vsum_lo, vsum_hi));
 #endif
         for (int64_t j = i; j < n; j++) {
             x[j] = exp_nonpositive(x[j] - max);
