@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.cache.quantized import Codec
+from attnlab.cache.codecs import Codec
 from attnlab.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no working C compiler for the CPU kernels")
@@ -217,15 +217,15 @@ def test_attend_over_runs_of_rows_is_softmax_attention():
 
 def test_the_portable_c_path_matches_too(tmp_path, monkeypatch):
     """The same checks on a build without AVX-512 and F16C (the plain C loops, the software fp16 conversions)."""
-    import ctypes
-
     flags = ("-mno-avx512f", "-mno-f16c") if "avx512f" in cpu._cpu_flags() else ()
-    portable = ctypes.CDLL(str(cpu.build(tmp_path, flags)))
-    for name, args in (("scores", cpu._SCORES_ARGS), ("wsum", cpu._WSUM_ARGS), ("quantize", cpu._QUANTIZE_ARGS)):
-        getattr(portable, f"attnlab_{name}").argtypes = args
-    portable.attnlab_softmax.argtypes, portable.attnlab_softmax.restype = cpu._SOFTMAX_ARGS, None
-    portable.attnlab_attend.argtypes = cpu._ATTEND_ARGS
-    monkeypatch.setattr(cpu, "library", lambda: portable)
+    native, portable = cpu.library(), cpu.load(cpu.build(tmp_path, flags))
+    codec, arrays = stored("q4_0", torch.randn(2, 40, 64))
+    q, scores = torch.randn(2, 8, 16), []
+    for lib in (native, portable):
+        monkeypatch.setattr(cpu, "library", lambda lib=lib: lib)
+        scores.append(torch.empty(2, 8, 40))
+        cpu.scores("q4_0", arrays, 40, 4, q, scores[-1], accumulate=False)
+    torch.testing.assert_close(scores[1], scores[0], rtol=1e-5, atol=1e-5)  # both builds, the same scores
     for fmt in FORMATS:
         for kv_heads, group, d in SHAPES:
             test_scores_and_wsum_match_matmuls_over_dequantized_rows(fmt, kv_heads, group, d)

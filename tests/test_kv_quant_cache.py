@@ -6,8 +6,8 @@ import torch
 import attnlab
 from attnlab import quant
 from attnlab.accounting import kv_report
+from attnlab.cache.codecs import KVPolicy
 from attnlab.cache.dense import DenseCache
-from attnlab.cache.quantized import KVPolicy
 from attnlab.errors import ConfigError, InputError
 from attnlab.generate import can_compile_on_cpu
 from attnlab.kernels import cpu as cpu_kernels

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.cache.quantized import Codec, as_policy, slot_counts
+from attnlab.cache.codecs import Codec, as_policy
+from attnlab.cache.quantized import slot_counts
 from attnlab.config import ModelConfig, dtype_bytes
 from attnlab.errors import ConfigError
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from attnlab.accounting import kv_report
-from attnlab.cache.quantized import KVPolicy, as_policy
+from attnlab.cache.codecs import KVPolicy, as_policy
 from attnlab.errors import ConfigError, DataError, InputError
 
 
@@ -140,7 +140,7 @@ def table(rows: list[dict]) -> str:
 
 def candidate_formats(model, tensor: str, formats: tuple[str, ...]) -> list[str]:
     """The formats of `formats` that can store `tensor` (block formats need rows of 32 values)."""
-    from attnlab.cache.quantized import Codec
+    from attnlab.cache.codecs import Codec
 
     width = model.cfg.attention.cache_fields(model.cfg)[tensor]
     usable = []
@@ -154,7 +154,7 @@ def candidate_formats(model, tensor: str, formats: tuple[str, ...]) -> list[str]
 
 
 def policy_text(assignment: dict[str, str], resid: int) -> str:
-    from attnlab.cache.quantized import SHORT
+    from attnlab.cache.codecs import SHORT
 
     items = [f"{SHORT.get(name, name)}={fmt}" for name, fmt in assignment.items()]
     return ",".join(items + ([f"resid={resid}"] if resid else []))

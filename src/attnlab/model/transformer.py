@@ -10,7 +10,8 @@ from torch import nn
 from attnlab.attention.registry import REGISTRY
 from attnlab.cache.base import ModelCache
 from attnlab.cache.bounded import MemoryWrite, new_memory_cache
-from attnlab.cache.quantized import as_policy, quantized_cache
+from attnlab.cache.codecs import as_policy
+from attnlab.cache.quantized import quantized_cache
 from attnlab.config import ModelConfig
 from attnlab.errors import ConfigError, InputError
 from attnlab.model.mlp import build_mlp

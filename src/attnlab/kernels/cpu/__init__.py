@@ -100,15 +100,24 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("ATTNLAB_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        return load(build())
     except (OSError, RuntimeError) as err:
         warnings.warn(f"attnlab CPU kernels unavailable, using the PyTorch path: {err}", stacklevel=2)
         return None
-    lib.attnlab_scores.argtypes, lib.attnlab_scores.restype = _SCORES_ARGS, ctypes.c_int
-    lib.attnlab_wsum.argtypes, lib.attnlab_wsum.restype = _WSUM_ARGS, ctypes.c_int
-    lib.attnlab_quantize.argtypes, lib.attnlab_quantize.restype = _QUANTIZE_ARGS, ctypes.c_int
-    lib.attnlab_softmax.argtypes, lib.attnlab_softmax.restype = _SOFTMAX_ARGS, None
-    lib.attnlab_attend.argtypes, lib.attnlab_attend.restype = _ATTEND_ARGS, ctypes.c_int
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library (see `build`) with its functions' argument types declared."""
+    lib = ctypes.CDLL(str(path))
+    for name, args, result in (
+        ("scores", _SCORES_ARGS, ctypes.c_int),
+        ("wsum", _WSUM_ARGS, ctypes.c_int),
+        ("quantize", _QUANTIZE_ARGS, ctypes.c_int),
+        ("softmax", _SOFTMAX_ARGS, None),
+        ("attend", _ATTEND_ARGS, ctypes.c_int),
+    ):
+        function = getattr(lib, f"attnlab_{name}")
+        function.argtypes, function.restype = args, result
     return lib
 
 
@@ -148,56 +157,37 @@ def _segment(arrays: list[torch.Tensor], first: int, n: int) -> tuple[int, int, 
     )
 
 
+def _float32_rows(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 with unit last stride")
+
+
 def scores(
-    fmt: str,
-    arrays: list[torch.Tensor],
-    n: int,
-    kv_heads: int,
-    q: torch.Tensor,
-    out: torch.Tensor,
-    accumulate: bool,
-    first: int = 0,
-    column: int = 0,
+    fmt: str, arrays: list[torch.Tensor], n: int, kv_heads: int, q: torch.Tensor, out: torch.Tensor, accumulate: bool
 ) -> None:
-    """out[b, h, column + t] (+)= q[b, h] . K[b, first + t, h // G] for t < n, K the rows of stored arrays (the
-    cache's layout: block formats [quants, scales] (uint8), float formats [rows] (their bytes as uint8, or
-    float32 rows)); q (B, H, d) and out (B, H, >= column + n) float32 with unit last stride."""
-    if n == 0:
-        return
-    quants, scales, qstride, sstride = _segment(arrays, first, n)
+    """out[b, h, t] (+)= q[b, h] . K[b, t, h // G] for t < n, K the rows of stored arrays (the cache's layout:
+    block formats [quants, scales] (uint8), float formats [rows] (their bytes as uint8, or float32 rows)); q
+    (B, H, d) and out (B, H, >= n) float32 with unit last stride."""
+    _float32_rows(q=q, out=out)
+    quants, scales, qstride, sstride = _segment(arrays, 0, n)
     batch, heads, d = q.shape
-    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != torch.float32 or out.dtype != torch.float32:
-        raise ValueError("q and out must be float32 with unit last stride")
     status = library().attnlab_scores(
-        FORMAT_CODES[fmt], quants, scales, qstride, sstride, batch, n, kv_heads, d,
-        q.data_ptr(), q.stride(0), q.stride(1), heads // kv_heads, out.data_ptr() + 4 * column, out.stride(0),
-        out.stride(1), int(accumulate),
+        FORMAT_CODES[fmt], quants, scales, qstride, sstride, batch, n, kv_heads, d, q.data_ptr(), q.stride(0),
+        q.stride(1), heads // kv_heads, out.data_ptr(), out.stride(0), out.stride(1), int(accumulate),
     )  # fmt: skip
     _check(status)
 
 
-def wsum(
-    fmt: str,
-    arrays: list[torch.Tensor],
-    n: int,
-    kv_heads: int,
-    p: torch.Tensor,
-    out: torch.Tensor,
-    first: int = 0,
-    column: int = 0,
-) -> None:
-    """out[b, h] += sum over t < n of p[b, h, column + t] V[b, first + t, h // G], V the rows of stored arrays
-    (as in `scores`); p (B, H, >= column + n) and out (B, H, d) float32 with unit last stride."""
-    if n == 0:
-        return
-    quants, scales, qstride, sstride = _segment(arrays, first, n)
+def wsum(fmt: str, arrays: list[torch.Tensor], n: int, kv_heads: int, p: torch.Tensor, out: torch.Tensor) -> None:
+    """out[b, h] += sum over t < n of p[b, h, t] V[b, t, h // G], V the rows of stored arrays (as in `scores`);
+    p (B, H, >= n) and out (B, H, d) float32 with unit last stride."""
+    _float32_rows(p=p, out=out)
+    quants, scales, qstride, sstride = _segment(arrays, 0, n)
     batch, heads, d = out.shape
-    if p.stride(2) != 1 or out.stride(2) != 1 or p.dtype != torch.float32 or out.dtype != torch.float32:
-        raise ValueError("p and out must be float32 with unit last stride")
     status = library().attnlab_wsum(
-        FORMAT_CODES[fmt], quants, scales, qstride, sstride, batch, n, kv_heads, d,
-        p.data_ptr() + 4 * column, p.stride(0), p.stride(1), heads // kv_heads, out.data_ptr(), out.stride(0),
-        out.stride(1),
+        FORMAT_CODES[fmt], quants, scales, qstride, sstride, batch, n, kv_heads, d, p.data_ptr(), p.stride(0),
+        p.stride(1), heads // kv_heads, out.data_ptr(), out.stride(0), out.stride(1),
     )  # fmt: skip
     _check(status)
 
@@ -215,9 +205,8 @@ def attend(
     rows, each (fmt, arrays, first row, rows n, first score column, lo, d) (as `scores` and `wsum` take them; a
     key run with lo > 0 adds its scores to an earlier part's). q (B, H, D) and out (B, H, d_v) float32 with unit
     last stride; the runs' columns must cover 0..n_columns - 1."""
+    _float32_rows(q=q, out=out)
     batch, heads = q.shape[:2]
-    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != torch.float32 or out.dtype != torch.float32:
-        raise ValueError("q and out must be float32 with unit last stride")
     records = []
     for i, (fmt, arrays, first, n, column, lo, d) in enumerate((*keys, *values)):
         quants, scales, qstride, sstride = _segment(arrays, first, n)
@@ -260,7 +249,7 @@ def quantize_into(fmt: str, x: torch.Tensor, arrays: list[torch.Tensor], start: 
     from attnlab import quant
 
     quants, scales = arrays
-    assert x.dtype == torch.float32 and x.stride(-1) == 1 and quants.stride(-1) == scales.stride(-1) == 1
+    _float32_rows(x=x)
     status = library().attnlab_quantize(
         FORMAT_CODES[fmt], x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), x.stride(1),
         quants.data_ptr() + start * quants.stride(1), quants.stride(0), quants.stride(1),
@@ -272,7 +261,7 @@ def quantize_into(fmt: str, x: torch.Tensor, arrays: list[torch.Tensor], start: 
 
 def softmax_(scores: torch.Tensor, scale: float) -> torch.Tensor:
     """scores (B, H, n) float32 (unit last stride) -> softmax(scale * scores, dim=-1), in place."""
-    assert scores.dtype == torch.float32 and scores.stride(-1) == 1
+    _float32_rows(scores=scores)
     batch, heads, n = scores.shape
     library().attnlab_softmax(scores.data_ptr(), batch, heads, n, scores.stride(0), scores.stride(1), scale)
     return scores

@@ -126,6 +126,8 @@ static inline const float *row_values_c(int fmt, const uint8_t *quants, const ui
 
 
 #if defined(__AVX512F__)
+/* row_values_c with AVX-512 for the block formats and for fp16 / bf16 rows of whole vectors; a ragged fp16 / bf16
+ * row goes to the portable code. */
 static inline const float *row_values(int fmt, const uint8_t *quants, const uint8_t *scales, int64_t t,
                                       int64_t width, float *restrict buf) {
     const int64_t nb = width / 32;
@@ -134,15 +136,14 @@ static inline const float *row_values(int fmt, const uint8_t *quants, const uint
         return (const float *)(quants + t * width * 4);
     case 1:
     case 2: {
+        if (width % 16) break;
         const uint16_t *row = (const uint16_t *)(quants + t * width * 2);
-        int64_t i = 0;
-        for (; i + 16 <= width; i += 16) {
+        for (int64_t i = 0; i < width; i += 16) {
             const __m256i h = _mm256_loadu_si256((const __m256i *)(row + i));
             const __m512 v = fmt == 1 ? _mm512_cvtph_ps(h)
                                       : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
             _mm512_storeu_ps(buf + i, v);
         }
-        for (; i < width; i++) buf[i] = fmt == 1 ? half_to_float(row[i]) : bf16_to_float(row[i]);
         return buf;
     }
     case 3: {
@@ -158,7 +159,8 @@ static inline const float *row_values(int fmt, const uint8_t *quants, const uint
         }
         return buf;
     }
-    default: { /* 4 q4_0, 5 nf4 */
+    case 4:
+    case 5: {
         const uint8_t *row = quants + t * nb * 16;
         const uint16_t *scale = (const uint16_t *)(scales + t * nb * 2);
         const __m512i mask = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
@@ -167,20 +169,15 @@ static inline const float *row_values(int fmt, const uint8_t *quants, const uint
             const __m512 d = _mm512_set1_ps(half_to_float(scale[b]));
             const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b * 16)));
             const __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_srli_epi32(bytes, 4);
-            __m512 vlo, vhi;
-            if (fmt == 4) {
-                vlo = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight));
-                vhi = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight));
-            } else {
-                vlo = _mm512_permutexvar_ps(lo, table);
-                vhi = _mm512_permutexvar_ps(hi, table);
-            }
+            const __m512 vlo = fmt == 4 ? _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)) : _mm512_permutexvar_ps(lo, table);
+            const __m512 vhi = fmt == 4 ? _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)) : _mm512_permutexvar_ps(hi, table);
             _mm512_storeu_ps(buf + b * 32, _mm512_mul_ps(d, vlo));
             _mm512_storeu_ps(buf + b * 32 + 16, _mm512_mul_ps(d, vhi));
         }
         return buf;
     }
     }
+    return row_values_c(fmt, quants, scales, t, width, buf);
 }
 #else
 #define row_values row_values_c
