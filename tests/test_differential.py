@@ -113,11 +113,19 @@ def test_diff_equals_two_plain_sdpa_calls(n_kv_heads, chunks):
     torch.testing.assert_close(run(layer, x, chunks), expected, atol=ATOL, rtol=0)
 
 
+LAYERS = {  # kind -> a layer of that kind with n_kv_heads (None = one per query head)
+    "diff": lambda n_kv_heads=None: Differential(model_config(DiffConfig(n_kv_heads=n_kv_heads)), layer_index=1),
+    "coda": lambda n_kv_heads=None: CoDA(model_config(CoDAConfig(n_kv_heads=n_kv_heads))),
+}
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.parametrize("n_kv_heads", [2, 1], ids=["gqa", "mqa"])
-def test_diff_gqa_equals_mha_with_repeated_kv_weights(n_kv_heads):
-    """DIFF head h reads k1, k2 and v of K/V head h // (H / H_kv): repeating those rows gives an MHA diff layer."""
-    gqa = randomize_(Differential(model_config(DiffConfig(n_kv_heads=n_kv_heads)), layer_index=1))
-    mha = Differential(model_config(DiffConfig()), layer_index=1)
+def test_gqa_equals_mha_with_repeated_kv_weights(kind, n_kv_heads):
+    """DIFF head h reads k1, k2 and v of K/V head h // (H / H_kv); CoDA's query heads 2h (signal) and 2h + 1
+    (noise) both read K/V head h // (H / H_kv): repeating those rows gives the MHA layer."""
+    gqa = randomize_(LAYERS[kind](n_kv_heads))
+    mha = LAYERS[kind]()
     width, group = n_kv_heads * HEAD_DIM, N_HEADS // n_kv_heads
     w_q, w_k, w_v = gqa.qkv.weight.split((N_HEADS * HEAD_DIM, width, width), dim=0)
     state = dict(gqa.state_dict())
@@ -193,23 +201,6 @@ def test_coda_closed_gate_is_standard_attention_then_head_norm(n_kv_heads, inter
         mha.out.weight.copy_(coda.out.weight)
     torch.testing.assert_close(run(identity, x), run(mha, x), atol=ATOL, rtol=0)
     torch.testing.assert_close(run(identity, x, CHUNKS), run(mha, x, CHUNKS), atol=ATOL, rtol=0)
-
-
-@pytest.mark.parametrize("n_kv_heads", [2, 1], ids=["gqa", "mqa"])
-def test_coda_gqa_equals_mha_with_repeated_kv_weights(n_kv_heads):
-    """Query heads 2h (signal) and 2h + 1 (noise) both read K/V head h // (H / H_kv)."""
-    gqa = randomize_(CoDA(model_config(CoDAConfig(n_kv_heads=n_kv_heads))))
-    mha = CoDA(model_config(CoDAConfig()))
-    width, group = n_kv_heads * HEAD_DIM, N_HEADS // n_kv_heads
-    w_q, w_k, w_v = gqa.qkv.weight.split((N_HEADS * HEAD_DIM, width, width), dim=0)
-    state = dict(gqa.state_dict())
-    state["qkv.weight"] = torch.cat(
-        (w_q, repeat_kv_rows(w_k, n_kv_heads, HEAD_DIM, group), repeat_kv_rows(w_v, n_kv_heads, HEAD_DIM, group))
-    )
-    mha.load_state_dict(state)
-    x = inputs()
-    torch.testing.assert_close(run(mha, x), run(gqa, x), atol=ATOL, rtol=0)
-    torch.testing.assert_close(run(mha, x, CHUNKS), run(gqa, x, CHUNKS), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
