@@ -3,7 +3,7 @@
     python bench/memory.py [--prefill 4096] [--contexts 512,1024,2048,4096,8192,16384] [--steps 32] [--threads N]
 
 One CoDA model (d_model 128, 4 layers, 8 query / 2 KV heads, vocab 4096), with its full cache and with the
-memories of cache/bounded.py at the paper's medium size (recent window 256 + 64 exact + 64 summary slots;
+memories of cache/memories.py at the paper's medium size (recent window 256 + 64 exact + 64 summary slots;
 window-only and StreamingLLM at the same 384 slots). Weights are shared: the memory draws no random
 numbers at init, so every model holds the same attention weights.
 

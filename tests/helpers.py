@@ -21,3 +21,11 @@ def train_tiny_run(root: Path, model: dict, steps: int = 20, seq_len: int = 32, 
     train_cfg = TrainConfig(seq_len=seq_len, batch_size=4, steps=steps, eval_every=steps // 2, eval_tokens=256)
     train(attnlab.model_config_from_dict(model), data, train_cfg, run, progress=False)
     return run
+
+
+def kv_layout(kv_heads: int, head_dim: int, interleaved: bool = False):
+    """The cache layout of a per-head variant (mha): k (rotated by RoPE) and v, head_dim each per KV head."""
+    from attnlab.cache.layout import CacheLayout, Field, Read
+
+    fields = {"k": [Field("k", head_dim, rope=True)], "v": [Field("v", head_dim)]}
+    return CacheLayout.of(fields, kv_heads=kv_heads, route="v", read=Read("k", "v"), rope_interleaved=interleaved)

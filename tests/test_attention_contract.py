@@ -16,10 +16,8 @@ import torch.nn.functional as F
 import attnlab
 from attnlab.attention.bottleneck import BottleneckConfig
 from attnlab.attention.coda import CoDAConfig
-from attnlab.attention.core import attend, attend_one_query
 from attnlab.attention.decoupled import DecoupledConfig
 from attnlab.attention.differential import DiffConfig
-from attnlab.attention.masks import attention_mask
 from attnlab.attention.mha import MHAConfig
 from attnlab.attention.mla import MLAConfig
 from attnlab.attention.registry import REGISTRY
@@ -27,6 +25,8 @@ from attnlab.attention.sliding import SlidingConfig
 from attnlab.config import ModelConfig
 from attnlab.errors import InputError
 from attnlab.generate import prefill_last, static_decode_step, static_decode_supported
+from attnlab.ops.attend import attend, attend_one_query
+from attnlab.ops.masks import attention_mask
 
 VOCAB, D_MODEL, N_HEADS, N_LAYERS, MAX_SEQ_LEN = 97, 64, 4, 2, 64
 WINDOW = 6  # smaller than SEQ_LEN and than the 9-token chunk below, so the ring buffer wraps

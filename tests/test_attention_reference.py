@@ -21,8 +21,8 @@ from attnlab.attention.mha import MHA, MHAConfig
 from attnlab.attention.mla import MLA, MLAConfig
 from attnlab.attention.sliding import Sliding, SlidingConfig
 from attnlab.config import ModelConfig
-from attnlab.model.rope import Rotary
 from attnlab.model.transformer import build_model
+from attnlab.ops.rope import Rotary
 
 D_MODEL, N_HEADS, BATCH, SEQ = 32, 4, 2, 7
 ROPE_BASE = 100.0  # small base: even the slowest frequency turns visibly within SEQ positions

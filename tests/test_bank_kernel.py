@@ -1,7 +1,7 @@
 """The fused exact-bank routing kernel (attnlab.kernels.bank_routing) against the PyTorch path.
 
 Runs on a GPU when there is one, else under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors); skipped
-only when triton is not importable. The reference is `attnlab.cache.bounded.exact_routing`, the loop the
+only when triton is not importable. The reference is `attnlab.cache.banks.exact_routing`, the loop the
 bounded cache runs without the kernel; results must be equal, not close (they are slot indices, positions
 and recency counters). Cases: decode (one candidate) and chunks (many, some gated out), banks empty, partly
 full (free slots scattered) and full, duplicates that must refresh rather than insert, the band between
@@ -24,8 +24,11 @@ if not torch.cuda.is_available():
     # chosen before anything imports triton: here, at collection (as tests/test_diff_kernel.py does).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import attnlab.cache.bounded as bounded_module  # noqa: E402
-from attnlab.cache.bounded import BoundedCache, exact_routing  # noqa: E402
+from helpers import kv_layout  # noqa: E402
+
+import attnlab.cache.banks as bounded_module  # noqa: E402
+from attnlab.cache import Write  # noqa: E402
+from attnlab.cache.banks import BoundedCache, exact_routing  # noqa: E402
 from attnlab.config import MemoryConfig  # noqa: E402
 from attnlab.kernels import kernel_usable  # noqa: E402
 
@@ -234,15 +237,20 @@ def test_cache_uses_the_kernel_and_matches_its_torch_path(kernel, monkeypatch):
 
     def run(chunks, fused):
         monkeypatch.setattr(bounded_module, "kernel_usable", lambda *tensors: fused)
-        cache = BoundedCache(batch, heads, dim, memory, torch.float32, DEVICE)
+        cache = BoundedCache(kv_layout(heads, dim), batch, memory, torch.float32, DEVICE)
         states, start = [], 0
         for size in chunks:
             part = slice(start, start + size)
-            cache.set_write(gate[:, part].to(DEVICE), eta.to(DEVICE))
             cache.update({"k": k[:, :, part].to(DEVICE), "v": v[:, :, part].to(DEVICE)},
-                         torch.arange(start, start + size, device=DEVICE))  # fmt: skip
+                         torch.arange(start, start + size, device=DEVICE), Write(gate[:, part].to(DEVICE),
+                         eta.to(DEVICE)))  # fmt: skip
             start += size
-            states.append([t.clone().cpu() for t in (cache.memory_positions, cache.exact_last_used, cache.k, cache.v)])
+            states.append(
+                [
+                    t.clone().cpu()
+                    for t in (cache.memory_positions, cache.exact_last_used, cache.buffer("k"), cache.buffer("v"))
+                ]
+            )
         return states
 
     calls = []

@@ -14,17 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import kv_layout
 
 import attnlab
 from attnlab.accounting import kv_report
-from attnlab.attention.base import merge_heads, split_heads
-from attnlab.attention.core import attend
 from attnlab.attention.mha import MHA
-from attnlab.cache.bounded import BoundedCache, H2OCache, low_frequency_channels, new_memory_cache
+from attnlab.cache import BoundedCache, H2OCache, Write, attend_held, read_cache
+from attnlab.cache.layout import low_frequency_channels
 from attnlab.cli import main
-from attnlab.config import MemoryConfig, model_config_from_dict
+from attnlab.config import MemoryConfig
+from attnlab.config_io import model_config_from_dict
 from attnlab.errors import ConfigError, InputError
-from attnlab.model.rope import Rotary
+from attnlab.ops.heads import merge_heads, split_heads
+from attnlab.ops.rope import Rotary
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 VOCAB, WINDOW = 97, 8
@@ -91,9 +93,8 @@ def feed(cache, k, v, gate, chunks, eta=None, after_each=None):
     eta = torch.full((k.shape[1],), 0.5) if eta is None else eta
     for size in chunks:
         part = slice(start, start + size)
-        if isinstance(cache, BoundedCache):
-            cache.set_write(gate[:, part], eta)
-        cache.update({"k": k[:, :, part], "v": v[:, :, part]}, torch.arange(start, start + size))
+        write = Write(gate[:, part], eta) if isinstance(cache, BoundedCache) else None
+        cache.update({"k": k[:, :, part], "v": v[:, :, part]}, torch.arange(start, start + size), write)
         start += size
         if after_each:
             after_each(cache, start)
@@ -112,8 +113,10 @@ def test_memory_config_errors_name_the_key_and_the_fix():
     with pytest.raises(ConfigError, match=r"memory\.exact_slots=-1 must be >= 0") as error:
         MemoryConfig(kind="bounded", exact_slots=-1, write_policy="always", recent_window=0)
     assert len(error.value.problems) == 3  # every problem at once
-    with pytest.raises(ConfigError, match=r"memory\.kind='bounded' needs an attention .*attention\.kind='mla'"):
-        model_config_from_dict({**BASE, "attention": {"kind": "mla", "d_latent": 16}, "memory": {"kind": "bounded"}})
+    with pytest.raises(ConfigError, match=r"memory\.kind='window' has no meaning with attention\.kind='sliding'"):
+        model_config_from_dict({**BASE, "attention": {"kind": "sliding", "window": 8}, "memory": {"kind": "window"}})
+    with pytest.raises(ConfigError, match=r"memory\.exact_slots belongs to memory\.kind bounded, not window"):
+        model_config_from_dict({**BASE, "memory": {"kind": "window", "exact_slots": 64}})
     with pytest.raises(ConfigError, match=r"memory\.detach_evicted='no' must be bool"):
         model_config_from_dict({**BASE, "memory": {"kind": "bounded", "detach_evicted": "no"}})
 
@@ -221,7 +224,7 @@ def test_streaming_keeps_the_sinks_and_equals_sinks_plus_window_attention():
     with torch.no_grad():
         expected = reference_attention(attn, x, lambda q, k: (k <= q) & ((k < sinks) | (q - k < WINDOW)))
         for chunks in (CHUNKS, [1] * length):
-            cache, outputs, start = new_memory_cache(cfg.memory, attn, 2, torch.float32), [], 0
+            cache, outputs, start = attn.new_cache(2, length, torch.float32, memory=cfg.memory), [], 0
             for size in chunks:
                 outputs.append(attn(x[:, start : start + size], torch.arange(start, start + size), cache)[0])
                 start += size
@@ -230,14 +233,12 @@ def test_streaming_keeps_the_sinks_and_equals_sinks_plus_window_attention():
 
 
 def drive_h2o(cache: H2OCache, q, k, v, chunks):
-    """What HeadAttention does with an H2O cache: update, mask, observe, attend."""
+    """What every variant does with an H2O cache (attnlab.cache.attend): update, mask, attend, observe."""
     start = 0
     for size in chunks:
         positions = torch.arange(start, start + size)
-        held, k_pos = cache.update({"k": k[:, :, positions], "v": v[:, :, positions]}, positions)
-        mask = cache.mask(positions, k_pos)
-        cache.observe(q[:, :, positions], held["k"], mask, 1.0)
-        attend(q[:, :, positions], held["k"], held["v"], mask, scale=1.0)
+        held = read_cache(cache, {"k": k[:, :, positions], "v": v[:, :, positions]}, positions)
+        attend_held(held, q[:, :, positions], held.tensors["k"], held.tensors["v"], 1.0)
         start += size
 
 
@@ -252,10 +253,10 @@ def test_h2o_keeps_the_heavy_hitters_of_a_constructed_case(chunks):
     k = torch.randn(1, 1, length, dim, generator=g) * 0.3
     k[:, :, [5, 17]] = direction * 3.0
     v = torch.randn(1, 1, length, dim, generator=g)
-    cache = H2OCache(1, 1, dim, MemoryConfig(kind="h2o", recent_window=8, heavy_slots=2), torch.float32)
+    cache = H2OCache(kv_layout(1, dim), 1, MemoryConfig(kind="h2o", recent_window=8, heavy_slots=2), torch.float32)
     drive_h2o(cache, q, k, v, chunks)
     assert sorted(cache.memory_positions[0].tolist()) == [5, 17]
-    torch.testing.assert_close(cache.k[0, 0, 8:][cache.memory_positions[0].argsort()], k[0, 0, [5, 17]])
+    torch.testing.assert_close(cache.buffer("k")[0, 0, 8:][cache.memory_positions[0].argsort()], k[0, 0, [5, 17]])
     assert sorted(cache.ring_positions.tolist()) == list(range(32, 40))
 
 
@@ -311,14 +312,14 @@ def test_bounded_ring_and_lru_invariants_at_every_step():
     vocabulary = torch.randint(0, 12, (2, 96), generator=torch.Generator().manual_seed(5))
     v = torch.stack([v[b, :, vocabulary[b]] for b in range(2)])  # (B, H, N, D), values from 12 tokens
     expected = reference_exact_bank(v, gate, 6, 5, memory)
-    cache = BoundedCache(2, 2, 16, memory, torch.float32)
+    cache = BoundedCache(kv_layout(2, 16), 2, memory, torch.float32)
     counts = {"exact": [0, 0], "summary": [0, 0]}
 
     def check(cache, seen):
         held = cache.ring_positions.tolist()
         assert sorted(p for p in held if p >= 0) == list(range(max(0, seen - 6), seen))  # the last W tokens
         assert all(p == -1 or p % 6 == slot for slot, p in enumerate(held))  # FIFO ring: slot p % W
-        torch.testing.assert_close(cache.k[:, :, [p % 6 for p in range(max(0, seen - 6), seen)]],
+        torch.testing.assert_close(cache.buffer("k")[:, :, [p % 6 for p in range(max(0, seen - 6), seen)]],
                                    k[:, :, max(0, seen - 6) : seen])  # fmt: skip
         assert exact_state(cache) == expected[seen - 1]
         for b in range(2):
@@ -327,24 +328,24 @@ def test_bounded_ring_and_lru_invariants_at_every_step():
             assert len(set(used.tolist())) == len(used)  # no token twice
             assert (used < seen - 6).all() and (summary[summary >= 0] < seen - 6).all()  # left the window
             for slot in (exact >= 0).nonzero().flatten().tolist():  # an exact copy of the token it holds
-                assert torch.equal(cache.k[b, :, 6 + slot], k[b, :, exact[slot]])
-                assert torch.equal(cache.v[b, :, 6 + slot], v[b, :, exact[slot]])
+                assert torch.equal(cache.buffer("k")[b, :, 6 + slot], k[b, :, exact[slot]])
+                assert torch.equal(cache.buffer("v")[b, :, 6 + slot], v[b, :, exact[slot]])
             for name, held in (("exact", exact), ("summary", summary)):
                 assert (held >= 0).sum() >= counts[name][b]  # the banks never shrink
                 counts[name][b] = (held >= 0).sum().item()
-        summary_keys = cache.k[:, :, 6 + 5 :]
-        assert (summary_keys[..., ~cache.low_frequency] == 0).all()  # LF-K: high-frequency channels zero
+        summary_keys = cache.buffer("k")[:, :, 6 + 5 :]
+        assert (summary_keys[..., cache.blend["k"] == 0] == 0).all()  # LF-K: high-frequency channels zero
 
     feed(cache, k, v, gate, [1] * 96, after_each=check)
     assert min(counts["exact"]) == 5 and min(counts["summary"]) >= 2
     replaced = [b for b in range(2) if any(expected[t][b] != expected[t - 1][b] for t in range(60, 96))]
     assert replaced  # the bank kept changing after it filled: LRU replacement and refreshes were exercised
 
-    chunked = BoundedCache(2, 2, 16, memory, torch.float32)
+    chunked = BoundedCache(kv_layout(2, 16), 2, memory, torch.float32)
     feed(chunked, k, v, gate, (5, 1, 9, 3, 13, 2, 20, 7, 36))
     assert exact_state(chunked) == exact_state(cache)  # the exact bank does not depend on the chunking
-    torch.testing.assert_close(chunked.k[:, :, :11], cache.k[:, :, :11])
-    torch.testing.assert_close(chunked.v[:, :, :11], cache.v[:, :, :11])
+    torch.testing.assert_close(chunked.buffer("k")[:, :, :11], cache.buffer("k")[:, :, :11])
+    torch.testing.assert_close(chunked.buffer("v")[:, :, :11], cache.buffer("v")[:, :, :11])
 
 
 def test_summary_bank_is_the_sequential_ema_of_its_members():
@@ -369,10 +370,10 @@ def test_summary_bank_is_the_sequential_ema_of_its_members():
         expected_k[c] += rate * (k[0, 0, position] * low - expected_k[c])
         expected_v[c] += rate * (v[0, 0, position] - expected_v[c])
     for chunks in ([1] * length, [3, 4, 13], [2, 18]):
-        cache = BoundedCache(1, 1, dim, memory, torch.float32)
+        cache = BoundedCache(kv_layout(1, dim), 1, memory, torch.float32)
         feed(cache, k, v, gate, chunks, eta=eta)
-        torch.testing.assert_close(cache.k[0, 0, 2:], expected_k, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(cache.v[0, 0, 2:], expected_v, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.buffer("k")[0, 0, 2:], expected_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.buffer("v")[0, 0, 2:], expected_v, atol=1e-5, rtol=1e-5)
         assert cache.memory_positions[0].tolist() == [16, 17]  # the newest token blended into each
 
 
@@ -398,7 +399,7 @@ def test_needle_stays_in_the_exact_bank_for_16k_tokens_and_the_memory_does_not_g
     v = values[:, :, token]
     gate = torch.rand(2, length, generator=g)  # about half of the haystack passes the gate ...
     gate[:, 64] = 1.0  # ... and the needle does
-    cache = BoundedCache(2, heads, dim, memory, torch.bfloat16)
+    cache = BoundedCache(kv_layout(heads, dim), 2, memory, torch.bfloat16)
     sizes = {}
     chunks = [1000] * 16 + [1] * 384  # chunked prefill, then decode steps
 
@@ -414,7 +415,7 @@ def test_needle_stays_in_the_exact_bank_for_16k_tokens_and_the_memory_does_not_g
     for b in range(2):
         slot = (cache.memory_positions[b, :32] == 64).nonzero().flatten()
         assert slot.numel() == 1, "the needle left the exact bank"
-        held_k, held_v = cache.k[b, :, 128 + slot[0]].float(), cache.v[b, :, 128 + slot[0]].float()
+        held_k, held_v = cache.buffer("k")[b, :, 128 + slot[0]].float(), cache.buffer("v")[b, :, 128 + slot[0]].float()
         assert F.cosine_similarity(held_v, v[b, :, 64], dim=-1).min() >= 0.999
         assert F.cosine_similarity(held_k, k[b, :, 64], dim=-1).min() >= 0.999
         assert (cache.memory_positions[b] >= 0).sum() >= 32  # the haystack's tokens and the summaries
@@ -434,7 +435,9 @@ def test_bounded_model_is_deterministic_with_a_seed():
     assert torch.equal(a, b)
     for layer_a, layer_b in zip(cache_a.layers, cache_b.layers, strict=True):
         assert torch.equal(layer_a.positions(), layer_b.positions())
-        assert torch.equal(layer_a.k, layer_b.k) and torch.equal(layer_a.v, layer_b.v)
+        assert torch.equal(layer_a.buffer("k"), layer_b.buffer("k")) and torch.equal(
+            layer_a.buffer("v"), layer_b.buffer("v")
+        )
     assert (cache_a.layers[0].memory_positions >= 0).sum() > 0  # the banks were used
 
 
@@ -466,7 +469,7 @@ def test_gradients_flow_through_bank_updates_unless_detached(detach):
 
 
 def test_bounded_cache_without_its_write_gate_is_an_error():
-    cache = BoundedCache(1, 1, 8, MemoryConfig(kind="bounded"), torch.float32)
+    cache = BoundedCache(kv_layout(1, 8), 1, MemoryConfig(kind="bounded"), torch.float32)
     with pytest.raises(InputError, match="write gate"):
         cache.update({"k": torch.zeros(1, 1, 2, 8), "v": torch.zeros(1, 1, 2, 8)}, torch.arange(2))
     assert cache.seen == 0

@@ -6,7 +6,7 @@ import attnlab
 from attnlab.attention.decoupled import DecoupledConfig
 from attnlab.attention.mha import MHAConfig
 from attnlab.attention.mla import MLAConfig
-from attnlab.config import model_config_from_dict
+from attnlab.config_io import model_config_from_dict
 from attnlab.errors import ConfigError
 
 BASE = {"vocab_size": 100, "d_model": 64, "n_layers": 2, "n_heads": 8}

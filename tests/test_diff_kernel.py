@@ -23,12 +23,12 @@ if not torch.cuda.is_available():
 import attnlab.attention.coda as coda_module  # noqa: E402
 import attnlab.attention.differential as differential_module  # noqa: E402
 from attnlab.attention.coda import CoDAConfig  # noqa: E402
-from attnlab.attention.core import attend  # noqa: E402
 from attnlab.attention.differential import DiffConfig, Differential  # noqa: E402
-from attnlab.attention.masks import causal_mask  # noqa: E402
 from attnlab.config import ModelConfig  # noqa: E402
 from attnlab.kernels import fused_usable  # noqa: E402
 from attnlab.model.transformer import build_model  # noqa: E402
+from attnlab.ops.attend import attend  # noqa: E402
+from attnlab.ops.masks import causal_mask  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.attention.base import merge_heads, split_heads
 from attnlab.attention.coda import CoDA, CoDAConfig, rotate_planes
 from attnlab.attention.differential import DiffConfig, Differential
 from attnlab.attention.mha import MHA, MHAConfig
 from attnlab.config import ModelConfig
 from attnlab.errors import ConfigError
-from attnlab.model.rope import Rotary
 from attnlab.model.transformer import build_model
+from attnlab.ops.heads import merge_heads, split_heads
+from attnlab.ops.rope import Rotary
 
 D_MODEL, N_HEADS, BATCH, SEQ = 32, 4, 2, 9
 HEAD_DIM = D_MODEL // N_HEADS

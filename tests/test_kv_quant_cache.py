@@ -91,7 +91,7 @@ def test_block_format_needs_rows_of_32():
 def test_nbytes_equals_the_analytic_figure(attention, text, per_value, max_len):
     model = model_for(attention)
     policy = KVPolicy.parse(text)
-    widths = model.cfg.attention.cache_fields(model.cfg)  # values per token per layer, by tensor
+    widths = model.cfg.attention.cache_layout(model.cfg).values_per_token()  # values per token per layer, by tensor
     fp32_rows = min(policy.resid, max_len)  # the residual window, at full precision
     expected = sum(widths[name] * (per_value[name] * (max_len - fp32_rows) + 4 * fp32_rows) for name in widths)
     cache = model.new_cache(2, max_len, policy=policy)
@@ -108,13 +108,12 @@ def test_nbytes_equals_the_analytic_figure(attention, text, per_value, max_len):
 # -- exactness ------------------------------------------------------------------------------------------
 class FakeQuantCache(DenseCache):
     """The plain reference: a dense cache whose rows are replaced by dequantize(quantize(row)) once they
-    are older than the residual window at the start of an update (`group` tokens at a time)."""
+    are older than the residual window at the start of an update (`group` tokens at a time). Every token gets
+    a slot (a sliding window is then only the mask)."""
 
-    def __init__(self, layer, parts, policy, max_len, group=1):
-        # Every token gets a slot (a sliding window is then only the mask): shapes with max_len slots.
-        shapes = {n: (*b.shape[:-2], max_len, b.shape[-1]) for n, b in layer.buffers.items()}
-        super().__init__(shapes, max_len, torch.float32)
-        self.parts, self.policy, self.group, self.done = parts, policy, group, 0
+    def __init__(self, layout, batch, policy, max_len, group=1):
+        super().__init__(layout, batch, max_len, torch.float32)
+        self.parts, self.policy, self.group, self.done = layout.parts(), policy, group, 0
 
     def roundtrip(self, rows, name):
         fmt = self.policy.format_of(name, "fp32")
@@ -128,7 +127,7 @@ class FakeQuantCache(DenseCache):
             return quant.dequantize_kivi(q, bits, self.policy.group_size, is_key, rows.shape[-1])
         return quant.dequantize(quant.quantize(rows, fmt), fmt)
 
-    def update(self, new, positions):
+    def update(self, new, positions, write=None):
         target = self.done + max(0, (self.length - self.policy.resid - self.done) // self.group) * self.group
         if target > self.done:
             for buffer, names in self.parts.items():
@@ -148,12 +147,7 @@ class FakeQuantCache(DenseCache):
 
 
 def fake_quant_cache(model, batch, max_len, policy, group=1):
-    layers = []
-    for block in model.blocks:
-        layer = block.attn.new_cache(batch, max_len, torch.float32, "meta")
-        parts = block.attn.cache_parts() if hasattr(block.attn, "cache_parts") else None
-        parts = parts or {n: [(n, b.shape[-1])] for n, b in layer.buffers.items()}
-        layers.append(FakeQuantCache(layer, parts, policy, max_len, group))
+    layers = [FakeQuantCache(block.attn.layout, batch, policy, max_len, group) for block in model.blocks]
     return attnlab.cache.ModelCache(layers)
 
 
@@ -196,7 +190,7 @@ def test_quantized_decode_equals_a_cache_of_dequantized_values(attention, text, 
 @pytest.mark.parametrize("attention", [MHA, DECOUPLED, MLA, SLIDING], ids=lambda a: a["kind"])
 def test_residual_window_covering_the_sequence_equals_full_precision_exactly(attention):
     model = model_for(attention)
-    fields = model.cfg.attention.cache_fields(model.cfg)
+    fields = model.cfg.attention.cache_layout(model.cfg).values_per_token()
     text = ",".join(f"{'krope' if f == 'k_rope' else f.replace('_', '')}=q4_0" for f in fields if f != "k_rope")
     ids = tokens(40)
     got = run(model, model.new_cache(2, 40, policy=text + ",resid=40"), ids, prefill=13)
@@ -225,7 +219,7 @@ def test_full_cache_is_an_input_error():
 
 def test_flush_keeps_up_to_flush_minus_one_more_rows_at_full_precision():
     model = model_for(MHA)
-    row = model.cfg.attention.cache_fields(model.cfg)["k"]  # 32 values per token per tensor
+    row = model.cfg.attention.cache_layout(model.cfg).values_per_token()["k"]  # 32 values per token per tensor
     cache = model.new_cache(1, 64, policy="k=q8_0,v=q8_0,resid=16,flush=16")
     expected = 2 * model.cfg.n_layers * row * (48 * 34 / 32 + (16 + 15) * 4)  # 48 stored rows, a ring of 31
     assert cache.nbytes() == expected == kv_report(model.cfg, "fp32", 64, "k=q8_0,v=q8_0,resid=16,flush=16")["kv_bytes"]
@@ -285,7 +279,7 @@ def test_kernel_path_is_skipped_where_it_does_not_apply(monkeypatch):
     layer = cache.layers[0]
     q = torch.randn(1, 4, 1, 16, requires_grad=True)
     new = {"k": torch.randn(1, 2, 1, 16), "v": torch.randn(1, 2, 1, 16)}
-    assert layer.attend_one(q, new, torch.tensor([8]), 0.25) is None and layer.seen == 8
+    assert layer.attend_one(q, new, torch.tensor([8]), layer.layout.read, 0.25) is None and layer.seen == 8
 
 
 # -- static mode: generate's compiled step ------------------------------------------------------------------------
@@ -304,7 +298,7 @@ def test_static_mode_steps_equal_the_eager_kernel_steps(attention, text):
     with torch.no_grad():
         for cache in caches:
             model(ids[:, :21], cache=cache)
-        assert all(layer.supports_static for layer in caches[1].layers)
+        assert all(layer.supports_static() for layer in caches[1].layers)
         caches[1].set_static(True)
         positions = torch.tensor([21])
         for t in range(21, 40):
@@ -336,17 +330,26 @@ def test_caches_without_a_static_mode():
     for attention, text in ((MHA, "k=kivi4,v=q8_0"), (SLIDING, "k=q8_0,v=q8_0"), (null, "k=q8_0")):
         cache = model_for(attention).new_cache(1, 64, policy=text)
         assert not cache.supports_static()
-        with pytest.raises(ValueError, match="no static mode"):
+        with pytest.raises(InputError, match="no static mode"):
             cache.set_static(True)
 
 
-def test_copies_of_a_quantized_cache_have_their_own_handle():
+def test_copies_of_a_quantized_cache_hold_their_own_state():
     import copy
 
     cache = model_for(MHA).new_cache(1, 64, policy="k=q8_0,v=q8_0")
     twin = copy.deepcopy(cache)
-    assert int(twin.layers[0].handle) != int(cache.layers[0].handle)
     assert twin.layers[0].store["k"][0] is not cache.layers[0].store["k"][0]
+    assert twin.layers[0].counters is not cache.layers[0].counters
+
+
+def test_the_static_op_declares_every_tensor_it_writes():
+    """The op takes the cache's stored blocks, residual ring and counters as arguments and declares them mutated,
+    so a compiled graph cannot drop or reorder the write (no global table of caches)."""
+    schema = torch.ops.attnlab.quantized_attend.default._schema
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert written == ["store", "recent", "counters"]
+    assert not schema.returns[0].alias_info  # a new tensor
 
 
 @pytest.mark.skipif(
@@ -359,15 +362,13 @@ def test_copies_of_a_quantized_cache_have_their_own_handle():
     ids=["mha", "decoupled", "mla"],
 )
 def test_compiled_generate_with_a_quantized_cache_gives_the_eager_tokens(attention, text, monkeypatch):
-    from attnlab.cache.quantized import QuantizedCache
+    from attnlab.cache.quantized_kernel import KernelPlan
 
     model, prompt = model_for(attention), tokens(30, batch=1)[0]
     want = attnlab.generate(model, prompt, max_new_tokens=24, kv_policy=text, compile=False)
     static_steps = []
-    kernel = QuantizedCache._attend_kernel
-    monkeypatch.setattr(
-        QuantizedCache, "_attend_kernel", lambda self, *a: static_steps.append(self.static) or kernel(self, *a)
-    )
+    step = KernelPlan.step  # only the static op runs whole steps (the eager path attends and writes apart)
+    monkeypatch.setattr(KernelPlan, "step", lambda self, *a: static_steps.append(1) or step(self, *a))
     got = attnlab.generate(model, prompt, max_new_tokens=24, kv_policy=text, compile=True)
     assert torch.equal(got, want)
-    assert static_steps.count(True) == 23 * model.cfg.n_layers  # every decode step went through the static op
+    assert len(static_steps) == 23 * model.cfg.n_layers  # every decode step went through the static op

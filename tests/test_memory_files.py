@@ -11,7 +11,6 @@ from attnlab.cli import main
 from attnlab.errors import InputError
 from attnlab.generate import prefill
 from attnlab.memory import MemoryStateError, load_state, parse_state, read_state, save_state, store_dir
-from attnlab.memory.state import STATE_FIELDS
 
 MODEL = {"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 2304, "init_std": 0.2,
          "attention": {"kind": "coda", "n_kv_heads": 2}}  # fmt: skip
@@ -40,7 +39,7 @@ def ingested(model, n, seed=0, chunk=24):
 
 
 def fields(layer):
-    return {name: getattr(layer, name) for name in STATE_FIELDS if isinstance(getattr(layer, name, None), torch.Tensor)}
+    return layer.state()
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +59,7 @@ def test_round_trip_gives_identical_tensors_and_next_token_logits(tmp_path, kind
         assert type(a) is type(b) and a.seen == b.seen == 90
         assert fields(a).keys() == fields(b).keys() >= {"k", "v", "ring_positions", "memory_positions"}
         for name, tensor in fields(a).items():
-            assert torch.equal(tensor, getattr(b, name)), name
+            assert torch.equal(tensor, fields(b)[name]), name
     assert int((original.layers[0].memory_positions >= 0).sum()) > 0 or kind == "window"  # memory slots in use
     # The same continuation, a chunk then single tokens, from the original and from the reloaded state.
     more = tokens(30, seed=1)
@@ -70,7 +69,7 @@ def test_round_trip_gives_identical_tensors_and_next_token_logits(tmp_path, kind
             logits_b, _ = model(piece, cache=loaded)
             assert torch.equal(logits_a, logits_b)
     for a, b in zip(original.layers, loaded.layers, strict=True):
-        assert all(torch.equal(t, getattr(b, name)) for name, t in fields(a).items())
+        assert all(torch.equal(t, fields(b)[name]) for name, t in fields(a).items())
     # The reloaded state is what was saved, not a fresh memory: a fresh cache continues differently.
     again, _ = load_state(tmp_path / "s.safetensors", model)  # positions 90.. again: the file was not changed
     fresh = model.new_cache(1)

@@ -1,7 +1,8 @@
 """attnlab: efficient-attention language models, built, trained and measured honestly."""
 
 from attnlab.accounting import kv_report, param_counts
-from attnlab.config import ModelConfig, load_config, model_config_from_dict
+from attnlab.config import ModelConfig
+from attnlab.config_io import load_config, model_config_from_dict
 from attnlab.errors import AttnlabError, ConfigError, DataError, InputError
 from attnlab.generate import generate
 from attnlab.interop import from_hf_llama

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.cache.build import check_memory_policy
 from attnlab.cache.codecs import Codec, as_policy
+from attnlab.cache.memories import memory_codecs
 from attnlab.cache.quantized import slot_counts
 from attnlab.config import ModelConfig, dtype_bytes
-from attnlab.errors import ConfigError
+from attnlab.model.transformer import build_model
 
 
 def param_counts(model_or_cfg) -> dict[str, int]:
@@ -17,8 +19,6 @@ def param_counts(model_or_cfg) -> dict[str, int]:
     Given a config, the model is built on the meta device, so no memory is allocated.
     """
     if isinstance(model_or_cfg, ModelConfig):
-        from attnlab.model.transformer import build_model
-
         with torch.device("meta"):
             model = build_model(model_or_cfg)
     else:
@@ -49,14 +49,15 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
     (a bounded cache stops growing at its capacity); kv_bytes: all layers at seq_len.
     With a KV policy (attnlab.cache.quantized) each tensor is counted in its format, per token as
     stored once it left the residual window, at seq_len with the residual window in `dtype`.
-    With cfg.memory (cache/bounded.py) the cache holds its slots whatever the length: per layer
+    With cfg.memory (cache/memories.py) the cache holds its slots whatever the length: per layer
     2 * H_kv * slots * head_dim * dtype bytes (CoDA-GQA-L Theorem 1); `memory` then also gives the slots
     and what the variant's own cache would hold at seq_len, and is None otherwise.
     """
     seq_len = seq_len or cfg.max_seq_len
     width = dtype_bytes(dtype)
-    fields = cfg.attention.cache_fields(cfg)  # elements per token per layer, by cached tensor
-    capacity = cfg.attention.cache_capacity(cfg)
+    layout = cfg.attention.cache_layout(cfg)
+    fields = layout.values_per_token()  # elements per token per layer, by cached field
+    capacity = layout.window
     held = seq_len if capacity is None else min(seq_len, capacity)
     memory = None
     if cfg.memory.kind != "none":  # preallocated: the same bytes at any length
@@ -67,9 +68,11 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
     if policy is None:
         per_field = {name: n * width for name, n in fields.items()}  # bytes per token per layer
         per_layer = int(sum(per_field.values()) * held)
+    elif memory is not None:  # every slot, the ring's too, in its field's format
+        check_memory_policy(policy, cfg.memory)
+        per_field = {name: codec.bytes_per_token for name, codec in memory_codecs(layout, policy, dtype).items()}
+        per_layer = int(sum(per_field.values()) * held)
     else:
-        if memory is not None:
-            raise ConfigError("a KV policy (quantized cache) does not combine with a bounded memory yet")
         policy.check(list(fields))
         codecs = {
             name: Codec(policy.format_of(name, dtype), n, name.startswith("k"), policy.group_size, name)

@@ -26,7 +26,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from attnlab.config import load_config
+    from attnlab.config_io import load_config
     from attnlab.manifest import is_manifest, load_manifest
 
     status = 0
@@ -81,7 +81,7 @@ def _fmt(n: float) -> str:
 
 def cmd_info(args) -> int:
     from attnlab.accounting import info
-    from attnlab.config import load_config
+    from attnlab.config_io import load_config
 
     cfg = load_config(args.config)
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)

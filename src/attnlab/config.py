@@ -15,7 +15,6 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from attnlab.errors import ConfigError
@@ -53,42 +52,56 @@ def check_kv_heads(n_kv_heads: int | None, n_heads: int) -> list[str]:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Base of every variant's config. `kind` is the registry key; subclasses add their options."""
+    """Base of every variant's config. `kind` is the registry key; subclasses add their options.
+
+    Each subclass registers itself under its kind in `AttentionConfig.kinds` (the registry in
+    attnlab.attention.registry maps kinds to modules and parses configs; this only lets ModelConfig default
+    to `mha` without importing the attention package)."""
 
     kind: ClassVar[str] = ""
-    # True when the cache holds k, v of shape (B, n_kv_heads, S, head_dim), keys after RoPE over the whole
-    # head_dim: the memories of cache/bounded.py (ModelConfig.memory) can then replace the variant's cache.
-    kv_memory: ClassVar[bool] = False
+    kinds: ClassVar[dict[str, type]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            AttentionConfig.kinds.setdefault(cls.kind, cls)
 
     def problems(self, model: ModelConfig) -> list[str]:
         """Everything wrong with this config inside `model` (empty when valid)."""
         return []
 
-    def cache_fields(self, model: ModelConfig) -> dict[str, int]:
-        """Elements stored per token per layer in the KV cache, by cache tensor name."""
-        raise NotImplementedError
-
-    def cache_capacity(self, model: ModelConfig) -> int | None:
-        """Tokens the cache holds at most (None = unbounded, grows with the sequence)."""
-        return None
+    def cache_layout(self, model: ModelConfig):
+        """The variant's attnlab.cache.layout.CacheLayout in `model`: what a token leaves in the cache, declared
+        once (accounting, every cache kind and the KV-policy names derive from it)."""
+        raise NotImplementedError(f"attention kind {self.kind!r} declares no cache layout")
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **dataclasses.asdict(self)}
 
 
 MEMORY_KINDS = ("none", "window", "streaming", "h2o", "bounded")
+# The options each memory kind reads (besides kind); another kind's option is refused, not ignored.
+MEMORY_OPTIONS = {
+    "none": (),
+    "window": ("recent_window", "block"),
+    "streaming": ("recent_window", "block", "sink_tokens"),
+    "h2o": ("recent_window", "block", "heavy_slots"),
+    "bounded": ("recent_window", "block", "exact_slots", "summary_slots", "tau_gate", "tau_novel", "tau_match",
+                "write_policy", "detach_evicted"),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """A KV memory of fixed size per layer instead of a cache that grows with the sequence (cache/bounded.py).
+    """A KV memory of fixed size per layer instead of a cache that grows with the sequence (cache/memories.py).
 
     none: the variant's own cache. window: the last `recent_window` tokens. streaming (StreamingLLM): the
     first `sink_tokens` tokens + the recent window. h2o: the `heavy_slots` tokens with the largest
     accumulated attention + the recent window. bounded (CoDA-GQA-L §3.2): recent window + `exact_slots`
     landmark bank (novelty-filtered LRU, value-routed) + `summary_slots` EMA prototype bank, fed by the
     tokens leaving the window whose write gate g = sigmoid(W_write x) >= tau_gate (write_policy gated;
-    `none` offers every token with g = 1). Options of other kinds are ignored.
+    `none` offers every token with g = 1). An option of another kind (MEMORY_OPTIONS) set away from its
+    default is an error: it would do nothing but change the config's hash.
     """
 
     kind: str = "none"
@@ -107,8 +120,16 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.kind not in MEMORY_KINDS:
+        if not isinstance(self.kind, str) or self.kind not in MEMORY_KINDS:
             problems.append(unknown_key_problem(str(self.kind), list(MEMORY_KINDS), "memory.kind=", "value"))
+        else:
+            for f in dataclasses.fields(self):
+                if f.name != "kind" and f.name not in MEMORY_OPTIONS[self.kind] and getattr(self, f.name) != f.default:
+                    owners = [k for k, options in MEMORY_OPTIONS.items() if f.name in options]
+                    problems.append(
+                        f"memory.{f.name} belongs to memory.kind {' or '.join(owners)}, not {self.kind} "
+                        f"(remove it, or set memory.kind: {owners[0]})"
+                    )
         if self.recent_window < 1:
             problems.append(f"memory.recent_window={self.recent_window} must be >= 1")
         for key in ("sink_tokens", "heavy_slots", "exact_slots", "summary_slots"):
@@ -184,10 +205,12 @@ class ModelConfig:
             problems.append(f"rope_base={self.rope_base} must be > 0")
         if not problems:
             problems += self.attention.problems(self)
-        if self.memory.kind != "none" and not self.attention.kv_memory:
+        window = None if problems else self.attention.cache_layout(self).window
+        if self.memory.kind != "none" and window is not None:
             problems.append(
-                f"memory.kind={self.memory.kind!r} needs an attention whose cache holds post-RoPE k/v per KV head "
-                f"(mha, bottleneck), not attention.kind={self.attention.kind!r} (or set memory.kind: none)"
+                f"memory.kind={self.memory.kind!r} has no meaning with attention.kind={self.attention.kind!r}: its "
+                f"own window of {window} tokens hides every slot a memory keeps beyond it (use attention.kind mha "
+                f"with memory.kind window, recent_window {window}, for the same attention; or memory.kind: none)"
             )
         if problems:
             raise ConfigError(problems)
@@ -231,9 +254,9 @@ class ModelConfig:
 
 
 def _default_attention() -> AttentionConfig:
-    from attnlab.attention.mha import MHAConfig
-
-    return MHAConfig()
+    if "mha" not in AttentionConfig.kinds:  # importing attnlab imports every variant: only a broken install
+        raise ConfigError("attention.kind mha is not registered (import attnlab.attention.registry first)")
+    return AttentionConfig.kinds["mha"]()
 
 
 # ----------------------------------------------------------------------------- strict parsing
@@ -300,77 +323,6 @@ def dataclass_kwargs(cls: type, data: Any, where: str, problems: list[str], skip
         if no_default and name not in data:
             problems.append(f"missing key {where}{name!r}")
     return kwargs
-
-
-def attention_from_dict(data: Any, problems: list[str]) -> AttentionConfig | None:
-    from attnlab.attention.registry import REGISTRY
-
-    if not isinstance(data, dict):
-        problems.append(f"attention must be a mapping with a 'kind', got {type(data).__name__}")
-        return None
-    kind = data.get("kind", "mha")
-    if kind not in REGISTRY:
-        problems.append(
-            unknown_key_problem(str(kind), list(REGISTRY), "attention.kind=").replace("unknown key", "unknown value")
-        )
-        return None
-    cls = REGISTRY[kind].config
-    kwargs = dataclass_kwargs(cls, data, "attention.", problems, skip=("kind",))
-    if len(problems):
-        return None
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        problems.extend(e.problems)
-        return None
-
-
-def memory_from_dict(data: Any, problems: list[str]) -> MemoryConfig | None:
-    kwargs = dataclass_kwargs(MemoryConfig, data if data is not None else {}, "memory.", problems)
-    if problems:
-        return None
-    try:
-        return MemoryConfig(**kwargs)
-    except ConfigError as e:
-        problems.extend(e.problems)
-        return None
-
-
-def model_config_from_dict(data: Any, source: str | None = None) -> ModelConfig:
-    """Builds a validated ModelConfig from plain data; raises one ConfigError listing every problem."""
-    problems: list[str] = []
-    if isinstance(data, dict) and set(data) == {"model"}:
-        data = data["model"]
-    kwargs = dataclass_kwargs(ModelConfig, data, "", problems, skip=("attention", "memory"))
-    attention = attention_from_dict(data.get("attention", {}) if isinstance(data, dict) else {}, problems)
-    memory = memory_from_dict(data.get("memory", {}) if isinstance(data, dict) else {}, problems)
-    if problems:
-        raise ConfigError(problems, source=source)
-    try:
-        return ModelConfig(attention=attention, memory=memory, **kwargs)
-    except ConfigError as e:
-        raise e.with_source(source) if source else e from None
-
-
-def read_yaml(path: str | Path) -> Any:
-    """A YAML file's data ({} when empty); a missing file or bad YAML is a ConfigError naming the file."""
-    import yaml
-
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError("file not found (check the path)", source=str(path))
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"not valid YAML{at}: {getattr(e, 'problem', e)}", source=str(path)) from None
-    return data if data is not None else {}
-
-
-def load_config(path: str | Path) -> ModelConfig:
-    """Reads a model config YAML file (top-level keys = ModelConfig fields, or one `model:` key)."""
-    return model_config_from_dict(read_yaml(path), source=str(path))
 
 
 # ----------------------------------------------------------------------------- data and training

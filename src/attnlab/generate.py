@@ -72,7 +72,7 @@ def static_decode_step(
 def static_decode_supported(model, cache) -> bool:
     """Whether `model` and `cache` can run `static_decode_step` (dense caches and quantized caches the C
     kernels read; not ring buffers)."""
-    return hasattr(model, "forward_at") and isinstance(cache, ModelCache) and cache.supports_static()
+    return isinstance(cache, ModelCache) and cache.supports_static()
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled static step

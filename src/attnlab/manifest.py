@@ -33,15 +33,8 @@ from typing import Any
 
 import yaml
 
-from attnlab.config import (
-    DataConfig,
-    ModelConfig,
-    TrainConfig,
-    model_config_from_dict,
-    read_yaml,
-    section_from_dict,
-    unknown_key_problem,
-)
+from attnlab.config import DataConfig, ModelConfig, TrainConfig, section_from_dict, unknown_key_problem
+from attnlab.config_io import model_config_from_dict, read_yaml
 from attnlab.errors import ConfigError
 
 TOP_KEYS = ("name", "description", "vars", "seeds", "defaults", "targets")

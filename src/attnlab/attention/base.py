@@ -1,73 +1,79 @@
-"""The protocol every attention variant implements, and small shared helpers.
+"""The base every attention variant derives from.
 
-    forward(x, positions, cache) -> (y, cache)   x: (B, T, d_model); positions: (T,) absolute
-    new_cache(batch, max_len, dtype, device)      -> a LayerCache (attnlab.cache)
+    forward(x, positions, cache=None, write=None) -> (y, cache)   x: (B, T, d_model); positions: (T,) absolute
+    new_cache(batch, max_len, dtype, device, policy, memory)       -> a LayerCache built from `self.layout`
+    scores(x, positions) -> AttentionScores                         the variant's attention maps, recomputed
+    projections(x) -> {path: (B, heads, T, dim)}                    its Q/K/V projections by path, before RoPE
 
-With cache=None the layer attends causally within x (positions 0..T-1, training and scoring) and
-returns cache=None. With a cache it stores this chunk's keys/values and attends over everything held.
+With cache=None the layer attends causally within x (positions 0..T-1, training and scoring) and returns
+cache=None. With a cache it stores this chunk's cached fields and attends over everything held, through
+attnlab.cache.attend (so every cache kind works with every variant). `write` carries a bounded memory's
+learned write gates for the chunk (the Block computes them).
 
-Optional: `init_parameters()`, called after the model's generic init (normal(0, init_std) for every
-parameter with 2+ dims), for parameters that need their own (e.g. CoDA's rotation angles start at pi/2).
-A variant whose maths depends on its depth declares `layer_index=True` in the registry and receives it.
+A variant sets `self.layout` (its config's `cache_layout`, declared once) and holds only its own maths:
+projections, scores, output. `init_parameters()` is called after the model's generic init (normal(0,
+init_std) for every parameter with 2+ dims) for parameters that need their own (CoDA's rotation angles).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional as F
 
 from attnlab.cache.base import LayerCache
+from attnlab.cache.build import build_cache
+from attnlab.cache.layout import CacheLayout
+from attnlab.ops.heads import merge_heads, prepend_null
+from attnlab.ops.masks import with_null_column
 
 
-class Attention(Protocol):
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None = None
-    ) -> tuple[torch.Tensor, LayerCache | None]: ...
+@dataclass
+class AttentionScores:
+    """A layer's attention recomputed from its input: each softmax map (B, H, T, S) with S = T, or 1 + T with
+    a null key first, and the values each map weights (B, H, S, Dv) per query head. `combine` turns the maps'
+    weighted values (one (B, H, T, Dv) per map) into the layer's output before its output projection."""
 
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None) -> LayerCache: ...
-
-
-def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """(B, T, n_heads * D) -> (B, n_heads, T, D)."""
-    return x.unflatten(-1, (n_heads, -1)).transpose(1, 2)
-
-
-def merge_heads(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, D) -> (B, T, H * D)."""
-    return x.transpose(1, 2).flatten(2)
+    maps: dict[str, torch.Tensor]
+    values: dict[str, torch.Tensor]
+    null: bool
+    combine: object  # callable(dict name -> (B, H, T, Dv)) -> (B, T, d_model)
 
 
-def null_parameter(n_heads: int, dim: int, std: float) -> nn.Parameter:
-    """A learned per-head null key or value, (H, dim)."""
-    return nn.Parameter(torch.randn(n_heads, dim) * std)
+class Attention(nn.Module):
+    layout: CacheLayout
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None, policy=None,
+                  memory=None) -> LayerCache:  # fmt: skip
+        """This layer's cache (attnlab.cache.build_cache over the variant's layout)."""
+        return build_cache(self.layout, batch, max_len, dtype, device, policy, memory)
+
+    def init_parameters(self) -> None:
+        """Parameters with an init of their own (after the model's generic init); none by default."""
+
+    def scores(self, x: torch.Tensor, positions: torch.Tensor) -> AttentionScores:
+        """The attention maps of input x (B, T, d_model) at positions (T,), recomputed in fp32 with the
+        variant's own maths (eval.analysis reads them and checks them against `forward`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its attention scores")
+
+    def projections(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-head projection outputs of input x (B, T, d_model) by path, before RoPE: (B, heads, T, dim)
+        each (eval.analysis's effective ranks)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its projections")
 
 
-def prepend_null(x: torch.Tensor, null: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, S, D); null: (H, D) -> (B, H, 1 + S, D), the null slot first (always visible)."""
-    return torch.cat((null.to(x.dtype)[None, :, None, :].expand(x.shape[0], -1, -1, -1), x), dim=2)
+def single_map(attn: nn.Module, q, k, v, mask, null=None) -> AttentionScores:
+    """AttentionScores of one softmax map whose output goes through `attn.out`: q (B, H, T, D) pre-scaled,
+    k (B, H_kv, S, D), v (B, H_kv, S, Dv), mask (T, S) bool; null ((H_kv, D), (H_kv, Dv)) or None."""
+    if null is not None:
+        k, v, mask = prepend_null(k, null[0].float()), prepend_null(v, null[1].float()), with_null_column(mask)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # per query head
+    probs = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf")).softmax(dim=-1)  # (B, H, T, S)
 
+    def combine(out: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.linear(merge_heads(out["attention"]), attn.out.weight.float())
 
-class HeadRMSNorm(nn.Module):
-    """Head-wise RMSNorm of an attention output (B, H, T, D): gain (D,) shared by the heads, or (H, D) with
-    n_heads given. Held as `self.head_norm`, its parameter name ends in `norm.weight`, so the model's generic
-    init (normal(0, init_std) for 2-D parameters) leaves an (H, D) gain at 1."""
-
-    def __init__(self, dim: int, eps: float, n_heads: int | None = None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim) if n_heads is None else torch.ones(n_heads, dim))
-
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return head_rms_norm(y, self.weight, self.eps)
-
-
-def head_rms_norm(y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of each head's output over its own width. y: (B, H, T, D); weight: (D,) shared by the heads
-    or (H, D) one gain per head. Normalised in fp32 (as the model's RMSNorm), returned in y's dtype."""
-    gain = weight[:, None, :] if weight.dim() == 2 else weight  # (H, 1, D) broadcasts over B and T
-    if y.dtype == torch.float32:
-        return F.rms_norm(y, (y.shape[-1],), eps=eps) * gain
-    return F.rms_norm(y.float(), (y.shape[-1],), eps=eps).to(y.dtype) * gain.to(y.dtype)
+    return AttentionScores({"attention": probs}, {"attention": v}, null is not None, combine)

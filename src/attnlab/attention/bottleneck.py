@@ -9,14 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from attnlab.attention.mha import HeadAttention
+from attnlab.attention.mha import HeadAttention, head_layout
+from attnlab.cache.layout import CacheLayout
 from attnlab.config import AttentionConfig, ModelConfig, check_kv_heads
 
 
 @dataclass(frozen=True)
 class BottleneckConfig(AttentionConfig):
     kind: ClassVar[str] = "bottleneck"
-    kv_memory: ClassVar[bool] = True
     d_attn: int
     null_attn: bool = False
     n_kv_heads: int | None = None
@@ -29,9 +29,9 @@ class BottleneckConfig(AttentionConfig):
             out.append(f"attention.d_attn / n_heads = {self.d_attn // model.n_heads} must be even for RoPE")
         return out
 
-    def cache_fields(self, model: ModelConfig) -> dict[str, int]:
-        width = (self.n_kv_heads or model.n_heads) * self.d_attn // model.n_heads
-        return {"k": width, "v": width}
+    def cache_layout(self, model: ModelConfig) -> CacheLayout:
+        return head_layout(model, self.n_kv_heads or model.n_heads, self.d_attn // model.n_heads,
+                           null_key=self.null_attn)  # fmt: skip
 
 
 class Bottleneck(HeadAttention):

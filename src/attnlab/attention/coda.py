@@ -39,21 +39,22 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from attnlab.attention.base import HeadRMSNorm, merge_heads, split_heads
-from attnlab.attention.core import attend
-from attnlab.attention.masks import attention_mask
+from attnlab.attention.base import Attention, AttentionScores
 from attnlab.attention.mha import MHAConfig
-from attnlab.cache.dense import DenseCache
+from attnlab.cache.attend import attend_cache, read_cache
 from attnlab.config import ModelConfig
 from attnlab.kernels import fused_usable
-from attnlab.model.rope import Rotary
+from attnlab.ops.heads import merge_heads, split_heads
+from attnlab.ops.masks import causal_mask
+from attnlab.ops.norm import HeadRMSNorm, head_rms_norm
+from attnlab.ops.rope import Rotary
 
 
 @dataclass(frozen=True)
 class CoDAConfig(MHAConfig):
     kind: ClassVar[str] = "coda"
-    kv_memory: ClassVar[bool] = True  # takes the bounded memories of cache/bounded.py (CoDA-GQA-L)
     head_dim_reason: ClassVar[str] = "for RoPE and the pairwise rotation"
     gate_bias: float = -6.0  # b_lambda at init (eq. 5): sigmoid(-6) ~ 0.0025, near standard attention
     head_norm: bool = True  # RMSNorm_h of eq. 6; false = the paper's "identity" head-norm mode
@@ -70,11 +71,11 @@ def rotate_planes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
-class CoDA(nn.Module):
+class CoDA(Attention):
     def __init__(self, model: ModelConfig):
         super().__init__()
         cfg: CoDAConfig = model.attention
-        self.cfg = cfg
+        self.cfg, self.layout = cfg, cfg.cache_layout(model)  # MHA's: k and v
         self.n_heads, self.n_kv_heads, self.head_dim = model.n_heads, cfg.kv_heads(model), cfg.dim(model)
         self.interleaved = model.rope_interleaved
         h, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
@@ -99,38 +100,54 @@ class CoDA(nn.Module):
         q_noise = rotate_planes(q_sig, cos, sin, self.interleaved)  # eq. 4
         return torch.stack((q_sig, q_noise), dim=2).flatten(1, 2)  # (B, H, 2, T, D) -> (B, 2H, T, D)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None):
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x (B, T, d_model) -> queries [sig_0, noise_0, ...] (B, 2H, T, D), k and v (B, H_kv, T, D), and the gate
+        lambda (B, H, T, 1) (eq. 3-5)."""
         h, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split((h * d, hk * d, hk * d), dim=-1)
         q = self.queries(split_heads(q, h), positions)  # (B, 2H, T, D)
         k, v = self.rotary(split_heads(k, hk), positions), split_heads(v, hk)  # (B, H_kv, T, D)
-        k_pos = None
-        if cache is not None:
-            held, k_pos = cache.update({"k": k, "v": v}, positions)
-            k, v = held["k"], held["v"]
         lam = torch.sigmoid(self.gate(x)).transpose(1, 2)[..., None]  # eq. 5: (B, T, H) -> (B, H, T, 1)
-        scale, norm = 1 / math.sqrt(d), self.head_norm
-        if fused_usable(x, self) and not hasattr(cache, "mask"):
-            from attnlab.kernels.diff_attention import diff_attention
+        return q, k, v, lam
 
+    def projections(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """q (the signal query; the inhibitory one is its rotation), k, v, before RoPE."""
+        h, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split((h * d, hk * d, hk * d), dim=-1)
+        return {"q": split_heads(q, h), "k": split_heads(k, hk), "v": split_heads(v, hk)}
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None, write=None):
+        h, scale, norm = self.n_heads, 1 / math.sqrt(self.head_dim), self.head_norm
+        q, k, v, lam = self.project(x, positions)
+        if fused_usable(x, self) and (cache is None or not cache.per_sequence):
+            from attnlab.kernels.diff_attention import diff_attention  # optional: needs triton
+
+            held = read_cache(cache, {"k": k, "v": v}, positions, write=write)
             q_sig, q_noise = q.unflatten(1, (h, 2)).unbind(2)  # views, (B, H, T, D) each
-            k_pos = positions if k_pos is None else k_pos
+            k, v = held.tensors["k"], held.tensors["v"]
             weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-            y = diff_attention(q_sig, q_noise, k, k, v, lam, scale, positions, k_pos, weight, eps)  # eq. 6, normed
+            y = diff_attention(q_sig, q_noise, k, k, v, lam, scale, positions, held.positions, weight, eps)  # normed
         else:
-            if hasattr(cache, "mask"):  # bounded memories (cache/bounded.py): slots differ per sequence
-                mask, is_causal = cache.mask(positions, k_pos), False
-            else:
-                mask, is_causal = attention_mask(positions, k_pos, static=getattr(cache, "static", False))
-            if hasattr(cache, "observe"):  # H2O: the cache accumulates each slot's attention mass
-                cache.observe(q, k, mask, scale)
-            both = attend(q, k, v, mask, scale=scale, is_causal=is_causal)  # (B, 2H, T, D)
+            both = attend_cache(cache, q, {"k": k, "v": v}, positions, self.layout.read, scale, write=write)
             signal, noise = both.unflatten(1, (h, 2)).unbind(2)  # (B, H, T, D) each
             y = signal - lam * noise  # eq. 6
             if norm is not None:
                 y = norm(y)
         return self.out(merge_heads(y)), cache
 
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None):
-        shape = (batch, self.n_kv_heads, max_len, self.head_dim)
-        return DenseCache({"k": shape, "v": shape}, max_len, dtype, device)
+    def scores(self, x: torch.Tensor, positions: torch.Tensor) -> AttentionScores:
+        q, k, v, lam = (t.float() for t in self.project(x, positions))
+        h, group = self.n_heads, self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # per query head
+        mask, scale = causal_mask(positions, positions), 1 / math.sqrt(self.head_dim)
+        q_sig, q_noise = q.unflatten(1, (h, 2)).unbind(2)
+        maps = {stream: (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf")).softmax(dim=-1)
+                for stream, q in (("signal", q_sig), ("noise", q_noise))}  # fmt: skip
+        norm = self.head_norm
+
+        def combine(out: dict[str, torch.Tensor]) -> torch.Tensor:  # eq. 6
+            y = out["signal"] - lam * out["noise"]
+            y = y if norm is None else head_rms_norm(y, norm.weight.float(), norm.eps)
+            return F.linear(merge_heads(y), self.out.weight.float())
+
+        return AttentionScores(maps, {"signal": v, "noise": v}, False, combine)

@@ -6,7 +6,9 @@ RoPE rotates only the geometric path (eq. 6) unless `rope_semantic`; V has width
 d_sem + d_geo). Both paths are computed by ONE scaled_dot_product_attention call: the queries are
 pre-scaled and concatenated, [q_sem/sqrt(d_sem/H) | q_geo/sqrt(d_geo/H)] . [k_sem | k_geo] equals eq. 5,
 so fused kernels apply (scale=1). The cache holds k = [k_sem | k_geo] per head in one buffer (so decode
-reads it without a copy) and v. d_sem, d_geo and d_v are totals over the n_heads query heads.
+reads it without a copy) and v. d_sem, d_geo and d_v are totals over the n_heads query heads. A memory
+routes its exact bank on V and its summary bank on k_geo's low-frequency RoPE channels (k_sem carries no
+RoPE unless rope_semantic).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from attnlab.attention.base import merge_heads, null_parameter, prepend_null, split_heads
-from attnlab.attention.core import attend
-from attnlab.attention.masks import attention_mask
-from attnlab.cache.dense import DenseCache
+from attnlab.attention.base import Attention, AttentionScores, single_map
+from attnlab.cache.attend import attend_cache
+from attnlab.cache.layout import CacheLayout, Field, Read
 from attnlab.config import AttentionConfig, ModelConfig, check_kv_heads
-from attnlab.model.rope import Rotary
+from attnlab.ops.heads import merge_heads, null_parameter, split_heads
+from attnlab.ops.masks import causal_mask
+from attnlab.ops.rope import Rotary
 
 
 @dataclass(frozen=True)
@@ -59,17 +62,21 @@ class DecoupledConfig(AttentionConfig):
             out.append("attention.tie_qk needs n_kv_heads == n_heads (W_Q = W_K must have the same heads)")
         return out
 
-    def cache_fields(self, model: ModelConfig) -> dict[str, int]:
-        kv_heads = self.n_kv_heads or model.n_heads
-        per = kv_heads / model.n_heads
-        return {"k_sem": int(self.d_sem * per), "k_geo": int(self.d_geo * per), "v": int(self.value_dim * per)}
+    def cache_layout(self, model: ModelConfig) -> CacheLayout:
+        heads = model.n_heads
+        sem = Field("k_sem", self.d_sem // heads, rope=self.rope and self.rope_semantic)
+        geo = Field("k_geo", self.d_geo // heads, rope=self.rope)
+        return CacheLayout.of(
+            {"k": [sem, geo], "v": [Field("v", self.value_dim // heads)]}, kv_heads=self.n_kv_heads or heads,
+            route="v", read=Read("k", "v"), null_key=self.null_attn, rope_interleaved=model.rope_interleaved,
+        )  # fmt: skip
 
 
-class Decoupled(nn.Module):
+class Decoupled(Attention):
     def __init__(self, model: ModelConfig):
         super().__init__()
         cfg: DecoupledConfig = model.attention
-        self.cfg = cfg
+        self.cfg, self.layout = cfg, cfg.cache_layout(model)
         self.n_heads, self.n_kv_heads = model.n_heads, cfg.n_kv_heads or model.n_heads
         self.sem_dim, self.geo_dim = cfg.d_sem // model.n_heads, cfg.d_geo // model.n_heads  # per head
         self.v_dim = cfg.value_dim // model.n_heads
@@ -93,12 +100,9 @@ class Decoupled(nn.Module):
         else:
             self.null_k = self.null_v = None
 
-    @property
-    def reads_quantized_cache(self) -> bool:
-        """Whether a decode step reads a quantized cache through its attend_one (no null key)."""
-        return self.null_k is None
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None):
+    def queries_keys(self, x: torch.Tensor, positions: torch.Tensor):
+        """x (B, T, d_model) -> q = [q_sem * w_sem | q_geo * w_geo] (B, H, T, d_sem/H + d_geo/H), pre-scaled by
+        eq. 5's scales and eq. 9's gate, k = [k_sem | k_geo] (B, H_kv, T, .) and v (B, H_kv, T, d_v/H)."""
         parts = self.proj(x).split(self.widths, dim=-1)
         if self.cfg.tie_qk:
             q_geo, k_sem, k_geo, v = parts
@@ -120,26 +124,23 @@ class Decoupled(nn.Module):
             q_sem, q_geo = q_sem * sem_scale, q_geo * geo_scale
         q = torch.cat((q_sem, q_geo), dim=-1)  # (B, H, T, d_sem/H + d_geo/H)
         k = torch.cat((k_sem, k_geo), dim=-1)  # (B, H_kv, T, d_sem/H + d_geo/H)
-        null = self.null_k is not None
-        if not null and hasattr(cache, "attend_one"):  # a quantized cache reading its blocks in a kernel
-            y = cache.attend_one(q, {"k": k, "v": v}, positions, 1.0)
-            if y is not None:
-                return self.out(merge_heads(y)), cache
-        k_pos = None
-        if cache is not None:
-            held, k_pos = cache.update({"k": k, "v": v}, positions)
-            k, v = held["k"], held["v"]
-        mask, is_causal = attention_mask(positions, k_pos, None, null, getattr(cache, "static", False))
-        if null:  # eq. 10: the null key's score has the same two-path form
-            k, v = prepend_null(k, self.null_k), prepend_null(v, self.null_v)
-        y = attend(q, k, v, mask, scale=1.0, is_causal=is_causal)  # (B, H, T, d_v/H)
-        return self.out(merge_heads(y)), cache
+        return q, k, v
 
-    def cache_parts(self) -> dict[str, list[tuple[str, int]]]:
-        """The named tensors inside each cache buffer, (name, per-head width) along the last axis."""
-        return {"k": [("k_sem", self.sem_dim), ("k_geo", self.geo_dim)], "v": [("v", self.v_dim)]}
+    def null(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.null_k is None else (self.null_k, self.null_v)  # eq. 10: the same two-path form
 
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None):
-        k_shape = (batch, self.n_kv_heads, max_len, self.sem_dim + self.geo_dim)
-        v_shape = (batch, self.n_kv_heads, max_len, self.v_dim)
-        return DenseCache({"k": k_shape, "v": v_shape}, max_len, dtype, device)
+    def projections(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """q_sem (absent with tie_qk: it is k_sem), q_geo, k_sem, k_geo, v."""
+        names = (["q_sem"] if not self.cfg.tie_qk else []) + ["q_geo", "k_sem", "k_geo", "v"]
+        heads = {"q_sem": self.n_heads, "q_geo": self.n_heads}
+        parts = self.proj(x).split(self.widths, dim=-1)
+        return {n: split_heads(p, heads.get(n, self.n_kv_heads)) for n, p in zip(names, parts, strict=True)}
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None, write=None):
+        q, k, v = self.queries_keys(x, positions)
+        y = attend_cache(cache, q, {"k": k, "v": v}, positions, self.layout.read, 1.0, None, self.null(), write)
+        return self.out(merge_heads(y)), cache  # y: (B, H, T, d_v/H)
+
+    def scores(self, x: torch.Tensor, positions: torch.Tensor) -> AttentionScores:
+        q, k, v = self.queries_keys(x, positions)
+        return single_map(self, q.float(), k.float(), v.float(), causal_mask(positions, positions), self.null())

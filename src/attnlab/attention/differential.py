@@ -20,7 +20,8 @@ SDPA(q2, k2, v), then the subtraction. One call would need the two streams as 2H
 key heads [k1 | k2] and v repeated for both (the streams have different keys, so unlike CoDA they cannot
 share one K/V head group): a copy of v per call. Measured on CPU (B 1, 8 heads, D 64, fp32), that copy
 made a decode step at 2048 cached tokens 1.5x slower than two calls, and prefill of 256 tokens no faster,
-so the streams are not stacked. The cache holds k1, k2 (D/2 each) and v (D) per K/V head.
+so the streams are not stacked. The cache holds k1, k2 (D/2 each) and v (D) per K/V head. An H2O memory
+counts the signal map's attention mass only (the inhibitory map's mass is subtracted, not read).
 On CUDA without autograd, a fused Triton kernel (attnlab.kernels.diff_attention) computes both maps over
 shared K/V tiles, the subtraction and the head norm in one pass.
 """
@@ -33,15 +34,18 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from attnlab.attention.base import HeadRMSNorm, merge_heads, split_heads
-from attnlab.attention.core import attend
-from attnlab.attention.masks import attention_mask
+from attnlab.attention.base import Attention, AttentionScores
 from attnlab.attention.mha import MHAConfig
-from attnlab.cache.dense import DenseCache
+from attnlab.cache.attend import attend_held, read_cache
+from attnlab.cache.layout import CacheLayout, Field
 from attnlab.config import ModelConfig
 from attnlab.kernels import fused_usable
-from attnlab.model.rope import Rotary
+from attnlab.ops.heads import merge_heads, split_heads
+from attnlab.ops.masks import causal_mask
+from attnlab.ops.norm import HeadRMSNorm, head_rms_norm
+from attnlab.ops.rope import Rotary
 
 
 def lambda_init(layer_index: int) -> float:
@@ -52,21 +56,24 @@ def lambda_init(layer_index: int) -> float:
 @dataclass(frozen=True)
 class DiffConfig(MHAConfig):
     kind: ClassVar[str] = "diff"
-    kv_memory: ClassVar[bool] = False
     head_dim_multiple: ClassVar[int] = 4
     head_dim_reason: ClassVar[str] = "for diff: q and k split into two halves of head_dim/2, each rotated by RoPE"
     # n_kv_heads: None = n_heads; else GQA over DIFF heads. head_dim: D per DIFF head (q1, q2, k1, k2 get D/2
     # each, v gets D); None = d_model / n_heads.
 
-    def cache_fields(self, model: ModelConfig) -> dict[str, int]:
-        width = self.kv_heads(model) * self.dim(model)  # k1, k2 of D/2 and v of D per K/V head
-        return {"k1": width // 2, "k2": width // 2, "v": width}
+    def cache_layout(self, model: ModelConfig) -> CacheLayout:
+        """k1, k2 (D/2 each, rotated) and v (D) per K/V head; two maps per step, so no single read."""
+        half = self.dim(model) // 2
+        fields = {"k1": [Field("k1", half, rope=True)], "k2": [Field("k2", half, rope=True)],
+                  "v": [Field("v", self.dim(model))]}  # fmt: skip
+        return CacheLayout.of(fields, kv_heads=self.kv_heads(model), route="v", rope_interleaved=model.rope_interleaved)
 
 
-class Differential(nn.Module):
+class Differential(Attention):
     def __init__(self, model: ModelConfig, layer_index: int = 0):
         super().__init__()
         cfg: DiffConfig = model.attention
+        self.layout = cfg.cache_layout(model)
         self.n_heads, self.n_kv_heads, self.head_dim = model.n_heads, cfg.kv_heads(model), cfg.dim(model)
         self.half = self.head_dim // 2
         self.layer_index, self.lambda_init = layer_index, lambda_init(layer_index)
@@ -96,29 +103,55 @@ class Differential(nn.Module):
         q1, q2, k1, k2 = rotated.split((h, h, hk, hk), dim=1)
         return {"q1": q1, "q2": q2, "k1": k1, "k2": k2, "v": split_heads(v, hk)}
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None):
-        t = self.project(x, positions)
-        kv, k_pos = {name: t[name] for name in ("k1", "k2", "v")}, None
-        if cache is not None:
-            kv, k_pos = cache.update(kv, positions)
-        lam, scale = self.lambda_full(), 1 / math.sqrt(self.half)
-        if fused_usable(x, self):
-            from attnlab.kernels.diff_attention import diff_attention
+    def projections(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """q1, q2 (B, H, T, D/2), k1, k2 (B, H_kv, T, D/2) before RoPE, v (B, H_kv, T, D)."""
+        h, hk, d, half = self.n_heads, self.n_kv_heads, self.head_dim, self.half
+        q, k, v = self.qkv(x).split((h * d, hk * d, hk * d), dim=-1)
+        (q1, q2), (k1, k2) = split_heads(q, h).split(half, dim=-1), split_heads(k, hk).split(half, dim=-1)
+        return {"q1": q1, "q2": q2, "k1": k1, "k2": k2, "v": split_heads(v, hk)}
 
-            k_pos = positions if k_pos is None else k_pos
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None, write=None):
+        t = self.project(x, positions)
+        held = read_cache(cache, {name: t[name] for name in ("k1", "k2", "v")}, positions, write=write)
+        kv = held.tensors
+        lam, scale = self.lambda_full(), 1 / math.sqrt(self.half)
+        if fused_usable(x, self) and held.shared_positions:
+            from attnlab.kernels.diff_attention import diff_attention  # optional: needs triton
+
             norm = self.head_norm
             y = diff_attention(
-                t["q1"], t["q2"], kv["k1"], kv["k2"], kv["v"], lam, scale, positions, k_pos, norm.weight, norm.eps
+                t["q1"],
+                t["q2"],
+                kv["k1"],
+                kv["k2"],
+                kv["v"],
+                lam,
+                scale,
+                positions,
+                held.positions,
+                norm.weight,
+                norm.eps,
             )  # (B, H, T, D), normalised
         else:
-            mask, is_causal = attention_mask(positions, k_pos, static=getattr(cache, "static", False))
-            signal = attend(t["q1"], kv["k1"], kv["v"], mask, scale=scale, is_causal=is_causal)  # (B, H, T, D)
-            noise = attend(t["q2"], kv["k2"], kv["v"], mask, scale=scale, is_causal=is_causal)
+            signal = attend_held(held, t["q1"], kv["k1"], kv["v"], scale)  # (B, H, T, D)
+            noise = attend_held(held, t["q2"], kv["k2"], kv["v"], scale, observe=False)
             y = self.head_norm(signal - lam.to(signal.dtype) * noise)  # eq. 1, then eq. 3's RMSNorm
         y = y * (1 - self.lambda_init)  # eq. 3
         return self.out(merge_heads(y)), cache
 
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None):
-        k_shape = (batch, self.n_kv_heads, max_len, self.half)
-        v_shape = (batch, self.n_kv_heads, max_len, self.head_dim)
-        return DenseCache({"k1": k_shape, "k2": k_shape, "v": v_shape}, max_len, dtype, device)
+    def scores(self, x: torch.Tensor, positions: torch.Tensor) -> AttentionScores:
+        t = {name: value.float() for name, value in self.project(x, positions).items()}
+        group = self.n_heads // self.n_kv_heads
+        mask, scale = causal_mask(positions, positions), 1 / math.sqrt(self.half)
+        maps = {}
+        for stream, q, k in (("signal", t["q1"], t["k1"]), ("noise", t["q2"], t["k2"])):
+            scores = q @ k.repeat_interleave(group, dim=1).transpose(-1, -2) * scale  # (B, H, T, T)
+            maps[stream] = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        v = t["v"].repeat_interleave(group, dim=1)
+        lam, norm = self.lambda_full(), self.head_norm
+
+        def combine(out: dict[str, torch.Tensor]) -> torch.Tensor:  # eq. 1 and 3 on the maps' outputs
+            y = head_rms_norm(out["signal"] - lam * out["noise"], norm.weight.float(), norm.eps)
+            return F.linear(merge_heads(y * (1 - self.lambda_init)), self.out.weight.float())
+
+        return AttentionScores(maps, {"signal": v, "noise": v}, False, combine)

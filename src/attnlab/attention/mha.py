@@ -1,7 +1,7 @@
 """Standard multi-head attention; n_kv_heads < n_heads gives GQA, n_kv_heads = 1 gives MQA.
 
 `HeadAttention` is the shared per-head machinery (fused QKV projection, RoPE, optional null key/value,
-optional sliding window with a ring cache); `bottleneck` and `sliding` reuse it with other widths.
+optional sliding window); `bottleneck` and `sliding` reuse it with other widths.
 """
 
 from __future__ import annotations
@@ -11,15 +11,22 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import nn
 
-from attnlab.attention.base import merge_heads, null_parameter, prepend_null, split_heads
-from attnlab.attention.core import attend
-from attnlab.attention.masks import attention_mask
-from attnlab.cache.dense import DenseCache
-from attnlab.cache.ring import RingCache
+from attnlab.attention.base import Attention, AttentionScores, single_map
+from attnlab.cache.attend import attend_cache
+from attnlab.cache.layout import CacheLayout, Field, Read
 from attnlab.config import AttentionConfig, ModelConfig, check_head_split, check_kv_heads
-from attnlab.model.rope import Rotary
+from attnlab.ops.heads import merge_heads, null_parameter, split_heads
+from attnlab.ops.masks import causal_mask
+from attnlab.ops.rope import Rotary
+
+
+def head_layout(model: ModelConfig, n_kv_heads: int, head_dim: int, **options) -> CacheLayout:
+    """k (rotated by RoPE) and v, head_dim each per KV head: the cache of every per-head variant."""
+    return CacheLayout.of(
+        {"k": [Field("k", head_dim, rope=True)], "v": [Field("v", head_dim)]},
+        kv_heads=n_kv_heads, route="v", read=Read("k", "v"), rope_interleaved=model.rope_interleaved, **options,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -27,7 +34,6 @@ class MHAConfig(AttentionConfig):
     """Also the base of the other per-head variants' configs (sliding, coda, diff): heads, KV heads, head_dim."""
 
     kind: ClassVar[str] = "mha"
-    kv_memory: ClassVar[bool] = True
     head_dim_multiple: ClassVar[int] = 2  # head_dim must be a multiple of this ...
     head_dim_reason: ClassVar[str] = "for RoPE"  # ... because of this
     n_kv_heads: int | None = None  # None = n_heads (MHA); 1 = MQA; else GQA
@@ -50,71 +56,55 @@ class MHAConfig(AttentionConfig):
             )
         return out
 
-    def cache_fields(self, model: ModelConfig) -> dict[str, int]:
-        width = self.kv_heads(model) * self.dim(model)
-        return {"k": width, "v": width}
+    def cache_layout(self, model: ModelConfig) -> CacheLayout:
+        return head_layout(model, self.kv_heads(model), self.dim(model))
 
 
-class HeadAttention(nn.Module):
+class HeadAttention(Attention):
     """Per-head softmax attention with RoPE on q/k, scale 1/sqrt(head_dim)."""
 
-    def __init__(
-        self,
-        model: ModelConfig,
-        n_heads: int,
-        n_kv_heads: int,
-        head_dim: int,
-        null_attn: bool = False,
-        window: int | None = None,
-    ):
+    def __init__(self, model: ModelConfig, n_heads: int, n_kv_heads: int, head_dim: int, null_attn: bool = False):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim, self.window = n_heads, n_kv_heads, head_dim, window
-        self.qkv = nn.Linear(model.d_model, (n_heads + 2 * n_kv_heads) * head_dim, bias=False)
-        self.out = nn.Linear(n_heads * head_dim, model.d_model, bias=False)
+        self.layout = model.attention.cache_layout(model)
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.window = self.layout.window
+        self.qkv = torch.nn.Linear(model.d_model, (n_heads + 2 * n_kv_heads) * head_dim, bias=False)
+        self.out = torch.nn.Linear(n_heads * head_dim, model.d_model, bias=False)
         self.rotary = Rotary(head_dim, model.rope_base, model.max_seq_len, model.rope_interleaved)
         self.null_k = null_parameter(n_kv_heads, head_dim, model.init_std) if null_attn else None
         self.null_v = null_parameter(n_kv_heads, head_dim, model.init_std) if null_attn else None
 
-    @property
-    def reads_quantized_cache(self) -> bool:
-        """Whether a decode step reads a quantized cache through its attend_one (no null key, no window)."""
-        return self.null_k is None and self.window is None
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None):
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, d_model) -> q (B, H, T, D), k and v (B, H_kv, T, D), q and k rotated."""
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split((q_width, kv_width, kv_width), dim=-1)
         # One RoPE call for q and k together: (B, H + H_kv, T, D), then split (fewer small ops per step).
         qk = self.rotary(torch.cat((split_heads(q, self.n_heads), split_heads(k, self.n_kv_heads)), dim=1), positions)
-        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)  # (B, H, T, D), (B, H_kv, T, D)
-        v = split_heads(v, self.n_kv_heads)
-        null = self.null_k is not None
-        if not null and hasattr(cache, "attend_one"):  # a quantized cache reading its blocks in a kernel
-            y = cache.attend_one(q, {"k": k, "v": v}, positions, 1 / math.sqrt(self.head_dim))
-            if y is not None:
-                return self.out(merge_heads(y)), cache
-        k_pos = None
-        if cache is not None:
-            held, k_pos = cache.update({"k": k, "v": v}, positions)
-            k, v = held["k"], held["v"]
-        if hasattr(cache, "mask"):  # bounded memories (cache/bounded.py): slots differ per sequence
-            mask, is_causal = cache.mask(positions, k_pos, null), False
-        else:
-            static = getattr(cache, "static", False)  # a static-shape decode step (generate's compiled step)
-            mask, is_causal = attention_mask(positions, k_pos, self.window, null, static)
-        if null:
-            k, v = prepend_null(k, self.null_k), prepend_null(v, self.null_v)
-        if hasattr(cache, "observe"):  # H2O: the cache accumulates the attention mass of each slot
-            cache.observe(q, k, mask, 1 / math.sqrt(self.head_dim))
-        y = attend(q, k, v, mask, scale=1 / math.sqrt(self.head_dim), is_causal=is_causal)
+        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
+        return q, k, split_heads(v, self.n_kv_heads)
+
+    def null(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.null_k is None else (self.null_k, self.null_v)
+
+    def projections(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split((q_width, kv_width, kv_width), dim=-1)
+        return {
+            "q": split_heads(q, self.n_heads),
+            "k": split_heads(k, self.n_kv_heads),
+            "v": split_heads(v, self.n_kv_heads),
+        }
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None, write=None):
+        q, k, v = self.project(x, positions)
+        y = attend_cache(cache, q, {"k": k, "v": v}, positions, self.layout.read, 1 / math.sqrt(self.head_dim),
+                         self.window, self.null(), write)  # fmt: skip
         return self.out(merge_heads(y)), cache
 
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None):
-        if self.window is not None:
-            slots = min(self.window, max_len)
-            shape = (batch, self.n_kv_heads, slots, self.head_dim)
-            return RingCache({"k": shape, "v": shape}, slots, dtype, max_len, device)
-        shape = (batch, self.n_kv_heads, max_len, self.head_dim)
-        return DenseCache({"k": shape, "v": shape}, max_len, dtype, device)
+    def scores(self, x: torch.Tensor, positions: torch.Tensor) -> AttentionScores:
+        q, k, v = (t.float() for t in self.project(x, positions))
+        mask = causal_mask(positions, positions, self.window)
+        return single_map(self, q / math.sqrt(self.head_dim), k, v, mask, self.null())
 
 
 class MHA(HeadAttention):

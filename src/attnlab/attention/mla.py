@@ -9,7 +9,8 @@ key k_rope = RoPE(W_kr x) of width d_rope, shared by all heads, carries position
 
 Naive path: expand c into per-head keys and values. Absorbed path (decode): fold W_uk,h into the query,
 q_lat,h = W_uk,h^T q_nope,h, so scores are q_lat,h . c, attend over the cached latent itself (one K/V
-"head" shared by all query heads) and apply W_uv,h to the attended latent afterwards.
+"head" shared by all query heads) and apply W_uv,h to the attended latent afterwards. A memory routes its
+exact bank on the latent and its summary bank on k_rope's low-frequency channels.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from attnlab.attention.base import merge_heads, split_heads
-from attnlab.attention.core import attend
-from attnlab.attention.masks import attention_mask
-from attnlab.cache.dense import DenseCache
+from attnlab.attention.base import Attention, AttentionScores, single_map
+from attnlab.cache.attend import attend_cache, attend_held, read_cache
+from attnlab.cache.layout import CacheLayout, Field, Read
 from attnlab.config import AttentionConfig, ModelConfig, check_head_split
-from attnlab.model.norm import RMSNorm
-from attnlab.model.rope import Rotary
+from attnlab.ops.heads import merge_heads, split_heads
+from attnlab.ops.masks import causal_mask
+from attnlab.ops.norm import RMSNorm
+from attnlab.ops.rope import Rotary
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,20 @@ class MLAConfig(AttentionConfig):
             out.append(f"attention.d_rope={d_rope} must be even and >= 2 for RoPE")
         return out
 
-    def cache_fields(self, model: ModelConfig) -> dict[str, int]:
-        return {"latent": self.d_latent, "k_rope": self.dims(model)[1]}
+    def cache_layout(self, model: ModelConfig) -> CacheLayout:
+        """One row per token shared by every head, [latent | k_rope]; the absorbed decode reads it as K and its
+        latent as V."""
+        fields = [Field("latent", self.d_latent), Field("k_rope", self.dims(model)[1], rope=True)]
+        read = Read("latent", "latent", self.d_latent) if self.absorb else None
+        return CacheLayout.of({"latent": fields}, kv_heads=None, route="latent", read=read,
+                              rope_interleaved=model.rope_interleaved)  # fmt: skip
 
 
-class MLA(nn.Module):
+class MLA(Attention):
     def __init__(self, model: ModelConfig):
         super().__init__()
         cfg: MLAConfig = model.attention
-        self.cfg, self.n_heads = cfg, model.n_heads
+        self.cfg, self.n_heads, self.layout = cfg, model.n_heads, cfg.cache_layout(model)
         self.head_dim, self.rope_dim, self.v_dim = cfg.dims(model)
         self.d_latent = cfg.d_latent
         h = self.n_heads
@@ -75,42 +82,49 @@ class MLA(nn.Module):
         self.rotary = Rotary(self.rope_dim, model.rope_base, model.max_seq_len, model.rope_interleaved)
         self.scale = 1 / math.sqrt(self.head_dim + self.rope_dim)
 
-    @property
-    def reads_quantized_cache(self) -> bool:
-        """Whether a decode step reads a quantized cache through its attend_one (the absorbed path)."""
-        return self.cfg.absorb
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None, absorb: bool | None = None):
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x (B, T, d_model) -> q_nope (B, H, T, head_dim), q_rope (B, H, T, d_rope) rotated, and the cached row
+        [RMSNorm(latent) | RoPE(k_rope)] (B, T, d_latent + d_rope)."""
         q = split_heads(self.q_proj(x), self.n_heads)  # (B, H, T, head_dim + d_rope)
         q_nope, q_rope = q.split((self.head_dim, self.rope_dim), dim=-1)
         q_rope = self.rotary(q_rope, positions)
         latent, k_rope = self.kv_down(x).split((self.d_latent, self.rope_dim), dim=-1)  # (B, T, .)
-        latent = torch.cat((self.kv_norm(latent), self.rotary(k_rope, positions)), dim=-1)  # (B, T, L + R)
+        return q_nope, q_rope, torch.cat((self.kv_norm(latent), self.rotary(k_rope, positions)), dim=-1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None, write=None, absorb: bool | None = None):
+        q_nope, q_rope, latent = self.project(x, positions)
         use_absorbed = self.cfg.absorb and cache is not None if absorb is None else absorb
-        if use_absorbed and hasattr(cache, "attend_one"):  # a quantized cache reading its blocks in a kernel
-            q_latent = torch.cat((self._absorb_query(q_nope), q_rope), dim=-1)
-            y = cache.attend_one(q_latent, {"latent": latent}, positions, self.scale, "latent", "latent", self.d_latent)
-            if y is not None:
-                return self.out(merge_heads(self._expand_values(y))), cache
-        k_pos = None
-        if cache is not None:
-            held, k_pos = cache.update({"latent": latent}, positions)
-            latent = held["latent"]  # (B, S, L + R)
-        mask, is_causal = attention_mask(positions, k_pos, static=getattr(cache, "static", False))
         if use_absorbed:
-            y = self._absorbed(q_nope, q_rope, latent, mask, is_causal)
+            q_latent = torch.cat((self._absorb_query(q_nope), q_rope), dim=-1)  # (B, H, T, d_latent + d_rope)
+            read = Read("latent", "latent", self.d_latent)  # K: [latent | k_rope], one "head" for all queries
+            out_latent = attend_cache(cache, q_latent, {"latent": latent}, positions, read, self.scale, write=write)
+            y = self._expand_values(out_latent)  # (B, H, T, v_dim)
         else:
-            y = self._naive(q_nope, q_rope, latent, mask, is_causal)
+            held = read_cache(cache, {"latent": latent}, positions, write=write)
+            q, k, v = self._naive(q_nope, q_rope, held.tensors["latent"])
+            y = attend_held(held, q, k, v, self.scale)
         return self.out(merge_heads(y)), cache
 
-    def _naive(self, q_nope, q_rope, latent, mask, is_causal):
+    def scores(self, x: torch.Tensor, positions: torch.Tensor) -> AttentionScores:
+        q, k, v = (t.float() for t in self._naive(*self.project(x, positions)))
+        return single_map(self, q * self.scale, k, v, causal_mask(positions, positions))
+
+    def projections(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """q_nope, q_rope (per head), k_nope = W_uk RMSNorm(c) (per head), k_rope (one head shared by all), v."""
+        q_nope, q_rope = split_heads(self.q_proj(x), self.n_heads).split((self.head_dim, self.rope_dim), dim=-1)
+        latent, k_rope = self.kv_down(x).split((self.d_latent, self.rope_dim), dim=-1)
+        c = self.kv_norm(latent)
+        return {"q_nope": q_nope, "q_rope": q_rope, "k_nope": split_heads(self.k_up(c), self.n_heads),
+                "k_rope": k_rope[:, None], "v": split_heads(self.v_up(c), self.n_heads)}  # fmt: skip
+
+    def _naive(self, q_nope, q_rope, latent):
+        """Per-head queries, keys and values from the latent rows (B, S, L + R): q (B, H, T, head_dim + d_rope),
+        k (B, H, S, head_dim + d_rope) = [W_uk c | k_rope], v (B, H, S, v_dim) = W_uv c."""
         c, k_rope = latent.split((self.d_latent, self.rope_dim), dim=-1)
         k_nope = split_heads(self.k_up(c), self.n_heads)  # (B, H, S, head_dim)
         v = split_heads(self.v_up(c), self.n_heads)  # (B, H, S, v_dim)
         k_rope = k_rope[:, None].expand(-1, self.n_heads, -1, -1)  # shared by all heads
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        k = torch.cat((k_nope, k_rope), dim=-1)
-        return attend(q, k, v, mask, scale=self.scale, is_causal=is_causal)
+        return torch.cat((q_nope, q_rope), dim=-1), torch.cat((k_nope, k_rope), dim=-1), v
 
     def _absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope (B, H, T, head_dim) -> its scores' weights on the latent, (B, H, T, d_latent)."""
@@ -121,17 +135,3 @@ class MLA(nn.Module):
         """Attention output over the latent (B, H, T, d_latent) -> over the values, (B, H, T, v_dim)."""
         w_uv = self.v_up.weight.view(self.n_heads, self.v_dim, self.d_latent)
         return torch.einsum("bhtl,hvl->bhtv", out_latent, w_uv)
-
-    def _absorbed(self, q_nope, q_rope, latent, mask, is_causal):
-        q = torch.cat((self._absorb_query(q_nope), q_rope), dim=-1)  # (B, H, T, d_latent + d_rope)
-        k = latent[:, None]  # (B, 1, S, d_latent + d_rope): one K "head" for all queries
-        v = latent[:, None, :, : self.d_latent]  # (B, 1, S, d_latent): a view, no copy
-        out_latent = attend(q, k, v, mask, scale=self.scale, is_causal=is_causal)  # (B, H, T, d_latent)
-        return self._expand_values(out_latent)
-
-    def cache_parts(self) -> dict[str, list[tuple[str, int]]]:
-        """The named tensors inside the cache buffer: the latent and the RoPE key, along the last axis."""
-        return {"latent": [("latent", self.d_latent), ("k_rope", self.rope_dim)]}
-
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device=None):
-        return DenseCache({"latent": (batch, max_len, self.d_latent + self.rope_dim)}, max_len, dtype, device)

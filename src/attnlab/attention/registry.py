@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from torch import nn
 
@@ -14,7 +16,8 @@ from attnlab.attention.differential import DiffConfig, Differential
 from attnlab.attention.mha import MHA, MHAConfig
 from attnlab.attention.mla import MLA, MLAConfig
 from attnlab.attention.sliding import Sliding, SlidingConfig
-from attnlab.config import ModelConfig
+from attnlab.config import AttentionConfig, ModelConfig, dataclass_kwargs, unknown_key_problem
+from attnlab.errors import ConfigError
 
 
 class Kind(StrEnum):
@@ -48,3 +51,35 @@ REGISTRY: dict[str, Variant] = {
     Kind.DIFF: Variant(DiffConfig, Differential, "DIFF V1: softmax(q1 k1) - lambda softmax(q2 k2)", layer_index=True),
     Kind.CODA: Variant(CoDAConfig, CoDA, "CoDA: signal minus gated inhibitory stream from a rotated query"),
 }
+
+
+def parse_attention(data: Any, problems: list[str]) -> AttentionConfig | None:
+    """The `attention:` section as its kind's config; problems are appended (every one at once)."""
+    if not isinstance(data, dict):
+        problems.append(f"attention must be a mapping with a 'kind', got {type(data).__name__}")
+        return None
+    kind = data.get("kind", "mha")
+    if not isinstance(kind, str) or kind not in REGISTRY:
+        problems.append(
+            unknown_key_problem(str(kind), list(REGISTRY), "attention.kind=").replace("unknown key", "unknown value")
+        )
+        return None
+    cls = REGISTRY[kind].config
+    fields_of = {name: {f.name for f in dataclasses.fields(v.config)} for name, v in REGISTRY.items()}
+    misplaced = {}  # a real option of another kind: say whose, rather than guess a near name
+    for key in data:
+        if key != "kind" and key not in fields_of[kind]:
+            owners = [name for name, names in fields_of.items() if key in names]
+            if owners:
+                misplaced[key] = owners
+                problems.append(f"attention.{key} belongs to attention kind {' or '.join(owners)}, not {kind} "
+                                f"(set attention.kind: {owners[0]}, or remove {key})")  # fmt: skip
+    data = {key: value for key, value in data.items() if key not in misplaced}
+    kwargs = dataclass_kwargs(cls, data, "attention.", problems, skip=("kind",))
+    if len(problems):
+        return None
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        problems.extend(e.problems)
+        return None

@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from attnlab.attention.mha import HeadAttention, MHAConfig
+from attnlab.attention.mha import HeadAttention, MHAConfig, head_layout
+from attnlab.cache.layout import CacheLayout
 from attnlab.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class SlidingConfig(MHAConfig):
     kind: ClassVar[str] = "sliding"
-    kv_memory: ClassVar[bool] = False  # its own window already bounds the cache
     window: int = 256
 
     def problems(self, model: ModelConfig) -> list[str]:
@@ -22,11 +22,11 @@ class SlidingConfig(MHAConfig):
             out.append(f"attention.window={self.window} must be >= 1")
         return out
 
-    def cache_capacity(self, model: ModelConfig) -> int | None:
-        return self.window
+    def cache_layout(self, model: ModelConfig) -> CacheLayout:
+        return head_layout(model, self.kv_heads(model), self.dim(model), window=self.window)
 
 
 class Sliding(HeadAttention):
     def __init__(self, model: ModelConfig):
         cfg: SlidingConfig = model.attention
-        super().__init__(model, model.n_heads, cfg.kv_heads(model), cfg.dim(model), window=cfg.window)
+        super().__init__(model, model.n_heads, cfg.kv_heads(model), cfg.dim(model))

@@ -5,32 +5,33 @@ from __future__ import annotations
 import torch
 
 from attnlab.cache.base import BufferCache
+from attnlab.cache.layout import CacheLayout
 from attnlab.errors import InputError
 
 
 class DenseCache(BufferCache):
-    """Holds named tensors of shape (*prefix, max_len, dim), written at slots [length, length + T).
+    """Holds the layout's buffers, (*prefix, max_len, width), written at slots [length, length + T).
 
     In static mode (`set_static(True)`, for a compiled decode step) slot = position: `update` writes with
     `index_copy_` and returns the whole buffers and `slot_positions` (empty slots at -1, masked out), so
     every step has the same shapes and reads no Python-side state (`length` is recounted on leaving)."""
 
-    capacity = None  # grows with the sequence (within max_len)
-    supports_static = True
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]], max_len: int, dtype: torch.dtype, device=None):
-        super().__init__(shapes, max_len, dtype, device)
+    def __init__(self, layout: CacheLayout, batch: int, max_len: int, dtype: torch.dtype, device=None):
+        super().__init__(layout, batch, max_len, dtype, device)
         self.max_len, self.length = max_len, 0
 
     def positions(self) -> torch.Tensor:
         return self.slot_positions if self.static else self.slot_positions[: self.length]
+
+    def supports_static(self) -> bool:
+        return True
 
     def set_static(self, static: bool) -> None:
         if self.static and not static:
             self.length = int((self.slot_positions >= 0).sum())  # slots are filled left to right
         self.static = static
 
-    def update(self, new: dict[str, torch.Tensor], positions: torch.Tensor):
+    def update(self, new: dict[str, torch.Tensor], positions: torch.Tensor, write=None):
         if self.static:
             # No bounds check here (it would read a tensor): the caller sizes the cache for its positions.
             for name, value in new.items():

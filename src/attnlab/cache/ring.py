@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 from attnlab.cache.base import BufferCache
+from attnlab.cache.layout import CacheLayout
 from attnlab.errors import InputError
 
 
 class RingCache(BufferCache):
-    def __init__(self, shapes: dict[str, tuple[int, ...]], slots: int, dtype: torch.dtype, max_len: int, device=None):
-        """shapes: name -> buffer shape with `slots` at axis -2, slots = min(window, max_len): a sequence
-        that will never exceed max_len tokens needs no more slots than that."""
-        super().__init__(shapes, slots, dtype, device)
+    def __init__(self, layout: CacheLayout, batch: int, slots: int, dtype: torch.dtype, max_len: int, device=None):
+        """slots = min(window, max_len): a sequence that will never exceed max_len tokens needs no more slots
+        than that."""
+        super().__init__(layout, batch, slots, dtype, device)
         self.capacity, self.max_len, self.seen = slots, max_len, 0
 
     def positions(self) -> torch.Tensor:
@@ -26,7 +27,7 @@ class RingCache(BufferCache):
             buffer.index_copy_(buffer.dim() - 2, slots, value[..., -keep:, :].to(buffer.dtype))
         self.slot_positions[slots] = positions[-keep:]
 
-    def update(self, new: dict[str, torch.Tensor], positions: torch.Tensor):
+    def update(self, new: dict[str, torch.Tensor], positions: torch.Tensor, write=None):
         self.seen += positions.shape[0]
         if self.seen > self.max_len:  # fewer slots than the window would then overwrite visible tokens
             raise InputError(f"ring cache made for max_len={self.max_len} tokens got {self.seen} (make a larger cache)")

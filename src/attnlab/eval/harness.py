@@ -27,7 +27,8 @@ from typing import Any
 
 import yaml
 
-from attnlab.config import read_yaml, unknown_key_problem
+from attnlab.config import unknown_key_problem
+from attnlab.config_io import read_yaml
 from attnlab.errors import ConfigError
 from attnlab.eval.records import append_records, read_records
 

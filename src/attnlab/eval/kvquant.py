@@ -142,7 +142,7 @@ def candidate_formats(model, tensor: str, formats: tuple[str, ...]) -> list[str]
     """The formats of `formats` that can store `tensor` (block formats need rows of 32 values)."""
     from attnlab.cache.codecs import Codec
 
-    width = model.cfg.attention.cache_fields(model.cfg)[tensor]
+    width = model.cfg.attention.cache_layout(model.cfg).values_per_token()[tensor]
     usable = []
     for fmt in formats:
         try:
@@ -185,7 +185,7 @@ def tune(
     """
     import itertools
 
-    tensors = list(model.cfg.attention.cache_fields(model.cfg))
+    tensors = list(model.cfg.attention.cache_layout(model.cfg).values_per_token())
     seq_len = windows.shape[1] - 1  # inputs per window (a window also holds its last target)
     options = {t: candidate_formats(model, t, formats) for t in tensors}
     baseline = {t: dtype for t in tensors}

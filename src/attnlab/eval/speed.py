@@ -190,7 +190,7 @@ def measure_cache(module, batch: int, length: int, dtype: torch.dtype, fill: boo
     if fill:
         prompt = random_prompt(module.cfg.vocab_size, batch, length, seed, next(module.parameters()).device)
         prefill(module, prompt, cache, chunk_size)
-    overhead = sum(layer.overhead_nbytes() for layer in cache.layers if hasattr(layer, "overhead_nbytes"))
+    overhead = cache.overhead_nbytes()
     return cache.nbytes(), overhead, cache.layers[0].capacity
 
 

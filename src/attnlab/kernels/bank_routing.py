@@ -1,6 +1,6 @@
 """Fused exact-bank routing (Triton): the sequential novelty-filtered LRU of CoDA-GQA-L §3.2 in one kernel.
 
-The exact landmark bank (attnlab.cache.bounded.BoundedCache) takes the candidates of a chunk (tokens that left
+The exact landmark bank (attnlab.cache.banks.BoundedCache) takes the candidates of a chunk (tokens that left
 the recent window and passed their write gate) one at a time, in position order:
 
     s_m = mean over KV heads of cos(v, v_m), for each held slot m      (Eq. 10: value routing)

@@ -3,7 +3,7 @@
     y = softmax(q1 k1^T * scale + mask) v - lambda softmax(q2 k2^T * scale + mask) v,   then optionally
     y = RMSNorm(y) * gain  over each head's width
 
-with mask(i, j) = 0 <= k_pos[j] <= q_pos[i] (as attnlab.attention.masks.causal_mask, no window). It serves
+with mask(i, j) = 0 <= k_pos[j] <= q_pos[i] (as attnlab.ops.masks.causal_mask, no window). It serves
 `diff` (k1 != k2, one lambda per layer; Ye et al. eq. 1-3) and fits CoDA's shape too (k1 = k2, a lambda per
 token and head; seed coda-gqa-l.md sec. 3.4): the kernel the CoDA paper describes, written from its text.
 

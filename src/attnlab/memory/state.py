@@ -1,8 +1,10 @@
 """A model's bounded memory state as one fixed-size safetensors file (CoDA-GQA-L §5.1, without pickle).
 
-    tensors   layers.{i}.{field}: k, v (B, H_kv, W + M, head_dim), ring_positions (W,), memory_positions
-              (B, M), and what the memory kind keeps besides: ring_values (B, W) (bounded: write gates,
-              h2o: attention mass), exact_last_used (B, M_e) (bounded), heavy_scores (B, M_h) (h2o)
+    tensors   layers.{i}.{name}: the buffers of the variant's cache layout, (B, H_kv, W + M, width) each (k
+              and v for mha; with a KV policy each field's storage arrays, `<field>.<i>`), ring_positions
+              (W,), memory_positions (B, M), and what the memory kind keeps besides: ring_values (B, W)
+              (bounded: write gates, h2o: attention mass), exact_last_used (B, M_e) (bounded),
+              heavy_scores (B, M_h) (h2o)
     metadata  "attnlab.memory": a JSON header (HEADER_KEY): format, schema_version, config_hash, model,
               memory (the model's memory config and its slots), n_layers, batch, dtype, tokens, attnlab
               version, and sha256, the checksum of the rest of the header and every tensor (name, dtype,
@@ -27,17 +29,17 @@ from safetensors.torch import save as save_tensors
 
 from attnlab import __version__
 from attnlab.cache.base import ModelCache
-from attnlab.cache.bounded import MemoryCache
+from attnlab.cache.memories import MemoryCache
 from attnlab.data.files import atomic_write_bytes
 from attnlab.errors import DataError, InputError
 
 FORMAT = "attnlab-memory-state"
 SCHEMA_VERSION = 1
 HEADER_KEY = "attnlab.memory"
-# Every tensor a memory cache carries from one update to the next. A cache attribute that is a tensor and
-# in neither tuple makes save_state fail loudly rather than write an incomplete state.
-STATE_FIELDS = ("k", "v", "ring_positions", "memory_positions", "ring_values", "exact_last_used", "heavy_scores")
-NOT_STATE = ("low_frequency", "_gate", "_eta", "_held_positions")  # derived from the config, or one call's
+# Tensors a memory cache holds that are not its state: one call's (the H2O scores' positions, the chunk's EMA
+# rate). Any other tensor attribute must be in its `bookkeeping()`, or saving fails loudly rather than writing
+# an incomplete state.
+NOT_STATE = ("_eta", "_held_positions")
 REQUIRED = {"config_hash": str, "memory": dict, "n_layers": int, "batch": int, "dtype": str, "tokens": int}
 
 
@@ -54,15 +56,6 @@ def require_memory(model) -> None:
             "no fixed-size state to save or load; use a model trained with memory.kind window, streaming, h2o "
             "or bounded"
         )
-
-
-def _layer_tensors(layer: MemoryCache) -> dict[str, torch.Tensor]:
-    unknown = [name for name, value in vars(layer).items()
-               if isinstance(value, torch.Tensor) and name not in STATE_FIELDS + NOT_STATE]  # fmt: skip
-    if unknown:
-        raise MemoryStateError(f"{type(layer).__name__} holds tensors the state file does not know: {unknown} "
-                               "(add them to attnlab.memory.state.STATE_FIELDS or NOT_STATE)")  # fmt: skip
-    return {name: value for name in STATE_FIELDS if isinstance(value := getattr(layer, name, None), torch.Tensor)}
 
 
 def _checksum(header: dict, tensors: dict[str, torch.Tensor]) -> str:
@@ -95,15 +88,22 @@ def save_state(path: str | Path, model, cache: ModelCache, model_path: str | Non
     if len(cache.layers) != model.cfg.n_layers or not all(isinstance(x, MemoryCache) for x in cache.layers):
         raise InputError(f"the cache does not belong to this model: expected {model.cfg.n_layers} memory caches "
                          f"(model.new_cache), got {[type(x).__name__ for x in cache.layers]}")  # fmt: skip
+    for layer in cache.layers:
+        unknown = [name for name, value in vars(layer).items() if isinstance(value, torch.Tensor)
+                   and name not in layer.bookkeeping() and name not in NOT_STATE]  # fmt: skip
+        if unknown:
+            raise MemoryStateError(f"{type(layer).__name__} holds tensors the state file does not know: {unknown} "
+                                   "(add them to its bookkeeping() or to attnlab.memory.state.NOT_STATE)")  # fmt: skip
     tensors = {f"layers.{i}.{name}": tensor.detach().cpu().contiguous().clone()  # clone: no shared storage
-               for i, layer in enumerate(cache.layers) for name, tensor in _layer_tensors(layer).items()}  # fmt: skip
+               for i, layer in enumerate(cache.layers) for name, tensor in layer.state().items()}  # fmt: skip
     header = {
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,
         **_memory_header(model),
         "model": str(model_path) if model_path is not None else None,
-        "batch": cache.layers[0].k.shape[0],
-        "dtype": str(cache.layers[0].k.dtype).removeprefix("torch."),
+        "batch": cache.layers[0].memory_positions.shape[0],
+        "dtype": str(cache.layers[0].slots.dtype).removeprefix("torch."),
+        "kv_policy": None if cache.layers[0].slots.policy is None else str(cache.layers[0].slots.policy),
         "tokens": cache.seen,
         "attnlab_version": __version__,
     }
@@ -181,21 +181,25 @@ def load_state(path: str | Path, model) -> tuple[ModelCache, dict]:
     dtype = getattr(torch, str(header["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
         raise MemoryStateError(f"{path}: unknown dtype {header['dtype']!r} in its header")
-    cache = model.new_cache(int(header["batch"]), dtype=dtype, device=param.device)
+    policy = header.get("kv_policy")  # the formats the slots are stored in (None: the dtype)
+    if policy is not None and not isinstance(policy, str):
+        raise MemoryStateError(f"{path}: kv_policy {policy!r} in its header is not a policy string")
+    cache = model.new_cache(int(header["batch"]), dtype=dtype, device=param.device, policy=policy)
     for i, layer in enumerate(cache.layers):
-        expected = _layer_tensors(layer)
+        expected = layer.state()
         names = {f"layers.{i}.{name}" for name in expected}
         missing = sorted(names - tensors.keys())
         if missing:
             raise MemoryStateError(f"{path}: tensors {missing} missing for this model's memory")
+        loaded = {}
         for name, fresh in expected.items():
             stored = tensors[f"layers.{i}.{name}"]
             if stored.shape != fresh.shape or stored.dtype != fresh.dtype:
                 raise MemoryStateError(f"{path}: layers.{i}.{name} is {tuple(stored.shape)} {stored.dtype}, this "
                                        f"model's memory holds {tuple(fresh.shape)} {fresh.dtype}")  # fmt: skip
-            setattr(layer, name, stored.to(param.device))
-        layer.seen = int(header["tokens"])
-    extra = sorted(tensors.keys() - {f"layers.{i}.{n}" for i, x in enumerate(cache.layers) for n in _layer_tensors(x)})
+            loaded[name] = stored.to(param.device)
+        layer.load(loaded, int(header["tokens"]))
+    extra = sorted(tensors.keys() - {f"layers.{i}.{n}" for i, x in enumerate(cache.layers) for n in x.state()})
     if extra:
         raise MemoryStateError(f"{path}: tensors {extra[:3]} do not belong to this model's memory")
     cache.seen = int(header["tokens"])

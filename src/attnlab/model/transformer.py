@@ -8,14 +8,12 @@ import torch
 from torch import nn
 
 from attnlab.attention.registry import REGISTRY
+from attnlab.cache.banks import MemoryWrite
 from attnlab.cache.base import ModelCache
-from attnlab.cache.bounded import MemoryWrite, new_memory_cache
-from attnlab.cache.codecs import as_policy
-from attnlab.cache.quantized import quantized_cache
 from attnlab.config import ModelConfig
-from attnlab.errors import ConfigError, InputError
-from attnlab.model.mlp import build_mlp
-from attnlab.model.norm import RMSNorm
+from attnlab.errors import InputError
+from attnlab.ops.mlp import build_mlp
+from attnlab.ops.norm import RMSNorm
 
 
 class Block(nn.Module):
@@ -24,15 +22,15 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = REGISTRY[cfg.attention.kind].build(cfg, layer_index)
         bounded = cfg.memory.kind == "bounded"  # its write gate and EMA rate are parameters of the model
-        self.memory = MemoryWrite(cfg.d_model, self.attn.n_kv_heads, cfg.memory) if bounded else None
+        self.memory = MemoryWrite(cfg.d_model, self.attn.layout.heads, cfg.memory) if bounded else None
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = build_mlp(cfg.mlp, cfg.d_model, cfg.hidden_dim)
 
     def forward(self, x, positions, cache=None):
         h = self.attn_norm(x)
-        if self.memory is not None and cache is not None:
-            cache.set_write(*self.memory(h))  # write gates of these tokens, read when they leave the window
-        h, cache = self.attn(h, positions, cache)
+        # The write gates of these tokens (a bounded memory reads them when the tokens leave its window).
+        write = self.memory(h) if self.memory is not None and cache is not None else None
+        h, cache = self.attn(h, positions, cache, write)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -63,32 +61,20 @@ class Transformer(nn.Module):
                 is_residual_out = name.endswith(("attn.out.weight", "mlp.down.weight"))
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers) if is_residual_out else std)
         for block in self.blocks:  # parameters with an init of their own (e.g. CoDA's rotation angles)
-            if hasattr(block.attn, "init_parameters"):
-                block.attn.init_parameters()
+            block.attn.init_parameters()
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None, policy=None) -> ModelCache:
         """An empty cache for `batch` sequences of up to max_len (default max_seq_len) tokens; with
         cfg.memory a bounded memory per layer, whose size does not depend on max_len.
 
-        policy (a KVPolicy or a string such as "k=q8_0,v=q4_0,resid=128") stores the cached tensors
-        quantized (attnlab.cache.quantized); None keeps them in `dtype` (default: the model's)."""
+        policy (a KVPolicy or a string such as "k=q8_0,v=q4_0,resid=128") stores the cached fields
+        quantized (attnlab.cache.quantized, or a memory's slots in those formats); None keeps them in `dtype`
+        (default: the model's)."""
         max_len = max_len or self.cfg.max_seq_len
         dtype = dtype or self.embed.weight.dtype
         device = device or self.embed.weight.device
-        policy = as_policy(policy)
-        if self.cfg.memory.kind != "none":
-            if policy is not None:
-                raise ConfigError("a KV policy (quantized cache) does not combine with a bounded memory yet")
-            return ModelCache([new_memory_cache(self.cfg.memory, b.attn, batch, dtype, device) for b in self.blocks])
-        if policy is None:
-            return ModelCache([b.attn.new_cache(batch, max_len, dtype, device) for b in self.blocks])
-        layers = []
-        for b in self.blocks:
-            layout = b.attn.new_cache(batch, max_len, dtype, "meta")  # shapes only, nothing allocated
-            parts = b.attn.cache_parts() if hasattr(b.attn, "cache_parts") else None
-            attends = getattr(b.attn, "reads_quantized_cache", False)  # decodes through attend_one
-            layers.append(quantized_cache(layout, parts, policy, max_len, dtype, device, attends))
-        return ModelCache(layers)
+        memory = self.cfg.memory
+        return ModelCache([b.attn.new_cache(batch, max_len, dtype, device, policy, memory) for b in self.blocks])
 
     def forward(
         self, tokens: torch.Tensor, cache: ModelCache | None = None, use_cache: bool | None = None

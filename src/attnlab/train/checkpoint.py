@@ -127,7 +127,7 @@ def load_optimizer(optimizer, checkpoint: Checkpoint) -> None:
 
 def load_model_from_checkpoint(path: str | Path, tag: str = "best"):
     """(config, model) from a run directory (its `tag` checkpoint) or a checkpoint folder, in eval mode."""
-    from attnlab.config import model_config_from_dict
+    from attnlab.config_io import model_config_from_dict
     from attnlab.model.transformer import build_model
 
     path = Path(path)

@@ -1,4 +1,4 @@
-"""The pure attend function shared by every variant."""
+"""The pure attend functions shared by every variant."""
 
 from __future__ import annotations
 
@@ -58,3 +58,21 @@ def attend_one_query(
     probs = scores.float().softmax(dim=-1).to(v.dtype)
     out = (probs[..., None] * v[:, :, None, :, :]).sum(-2)  # (B, H_kv, G*Tq, Dv)
     return out.reshape(batch, n_heads, tq, v.shape[-1])
+
+
+def attend_with_probs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` computed explicitly, also returning the probabilities: (out (B, H, Tq, Dv), probs (B, H, Tq, Tk)
+    in fp32). Same shapes and mask forms as `attend` (no is_causal: give the mask)."""
+    batch, n_heads, tq, dim = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    q = q.reshape(batch, n_kv, group, tq, dim).float()  # query heads grouped by K/V head
+    scores = torch.einsum("bhgtd,bhsd->bhgts", q, k.float()) * scale  # (B, H_kv, G, Tq, Tk)
+    if mask is not None:
+        mask = mask[:, :, None] if mask.dim() == 4 else mask  # (B, 1, 1, Tq, Tk) or (Tq, Tk)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bhgts,bhsd->bhgtd", probs, v.float()).to(v.dtype)
+    return out.reshape(batch, n_heads, tq, v.shape[-1]), probs.reshape(batch, n_heads, tq, -1)

@@ -17,7 +17,7 @@ def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = N
 
 
 def memory_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, recent: int, window: int) -> torch.Tensor:
-    """(B, 1, Tq, S) bool for a bounded memory (cache/bounded.py), whose slots differ per sequence.
+    """(B, 1, Tq, S) bool for a bounded memory (cache/memories.py), whose slots differ per sequence.
 
     k_pos: (B, S) slot positions, -1 = empty. The first `recent` columns are the recent window: key j is
     visible to query i iff 0 <= q_pos[i] - k_pos[j] < window. The other columns are memory-bank slots,
