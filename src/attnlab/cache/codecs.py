@@ -25,6 +25,7 @@ BLOCK_FORMATS = quant.FORMATS  # q8_0, q4_0, nf4: blocks of 32 with an fp16 scal
 KIVI_FORMATS = {"kivi2": 2, "kivi4": 4, "kivi8": 8}  # asymmetric ints: keys per channel, values per token
 FORMATS = (*FLOAT_FORMATS, *BLOCK_FORMATS, *KIVI_FORMATS)
 
+KEY_PARTS = ("k_sem", "k_geo", "k1", "k2")  # the key fields a policy's `k` covers (DBA's two paths, DIFF's halves)
 ALIASES = {"ksem": "k_sem", "kgeo": "k_geo", "krope": "k_rope"}  # short policy key -> cached tensor name
 SHORT = {name: short for short, name in ALIASES.items()}
 
@@ -92,17 +93,17 @@ class KVPolicy:
         return self.group or 32
 
     def format_of(self, tensor: str, default: str) -> str:
-        """The format of cached tensor `tensor` (`k` covers k_sem and k_geo unless they are named)."""
+        """The format of cached tensor `tensor` (`k` covers k_sem and k_geo, or k1 and k2, unless they are named)."""
         named = dict(self.formats)
         if tensor in named:
             return named[tensor]
-        if tensor in ("k_sem", "k_geo") and "k" in named:
+        if tensor in KEY_PARTS and "k" in named:
             return named["k"]
         return default
 
     def check(self, tensors: list[str]) -> None:
         """Raises ConfigError when the policy names a tensor this cache does not hold."""
-        known = set(tensors) | ({"k"} if {"k_sem", "k_geo"} <= set(tensors) else set())
+        known = set(tensors) | ({"k"} if set(tensors) & set(KEY_PARTS) else set())
         unknown = [name for name, _ in self.formats if name not in known]
         if unknown:
             valid = ", ".join(SHORT.get(t, t) for t in tensors)

@@ -242,6 +242,10 @@ class MemoryCache(LayerCache):
                 self._leave_window(start, 1, new, ring_values)
                 self._write_ring(new, positions, ring_values)
             held = {name: self.slots.read(name, t.dtype) for name, t in new.items()}
+            if self.slots.quantized:  # the new token is read at full precision, as a quantized cache reads it
+                slot = self.recent_window + start if pinned else start % self.recent_window
+                index = torch.tensor([slot], device=first.device)
+                held = {name: t.index_copy(2, index, new[name]) for name, t in held.items()}
             return self._out(held, headless), self.positions()
         batch, window = first.shape[0], self.recent_window
         chunk_positions = positions.clone()
