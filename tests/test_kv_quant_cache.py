@@ -313,6 +313,19 @@ def test_static_mode_steps_equal_the_eager_kernel_steps(attention, text):
         assert all(torch.equal(x, y) for n in a.store for x, y in zip(a.store[n], b.store[n], strict=True))
 
 
+def test_leaving_a_mode_the_cache_is_not_in_changes_nothing():
+    model = model_for(MHA)
+    cache = model.new_cache(1, 64, policy="k=q8_0,v=q8_0,resid=4")
+    with torch.no_grad():
+        model(tokens(20, batch=1), cache=cache)
+    cache.set_static(False)  # not in static mode: its counters stay
+    assert [(layer.seen, layer.stored) for layer in cache.layers] == [(20, 16), (20, 16)]
+    cache.set_static(True)
+    cache.set_static(True)
+    cache.set_static(False)
+    assert [(layer.seen, layer.stored) for layer in cache.layers] == [(20, 16), (20, 16)]
+
+
 def test_a_static_quantized_cache_takes_one_token_per_step():
     model = model_for(MHA)
     cache = model.new_cache(1, 64, policy="k=q8_0,v=q8_0")

@@ -167,10 +167,13 @@ class QuantizedCache(LayerCache):
         )
 
     def set_static(self, static: bool) -> None:
+        """Entering static mode hands the counters to the `counters` tensor (the op advances it); leaving takes
+        them back."""
+        was = self.static
         super().set_static(static)
-        if static:
+        if static and not was:
             self.counters[0], self.counters[1] = self.seen, self.stored
-        else:
+        elif was and not static:
             self.seen, self.stored = self.counters.tolist()
 
     def attend_one(self, q, new, positions, read: Read, scale):
