@@ -83,11 +83,11 @@ MEMORY_KINDS = ("none", "window", "streaming", "h2o", "bounded")
 # The options each memory kind reads (besides kind); another kind's option is refused, not ignored.
 MEMORY_OPTIONS = {
     "none": (),
-    "window": ("recent_window", "block"),
-    "streaming": ("recent_window", "block", "sink_tokens"),
-    "h2o": ("recent_window", "block", "heavy_slots"),
-    "bounded": ("recent_window", "block", "exact_slots", "summary_slots", "tau_gate", "tau_novel", "tau_match",
-                "write_policy", "detach_evicted"),
+    "window": ("recent_window", "block", "positions"),
+    "streaming": ("recent_window", "block", "positions", "sink_tokens"),
+    "h2o": ("recent_window", "block", "positions", "heavy_slots"),
+    "bounded": ("recent_window", "block", "positions", "exact_slots", "summary_slots", "tau_gate", "tau_novel",
+                "tau_match", "write_policy", "detach_evicted"),
 }  # fmt: skip
 
 
@@ -117,6 +117,9 @@ class MemoryConfig:
     detach_evicted: bool = True
     block: int | None = None  # tokens per memory update when the model reads a whole sequence (training,
     # scoring): the sequence goes through the memory `block` tokens at a time; None = recent_window
+    positions: str = "absolute"  # RoPE positions the attention reads: `absolute` (each token's place in the
+    # stream) or `cache` (StreamingLLM: its place among the tokens the memory holds, so relative distances stay
+    # within the slots however long the stream)
 
     def __post_init__(self) -> None:
         problems = []
@@ -145,6 +148,8 @@ class MemoryConfig:
             )
         if self.block is not None and self.block < 1:
             problems.append(f"memory.block={self.block} must be >= 1 (or leave it out: recent_window)")
+        if self.positions not in ("absolute", "cache"):
+            problems.append(f"memory.positions={self.positions!r} is not known (use 'absolute' or 'cache')")
         if self.write_policy not in ("none", "gated"):
             problems.append(f"memory.write_policy={self.write_policy!r} is not known (use 'none' or 'gated')")
         if problems:
@@ -168,6 +173,8 @@ class MemoryConfig:
         out = dataclasses.asdict(self)
         if out["block"] is None:  # configs written before the option keep their hash
             del out["block"]
+        if out["positions"] == "absolute":  # likewise
+            del out["positions"]
         return out
 
 

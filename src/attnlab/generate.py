@@ -165,7 +165,8 @@ def generate(
     if tokens.shape[1] == 0:
         raise InputError("prompt is empty (give at least one token, e.g. a BOS token)")
     held = cache.seen if cache is not None else 0
-    if held + tokens.shape[1] >= cfg.max_seq_len:
+    streams = cfg.memory.kind != "none"  # a bounded memory reads streams of any length
+    if not streams and held + tokens.shape[1] >= cfg.max_seq_len:
         after = f" after the cache's {held}" if held else ""
         raise InputError(
             f"prompt of {tokens.shape[1]} tokens{after} leaves no room to generate: max_seq_len={cfg.max_seq_len} "
@@ -175,7 +176,8 @@ def generate(
         raise InputError(f"temperature={temperature} must be >= 0")
     if cache is not None and kv_policy is not None:
         raise InputError("kv_policy chooses how a new cache is stored: it does not apply to a given cache")
-    max_new_tokens = min(max_new_tokens, cfg.max_seq_len - held - tokens.shape[1])
+    if not streams:
+        max_new_tokens = min(max_new_tokens, cfg.max_seq_len - held - tokens.shape[1])
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     was_training = model.training
     if was_training:

@@ -34,7 +34,8 @@ from attnlab.ops.masks import with_null_column
 class AttentionScores:
     """A layer's attention recomputed from its input: each softmax map (B, H, T, S) with S = T, or 1 + T with
     a null key first, and the values each map weights (B, H, S, Dv) per query head. `combine` turns the maps'
-    weighted values (one (B, H, T, Dv) per map) into the layer's output before its output projection."""
+    weighted values (one (B, H, T, Dv) per map) into the layer's output, (B, T, d_model), its output
+    projection included."""
 
     maps: dict[str, torch.Tensor]
     values: dict[str, torch.Tensor]

@@ -69,6 +69,7 @@ class DecoupledConfig(AttentionConfig):
         return CacheLayout.of(
             {"k": [sem, geo], "v": [Field("v", self.value_dim // heads)]}, kv_heads=self.n_kv_heads or heads,
             route="v", read=Read("k", "v"), null_key=self.null_attn, rope_interleaved=model.rope_interleaved,
+            rope_base=model.rope_base,
         )  # fmt: skip
 
 

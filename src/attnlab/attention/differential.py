@@ -66,7 +66,13 @@ class DiffConfig(MHAConfig):
         half = self.dim(model) // 2
         fields = {"k1": [Field("k1", half, rope=True)], "k2": [Field("k2", half, rope=True)],
                   "v": [Field("v", self.dim(model))]}  # fmt: skip
-        return CacheLayout.of(fields, kv_heads=self.kv_heads(model), route="v", rope_interleaved=model.rope_interleaved)
+        return CacheLayout.of(
+            fields,
+            kv_heads=self.kv_heads(model),
+            route="v",
+            rope_interleaved=model.rope_interleaved,
+            rope_base=model.rope_base,
+        )
 
 
 class Differential(Attention):

@@ -25,7 +25,8 @@ def head_layout(model: ModelConfig, n_kv_heads: int, head_dim: int, **options) -
     """k (rotated by RoPE) and v, head_dim each per KV head: the cache of every per-head variant."""
     return CacheLayout.of(
         {"k": [Field("k", head_dim, rope=True)], "v": [Field("v", head_dim)]},
-        kv_heads=n_kv_heads, route="v", read=Read("k", "v"), rope_interleaved=model.rope_interleaved, **options,
+        kv_heads=n_kv_heads, route="v", read=Read("k", "v"), rope_interleaved=model.rope_interleaved,
+        rope_base=model.rope_base, **options,
     )  # fmt: skip
 
 

@@ -62,7 +62,7 @@ class MLAConfig(AttentionConfig):
         fields = [Field("latent", self.d_latent), Field("k_rope", self.dims(model)[1], rope=True)]
         read = Read("latent", "latent", self.d_latent) if self.absorb else None
         return CacheLayout.of({"latent": fields}, kv_heads=None, route="latent", read=read,
-                              rope_interleaved=model.rope_interleaved)  # fmt: skip
+                              rope_interleaved=model.rope_interleaved, rope_base=model.rope_base)  # fmt: skip
 
 
 class MLA(Attention):

@@ -87,7 +87,7 @@ class BoundedCache(MemoryCache):
     def __init__(self, layout: CacheLayout, batch, memory: MemoryConfig, dtype, device=None, policy=None):
         slots = memory.exact_slots + memory.summary_slots
         super().__init__(layout, batch, memory.recent_window, slots, dtype, device, policy)
-        self.memory = memory
+        self.memory, self.cache_positions = memory, memory.positions == "cache"
         self.exact_slots, self.summary_slots = memory.exact_slots, memory.summary_slots
         # Per buffer, (width,) masks: `blend` keeps what a summary prototype holds (1 = blended, 0 = kept at
         # zero: the high-frequency channels of RoPE fields); `lf` marks the channels LF-K routing reads.

@@ -44,6 +44,7 @@ class CacheLayout:
     window: int | None = None  # a sliding-window variant: it never reads more than the last `window` tokens
     null_key: bool = False  # the variant prepends a learned null key/value to what it reads
     rope_interleaved: bool = False  # RoPE pairs channels (2i, 2i+1), else (i, i + width/2)
+    rope_base: float = 10000.0  # RoPE's base (a memory that re-rotates keys to their cache positions needs it)
 
     @classmethod
     def of(cls, buffers: dict[str, list[Field]], **options) -> CacheLayout:

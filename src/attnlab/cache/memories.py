@@ -38,6 +38,7 @@ from attnlab.cache.layout import CacheLayout
 from attnlab.config import MemoryConfig
 from attnlab.errors import ConfigError
 from attnlab.ops.masks import memory_mask, with_null_column
+from attnlab.ops.rope import shift_rotation
 
 
 def tracking(*tensors: torch.Tensor) -> bool:
@@ -169,6 +170,7 @@ class MemoryCache(LayerCache):
     def __init__(self, layout: CacheLayout, batch: int, recent_window: int, memory_slots: int, dtype: torch.dtype,
                  device=None, policy: KVPolicy | None = None):  # fmt: skip
         super().__init__(layout)
+        self.cache_positions = False  # memory.positions == "cache": keys read at their rank among the held tokens
         self.recent_window, self.memory_slots = recent_window, memory_slots
         self.capacity = recent_window + memory_slots
         self.slots = SlotStorage(layout, batch, self.capacity, dtype, device, policy)
@@ -246,7 +248,10 @@ class MemoryCache(LayerCache):
                 slot = self.recent_window + start if pinned else start % self.recent_window
                 index = torch.tensor([slot], device=first.device)
                 held = {name: t.index_copy(2, index, new[name]) for name, t in held.items()}
-            return self._out(held, headless), self.positions()
+            held_positions = self.positions()
+            if self.cache_positions:
+                held = self._at_cache_positions(held, held_positions, start)
+            return self._out(held, headless), held_positions
         batch, window = first.shape[0], self.recent_window
         chunk_positions = positions.clone()
         chunk_positions[:pinned] = -1  # pinned tokens are seen through their memory slots, not twice
@@ -256,12 +261,39 @@ class MemoryCache(LayerCache):
             held[name] = torch.cat((stored[:, :, :window], t, stored[:, :, window:]), dim=2)
         held_positions = torch.cat((self.ring_positions.expand(batch, -1), chunk_positions.expand(batch, -1),
                                     self.memory_positions), dim=1)  # fmt: skip
+        if self.cache_positions:
+            held = self._at_cache_positions(held, held_positions, start)
         self._leave_window(start, length, new, ring_values)
         keep = min(length - pinned, window)  # the newest W tokens of the chunk stay in the ring
         if keep:
             values = None if ring_values is None else ring_values[:, -keep:]
             self._write_ring({name: t[:, :, -keep:] for name, t in new.items()}, positions[-keep:], values)
         return self._out(held, headless), held_positions
+
+    def _at_cache_positions(self, held: dict[str, torch.Tensor], k_pos: torch.Tensor, first: int):
+        """StreamingLLM's positions (Xiao et al. 2024, §3.2): the held tokens (B, H, S, width) with their RoPE
+        fields re-rotated so that a key and a query are as far apart as their ranks among the held tokens (the
+        sinks at 0, 1, ..., the window after them), not as their places in the stream. The queries were rotated at
+        their stream positions first.. by the variant: a key at stream position p and rank c is moved by
+        (c - p) - (c_q - first), c_q the rank of the chunk's first token, which leaves the chunk's own keys as
+        they are. Masks still use stream positions. k_pos: (B, S), -1 for an empty slot."""
+        valid = k_pos >= 0
+        rank = torch.where(valid, k_pos, torch.iinfo(torch.long).max).argsort(dim=1).argsort(dim=1)  # (B, S)
+        first_rank = (valid & (k_pos < first)).sum(dim=1, keepdim=True)  # (B, 1): c_q of the chunk's first token
+        shift = torch.where(valid, (rank - k_pos) - (first_rank - first), 0)  # (B, S)
+        out = {}
+        for buffer, fields in self.layout.buffers:
+            t, lo = held[buffer], 0
+            if any(f.rope for f in fields):
+                t = t.clone()
+                for f in fields:
+                    if f.rope:
+                        part = t[..., lo : lo + f.width]
+                        t[..., lo : lo + f.width] = shift_rotation(part, shift, self.layout.rope_base,
+                                                                   self.layout.rope_interleaved)  # fmt: skip
+                    lo += f.width
+            out[buffer] = t
+        return out
 
     @staticmethod
     def _out(held: dict[str, torch.Tensor], headless: bool) -> dict[str, torch.Tensor]:
@@ -332,6 +364,7 @@ class WindowCache(MemoryCache):
 
     def __init__(self, layout, batch, memory: MemoryConfig, dtype, device=None, policy=None):
         super().__init__(layout, batch, memory.recent_window, 0, dtype, device, policy)
+        self.cache_positions = memory.positions == "cache"
 
 
 class StreamingCache(MemoryCache):
@@ -341,6 +374,7 @@ class StreamingCache(MemoryCache):
     def __init__(self, layout, batch, memory: MemoryConfig, dtype, device=None, policy=None):
         super().__init__(layout, batch, memory.recent_window, memory.sink_tokens, dtype, device, policy)
         self.pinned_tokens = memory.sink_tokens
+        self.cache_positions = memory.positions == "cache"
 
     def _pin(self, tensors, positions) -> None:
         first = int(positions[0])  # the sinks are the first tokens: sink slot i holds position i
@@ -364,6 +398,7 @@ class H2OCache(MemoryCache):
 
     def __init__(self, layout, batch, memory: MemoryConfig, dtype, device=None, policy=None):
         super().__init__(layout, batch, memory.recent_window, memory.heavy_slots, dtype, device, policy)
+        self.cache_positions = memory.positions == "cache"
         self.heavy_scores = torch.full((batch, memory.heavy_slots), float("-inf"), device=device)
         self._held_positions: torch.Tensor | None = None
 

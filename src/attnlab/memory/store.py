@@ -161,7 +161,7 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
         except UnicodeDecodeError as e:
             raise DataError(f"{doc}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     loaded = _load_model(model_path, data_dir)
-    model, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.cfg
+    model, tokenizer = loaded.model, loaded.tokenizer
     ids, records = [], []
     for i, (doc, raw, text) in enumerate(texts):
         encoded = tokenizer.encode(text)
@@ -169,10 +169,6 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
         records.append({"path": str(doc.resolve()), "sha256": hashlib.sha256(raw).hexdigest(), "tokens": len(encoded)})
     if not ids:
         raise InputError("the documents hold no text to ingest")
-    if len(ids) >= cfg.max_seq_len:
-        raise InputError(f"the documents make {len(ids)} tokens but {model_path} has positions for "
-                         f"max_seq_len={cfg.max_seq_len} in all, queries included: ingest at most "
-                         f"{cfg.max_seq_len - 1} tokens (fewer or shorter documents)")  # fmt: skip
     model_path = str(Path(model_path).resolve())
     cache = model.new_cache(1)
     prefill(model, torch.tensor([ids], device=loaded.device), cache, chunk)

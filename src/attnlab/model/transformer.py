@@ -14,6 +14,7 @@ from attnlab.config import ModelConfig
 from attnlab.errors import InputError
 from attnlab.ops.mlp import build_mlp
 from attnlab.ops.norm import RMSNorm
+from attnlab.ops.rope import Rotary
 
 
 class Block(nn.Module):
@@ -83,7 +84,8 @@ class Transformer(nn.Module):
 
         use_cache (default: True in eval mode or when a cache is given) makes a new cache when none is
         given and returns it; in training mode nothing is cached and the cache returned is None. With a
-        bounded memory (cfg.memory) the sequence always goes through the memory, in blocks.
+        bounded memory (cfg.memory) the sequence always goes through the memory, in blocks, and may run past
+        max_seq_len: the memory holds its slots whatever the length, and RoPE's tables grow to the stream.
         """
         batch, length = tokens.shape
         if use_cache is None:
@@ -99,7 +101,9 @@ class Transformer(nn.Module):
         if use_cache and cache is None:
             cache = self.new_cache(batch)
         start = cache.seen if cache is not None else 0
-        if start + length > self.cfg.max_seq_len:
+        if block is not None:
+            self.extend_positions(start + length)
+        elif start + length > self.cfg.max_seq_len:
             raise InputError(
                 f"sequence of {start + length} tokens exceeds max_seq_len={self.cfg.max_seq_len} "
                 "(shorten the input or raise max_seq_len)"
@@ -109,6 +113,13 @@ class Transformer(nn.Module):
         if use_cache:
             cache.seen = start + length
         return logits, (cache if use_cache else None)
+
+    def extend_positions(self, length: int) -> None:
+        """Grows every RoPE table to cover positions 0..length-1 (streams through a memory; at most doubling
+        steps, so a long stream rebuilds the tables a logarithmic number of times)."""
+        for module in self.modules():
+            if isinstance(module, Rotary) and module.max_seq_len < length:
+                module.extend(max(length, 2 * module.max_seq_len))
 
     def forward_at(
         self, tokens: torch.Tensor, positions: torch.Tensor, layer_caches=None, last_only: bool = False
