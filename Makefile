@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest
+
+# Everything but the tests marked slow (more than ~5 s each, or a big model): for the edit-test loop.
+test-fast: lint
+	$(PY) -m pytest -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/train_step.py

@@ -2,6 +2,7 @@
 
 import errno
 import json
+import os
 
 import pytest
 import torch
@@ -71,6 +72,34 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.json", "step-000001"]
 
 
+def test_an_interrupt_mid_save_keeps_the_previous_checkpoint_and_no_temporary(tmp_path, monkeypatch):
+    model, opt = make()
+    ckpt.save_checkpoint(tmp_path, model, opt, {"step": 1}, {}, tags=("last",))
+
+    def interrupted(*args, **kwargs):  # Ctrl-C after the weights were written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path, model, opt, {"step": 2}, {}, tags=("last",))
+    assert ckpt.find_checkpoint(tmp_path).step == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.json", "step-000001"]
+
+
+def test_checkpoint_files_are_readable_by_others(tmp_path):
+    model, opt = make()
+    previous = os.umask(0o022)
+    try:
+        final = ckpt.save_checkpoint(tmp_path, model, opt, {"step": 1}, {}, tags=("last",))
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [final, *final.iterdir(), final.parent / "last.json"]}
+    assert modes == {
+        "step-000001": 0o755, "model.safetensors": 0o644, "optimizer.pt": 0o644, "trainer.json": 0o644,
+        "config.json": 0o644, "last.json": 0o644,
+    }  # fmt: skip
+
+
 def test_weights_of_another_shape_are_a_clear_error(tmp_path):
     model, opt = make()
     ckpt.save_checkpoint(tmp_path, model, opt, {"step": 1}, {}, tags=("last",))
@@ -87,3 +116,16 @@ def test_missing_or_corrupt_checkpoints(tmp_path):
     (tmp_path / "checkpoints" / "last.json").write_text('{"dir": "step-000009", "step": 9}')
     with pytest.raises(ckpt.CheckpointError, match="incomplete or corrupt checkpoint"):
         ckpt.find_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_folder_without_its_config_is_a_clear_error(tmp_path):
+    model, opt = make()
+    final = ckpt.save_checkpoint(tmp_path, model, opt, {"step": 1}, {"model": model.cfg.to_dict()})
+    loaded = ckpt.load_checkpoint(final)
+    assert loaded.folder == final and loaded.run_dir == tmp_path and loaded.config["model"] == model.cfg.to_dict()
+    (final / "config.json").write_text('{"data": {}}')
+    with pytest.raises(ckpt.CheckpointError, match=r"config\.json: no model config in it"):
+        ckpt.load_model_from_checkpoint(final)
+    (final / "config.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"config\.json: unreadable \(No such file or directory\)"):
+        ckpt.load_model_from_checkpoint(final)

@@ -118,6 +118,7 @@ def cli(*args, env_path=None, module="attnlab.cli"):
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_run_then_compare_then_skip(corpus, tmp_path):
     manifest = tmp_path / "tiny.yml"
     manifest.write_text(MANIFEST.format(corpus=corpus))
@@ -149,6 +150,7 @@ def test_cli_run_errors_exit_2(corpus, tmp_path):
     assert typo.returncode == 2 and "did you mean 'gqa'" in typo.stderr
 
 
+@pytest.mark.slow
 def test_two_process_ddp_matches_one_process(corpus, tmp_path):
     manifest = tmp_path / "tiny.yml"
     manifest.write_text(MANIFEST.format(corpus=corpus))

@@ -8,15 +8,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
+import torch
+
+from attnlab.accounting import info
+from attnlab.attention.registry import REGISTRY
+from attnlab.compare import compare
+from attnlab.config_io import load_config
 from attnlab.errors import AttnlabError, ConfigError
+from attnlab.eval import append_records, load_for_eval, make_record
+from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
+from attnlab.eval.kvquant import held_out_windows, run_kv_eval, table, tune
+from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
+from attnlab.eval.probes import comparison_record, load_suite, probe_records, run_probes, summarize, summary_table
+from attnlab.eval.report import build_report
+from attnlab.eval.stats import paired_comparison
+from attnlab.generate import generate
+from attnlab.manifest import is_manifest, load_manifest
+from attnlab.memory import MemoryStore, ingest, query
+from attnlab.runner import run_manifest
 
 
 def cmd_list(args) -> int:
-    from attnlab.attention.registry import REGISTRY
-
     for kind, variant in REGISTRY.items():
         print(f"{kind}: {variant.summary}")
         for f in dataclasses.fields(variant.config):
@@ -26,9 +42,6 @@ def cmd_list(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from attnlab.config_io import load_config
-    from attnlab.manifest import is_manifest, load_manifest
-
     status = 0
     for path in args.files:
         try:
@@ -48,17 +61,11 @@ def cmd_validate(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from attnlab.compare import compare
-    from attnlab.manifest import load_manifest
-    from attnlab.runner import run_manifest
-
     manifest = load_manifest(args.manifest, args.set)
     run_manifest(
         manifest, args.out, targets=args.target, seeds=args.seed, data_dir=args.data_dir, dry_run=args.dry_run,
         resume=not args.no_resume, progress=not args.no_progress,
     )  # fmt: skip
-    import os
-
     if not args.dry_run and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
         result = compare(Path(args.out) / manifest.name)
         print("\n" + result["text"])
@@ -67,8 +74,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from attnlab.compare import compare
-
     result = compare(args.runs_dir, args.out, args.baseline)
     print(result["text"])
     print(f"table: {result['markdown']}  csv: {result['csv']}  plot: {result['plot']}")
@@ -80,9 +85,6 @@ def _fmt(n: float) -> str:
 
 
 def cmd_info(args) -> int:
-    from attnlab.accounting import info
-    from attnlab.config_io import load_config
-
     cfg = load_config(args.config)
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
     if args.json:
@@ -120,9 +122,6 @@ def _pm(value, stderr) -> str:
 
 
 def cmd_mc(args) -> int:
-    from attnlab.eval import load_for_eval
-    from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
-
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
     rows, s = run_multiple_choice(model, args.task, path=args.file, limit=args.limit, data_dir=args.data_dir)
     print(
@@ -136,10 +135,6 @@ def cmd_mc(args) -> int:
 
 
 def cmd_probes(args) -> int:
-    from attnlab.eval import append_records, load_for_eval
-    from attnlab.eval.probes import comparison_record, load_suite, probe_records, run_probes, summarize, summary_table
-    from attnlab.eval.stats import paired_comparison
-
     suite, out, runs = load_suite(args.suite), Path(args.out), []
     for path in [args.checkpoint] + ([args.checkpoint_b] if args.checkpoint_b else []):
         model = load_for_eval(path, data_dir=args.data_dir)
@@ -158,8 +153,6 @@ def cmd_probes(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
-
     if args.list:
         for name, fn in BENCHMARKS.items():
             params = ", ".join(f"{k}={v!r}" for k, v in parameters(name).items())
@@ -176,9 +169,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_kv_eval(args) -> int:
-    from attnlab.eval import append_records, load_for_eval
-    from attnlab.eval.kvquant import run_kv_eval, table
-
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
     rows = run_kv_eval(model, args.policies, split=args.split, seq_len=args.seq_len, max_tokens=args.tokens,
                        chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir)  # fmt: skip
@@ -191,10 +181,6 @@ def cmd_kv_eval(args) -> int:
 
 
 def cmd_kv_tune(args) -> int:
-    from attnlab.eval import append_records, load_for_eval
-    from attnlab.eval.kvquant import held_out_windows, table, tune
-    from attnlab.eval.records import make_record
-
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
     windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir)
     result = tune(model.model, windows, args.budget, args.max_dnll, formats=tuple(args.formats.split(",")),
@@ -213,11 +199,6 @@ def cmd_kv_tune(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
-    from attnlab.eval import load_for_eval
-    from attnlab.generate import generate
-
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
     if model.tokenizer is None:
         raise ConfigError(f"{args.checkpoint}: no tokenizer saved with this checkpoint: cannot encode a prompt")
@@ -229,8 +210,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_memory_ingest(args) -> int:
-    from attnlab.memory import MemoryStore, ingest
-
     store = MemoryStore(args.store)
     entry = ingest(store, args.model, args.documents, args.name, chunk=args.chunk, replace=args.replace,
                    data_dir=args.data_dir)  # fmt: skip
@@ -240,8 +219,6 @@ def cmd_memory_ingest(args) -> int:
 
 
 def cmd_memory_ls(args) -> int:
-    from attnlab.memory import MemoryStore
-
     store = MemoryStore(args.store, create=False)
     entries = store.entries()
     if not entries:
@@ -257,16 +234,12 @@ def cmd_memory_ls(args) -> int:
 
 
 def cmd_memory_rm(args) -> int:
-    from attnlab.memory import MemoryStore
-
     entry = MemoryStore(args.store, create=False).remove(args.name)
     print(f"removed {entry.name} ({entry.file})")
     return 0
 
 
 def cmd_memory_query(args) -> int:
-    from attnlab.memory import MemoryStore, query
-
     store = MemoryStore(args.store, create=False)  # a query only reads the store
     text = query(store, args.name, args.prompt, model_path=args.model, data_dir=args.data_dir,
                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -276,8 +249,6 @@ def cmd_memory_query(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from attnlab.eval.report import build_report
-
     result = build_report(args.dir)
     counts = f"{len(result['tables'])} tables, {len(result['plots'])} plots"
     print(f"report: {result['markdown']}  {result['html']}  ({counts})")
@@ -301,8 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
     p.add_argument("--out", default="runs", help="output root (default runs/); runs go to OUT/<manifest>/...")
     p.add_argument("--dry-run", action="store_true", help="print what would run")
-    p.add_argument("--resume", action="store_true", help="continue interrupted runs (the default)")
-    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--no-resume", action="store_true",
+                   help="ignore existing checkpoints (by default interrupted runs continue from them)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("compare", help="table and plot of the runs under a folder")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from attnlab.attention.mha import MHAConfig
 from attnlab.config import ModelConfig
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, DataError
 from attnlab.model.transformer import Transformer, build_model
 
 
@@ -84,10 +86,6 @@ def from_llama2c(path) -> tuple[ModelConfig, Transformer]:
     attention norms, wq, wk, wv, wo, FFN norms, w1 (gate), w2 (down), w3 (up), final norm, the RoPE
     tables (skipped: recomputed) and, when untied, the classifier. RoPE is interleaved, base 10000.
     """
-    import numpy as np
-
-    from attnlab.errors import DataError
-
     raw = np.fromfile(path, dtype=np.uint8)
     if raw.size < 28:
         raise DataError(f"{path}: too short to be a llama2.c checkpoint")
@@ -138,8 +136,6 @@ def from_llama2c(path) -> tuple[ModelConfig, Transformer]:
 def load_llama2c_vocab(path) -> list[bytes]:
     """The pieces of a llama2.c tokenizer file (tok512.bin): int32 max length, then per id a float32
     score, an int32 length and the bytes. Pieces like '<0x0A>' stand for one raw byte."""
-    import struct
-
     data = Path(path).read_bytes()
     pieces, offset = [], 4
     while offset < len(data):

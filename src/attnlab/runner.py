@@ -19,6 +19,8 @@ from attnlab.data.files import atomic_write_text
 from attnlab.errors import ConfigError
 from attnlab.manifest import Manifest, RunSpec
 from attnlab.train.checkpoint import write_json_atomic
+from attnlab.train.distributed import init_distributed, prepare_rank0_first
+from attnlab.train.loop import full_config, pick_device, train
 
 
 def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
@@ -47,9 +49,6 @@ def run_manifest(
     log=print,
 ) -> list[dict]:
     """Runs the selected runs in order; returns one summary per run (None for dry runs)."""
-    from attnlab.train.distributed import init_distributed, prepare_rank0_first
-    from attnlab.train.loop import full_config, pick_device, train
-
     root = Path(out_root) / manifest.name
     runs = select_runs(manifest, targets, seeds)
     # Under torchrun every rank runs this loop; rank 0 alone writes files and prints.

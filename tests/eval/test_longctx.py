@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import attnlab
+from attnlab.config import MemoryConfig
 from attnlab.data.tokenizers import CharTokenizer
 from attnlab.errors import DataError, InputError
 from attnlab.eval import EvalModel
@@ -53,7 +54,7 @@ class StubLM(nn.Module):
 
     def __init__(self, max_seq_len: int = 512):
         super().__init__()
-        self.cfg = SimpleNamespace(max_seq_len=max_seq_len, vocab_size=V)
+        self.cfg = SimpleNamespace(max_seq_len=max_seq_len, vocab_size=V, memory=MemoryConfig())
         self.dummy = nn.Parameter(torch.zeros(()))
 
     def new_cache(self, batch, max_len=None, dtype=None, device=None):

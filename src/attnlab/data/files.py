@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import lzma
 import os
+import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -20,35 +22,50 @@ def temp_path_beside(path: Path) -> Path:
     return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """Calls `write(tmp)` on a temporary file beside `path`, then renames it over `path`.
+@contextlib.contextmanager
+def atomic_path(path: str | Path, durable: bool = False) -> Iterator[Path]:
+    """Yields a temporary path beside `path` to create a file or a folder at (directly, or by a library that
+    writes to a path: safetensors, torch.save, a compiler); when the block ends it is renamed over `path`.
 
-    Readers see either the old file or the complete new one, never a partial file.
+    Readers see either the old `path` or the complete new one, never a partial file. If the block raises, the
+    temporary (a folder with all it holds) is removed and `path` is left as it was. `durable` flushes the new
+    file, or every file of the new folder, to the disk (fsync) before the rename. The new file gets the usual
+    permissions (0o644 under the common umask 022), whatever the old file had.
     """
     path = Path(path)
     tmp = temp_path_beside(path)
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        yield tmp
+        if durable:
+            for file in sorted(tmp.rglob("*")) if tmp.is_dir() else [tmp]:
+                if file.is_file():
+                    _fsync(file)
+        os.replace(tmp, path)  # a folder replaces only a missing (or empty) folder
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
+def _fsync(file: Path) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes, durable: bool = False) -> None:
     """`data` to `path` atomically; `durable` also flushes it to the disk (fsync) before the rename."""
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-
-    atomic_write(path, write)
+    with atomic_path(path, durable) as tmp:
+        tmp.write_bytes(data)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+def atomic_write_text(path: str | Path, text: str, durable: bool = False) -> None:
+    """`text` (UTF-8) to `path` atomically; `durable` also flushes it to the disk (fsync) before the rename."""
+    with atomic_path(path, durable) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:

@@ -15,12 +15,12 @@ tokenizing again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -30,7 +30,7 @@ from typing import IO
 import numpy as np
 
 from attnlab.config import DataConfig
-from attnlab.data.files import atomic_write_text, sha256_file, temp_path_beside
+from attnlab.data.files import atomic_path, atomic_write_text, sha256_file
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
 from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
 from attnlab.errors import DataError
@@ -177,12 +177,11 @@ def prepare(
 
 
 class _SplitWriter:
-    """Appends documents' ids to a temporary .bin, with <eot> between documents and an optional token limit."""
+    """Appends documents' ids to a split's open .bin file, with <eot> between documents and an optional token
+    limit."""
 
-    def __init__(self, path: Path, dtype: np.dtype, eot_id: int, limit: int | None = None):
-        self.path, self.dtype, self.eot_id, self.limit = path, dtype, eot_id, limit
-        self.tmp = temp_path_beside(path)
-        self.file: IO[bytes] = open(self.tmp, "wb")
+    def __init__(self, file: IO[bytes], dtype: np.dtype, eot_id: int, limit: int | None = None):
+        self.file, self.dtype, self.eot_id, self.limit = file, dtype, eot_id, limit
         self.digest = hashlib.sha256()
         self.tokens = self.documents = 0
 
@@ -205,19 +204,9 @@ class _SplitWriter:
         self.digest.update(data)
         self.tokens += len(flat)
 
-    def finish(self) -> dict:
-        self.file.close()
-        os.replace(self.tmp, self.path)
-        return {
-            "file": self.path.name,
-            "tokens": self.tokens,
-            "documents": self.documents,
-            "sha256": self.digest.hexdigest(),
-        }
-
-    def abort(self) -> None:
-        self.file.close()
-        self.tmp.unlink(missing_ok=True)
+    def summary(self, file_name: str) -> dict:
+        digest = self.digest.hexdigest()
+        return {"file": file_name, "tokens": self.tokens, "documents": self.documents, "sha256": digest}
 
 
 def _training_texts(source: Source, max_tokens: int | None) -> Iterator[str]:
@@ -319,11 +308,12 @@ def _build(data_cfg: DataConfig, folder: Path, data_dir, download) -> Prepared:
 
     dtype = token_dtype(tokenizer.vocab_size)
     names = _expected_splits(data_cfg, source)
-    writers = {
-        s: _SplitWriter(folder / f"{s}.bin", dtype, tokenizer.eot_id, data_cfg.max_tokens if s == "train" else None)
-        for s in names
-    }
-    try:
+    writers: dict[str, _SplitWriter] = {}
+    with contextlib.ExitStack() as files:  # every .bin to a temporary, renamed once all are complete (else removed)
+        for s in names:
+            tmp = files.enter_context(atomic_path(folder / f"{s}.bin"))
+            limit = data_cfg.max_tokens if s == "train" else None
+            writers[s] = _SplitWriter(files.enter_context(open(tmp, "wb")), dtype, tokenizer.eot_id, limit)
         _encode(source, tokenizer, writers)
         for split, writer in writers.items():
             if writer.tokens == 0:
@@ -331,11 +321,7 @@ def _build(data_cfg: DataConfig, folder: Path, data_dir, download) -> Prepared:
                     f"{source.name}: no document fell in the {split!r} split ({writers['train'].documents} training "
                     "documents); use a larger source, more documents (blank-line separated), or other fractions"
                 )
-        splits = {split: writer.finish() for split, writer in writers.items()}
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
+    splits = {split: writer.summary(f"{split}.bin") for split, writer in writers.items()}
 
     meta = {
         "format_version": FORMAT_VERSION,

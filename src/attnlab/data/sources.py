@@ -23,7 +23,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attnlab.data.files import atomic_write, base_suffix, downloads_allowed, open_text, temp_path_beside
+from attnlab.data.files import (
+    atomic_path,
+    atomic_write_text,
+    base_suffix,
+    downloads_allowed,
+    open_text,
+    temp_path_beside,
+)
 from attnlab.errors import DataError
 from attnlab.paths import data_dirs, find_data_file
 
@@ -172,13 +179,9 @@ def _how_to_provide(what: str) -> str:
 
 def _download(url: str, dest: Path) -> None:
     """Fetches `url` into `dest` atomically (used only when downloads are allowed; never in tests)."""
-
-    def write(tmp: Path) -> None:
-        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
-            shutil.copyfileobj(response, out)
-
     try:
-        atomic_write(dest, write)
+        with atomic_path(dest) as tmp, urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
+            shutil.copyfileobj(response, out)
     except OSError as e:
         raise DataError(f"download of {url} failed ({e}); put the file at {dest} by hand") from None
 
@@ -195,9 +198,7 @@ def _download_wikitext(config: str, extension: str, splits: list[str], folder: P
             rows = [line if line.endswith("\n") else line + "\n" for line in lines]
         finally:
             parquet.unlink(missing_ok=True)
-        atomic_write(
-            folder / f"wiki.{file_split}.{extension}", lambda tmp, r=rows: tmp.write_text("".join(r), encoding="utf-8")
-        )
+        atomic_write_text(folder / f"wiki.{file_split}.{extension}", "".join(rows))
 
 
 def parquet_texts_raw(path: Path) -> Iterator[str]:

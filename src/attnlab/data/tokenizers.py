@@ -20,6 +20,11 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
 from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed
 from attnlab.errors import ConfigError, DataError
 from attnlab.paths import data_dirs
@@ -176,8 +181,6 @@ class TiktokenTokenizer(Tokenizer):
     file = "gpt2.tiktoken"
 
     def __init__(self, ranks: dict[bytes, int]):
-        import tiktoken
-
         self.ranks = ranks
         self.encoding = tiktoken.Encoding(
             name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOT: GPT2_EOT_ID}
@@ -217,9 +220,6 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def fit(cls, name: str, texts: Iterable[str]) -> BPETokenizer:
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers, trainers
-
         tokenizer = HFTokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
@@ -308,8 +308,6 @@ def load_tokenizer(
         raise DataError(f"{path} not found: the prepared folder is incomplete (delete {folder} to prepare it again)")
     try:
         if cls is BPETokenizer:
-            from tokenizers import Tokenizer as HFTokenizer
-
             return BPETokenizer(name, HFTokenizer.from_file(str(path)))
         return cls(json.loads(path.read_text(encoding="utf-8"))["tokens"])
     except DataError:
@@ -377,8 +375,6 @@ def _gpt2_ranks(data_dir: str | Path | None, download: bool | None) -> dict[byte
             "ATTNLAB_DATA to a directory holding gpt2-bpe/, or allow downloads (unset ATTNLAB_OFFLINE)"
         )
     try:
-        from tiktoken.load import load_tiktoken_bpe
-
         return load_tiktoken_bpe(GPT2_URL, expected_hash=GPT2_SHA256["r50k_base.tiktoken"])
     except Exception as e:  # requests/urllib/hash errors: report them with what to do
         raise DataError(

@@ -30,7 +30,16 @@ import yaml
 from attnlab.config import unknown_key_problem
 from attnlab.config_io import read_yaml
 from attnlab.errors import ConfigError
+from attnlab.eval.analysis import run_attention_maps, run_effective_rank
+from attnlab.eval.kvquant import run_kv_eval
+from attnlab.eval.loading import load_for_eval
+from attnlab.eval.longctx import context_sweep as sweep
+from attnlab.eval.longctx import run_extrapolation, run_needle
+from attnlab.eval.multiple_choice import run_multiple_choice
+from attnlab.eval.perplexity import run_perplexity
+from attnlab.eval.probes import load_suite, probe_records, run_probes
 from attnlab.eval.records import append_records, read_records
+from attnlab.eval.speed import run_latency, run_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PROMPT = (
@@ -41,15 +50,11 @@ DEFAULT_PROMPT = (
 def perplexity(model, out_dir, data_dir, split: str = "test", seq_len: int | None = None, stride: int | None = None,
                max_tokens: int | None = None) -> list[dict]:  # fmt: skip
     """Held-out loss and perplexity with a bootstrap interval (non-overlapping windows unless stride)."""
-    from attnlab.eval.perplexity import run_perplexity
-
     return [run_perplexity(model, split, seq_len, stride, max_tokens, data_dir)]
 
 
 def probes(model, out_dir, data_dir, suite: str = "configs/probes/core.yml") -> list[dict]:
     """Behaviour probes: per-case rows and a per-category summary."""
-    from attnlab.eval.probes import load_suite, probe_records, run_probes
-
     shipped = REPO_ROOT / suite  # the shipped suites, wherever attnlab is run from
     loaded = load_suite(suite if Path(suite).exists() or not shipped.exists() else shipped)
     return probe_records(model, loaded, run_probes(model, loaded))
@@ -57,8 +62,6 @@ def probes(model, out_dir, data_dir, suite: str = "configs/probes/core.yml") -> 
 
 def multiple_choice(model, out_dir, data_dir, tasks: list | None = None, limit: int | None = None) -> list[dict]:
     """Zero-shot multiple choice scored as lm-evaluation-harness does (acc and acc_norm)."""
-    from attnlab.eval.multiple_choice import run_multiple_choice
-
     return [
         run_multiple_choice(model, task, limit=limit, data_dir=data_dir)[1] for task in tasks or ["arc_easy", "piqa"]
     ]
@@ -67,16 +70,12 @@ def multiple_choice(model, out_dir, data_dir, tasks: list | None = None, limit: 
 def effective_rank(model, out_dir, data_dir, split: str = "val", n_tokens: int = 4096, seq_len: int | None = None,
                    center: bool = False) -> list[dict]:  # fmt: skip
     """Singular-value spectra and entropy effective rank of the Q/K projections (DBA: per path)."""
-    from attnlab.eval.analysis import run_effective_rank
-
     return [run_effective_rank(model, split, n_tokens, seq_len, 0, center, data_dir)]
 
 
 def attention_maps(model, out_dir, data_dir, prompt: str = DEFAULT_PROMPT, regions: dict | None = None,
                    unit: str = "chars") -> list[dict]:  # fmt: skip
     """Per layer and head attention maps for a prompt (saved as .npz) and the mass on marked regions."""
-    from attnlab.eval.analysis import run_attention_maps
-
     regions = {k: tuple(v) for k, v in (regions or {"pass key": [16, 20]}).items()}
     tag = hashlib.sha256(f"{model.path}|{prompt}".encode()).hexdigest()[:10]
     return [run_attention_maps(model, prompt, Path(out_dir) / f"attn_{tag}.npz", regions, unit)]
@@ -85,8 +84,6 @@ def attention_maps(model, out_dir, data_dir, prompt: str = DEFAULT_PROMPT, regio
 def needle(model, out_dir, data_dir, lengths: list | None = None, depths: list = (0.1, 0.3, 0.5, 0.7, 0.9),
            trials: int = 5, seed: int = 0, filler: str = "sentences") -> list[dict]:  # fmt: skip
     """Passkey retrieval at depths and lengths: strict accuracy and the likelihood gain of the needle."""
-    from attnlab.eval.longctx import run_needle
-
     return run_needle(model, lengths=lengths, depths=tuple(depths), trials=trials, seed=seed, filler=filler,
                       data_dir=data_dir)  # fmt: skip
 
@@ -94,15 +91,11 @@ def needle(model, out_dir, data_dir, lengths: list | None = None, depths: list =
 def context_sweep(model, out_dir, data_dir, lengths: list = (256, 512, 1024), chunk_size: int = 256,
                   decode_tokens: int = 8) -> list[dict]:  # fmt: skip
     """Chunked prefill to each length: prefill time, last-chunk latency and loss, decode ms/token at context."""
-    from attnlab.eval.longctx import context_sweep as sweep
-
     return sweep(model, lengths=tuple(lengths), chunk_size=chunk_size, decode_tokens=decode_tokens, data_dir=data_dir)
 
 
 def rope_extrapolation(model, out_dir, data_dir, factors: list = (1, 2, 4), max_tokens: int = 65536) -> list[dict]:
     """Held-out loss at 1x, 2x and 4x the training context."""
-    from attnlab.eval.longctx import run_extrapolation
-
     return run_extrapolation(model, factors=tuple(factors), max_tokens=max_tokens, data_dir=data_dir)
 
 
@@ -110,8 +103,6 @@ def latency(model, out_dir, data_dir, prompt_lengths: list = (128, 512), batch_s
             new_tokens: int = 32, repeats: int = 5, kv_policy: str | None = None) -> list[dict]:  # fmt: skip
     """Cached decode tokens/s and time to first token against prompt length and batch size (kv_policy: a
     quantized cache, e.g. "k=q8_0,v=q4_0,resid=128")."""
-    from attnlab.eval.speed import run_latency
-
     return run_latency(model, prompt_lengths=tuple(prompt_lengths), batch_sizes=tuple(batch_sizes),
                        new_tokens=new_tokens, repeats=repeats, kv_policy=kv_policy)  # fmt: skip
 
@@ -119,8 +110,6 @@ def latency(model, out_dir, data_dir, prompt_lengths: list = (128, 512), batch_s
 def memory(model, out_dir, data_dir, lengths: list = (256, 512, 1024), batch_size: int = 1,
            cache_dtype: str | None = None, kv_policy: str | None = None) -> list[dict]:  # fmt: skip
     """KV bytes measured from live caches next to the analytic figure, and peak process memory."""
-    from attnlab.eval.speed import run_memory
-
     return run_memory(model, lengths=tuple(lengths), batch_size=batch_size, cache_dtype=cache_dtype,
                       kv_policy=kv_policy)  # fmt: skip
 
@@ -129,8 +118,6 @@ def kv_quant(model, out_dir, data_dir, policies: list = ("k=q8_0,v=q8_0", "k=q4_
              split: str = "test", seq_len: int = 512, max_tokens: int = 8192,
              chunk: int = 1) -> list[dict]:  # fmt: skip
     """Quality cost of quantized KV caches on held-out text: dNLL, KL, top-1 and greedy agreement, bytes."""
-    from attnlab.eval.kvquant import run_kv_eval
-
     return run_kv_eval(model, list(policies), split=split, seq_len=seq_len, max_tokens=max_tokens, chunk=chunk,
                        data_dir=data_dir)  # fmt: skip
 
@@ -224,8 +211,6 @@ def _key(record: dict) -> tuple:
 
 def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
     """Runs every benchmark on every checkpoint; returns the records file."""
-    from attnlab.eval.loading import load_for_eval
-
     out_dir = Path(out_dir)
     records_path = out_dir / "records.jsonl"
     done = {_key(r) for r in read_records(records_path)} if records_path.exists() else set()

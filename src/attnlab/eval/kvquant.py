@@ -15,6 +15,7 @@ with the full-precision cache and once per policy. Per policy, against the full-
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -22,8 +23,11 @@ import numpy as np
 import torch
 
 from attnlab.accounting import kv_report
-from attnlab.cache.codecs import KVPolicy, as_policy
+from attnlab.cache.codecs import SHORT, Codec, KVPolicy, as_policy
 from attnlab.errors import ConfigError, DataError, InputError
+from attnlab.eval.perplexity import heldout_split
+from attnlab.eval.records import make_record
+from attnlab.generate import generate
 
 
 @dataclass
@@ -45,8 +49,6 @@ def chunked_logits(model, window: torch.Tensor, policy: KVPolicy | None, chunk: 
 def greedy_agreement(model, prompts: torch.Tensor, want: torch.Tensor, policy: KVPolicy) -> float:
     """Mean fraction of the full-precision cache's greedy tokens `want` (B, N) that the policy's cache also
     produces, up to the first disagreement (later tokens follow another context and are not compared)."""
-    from attnlab.generate import generate
-
     # Short continuations decode eagerly: compiling the step would cost more than it saves.
     got = generate(model, prompts, max_new_tokens=want.shape[1], kv_policy=policy, compile=False)
     same = (want == got).long().cumprod(dim=1)  # 1 until the first disagreement
@@ -55,8 +57,6 @@ def greedy_agreement(model, prompts: torch.Tensor, want: torch.Tensor, policy: K
 
 def held_out_windows(eval_model, split: str, seq_len: int, max_tokens: int, data_dir=None) -> torch.Tensor:
     """(N, seq_len) non-overlapping windows of the checkpoint's own held-out split."""
-    from attnlab.eval.perplexity import heldout_split
-
     tokens = heldout_split(eval_model, split, data_dir)
     n = min(max_tokens, len(tokens)) // seq_len
     if n < 1:
@@ -99,8 +99,6 @@ def evaluate_policies(
     full_bytes = kv_report(model.cfg, dtype, seq_len)
     prompts = windows[:greedy_prompts, : seq_len // 2]
     if greedy_prompts:
-        from attnlab.generate import generate
-
         want = generate(model, prompts, max_new_tokens=greedy_tokens, compile=False)  # (B, N), full precision
     rows = []
     for policy, total in zip(policies, totals, strict=True):
@@ -140,8 +138,6 @@ def table(rows: list[dict]) -> str:
 
 def candidate_formats(model, tensor: str, formats: tuple[str, ...]) -> list[str]:
     """The formats of `formats` that can store `tensor` (block formats need rows of 32 values)."""
-    from attnlab.cache.codecs import Codec
-
     width = model.cfg.attention.cache_layout(model.cfg).values_per_token()[tensor]
     usable = []
     for fmt in formats:
@@ -154,8 +150,6 @@ def candidate_formats(model, tensor: str, formats: tuple[str, ...]) -> list[str]
 
 
 def policy_text(assignment: dict[str, str], resid: int) -> str:
-    from attnlab.cache.codecs import SHORT
-
     items = [f"{SHORT.get(name, name)}={fmt}" for name, fmt in assignment.items()]
     return ",".join(items + ([f"resid={resid}"] if resid else []))
 
@@ -183,8 +177,6 @@ def tune(
        guardrail on the winner's dNLL.
     Returns {"best": row or None, "meets_max_dnll": bool, "sensitivity": rows, "verified": rows}.
     """
-    import itertools
-
     tensors = list(model.cfg.attention.cache_layout(model.cfg).values_per_token())
     seq_len = windows.shape[1] - 1  # inputs per window (a window also holds its last target)
     options = {t: candidate_formats(model, t, formats) for t in tensors}
@@ -232,8 +224,6 @@ def tune(
 def run_kv_eval(eval_model, policies: list[str], split: str = "test", seq_len: int = 512, max_tokens: int = 8192,
                 chunk: int = 1, dtype: str = "fp16", data_dir=None) -> list[dict]:  # fmt: skip
     """`kv_quant` records, one per policy, on the checkpoint's own held-out split."""
-    from attnlab.eval.records import make_record
-
     windows = held_out_windows(eval_model, split, seq_len + 1, max_tokens, data_dir)
     rows = evaluate_policies(eval_model.model, windows, policies, chunk=chunk, dtype=dtype)
     data = eval_model.config.get("data", {})

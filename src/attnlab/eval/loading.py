@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnlab.config import ModelConfig
+from attnlab.config import DataConfig, ModelConfig
+from attnlab.data import load_tokenizer, prepare
 from attnlab.errors import DataError
+from attnlab.train.checkpoint import load_checkpoint
 
 
 @dataclass
@@ -35,25 +36,15 @@ def load_for_eval(path: str | Path, data_dir: str | None = None, tag: str = "bes
 
     The tokenizer comes from the run's `tokenizer/` folder, else from the prepared data of its data config.
     """
-    from attnlab.train.checkpoint import load_model_from_checkpoint
-
     path = Path(path)
-    cfg, model = load_model_from_checkpoint(path, tag=tag)
-    if device is not None:
-        model = model.to(device)
-    run_dir = path if (path / "checkpoints").exists() else path.parent.parent
-    config_path = run_dir / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {"model": cfg.to_dict()}
+    loaded = load_checkpoint(path, tag=tag)
+    model = loaded.model if device is None else loaded.model.to(device)
+    run_dir, config = loaded.run_dir, loaded.config
     tokenizer = None
     data = config.get("data")
     if data:
-        from attnlab.data import load_tokenizer
-
         try:
             tokenizer = load_tokenizer(data["tokenizer"], run_dir / "tokenizer", data_dir=data_dir)
         except DataError:
-            from attnlab.config import DataConfig
-            from attnlab.data import prepare
-
             tokenizer = prepare(DataConfig(**data), data_dir=data_dir).tokenizer
-    return EvalModel(_label(run_dir), path, cfg, model, tokenizer, config)
+    return EvalModel(_label(run_dir), path, loaded.cfg, model, tokenizer, config)

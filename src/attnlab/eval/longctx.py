@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.accounting import kv_report
+from attnlab.config import DataConfig
+from attnlab.data import prepare
 from attnlab.errors import DataError, InputError
 from attnlab.eval.perplexity import summarize_losses
 from attnlab.eval.records import make_record
@@ -67,9 +69,6 @@ def heldout_tokens(model, text=None, split: str | None = None, data_dir=None, ca
         return np.asarray(model.tokenizer.encode(path.read_text()), dtype=np.int64), f"file:{path}"
     if text is not None:
         return np.asarray(text, dtype=np.int64).reshape(-1), "given"
-    from attnlab.config import DataConfig
-    from attnlab.data import prepare
-
     data = model.config.get("data")
     if not data:
         raise DataError(f"{model.path}: no data config saved with this checkpoint: give a text file or token ids")

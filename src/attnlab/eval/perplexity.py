@@ -15,7 +15,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attnlab.config import DataConfig
+from attnlab.data import prepare
 from attnlab.errors import DataError, InputError
+from attnlab.eval.records import make_record
 
 
 @torch.no_grad()
@@ -65,9 +68,6 @@ def summarize_losses(windows: list[tuple[float, int]], n_boot: int = 2000, seed:
 
 def heldout_split(eval_model, split: str, data_dir: str | None = None) -> np.ndarray:
     """The token ids of `split` of the dataset the checkpoint was trained on (its saved data config)."""
-    from attnlab.config import DataConfig
-    from attnlab.data import prepare
-
     data = eval_model.config.get("data")
     if not data:
         raise DataError(f"{eval_model.path}: no data config saved with this checkpoint: cannot find its held-out split")
@@ -81,8 +81,6 @@ def run_perplexity(eval_model, split: str = "test", seq_len: int | None = None, 
                    max_tokens: int | None = None, data_dir: str | None = None) -> dict:  # fmt: skip
     """A `perplexity` record for a checkpoint on its own dataset's held-out split (never the training split
     unless asked for by name). seq_len defaults to the run's training context."""
-    from attnlab.eval.records import make_record
-
     tokens = heldout_split(eval_model, split, data_dir)  # raises without a saved data config
     data = eval_model.config["data"]
     seq_len = seq_len or eval_model.config.get("train", {}).get("seq_len") or eval_model.cfg.max_seq_len

@@ -49,7 +49,6 @@ from attnlab.eval.scoring import continuation_logprobs, greedy_text
 from attnlab.eval.stats import wilson_interval
 
 KINDS = ("exact", "first_line", "contains", "first_integer", "choice")
-TEXT_KINDS = ("exact", "first_line", "contains")
 NORMALIZE = ("tokens", "chars", "none")
 TOP_KEYS = ("name", "description", "defaults", "cases")
 DEFAULT_KEYS = ("kind", "max_new_tokens", "ignore_case", "normalize")

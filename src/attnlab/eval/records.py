@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
-import tempfile
 from pathlib import Path
 
 import torch
 
+import attnlab
+from attnlab.data.files import atomic_write_text
+
 
 def make_record(benchmark: str, model=None, **figures) -> dict:
     """A row: benchmark name, model label/path/config hash, device, dtype, versions, time, then the figures."""
-    import attnlab
-
     row = {
         "benchmark": benchmark,
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -35,22 +34,13 @@ def make_record(benchmark: str, model=None, **figures) -> dict:
 
 
 def append_records(path: str | Path, rows: list[dict]) -> Path:
-    """Appends rows to a JSONL file atomically (old content + new rows to a temp file, then rename)."""
+    """Appends rows to a JSONL file atomically (old content + new rows to a temporary file, flushed to the disk,
+    then renamed over it)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_text() if path.exists() else ""
     if old and not old.endswith("\n"):
         old += "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(old + "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, old + "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), durable=True)
     return path
 
 

@@ -14,8 +14,11 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from attnlab.compare import plot_val_loss
 from attnlab.errors import DataError
+from attnlab.eval.plots import rank_spectra, region_mass_bars
 from attnlab.eval.records import read_records
+from attnlab.eval.stats import paired_comparison
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -110,8 +113,6 @@ def latency_table(records: list[dict]) -> Table | None:
 
 
 def probes_tables(records: list[dict]) -> list[Table]:
-    from attnlab.eval.stats import paired_comparison
-
     summaries = [r for r in records if r["benchmark"] == "probes" and r.get("record") == "summary"]
     if not summaries:
         return []
@@ -257,8 +258,6 @@ def probe_bars(records: list[dict], path: Path) -> Path | None:
 
 def loss_curves(records: list[dict], path: Path) -> Path | None:
     """Validation loss against tokens seen, from the metrics.jsonl of each evaluated run (when present)."""
-    from attnlab.compare import plot_val_loss
-
     runs, seen = [], set()
     for r in records:
         run_dir = Path(r.get("model_path", ""))
@@ -332,15 +331,13 @@ def build_report(out_dir: str | Path) -> dict:
 
 
 def _analysis_plots(records: list[dict], out_dir: Path) -> dict:
-    from attnlab.eval import plots
-
     out = {}
     ranks = [r for r in records if r["benchmark"] == "effective_rank"]
     if ranks:
-        out["Effective rank of the Q/K projections"] = plots.rank_spectra(ranks, out_dir / "rank_spectra.png")
+        out["Effective rank of the Q/K projections"] = rank_spectra(ranks, out_dir / "rank_spectra.png")
     maps = [r for r in records if r["benchmark"] == "attention_maps"]
     if maps:
-        out["Attention mass on marked regions"] = plots.region_mass_bars(maps, out_dir / "region_mass.png")
+        out["Attention mass on marked regions"] = region_mass_bars(maps, out_dir / "region_mass.png")
     return out
 
 

@@ -12,7 +12,6 @@ optimizer and RNG state are read with torch.load(weights_only=True).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
+from attnlab.config import ModelConfig
+from attnlab.config_io import model_config_from_dict
+from attnlab.data.files import atomic_path, atomic_write_text
 from attnlab.errors import AttnlabError
+from attnlab.model.transformer import Transformer, build_model
 
 
 class CheckpointError(AttnlabError):
@@ -28,12 +31,8 @@ class CheckpointError(AttnlabError):
 
 
 def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """`data` as JSON to `path`, atomically and flushed to the disk before the rename."""
+    atomic_write_text(path, json.dumps(data, indent=1), durable=True)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -56,17 +55,16 @@ def save_checkpoint(run_dir: Path, model, optimizer, trainer: dict, config: dict
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{trainer['step']:06d}"
     if not final.exists():
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
-            tmp.mkdir()
-            save_model(unwrap(model), str(tmp / "model.safetensors"), metadata={"step": str(trainer["step"])})
-            torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
-            write_json_atomic(tmp / "trainer.json", trainer)
-            write_json_atomic(tmp / "config.json", config)
-            os.rename(tmp, final)
+            with atomic_path(final, durable=True) as tmp:  # the folder, all its files flushed, then renamed
+                tmp.mkdir()
+                save_model(unwrap(model), str(tmp / "model.safetensors"), metadata={"step": str(trainer["step"])})
+                state = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+                torch.save(state, tmp / "optimizer.pt")
+                (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
+                (tmp / "config.json").write_text(json.dumps(config, indent=1))
+                shutil.copymode(tmp / "config.json", tmp / "model.safetensors")  # safetensors makes it 0o600
         except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
             previous = read_pointer(root, "last")
             kept = f"the previous checkpoint (step {previous['step']}) is intact" if previous else "nothing was kept"
             raise CheckpointError(f"could not write checkpoint {final}: {e.strerror or e}; {kept}") from None
@@ -125,11 +123,22 @@ def load_optimizer(optimizer, checkpoint: Checkpoint) -> None:
     torch.set_rng_state(state["torch_rng"])
 
 
-def load_model_from_checkpoint(path: str | Path, tag: str = "best"):
-    """(config, model) from a run directory (its `tag` checkpoint) or a checkpoint folder, in eval mode."""
-    from attnlab.config_io import model_config_from_dict
-    from attnlab.model.transformer import build_model
+@dataclass
+class LoadedCheckpoint:
+    folder: Path  # the checkpoint folder read (<run>/checkpoints/step-N for a run's checkpoint)
+    config: dict  # the full resolved config saved with it (model; data and train for a run's checkpoint)
+    cfg: ModelConfig
+    model: Transformer  # eval mode
 
+    @property
+    def run_dir(self) -> Path:
+        """The run the checkpoint belongs to (its folder's grandparent): where its tokenizer/ folder is."""
+        return self.folder.parent.parent
+
+
+def load_checkpoint(path: str | Path, tag: str = "best") -> LoadedCheckpoint:
+    """The model and config of a run directory (its `tag` checkpoint, else its last) or of a checkpoint
+    folder, the model in eval mode. Reads safetensors and JSON only."""
     path = Path(path)
     checkpoint = (
         find_checkpoint(path, tag) or find_checkpoint(path, "last") if (path / "checkpoints").exists() else None
@@ -139,8 +148,21 @@ def load_model_from_checkpoint(path: str | Path, tag: str = "best"):
         raise CheckpointError(
             f"{path}: no checkpoint here (expected a run directory or a folder with model.safetensors)"
         )
-    config = json.loads((folder / "config.json").read_text())
-    cfg = model_config_from_dict(config["model"], source=str(folder / "config.json"))
+    config_path = folder / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        detail = e.strerror if isinstance(e, OSError) else e
+        raise CheckpointError(f"{config_path}: unreadable ({detail}); the checkpoint is incomplete") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise CheckpointError(f"{config_path}: no model config in it (expected an object with a 'model' key)")
+    cfg = model_config_from_dict(config["model"], source=str(config_path))
     model = build_model(cfg)
     load_weights(model, folder)
-    return cfg, model.eval()
+    return LoadedCheckpoint(folder, config, cfg, model.eval())
+
+
+def load_model_from_checkpoint(path: str | Path, tag: str = "best") -> tuple[ModelConfig, Transformer]:
+    """(config, model) from a run directory (its `tag` checkpoint) or a checkpoint folder, in eval mode."""
+    loaded = load_checkpoint(path, tag)
+    return loaded.cfg, loaded.model

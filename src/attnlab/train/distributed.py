@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from attnlab.data import prepare
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -50,8 +52,6 @@ def barrier(info: DistInfo) -> None:
 
 def prepare_rank0_first(data_cfg, data_dir, info: DistInfo):
     """Prepares data on rank 0 while the other ranks wait, then they reuse its cached files."""
-    from attnlab.data import prepare
-
     prepared = prepare(data_cfg, data_dir=data_dir) if info.is_main else None
     barrier(info)
     return prepared or prepare(data_cfg, data_dir=data_dir)

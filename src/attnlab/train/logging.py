@@ -1,11 +1,14 @@
 """Run logging: metrics.jsonl (always), TensorBoard event files (when tensorboard is installed) and a
-progress bar with loss, tok/s and ETA (tqdm, when installed and wanted)."""
+progress bar with loss, tok/s and ETA (tqdm, when wanted)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from attnlab.data.files import atomic_write_text
 
 
 class MetricsLog:
@@ -32,9 +35,7 @@ class MetricsLog:
         rows = [line for line in self.path.read_text().splitlines() if line.strip()]
         kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
         if len(kept) != len(rows):
-            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, row: dict) -> None:
         if not self.enabled:
@@ -48,10 +49,6 @@ class MetricsLog:
 
     def progress_bar(self, total: int, initial: int, wanted: bool):
         if not (self.enabled and wanted):
-            return None
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
             return None
         return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
 

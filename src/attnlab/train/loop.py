@@ -5,16 +5,20 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from attnlab.accounting import kv_report, param_counts
 from attnlab.config import DataConfig, ModelConfig, TrainConfig
+from attnlab.data import BatchSampler, eval_batches
 from attnlab.errors import ConfigError
 from attnlab.model.transformer import build_model
 from attnlab.train.checkpoint import (
     find_checkpoint,
+    load_model_from_checkpoint,
     load_optimizer,
     load_weights,
     save_checkpoint,
@@ -48,8 +52,6 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 def full_config(model: ModelConfig, data: DataConfig, train: TrainConfig) -> dict:
-    from dataclasses import asdict
-
     return {"model": model.to_dict(), "data": asdict(data), "train": asdict(train)}
 
 
@@ -82,8 +84,6 @@ def train(
     rates and optimizer state, so the losses equal those of an uninterrupted run. init_from starts from
     another run's weights (a previous phase) with a fresh optimizer and schedule.
     """
-    from attnlab.data import BatchSampler, eval_batches
-
     run_dir = Path(run_dir)
     device = pick_device(train_cfg.device)
     dist_info = init_distributed(device.type)
@@ -124,8 +124,6 @@ def train(
         sampler.load_state_dict(checkpoint.trainer["sampler"])
         state.update({k: checkpoint.trainer[k] for k in state})
     elif init_from is not None:
-        from attnlab.train.checkpoint import load_model_from_checkpoint
-
         _, previous = load_model_from_checkpoint(init_from, tag="last")
         # A phase may add a bounded memory: its write gate and EMA rate are new (freshly initialised);
         # any other missing or unexpected weight means the phases do not fit together.
@@ -228,9 +226,6 @@ def train(
 
 def finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype, dist_info: DistInfo) -> dict:
     """Final validation (and test, where the dataset has one) loss of the best checkpoint; summary.json."""
-    from attnlab.accounting import kv_report, param_counts
-    from attnlab.data import eval_batches
-
     summary = {"status": "complete", "steps": state["step"], "tokens": state["tokens"]}
     if dist_info.is_main:
         best = find_checkpoint(run_dir, "best")

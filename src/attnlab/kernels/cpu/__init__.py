@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab import quant
 from attnlab.paths import data_dirs
 
 SOURCE = Path(__file__).with_name("qattn.c")
@@ -39,7 +40,6 @@ _SCORES_ARGS.append(ctypes.c_int)
 _QUANTIZE_ARGS = [ctypes.c_int, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
 _SOFTMAX_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float]
 _ATTEND_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, ctypes.c_float, _ptr, _i64, _ptr, _i64, _i64]
-SEGMENT_FIELDS = 10  # qattn.c's record of one run of rows for attnlab_attend
 _WSUM_ARGS = [ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64]
 
 
@@ -211,6 +211,7 @@ def attend(
     for i, (fmt, arrays, first, n, column, lo, d) in enumerate((*keys, *values)):
         quants, scales, qstride, sstride = _segment(arrays, first, n)
         accumulate = int(i < len(keys) and lo > 0)  # a later part of the key rows
+        # qattn.c's segment record: SEGMENT_FIELDS (10) int64 in this order
         records += (FORMAT_CODES[fmt], quants, scales, qstride, sstride, n, column, lo, d, accumulate)
     workspace = q.new_empty(batch, heads, n_columns)
     status = library().attnlab_attend(
@@ -231,8 +232,6 @@ def quantize(fmt: str, x: torch.Tensor) -> list[torch.Tensor] | None:
     [quants (..., width / 32, 32 | 16) uint8, fp16 scale bytes (..., width / 32, 2)], the bytes of
     attnlab.quant.quantize(x, fmt); None where that function must speak (a non-finite value, an fp16 scale
     overflow): the caller then runs it."""
-    from attnlab import quant
-
     rows = x.reshape(1, -1, x.shape[-1])
     nb = x.shape[-1] // quant.BLOCK
     quants = torch.empty(1, rows.shape[1], nb, quant.block_bytes(fmt) - 2, dtype=torch.uint8)
@@ -246,8 +245,6 @@ def quantize_into(fmt: str, x: torch.Tensor, arrays: list[torch.Tensor], start: 
     """Quantizes rows x (B, n, width) float32 (unit last stride) into the cache's arrays [quants (B, slots, nb,
     32 | 16), scales (B, slots, nb, 2)] at slots start..start + n, as `quantize` would; False (having written
     who knows what there) where quant.quantize must name a problem."""
-    from attnlab import quant
-
     quants, scales = arrays
     _float32_rows(x=x)
     status = library().attnlab_quantize(
