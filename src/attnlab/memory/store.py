@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from attnlab.errors import DataError, InputError
+from attnlab.eval.loading import load_for_eval
+from attnlab.generate import generate, prefill
 from attnlab.memory.state import load_state, require_memory, save_state
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -129,8 +131,6 @@ def check_name(name: str) -> None:
 
 
 def _load_model(path: str | Path, data_dir: str | None):
-    from attnlab.eval.loading import load_for_eval
-
     loaded = load_for_eval(path, data_dir=data_dir)
     if loaded.tokenizer is None:
         raise InputError(f"{path}: no tokenizer saved with this checkpoint: cannot encode text")
@@ -142,8 +142,6 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
            replace: bool = False, data_dir: str | None = None) -> Entry:  # fmt: skip
     """Reads the documents (in order, the tokenizer's end-of-text id between them) into a new memory of the
     model at `model_path`, `chunk` tokens at a time, and stores the state as `name`."""
-    from attnlab.generate import prefill
-
     check_name(name)
     if chunk < 1:
         raise InputError(f"--chunk={chunk} must be >= 1")
@@ -189,8 +187,6 @@ def query(store: MemoryStore, name: str, prompt: str, model_path: str | Path | N
           data_dir: str | None = None, **generate_kwargs) -> str:  # fmt: skip
     """The model's continuation of `prompt` read after the memory `name` (a copy of it: the store is only
     read). model_path: the model to use instead of the one recorded at ingestion (same config required)."""
-    from attnlab.generate import generate
-
     entry = store.get(name)
     loaded = _load_model(model_path or entry.model_path, data_dir)
     cache, header = load_state(store.path(entry), loaded.model)
