@@ -1,14 +1,15 @@
 """What reading in blocks costs a memory: scoring a stream block by block against decoding it token by token.
 
-    python bench/memory_chunks.py [--data-dir ../shared/data] [--windows 4] [--blocks 128,32,8,1]
+    python bench/memory_chunks.py [--data-dir ../shared/data] [--windows 4] [--blocks 128,32,8,1] [--positions P]
 
 A model with a memory reads a sequence `memory.block` tokens at a time, and a block's queries see the memory as
-it stood at the block's start (cache/memories.py). For `window` and `streaming` that is exactly what token-by-
-token decoding sees; for `h2o` and `bounded` the tokens that leave the window inside a block reach the memory
-only after it. This measures the difference on a real trained model, karpathy's stories260K (llama2.c, 512
-positions): a stream of `windows` x 512 tokens of its own sampled stories (BOS between them), scored through
-each memory (128 slots) with StreamingLLM's cache positions (or --positions absolute), block sizes from 128 down to 1 (block 1 is token-
-by-token decoding), against the plain model reading each 512-token window fresh. Quality only: no timing.
+it stood at the block's start (cache/memories.py). For `window` and `streaming` (absolute positions) that is
+exactly what token-by-token decoding sees; for `h2o` and `bounded` the tokens that leave the window inside a
+block reach the memory only after it. This measures the difference on a real trained model, karpathy's
+stories260K (llama2.c, 512 positions): a stream of `windows` x 512 tokens of its own sampled stories (BOS
+between them), scored through each memory (128 slots) with StreamingLLM's cache positions (or --positions
+absolute), block sizes from 128 down to 1 (block 1 is token-by-token decoding), against the plain model reading
+each 512-token window fresh. Quality only: no timing.
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ def main(argv: list[str] | None = None) -> None:
             records.append(row("memory_chunks", model.cfg.config_hash(), env, memory=name, block=block,
                                positions=args.positions, tokens=stream.shape[1] - 1, nll=nll[block],
                                fresh_nll=fresh))  # fmt: skip
-        token = nll[1] if 1 in nll else None
-        table.append([name, *(f"{nll[b]:.4f}" for b in blocks),
-                      *([f"{nll[b] - token:+.4f}" for b in blocks if b != 1] if token is not None else [])])  # fmt: skip
-    print(f"stories260K, {stream.shape[1] - 1} tokens of its own stories, positions {args.positions}; fresh 512-token "
-          f"windows: NLL {fresh:.4f}")
+        gaps = [f"{nll[b] - nll[1]:+.4f}" for b in blocks if b != 1] if 1 in nll else []  # block - token by token
+        table.append([name, *(f"{nll[b]:.4f}" for b in blocks), *gaps])
+    print(
+        f"stories260K, {stream.shape[1] - 1} tokens of its own stories, positions {args.positions}; fresh 512-token "
+        f"windows: NLL {fresh:.4f}"
+    )
     diff_heads = [f"block {b} - token" for b in blocks if b != 1] if 1 in blocks else []
     print_table(["memory", *(f"NLL block {b}" for b in blocks), *diff_heads], table)
     if not args.no_record:

@@ -1,17 +1,55 @@
 """Helpers shared by test modules (import as `from helpers import ...`; tests/ is on sys.path)."""
 
+import random
 from pathlib import Path
+
+import torch
+
+import attnlab
+from attnlab.cache.layout import CacheLayout, Field, Read
+from attnlab.config import DataConfig, ModelConfig, TrainConfig
+from attnlab.train.loop import train
+
+# The tiny model most tests want: vocab 97 (not a multiple of 64, so the padded embedding rows are exercised),
+# 4 heads of 16, two layers (the second reads a non-trivial residual stream). At the default init_std=0.02
+# attention barely moves the logits, so cache and masking bugs would hide under the tolerances: 0.1.
+TINY = {"vocab_size": 97, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "init_std": 0.1}
+
+
+def tiny_config(attention=None, memory=None, **config) -> ModelConfig:
+    """A validated ModelConfig: TINY with `config` (ModelConfig fields) over it. attention and memory are dicts,
+    parsed as from a YAML file, or config dataclasses. attention may also be a whole ModelConfig, which then stands
+    for TINY (memory, if given, a MemoryConfig)."""
+    if isinstance(attention, ModelConfig):
+        cfg = attention.replace(**config)
+        return cfg if memory is None else cfg.replace(memory=memory)
+    parts = {"attention": attention, "memory": memory}
+    plain = {key: value for key, value in parts.items() if isinstance(value, dict)}
+    typed = {key: value for key, value in parts.items() if value is not None and key not in plain}
+    cfg = attnlab.model_config_from_dict({**TINY, **config, **plain})
+    return cfg.replace(**typed) if typed else cfg
+
+
+def tiny_model(
+    attention=None, memory=None, *, seed: int = 0, perturb: bool = False, dtype=None, **config
+) -> attnlab.Transformer:
+    """The model of tiny_config(attention, memory, **config), built after torch.manual_seed(seed), in eval mode
+    (cast to dtype if given). perturb moves every 1-D parameter (norm gains, gate logits and biases, DIFF lambdas)
+    off its init-time constant, so that no path of the model hides behind a default."""
+    cfg = tiny_config(attention, memory, **config)
+    torch.manual_seed(seed)
+    model = attnlab.build_model(cfg)
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.3)
+    return model.to(dtype=dtype).eval() if dtype else model.eval()
 
 
 def train_tiny_run(root: Path, model: dict, steps: int = 20, seq_len: int = 32, words: int = 30) -> Path:
     """A tiny run trained on a made-up corpus (char tokenizer) under root/runs/tiny/seed0, for tests that
     evaluate a real checkpoint folder: its path."""
-    import random
-
-    import attnlab
-    from attnlab.config import DataConfig, TrainConfig
-    from attnlab.train.loop import train
-
     rng = random.Random(0)
     vocabulary = "a cat and a dog sat on the mat by the red door".split()
     corpus = root / "text.txt"
@@ -25,7 +63,5 @@ def train_tiny_run(root: Path, model: dict, steps: int = 20, seq_len: int = 32, 
 
 def kv_layout(kv_heads: int, head_dim: int, interleaved: bool = False):
     """The cache layout of a per-head variant (mha): k (rotated by RoPE) and v, head_dim each per KV head."""
-    from attnlab.cache.layout import CacheLayout, Field, Read
-
     fields = {"k": [Field("k", head_dim, rope=True)], "v": [Field("v", head_dim)]}
     return CacheLayout.of(fields, kv_heads=kv_heads, route="v", read=Read("k", "v"), rope_interleaved=interleaved)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_config, tiny_model
 
 import attnlab
 from attnlab.attention.bottleneck import BottleneckConfig
@@ -39,15 +40,8 @@ assert sum(CHUNKS) == SEQ_LEN
 
 
 def model_config(attention, **overrides) -> ModelConfig:
-    base = dict(
-        vocab_size=VOCAB,
-        d_model=D_MODEL,
-        n_layers=N_LAYERS,
-        n_heads=N_HEADS,
-        max_seq_len=MAX_SEQ_LEN,
-        init_std=INIT_STD,
-    )
-    return ModelConfig(attention=attention, **{**base, **overrides})
+    sizes = dict(vocab_size=VOCAB, d_model=D_MODEL, n_layers=N_LAYERS, n_heads=N_HEADS, max_seq_len=MAX_SEQ_LEN)
+    return tiny_config(attention, **{**sizes, "init_std": INIT_STD, **overrides})
 
 
 # d_model 64 / 4 heads: head_dim 16. Bottleneck d_attn 32: 8 per head. Decoupled d_sem 16, d_geo 32: 4 + 8 per head.
@@ -85,15 +79,7 @@ CASES = {
     "coda-no-head-norm": model_config(CoDAConfig(gate_bias=0.0, head_norm=False)),
 }
 DENSE_CASES = [name for name, cfg in CASES.items() if cfg.kind != "sliding"]  # caches that can be full
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These matmuls are tiny: extra threads gain nothing and, on a busy machine, make the file 5x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(params=list(CASES))
@@ -101,16 +87,10 @@ def cfg(request) -> ModelConfig:
     return CASES[request.param]
 
 
-def make_model(cfg: ModelConfig, seed: int = 0, dtype=None) -> attnlab.Transformer:
+def make_model(cfg: ModelConfig, dtype=None) -> attnlab.Transformer:
     """A seeded model whose every path matters: INIT_STD makes attention visible in the logits, and the
     init-time constants (RMSNorm gains 1, DBA gate logits 0, i.e. g = 0.5) are moved off their defaults."""
-    torch.manual_seed(seed)
-    model = attnlab.build_model(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.3)
-    return model.to(dtype=dtype).eval() if dtype else model.eval()
+    return tiny_model(cfg, perturb=True, dtype=dtype)
 
 
 def random_tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import kv_layout
+from helpers import kv_layout, tiny_model
 
 import attnlab
 from attnlab.accounting import kv_report
@@ -47,20 +47,13 @@ ATTENTIONS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_model(memory: dict, attention: dict | None = None, seed: int = 0, **overrides) -> attnlab.Transformer:
+def make_model(memory: dict, attention: dict | None = None, seed: int = 0) -> attnlab.Transformer:
     attention = attention or ATTENTIONS["gqa"]
-    extra = {"rope_interleaved": True} if attention is ATTENTIONS["mha-interleaved"] else {}
-    cfg = model_config_from_dict({**BASE, **extra, **overrides, "attention": attention, "memory": memory})
-    torch.manual_seed(seed)
-    return attnlab.build_model(cfg).eval()
+    interleaved = attention is ATTENTIONS["mha-interleaved"]
+    return tiny_model(attention, memory, seed=seed, max_seq_len=128, rope_interleaved=interleaved)
 
 
 def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:

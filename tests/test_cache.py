@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from helpers import tiny_model
 
-import attnlab
 from attnlab.accounting import kv_report
 from attnlab.errors import InputError
 
-BASE = {"vocab_size": 97, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "init_std": 0.1}
 KINDS = [
     {"kind": "mha", "n_kv_heads": 2},
     {"kind": "decoupled", "d_sem": 16, "d_geo": 32},
@@ -16,14 +15,9 @@ KINDS = [
 ]
 
 
-def model_for(attention):
-    torch.manual_seed(0)
-    return attnlab.build_model(attnlab.model_config_from_dict({**BASE, "attention": attention})).eval()
-
-
 @pytest.mark.parametrize("attention", KINDS, ids=lambda a: a["kind"])
 def test_fp16_cache_with_fp32_model_halves_bytes_and_stays_close(attention):
-    model = model_for(attention)
+    model = tiny_model(attention)
     tokens = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full, _ = model(tokens, use_cache=False)
@@ -38,7 +32,7 @@ def test_fp16_cache_with_fp32_model_halves_bytes_and_stays_close(attention):
 
 
 def test_ring_cache_for_a_short_sequence_holds_only_that_many_slots():
-    model = model_for({"kind": "sliding", "window": 6})
+    model = tiny_model({"kind": "sliding", "window": 6})
     cache = model.new_cache(1, 4)
     assert cache.layers[0].capacity == 4
     assert cache.nbytes() == kv_report(model.cfg, "fp32", 4)["kv_bytes"]
@@ -50,7 +44,7 @@ def test_ring_cache_for_a_short_sequence_holds_only_that_many_slots():
 
 
 def test_ring_positions_after_wrapping():
-    model = model_for({"kind": "sliding", "window": 6})
+    model = tiny_model({"kind": "sliding", "window": 6})
     cache = model.new_cache(1, 64)
     with torch.no_grad():
         model(torch.randint(0, 97, (1, 9)), cache=cache)  # a chunk longer than the window

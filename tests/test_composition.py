@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_model
 
 import attnlab
 from attnlab.accounting import kv_report
@@ -54,12 +55,7 @@ REFUSED = {  # (model, memory, policy given) -> the reason's words
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_matrix_covers_every_shipped_tiny_model():
@@ -69,15 +65,8 @@ def test_the_matrix_covers_every_shipped_tiny_model():
 def build(name: str, memory: MemoryConfig, n_layers: int | None = None) -> attnlab.Transformer:
     """The tiny model with `memory`, init_std 0.1 and its 1-D parameters moved off their init (so attention and
     gates show in the logits), the same weights whatever the memory (its write parameters aside)."""
-    cfg = load_config(CONFIGS / f"{name}.yaml").replace(init_std=0.1, memory=memory)
-    cfg = cfg.replace(n_layers=n_layers or cfg.n_layers)
-    torch.manual_seed(0)
-    model = attnlab.build_model(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.3)
-    return model
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    return tiny_model(cfg, memory, perturb=True, init_std=0.1, n_layers=n_layers or cfg.n_layers)
 
 
 def stream(model) -> torch.Tensor:

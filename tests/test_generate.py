@@ -4,6 +4,7 @@ import importlib
 
 import pytest
 import torch
+from helpers import tiny_model
 
 import attnlab
 from attnlab.errors import InputError
@@ -12,13 +13,12 @@ from attnlab.generate import compiled_decode_step, prefill_last, sample
 generate_module = importlib.import_module("attnlab.generate")  # the module (attnlab.generate is the function)
 
 
+SIZES = {"vocab_size": 50, "d_model": 32, "max_seq_len": 48}  # 2 layers of 4 heads
+
+
 @pytest.fixture(scope="module")
 def model():
-    cfg = attnlab.model_config_from_dict(
-        {"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 48, "init_std": 0.2}
-    )
-    torch.manual_seed(0)
-    return attnlab.build_model(cfg).eval()
+    return tiny_model(init_std=0.2, **SIZES)
 
 
 def greedy_reference(model, prompt, n):
@@ -130,12 +130,7 @@ COMPILED_CASES = {
 
 
 def small_model(attention: dict):
-    cfg = attnlab.model_config_from_dict(
-        {"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 48, "init_std": 0.3}
-        | {"attention": attention}
-    )
-    torch.manual_seed(0)
-    return attnlab.build_model(cfg).eval()
+    return tiny_model(attention, init_std=0.3, **SIZES)
 
 
 @pytest.mark.parametrize("name", list(COMPILED_CASES))

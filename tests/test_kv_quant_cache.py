@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import tiny_model
 
 import attnlab
 from attnlab import quant
@@ -12,7 +13,6 @@ from attnlab.errors import ConfigError, InputError
 from attnlab.generate import can_compile_on_cpu
 from attnlab.kernels import cpu as cpu_kernels
 
-BASE = {"vocab_size": 97, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 96, "init_std": 0.1}
 MHA = {"kind": "mha", "n_kv_heads": 2}  # a token's k row: 2 heads x 16 = 32 values, one block
 DECOUPLED = {"kind": "decoupled", "d_sem": 32, "d_geo": 64, "d_v": 64}  # rows: k_sem 32, k_geo 64, v 64
 MLA = {"kind": "mla", "d_latent": 32, "d_rope": 8}  # rows: latent 32, k_rope 8
@@ -20,9 +20,7 @@ SLIDING = {"kind": "sliding", "window": 24}
 
 
 def model_for(attention, n_layers=2):
-    torch.manual_seed(0)
-    cfg = {**BASE, "n_layers": n_layers, "attention": attention}
-    return attnlab.build_model(attnlab.model_config_from_dict(cfg)).eval()
+    return tiny_model(attention, n_layers=n_layers, max_seq_len=96)
 
 
 def tokens(n, batch=2, seed=1):

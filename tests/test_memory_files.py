@@ -4,7 +4,7 @@ import sqlite3
 
 import pytest
 import torch
-from helpers import train_tiny_run
+from helpers import tiny_model, train_tiny_run
 
 import attnlab
 from attnlab.cli import main
@@ -22,10 +22,8 @@ MEMORIES = {
 }
 
 
-def model_with(memory, seed=0, **changes):
-    torch.manual_seed(seed)
-    cfg = attnlab.model_config_from_dict({**MODEL, **changes, "memory": memory})
-    return attnlab.build_model(cfg).eval()
+def model_with(memory, seed=0):
+    return tiny_model(memory=memory, seed=seed, **MODEL)
 
 
 def tokens(n, seed=0):

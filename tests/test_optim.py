@@ -4,19 +4,16 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_model
 
-import attnlab
 from attnlab.config import TrainConfig
 from attnlab.train.optim import Lion, build_optimizer, lr_at, param_groups
 
-
-def tiny_model(**extra):
-    cfg = {"vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": 4, **extra}
-    return attnlab.build_model(attnlab.model_config_from_dict(cfg))
+SIZES = {"vocab_size": 64, "d_model": 32, "n_layers": 1}
 
 
 def test_weight_decay_only_on_linear_weights():
-    model = tiny_model(attention={"kind": "decoupled", "d_sem": 8, "d_geo": 16, "null_attn": True, "gate": True})
+    model = tiny_model({"kind": "decoupled", "d_sem": 8, "d_geo": 16, "null_attn": True, "gate": True}, **SIZES)
     decay, no_decay = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
@@ -32,7 +29,7 @@ def test_weight_decay_only_on_linear_weights():
 
 
 def test_untied_lm_head_is_decayed_but_embedding_is_not():
-    model = tiny_model(tie_embeddings=False)
+    model = tiny_model(tie_embeddings=False, **SIZES)
     decay, _ = param_groups(model, 0.1)
     assert any(p is model.lm_head.weight for p in decay["params"])
     assert not any(p is model.embed.weight for p in decay["params"])
@@ -54,7 +51,7 @@ def test_lion_matches_the_paper_update():
 
 
 def test_build_optimizer_kinds():
-    model = tiny_model()
+    model = tiny_model(**SIZES)
     assert isinstance(build_optimizer(model, TrainConfig(optimizer="adamw")), torch.optim.AdamW)
     assert isinstance(build_optimizer(model, TrainConfig(optimizer="lion")), Lion)
 

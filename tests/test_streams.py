@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_model
 
 import attnlab
 from attnlab.config import MemoryConfig
 from attnlab.errors import ConfigError
 from attnlab.interop import from_llama2c
 
-BASE = {"vocab_size": 97, "d_model": 64, "n_heads": 4, "max_seq_len": 32, "init_std": 0.1}
 ATTENTION = {
     "mha-gqa": {"kind": "mha", "n_kv_heads": 2},
     "decoupled": {"kind": "decoupled", "d_sem": 16, "d_geo": 32},
@@ -22,17 +22,8 @@ ATTENTION = {
 }
 
 
-def model_for(attention, memory=None, n_layers=1, seed=0, **changes):
-    cfg = attnlab.model_config_from_dict({**BASE, "n_layers": n_layers, "attention": attention, **changes})
-    if memory is not None:
-        cfg = cfg.replace(memory=memory)
-    torch.manual_seed(seed)
-    model = attnlab.build_model(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.3)
-    return model
+def model_for(attention, memory=None, n_layers=1):
+    return tiny_model(attention, memory, perturb=True, n_layers=n_layers, max_seq_len=32)
 
 
 @torch.no_grad()

@@ -5,21 +5,20 @@ import random
 
 import pytest
 import torch
+from helpers import tiny_model
 
-import attnlab
 from attnlab.errors import ConfigError
 from attnlab.manifest import load_manifest
 from attnlab.runner import run_manifest
 from attnlab.train.checkpoint import load_model_from_checkpoint
 
-MODEL = {"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64,
+MODEL = {"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "init_std": 0.02,
          "attention": {"kind": "coda", "n_kv_heads": 2}}  # fmt: skip
 BOUNDED = {"kind": "bounded", "recent_window": 8, "exact_slots": 4, "summary_slots": 4, "block": 8}
 
 
 def model_with(memory, seed=0):
-    torch.manual_seed(seed)
-    return attnlab.build_model(attnlab.model_config_from_dict({**MODEL, "memory": memory})).eval()
+    return tiny_model(memory=memory, seed=seed, **MODEL)
 
 
 def test_a_memory_model_reads_a_sequence_through_its_memory_in_blocks():

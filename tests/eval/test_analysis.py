@@ -8,6 +8,7 @@ import math
 import os
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
 import torch
@@ -20,24 +21,16 @@ from attnlab.attention.mha import MHA, MHAConfig
 from attnlab.attention.mla import MLAConfig
 from attnlab.attention.registry import REGISTRY
 from attnlab.attention.sliding import SlidingConfig
-from attnlab.config import ModelConfig
 from attnlab.data.tokenizers import ByteTokenizer
 from attnlab.errors import DataError, InputError
 from attnlab.eval import analysis, plots
 from attnlab.eval.loading import EvalModel
 from attnlab.eval.records import make_record
-from attnlab.model.transformer import build_model
 
 BATCH, SEQ, WINDOW = 2, 9, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These matmuls are tiny: extra threads gain nothing and, on a busy machine, slow the file down."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 VARIANTS = {
@@ -56,9 +49,7 @@ VARIANTS = {
 def tiny_model(attention, vocab_size: int = 300, seed: int = 0):
     """Two layers (the second reads a non-trivial residual stream), parameters re-drawn with std 0.3 so the
     softmax is far from uniform and null keys and gate logits are non-zero."""
-    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=4, max_seq_len=32, rope_base=100.0,
-                      attention=attention)  # fmt: skip
-    model = build_model(cfg).eval()
+    model = helpers.tiny_model(attention, vocab_size=vocab_size, d_model=32, max_seq_len=32, rope_base=100.0)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -104,15 +95,7 @@ KIND_SEQ = 12
 
 
 def kind_model(name: str, seed: int = 0):
-    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, max_seq_len=64, init_std=0.1,
-                      attention=KINDS[name])  # fmt: skip
-    torch.manual_seed(seed)
-    model = build_model(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:  # norm gains, DBA gate logits, DIFF lambda vectors, CoDA gate bias
-                p.add_(torch.randn_like(p) * 0.3)
-    return model.eval().requires_grad_(False)
+    return helpers.tiny_model(KINDS[name], seed=seed, perturb=True).requires_grad_(False)
 
 
 def kind_tokens(batch: int = 1, seed: int = 3) -> torch.Tensor:

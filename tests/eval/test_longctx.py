@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_model
 from torch import nn
 
 import attnlab
@@ -119,13 +120,8 @@ def eval_model(module, tmp_path, config=None, tokenizer=TOKENIZER):
     return EvalModel("stub", tmp_path, cfg, module, tokenizer, config or {})
 
 
-def tiny(attention=None, max_seq_len=64, vocab=50):
-    torch.manual_seed(0)
-    cfg = attnlab.model_config_from_dict({
-        "vocab_size": vocab, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": max_seq_len,
-        "init_std": 0.2, "attention": attention or {"kind": "mha"},
-    })  # fmt: skip
-    return attnlab.build_model(cfg).eval()
+def tiny(attention=None):
+    return tiny_model(attention, vocab_size=50, d_model=32, init_std=0.2)
 
 
 def cells(rows):

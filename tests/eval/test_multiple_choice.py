@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import tiny_model
 
 import attnlab
 from attnlab.data.tokenizers import ByteTokenizer
@@ -100,12 +101,7 @@ class OracleStub(torch.nn.Module):
         return logits, None
 
 
-def tiny_model(max_seq_len, seed=0):
-    cfg = attnlab.model_config_from_dict(
-        {"vocab_size": 257, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": max_seq_len, "init_std": 0.2}
-    )
-    torch.manual_seed(seed)
-    return attnlab.build_model(cfg).eval()
+BYTE_MODEL = {"vocab_size": 257, "d_model": 32, "init_std": 0.2}  # for ByteTokenizer (2 layers of 4 heads)
 
 
 # ----------------------------------------------------------------------------- loaders on the stored files
@@ -207,7 +203,7 @@ def test_encoding_moves_trailing_space_and_shares_the_context():
 
 
 def test_batched_scores_equal_one_by_one_scoring():
-    model = tiny_model(max_seq_len=128)
+    model = tiny_model(max_seq_len=128, **BYTE_MODEL)
     rng = torch.Generator().manual_seed(1)
     sizes = [(5, 3), (40, 1), (1, 9), (17, 17), (60, 2)]
     pairs = [tuple(torch.randint(0, 256, (n,), generator=rng).tolist() for n in size) for size in sizes]
@@ -217,7 +213,7 @@ def test_batched_scores_equal_one_by_one_scoring():
 
 
 def test_long_contexts_are_cut_on_the_left_as_lm_eval_does():
-    model = tiny_model(max_seq_len=16)
+    model = tiny_model(max_seq_len=16, **BYTE_MODEL)
     context, continuation = list(range(10, 50)), [7, 8, 9, 10, 11]
     window = (context + continuation)[-17:]  # lm-eval: (ctx + cont)[-(max_length + 1):], the input is [:-1]
     with torch.no_grad():
@@ -275,7 +271,7 @@ def test_an_oracle_scores_one(task, small_files, tmp_path, request):
 
 
 def test_smoke_real_tiny_model_on_arc(data_dir, tmp_path):
-    module = tiny_model(max_seq_len=64)
+    module = tiny_model(max_seq_len=64, **BYTE_MODEL)
     model = EvalModel("tiny", tmp_path, module.cfg, module, ByteTokenizer(), {})
     rows, summary = run_multiple_choice(model, "arc_easy", data_dir=data_dir, limit=5)
     items = load_items("arc_easy", data_dir=data_dir)[:5]

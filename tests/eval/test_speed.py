@@ -3,9 +3,9 @@ rows cover the requested grid with medians and spreads (speeds are recorded, nev
 
 import pytest
 import torch
+from helpers import tiny_model
 from torch import nn
 
-import attnlab
 from attnlab.errors import InputError
 from attnlab.eval import EvalModel
 from attnlab.eval.speed import is_out_of_memory, run_guarded, run_latency, run_memory, spread
@@ -22,8 +22,7 @@ KINDS = [
 
 
 def eval_model(attention, tmp_path, module=None):
-    torch.manual_seed(0)
-    module = module or attnlab.build_model(attnlab.model_config_from_dict({**BASE, "attention": attention})).eval()
+    module = module or tiny_model(attention, **BASE)
     return EvalModel("tiny", tmp_path, module.cfg, module, None, {})
 
 
