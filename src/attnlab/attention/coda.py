@@ -49,7 +49,7 @@ from attnlab.kernels import fused_usable
 from attnlab.ops.heads import merge_heads, split_heads
 from attnlab.ops.masks import causal_mask
 from attnlab.ops.norm import HeadRMSNorm, head_rms_norm
-from attnlab.ops.rope import Rotary
+from attnlab.ops.rope import Rotary, rotate
 
 
 @dataclass(frozen=True)
@@ -60,15 +60,9 @@ class CoDAConfig(MHAConfig):
     head_norm: bool = True  # RMSNorm_h of eq. 6; false = the paper's "identity" head-norm mode
 
 
-def rotate_planes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotates each channel pair of x (..., D) by its own angle, pairing channels as RoPE does:
-    (2i, 2i+1) if interleaved, else (i, i + D/2). cos, sin broadcast against (..., D/2)."""
-    if interleaved:
-        pairs = x.unflatten(-1, (-1, 2))  # (..., D/2, 2)
-        even, odd = pairs[..., 0], pairs[..., 1]
-        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+# Eq. 7's rotation pairs channels as the model's RoPE does, so it is RoPE's own pairwise rotation with per-head,
+# per-plane angles: (2i, 2i+1) if interleaved, else (i, i + D/2).
+rotate_planes = rotate
 
 
 class CoDA(Attention):
