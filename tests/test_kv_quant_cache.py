@@ -383,3 +383,21 @@ def test_compiled_generate_with_a_quantized_cache_gives_the_eager_tokens(attenti
     got = attnlab.generate(model, prompt, max_new_tokens=24, kv_policy=text, compile=True)
     assert torch.equal(got, want)
     assert len(static_steps) == 23 * model.cfg.n_layers  # every decode step went through the static op
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no working C compiler for the CPU kernels")
+def test_a_full_static_quantized_cache_is_an_input_error_not_a_write_past_its_arrays():
+    from attnlab.generate import static_decode_step
+
+    model = model_for(MHA)
+    cache = model.new_cache(1, 24, policy="k=q8_0,v=q8_0,resid=2")
+    ids = tokens(30, batch=1)
+    with torch.no_grad():
+        model(ids[:, :20], cache=cache)
+        cache.set_static(True)
+        positions = torch.tensor([20])
+        for t in range(20, 24):  # room for 4 more
+            static_decode_step(model, ids[:, t : t + 1], positions, cache.layers)
+            positions += 1
+        with pytest.raises(InputError, match="KV cache is full: 25 tokens exceed its max_len=24"):
+            static_decode_step(model, ids[:, 24:25], positions, cache.layers)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_model
+from helpers import tiny_config, tiny_model
 
 import attnlab
 from attnlab.config import MemoryConfig
@@ -125,3 +125,14 @@ def test_generate_runs_past_max_seq_len_with_a_memory():
     assert out.shape == (60,)
     plain = model_for(ATTENTION["mha-gqa"], n_layers=2)
     assert attnlab.generate(plain, list(range(20)), max_new_tokens=60).shape == (12,)  # capped by its positions
+
+
+def test_cache_positions_refuse_a_null_key():
+    """A learned null key carries no RoPE: its score would follow the query's stream position, so cache positions
+    cannot hold for it."""
+    memory = {"kind": "streaming", "recent_window": 8, "positions": "cache"}
+    for attention in ({"kind": "bottleneck", "d_attn": 32, "null_attn": True},
+                      {"kind": "decoupled", "d_sem": 16, "d_geo": 32, "null_attn": True}):  # fmt: skip
+        with pytest.raises(ConfigError, match="prepends a learned null key that carries no RoPE"):
+            tiny_config(attention, memory)
+    tiny_config({"kind": "bottleneck", "d_attn": 32, "null_attn": True}, {**memory, "positions": "absolute"})

@@ -212,7 +212,14 @@ class ModelConfig:
             problems.append(f"rope_base={self.rope_base} must be > 0")
         if not problems:
             problems += self.attention.problems(self)
-        window = None if problems else self.attention.cache_layout(self).window
+        layout = None if problems else self.attention.cache_layout(self)
+        window = None if layout is None else layout.window
+        if self.memory.positions == "cache" and layout is not None and layout.null_key:
+            problems.append(
+                f"memory.positions='cache' re-rotates the held keys to their ranks, but attention.kind="
+                f"{self.attention.kind!r} prepends a learned null key that carries no RoPE, whose score would still "
+                "follow each query's stream position (use memory.positions: absolute, or null_attn: false)"
+            )
         if self.memory.kind != "none" and window is not None:
             problems.append(
                 f"memory.kind={self.memory.kind!r} has no meaning with attention.kind={self.attention.kind!r}: its "

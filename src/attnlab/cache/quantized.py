@@ -97,7 +97,7 @@ class QuantizedCache(LayerCache):
         )  # fmt: skip
         value_width = read.value_width if read.value_width is not None else self.layout.buffer_width(read.values)
         return KernelPlan(parts, max(self.ring_slots, 1), self.policy.resid, self.tokens_per_block, self.layout.heads,
-                          read.keys, read.values, value_width, self.policy.group_size)  # fmt: skip
+                          read.keys, read.values, value_width, self.policy.group_size, self.max_len)  # fmt: skip
 
     # -- protocol -------------------------------------------------------------------------------------
     def positions(self) -> torch.Tensor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlab.cache.codecs import Codec
+from attnlab.errors import InputError
 from attnlab.kernels import cpu as cpu_kernels
 
 
@@ -43,6 +44,7 @@ class KernelPlan:
     values: str  # the buffer read as V (its parts within value_width)
     value_width: int
     group: int
+    max_len: int  # tokens the cache has room for
 
     def to_spec(self) -> str:
         """The plan as a string of names and numbers (no quotes: inductor's C++ wrapper writes it into a C++
@@ -131,6 +133,10 @@ class KernelPlan:
         """One decode step on the state tensors: attend, write the token, advance counters [seen, stored]."""
         values = counters.numpy()  # a view: reads and writes without tensor indexing's per-call cost
         seen, stored = int(values[0]), int(values[1])
+        if seen + 1 > self.max_len:  # the C quantizer writes where it is told: check before it does
+            raise InputError(
+                f"KV cache is full: {seen + 1} tokens exceed its max_len={self.max_len} (make a larger cache)"
+            )
         out = self.attend(q, rows, store, recent, seen, stored, scale)
         values[1] = self.write(rows, store, recent, seen, stored)
         values[0] = seen + 1
