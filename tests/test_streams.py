@@ -136,3 +136,12 @@ def test_cache_positions_refuse_a_null_key():
         with pytest.raises(ConfigError, match="prepends a learned null key that carries no RoPE"):
             tiny_config(attention, memory)
     tiny_config({"kind": "bottleneck", "d_attn": 32, "null_attn": True}, {**memory, "positions": "absolute"})
+
+
+def test_layers_share_the_rope_table_a_stream_grows():
+    memory = MemoryConfig(kind="window", recent_window=8)
+    model = model_for(ATTENTION["mha-gqa"], memory, n_layers=3)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 100)))  # 100 positions through a model made for 32
+    tables = {block.attn.rotary.cos.data_ptr() for block in model.blocks}
+    assert len(tables) == 1 and model.blocks[0].attn.rotary.max_seq_len >= 100

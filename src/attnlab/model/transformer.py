@@ -115,11 +115,18 @@ class Transformer(nn.Module):
         return logits, (cache if use_cache else None)
 
     def extend_positions(self, length: int) -> None:
-        """Grows every RoPE table to cover positions 0..length-1 (streams through a memory; at most doubling
-        steps, so a long stream rebuilds the tables a logarithmic number of times)."""
+        """Grows the RoPE tables to cover positions 0..length-1 (streams through a memory), at least doubling them
+        each time. Layers whose tables are alike (width, base, dtype, device) share one grown table."""
+        grown: dict[tuple, Rotary] = {}
         for module in self.modules():
-            if isinstance(module, Rotary) and module.max_seq_len < length:
+            if not isinstance(module, Rotary) or module.max_seq_len >= length:
+                continue
+            key = (module.dim, module.base, module.cos.dtype, module.cos.device)
+            if key not in grown:
                 module.extend(max(length, 2 * module.max_seq_len))
+                grown[key] = module
+            else:  # the same values: alias the table grown for the first such layer
+                module.cos, module.sin, module.max_seq_len = grown[key].cos, grown[key].sin, grown[key].max_seq_len
 
     def forward_at(
         self, tokens: torch.Tensor, positions: torch.Tensor, layer_caches=None, last_only: bool = False
