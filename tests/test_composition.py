@@ -136,7 +136,7 @@ def test_the_summary_bank_blends_every_layout_on_its_rope_channels(name):
     layout = layer.layout
     summary = slice(layer.recent_window + memory.exact_slots, layer.capacity)
     assert (layer.memory_positions[:, memory.exact_slots :] >= 0).all()  # every prototype in use
-    for field, (buffer, lo, hi) in layout.field_slices().items():
+    for field, (buffer, lo, hi) in layout.slices.items():
         values = layer.buffer(buffer)[:, :, summary, lo:hi]  # (B, H, M_s, width)
         rope = next(f for f in layout.fields if f.name == field).rope
         kept = layer.blend[buffer][lo:hi].bool()

@@ -111,7 +111,12 @@ class FakeQuantCache(DenseCache):
 
     def __init__(self, layout, batch, policy, max_len, group=1):
         super().__init__(layout, batch, max_len, torch.float32)
-        self.parts, self.policy, self.group, self.done = layout.parts(), policy, group, 0
+        self.parts, self.policy, self.group, self.done = (
+            {b: [(f.name, f.width) for f in fs] for b, fs in layout.buffers},
+            policy,
+            group,
+            0,
+        )
 
     def roundtrip(self, rows, name):
         fmt = self.policy.format_of(name, "fp32")

@@ -416,6 +416,15 @@ class TrainConfig:
             raise ConfigError(problems)
 
 
+def build_collecting(cls: type, kwargs: dict, problems: list[str]):
+    """cls(**kwargs), or None with its ConfigError's problems appended (to report every problem at once)."""
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        problems.extend(e.problems)
+        return None
+
+
 def section_from_dict(cls: type, data: Any, where: str, source: str | None = None):
     """A validated DataConfig / TrainConfig from plain data; every problem in one ConfigError."""
     problems: list[str] = []

@@ -12,19 +12,13 @@ from typing import Any
 import yaml
 
 from attnlab.attention.registry import parse_attention
-from attnlab.config import MemoryConfig, ModelConfig, dataclass_kwargs
+from attnlab.config import MemoryConfig, ModelConfig, build_collecting, dataclass_kwargs
 from attnlab.errors import ConfigError
 
 
 def memory_from_dict(data: Any, problems: list[str]) -> MemoryConfig | None:
     kwargs = dataclass_kwargs(MemoryConfig, data if data is not None else {}, "memory.", problems)
-    if problems:
-        return None
-    try:
-        return MemoryConfig(**kwargs)
-    except ConfigError as e:
-        problems.extend(e.problems)
-        return None
+    return None if problems else build_collecting(MemoryConfig, kwargs, problems)
 
 
 def model_config_from_dict(data: Any, source: str | None = None) -> ModelConfig:

@@ -16,8 +16,7 @@ from attnlab.attention.differential import DiffConfig, Differential
 from attnlab.attention.mha import MHA, MHAConfig
 from attnlab.attention.mla import MLA, MLAConfig
 from attnlab.attention.sliding import Sliding, SlidingConfig
-from attnlab.config import AttentionConfig, ModelConfig, dataclass_kwargs, unknown_key_problem
-from attnlab.errors import ConfigError
+from attnlab.config import AttentionConfig, ModelConfig, build_collecting, dataclass_kwargs, unknown_key_problem
 
 
 class Kind(StrEnum):
@@ -76,10 +75,4 @@ def parse_attention(data: Any, problems: list[str]) -> AttentionConfig | None:
                                 f"(set attention.kind: {owners[0]}, or remove {key})")  # fmt: skip
     data = {key: value for key, value in data.items() if key not in misplaced}
     kwargs = dataclass_kwargs(cls, data, "attention.", problems, skip=("kind",))
-    if len(problems):
-        return None
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        problems.extend(e.problems)
-        return None
+    return None if problems else build_collecting(cls, kwargs, problems)

@@ -93,7 +93,7 @@ class BoundedCache(MemoryCache):
         # zero: the high-frequency channels of RoPE fields); `lf` marks the channels LF-K routing reads.
         self.blend, self.lf = {}, {}
         has_rope = any(f.rope for f in layout.fields)
-        route_buffer = layout.field_slices()[layout.route][0]
+        route_buffer = layout.slices[layout.route][0]
         for buffer, fields in layout.buffers:
             blend, lf = [], []
             for f in fields:
@@ -141,7 +141,7 @@ class BoundedCache(MemoryCache):
     def _update_exact(self, tensors, positions, passed) -> None:
         """Novelty-filtered LRU over the routing field's cosine (§3.2, Eq. 10). tensors: (B, H, E, width) fp32."""
         slots = self.exact_slots
-        buffer, lo, hi = self.layout.field_slices()[self.layout.route]
+        buffer, lo, hi = self.layout.slices[self.layout.route]
         route, bank_route = tensors[buffer][..., lo:hi], self._memory(buffer, torch.float32, 0, slots)[..., lo:hi]
         # Cosines in fp32 (ties in bf16 would make routing order-dependent), from unit vectors per head.
         routing = (F.normalize(route, dim=-1), F.normalize(bank_route, dim=-1), positions, passed,

@@ -21,6 +21,7 @@ from attnlab.errors import ConfigError
 from attnlab.kernels import cpu as cpu_kernels
 
 FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FORMAT_OF_DTYPE = {dtype: name for name, dtype in FLOAT_FORMATS.items()}  # a cache dtype's format name
 BLOCK_FORMATS = quant.FORMATS  # q8_0, q4_0, nf4: blocks of 32 with an fp16 scale
 KIVI_FORMATS = {"kivi2": 2, "kivi4": 4, "kivi8": 8}  # asymmetric ints: keys per channel, values per token
 FORMATS = (*FLOAT_FORMATS, *BLOCK_FORMATS, *KIVI_FORMATS)

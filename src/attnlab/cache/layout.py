@@ -11,6 +11,7 @@ head (MLA's latent); its *fields* are named slices of its last axis, in order. A
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,7 @@ class CacheLayout:
             raise ValueError(f"cache layout: field names {names} must be unique and include route={self.route!r}")
 
     # -- derived ------------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def fields(self) -> list[Field]:
         return [f for _, fields in self.buffers for f in fields]
 
@@ -69,8 +70,9 @@ class CacheLayout:
         """Values per head of one buffer (its fields side by side)."""
         return sum(f.width for f in dict(self.buffers)[buffer])
 
-    def field_slices(self) -> dict[str, tuple[str, int, int]]:
-        """field name -> (buffer, lo, hi) along the buffer's last axis."""
+    @functools.cached_property
+    def slices(self) -> dict[str, tuple[str, int, int]]:
+        """field name -> (buffer, lo, hi) along the buffer's last axis (computed once: memories read it every step)."""
         out = {}
         for buffer, fields in self.buffers:
             lo = 0
@@ -89,10 +91,6 @@ class CacheLayout:
     def values_per_token(self) -> dict[str, int]:
         """Elements each token stores per layer, by field (over all KV heads): the accounting's `cache_fields`."""
         return {f.name: f.width * self.heads for f in self.fields}
-
-    def parts(self) -> dict[str, list[tuple[str, int]]]:
-        """buffer -> [(field, per-head width)], the fields inside each buffer along its last axis."""
-        return {buffer: [(f.name, f.width) for f in fields] for buffer, fields in self.buffers}
 
 
 def low_frequency_channels(width: int, interleaved: bool = False) -> torch.Tensor:

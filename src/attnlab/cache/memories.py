@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.cache.base import LayerCache, Write
-from attnlab.cache.codecs import Codec, KVPolicy
+from attnlab.cache.codecs import FORMAT_OF_DTYPE, Codec, KVPolicy
 from attnlab.cache.layout import CacheLayout
 from attnlab.config import MemoryConfig
 from attnlab.errors import ConfigError
@@ -82,8 +82,7 @@ class SlotStorage:
         self.shapes = {name: (batch, layout.heads, slots, layout.buffer_width(name)) for name, _ in layout.buffers}
         self.codecs: dict[str, Codec] = {}
         if policy is not None:
-            default = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-            self.codecs = memory_codecs(layout, policy, default)
+            self.codecs = memory_codecs(layout, policy, FORMAT_OF_DTYPE[dtype])
             self.arrays = {name: codec.allocate(batch, slots, device) for name, codec in self.codecs.items()}
         else:
             self.tensors_ = {
@@ -102,7 +101,7 @@ class SlotStorage:
             return self.tensors_[name].to(dtype)
         batch, heads, slots, width = self.shapes[name]
         out = torch.empty(batch, slots, heads, width, dtype=dtype, device=self.device)  # token-major
-        for field, (buffer, lo, hi) in self.layout.field_slices().items():
+        for field, (buffer, lo, hi) in self.layout.slices.items():
             if buffer == name:
                 self.codecs[field].decode_into(self.arrays[field], out[..., lo:hi])
         return out.transpose(1, 2)  # (B, H, slots, width)
@@ -120,7 +119,7 @@ class SlotStorage:
             else:
                 stored.index_copy_(2, index, values.to(stored.dtype))
             return
-        for field, (buffer, lo, hi) in self.layout.field_slices().items():
+        for field, (buffer, lo, hi) in self.layout.slices.items():
             if buffer == name:
                 rows = values[..., lo:hi].detach().float().transpose(1, 2).flatten(2)  # (B, n, H * w)
                 for array, encoded in zip(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlab.cache.base import LayerCache
-from attnlab.cache.codecs import FLOAT_FORMATS, Codec, KVPolicy
+from attnlab.cache.codecs import FORMAT_OF_DTYPE, Codec, KVPolicy
 from attnlab.cache.layout import CacheLayout, Read
 from attnlab.cache.quantized_kernel import KernelPlan, PlanPart
 from attnlab.errors import ConfigError, InputError
@@ -57,10 +57,10 @@ class QuantizedCache(LayerCache):
                  dtype: torch.dtype, device=None):  # fmt: skip
         super().__init__(layout)
         self.policy, self.dtype, self.max_len, self.batch = policy, dtype, max_len, batch
-        default = next(name for name, d in FLOAT_FORMATS.items() if d == dtype)
+        default = FORMAT_OF_DTYPE[dtype]
         policy.check([f.name for f in layout.fields])
         self.parts: list[Part] = []
-        for field, (buffer, lo, hi) in layout.field_slices().items():
+        for field, (buffer, lo, hi) in layout.slices.items():
             codec = Codec(policy.format_of(field, default), layout.heads * (hi - lo), field.startswith("k"),
                           policy.group_size, field)  # fmt: skip
             self.parts.append(Part(buffer, field, lo, hi, codec))

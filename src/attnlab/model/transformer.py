@@ -47,6 +47,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.positions_covered = cfg.max_seq_len  # RoPE positions every layer's table covers
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -101,8 +102,9 @@ class Transformer(nn.Module):
         if use_cache and cache is None:
             cache = self.new_cache(batch)
         start = cache.seen if cache is not None else 0
-        if block is not None:
-            self.extend_positions(start + length)
+        if block is not None:  # a memory streams past max_seq_len: RoPE's tables grow to cover it
+            if start + length > self.positions_covered:
+                self.extend_positions(start + length)
         elif start + length > self.cfg.max_seq_len:
             raise InputError(
                 f"sequence of {start + length} tokens exceeds max_seq_len={self.cfg.max_seq_len} "
@@ -127,6 +129,7 @@ class Transformer(nn.Module):
                 grown[key] = module
             else:  # the same values: alias the table grown for the first such layer
                 module.cos, module.sin, module.max_seq_len = grown[key].cos, grown[key].sin, grown[key].max_seq_len
+        self.positions_covered = min(m.max_seq_len for m in self.modules() if isinstance(m, Rotary))
 
     def forward_at(
         self, tokens: torch.Tensor, positions: torch.Tensor, layer_caches=None, last_only: bool = False
