@@ -2,10 +2,10 @@
 
     python bench/memory_chunks.py [--data-dir ../shared/data] [--windows 4] [--blocks 128,32,8,1] [--positions P]
 
-A model with a memory reads a sequence `memory.block` tokens at a time, and a block's queries see the memory as
-it stood at the block's start (cache/memories.py). For `window` and `streaming` (absolute positions) that is
-exactly what token-by-token decoding sees; for `h2o` and `bounded` the tokens that leave the window inside a
-block reach the memory only after it. This measures the difference on a real trained model, karpathy's
+A model with a memory reads a sequence `memory.block` tokens at a time, and each query of a block sees what the
+memory holds at its own step (cache/memories.py), so with absolute positions blocks and token-by-token decoding
+should agree to float rounding for every memory kind; with cache positions a block ranks the held keys once for
+all its queries. This measures the difference on a real trained model, karpathy's
 stories260K (llama2.c, 512 positions): a stream of `windows` x 512 tokens of its own sampled stories (BOS
 between them), scored through each memory (128 slots) with StreamingLLM's cache positions (or --positions
 absolute), block sizes from 128 down to 1 (block 1 is token-by-token decoding), against the plain model reading

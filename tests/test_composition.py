@@ -142,3 +142,40 @@ def test_the_summary_bank_blends_every_layout_on_its_rope_channels(name):
         kept = layer.blend[buffer][lo:hi].bool()
         assert kept.all() != rope  # RoPE fields keep their low-frequency channels only
         assert (values[..., ~kept] == 0).all() and (values[..., kept] != 0).any(), field
+
+
+# Memories far smaller than the stream, so that tokens are evicted, replaced and blended within a block: sinks and a
+# window; heavy hitters ranked again at every step; an exact bank that replaces its least recently used token and a
+# summary bank whose prototypes move (gated writes, thresholds met by random tokens: inserts, refreshes and blends).
+EVICTING = {
+    "window": MemoryConfig(kind="window", recent_window=6),
+    "streaming": MemoryConfig(kind="streaming", recent_window=6, sink_tokens=2),
+    "h2o": MemoryConfig(kind="h2o", recent_window=6, heavy_slots=4),
+    "bounded": MemoryConfig(kind="bounded", recent_window=6, exact_slots=3, summary_slots=3, tau_novel=0.3,
+                            tau_match=0.6, tau_gate=0.45),
+}  # fmt: skip
+BLOCKS = (5, 1, 9, 3, 13, 2, 7)  # 40 tokens in blocks shorter and longer than the window
+
+
+@pytest.mark.parametrize("memory", list(EVICTING))
+@pytest.mark.parametrize("name", [m for m in MODELS if m != "tiny-sliding"])
+def test_reading_in_blocks_equals_decoding_token_by_token(name, memory):
+    """A block's queries see what the memory holds at their own step, as decoding does: the same logits and the
+    same memory after the stream, whatever the blocks, while the memory evicts and blends within them."""
+    model = build(name, EVICTING[memory])
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    stepped_cache = model.new_cache(2, 64)
+    stepped = decode(model, stepped_cache, tokens)
+    cache, logits, start = model.new_cache(2, 64), [], 0
+    with torch.no_grad():
+        for size in BLOCKS:
+            logits.append(model(tokens[:, start : start + size], cache=cache)[0])
+            start += size
+    torch.testing.assert_close(torch.cat(logits, dim=1), stepped, atol=1e-4, rtol=0)
+    for blocked, one_by_one in zip(cache.layers, stepped_cache.layers, strict=True):
+        assert torch.equal(blocked.positions(), one_by_one.positions())
+        for name_, tensor in one_by_one.state().items():
+            torch.testing.assert_close(blocked.state()[name_], tensor, atol=1e-5, rtol=1e-5, msg=name_)
+    held = stepped_cache.layers[-1].memory_positions
+    evicted = set(range(LENGTH - 6)) - set(held[held >= 0].tolist())
+    assert memory == "window" or evicted  # the memory was full and had to choose

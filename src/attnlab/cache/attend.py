@@ -71,6 +71,7 @@ def attend_held(
         k, v = prepend_null(k, null[0]), prepend_null(v, null[1])
     cache = held.cache
     if observe and cache is not None and cache.wants_probs:
+        held.mask = cache.resolve(q, k, scale, held.mask, null is not None)  # later maps (DIFF's) use it too
         y, probs = attend_with_probs(q, k, v, held.mask, scale)
         cache.observe(probs[..., 1:] if null is not None else probs)
         return y

@@ -12,7 +12,7 @@ from torch import nn
 
 from attnlab.cache.base import Write
 from attnlab.cache.layout import CacheLayout, low_frequency_channels
-from attnlab.cache.memories import MemoryCache
+from attnlab.cache.memories import NEVER, MemoryCache, Routed
 from attnlab.config import MemoryConfig
 from attnlab.errors import InputError
 from attnlab.kernels import kernel_usable
@@ -24,15 +24,17 @@ def exact_routing(unit, bank_unit, positions, passed, slot_positions, last_used,
 
     unit: (B, H_kv, E, D) the candidates' values, unit-normalised per head, in position order; bank_unit:
     (B, H_kv, M_e, D) the bank's, likewise; positions: (E,); passed: (B, E) bool; slot_positions, last_used:
-    (B, M_e) long, -1 for an empty slot. Returns (source, slot_positions, last_used), each (B, M_e) long: the
-    candidate each slot now holds (-1: it kept its token), the position it holds and its recency. Ties go to
-    the lowest slot (best match, first free slot, LRU victim), as torch.max / argmax / argmin pick them.
+    (B, M_e) long, -1 for an empty slot. Returns (source, slot_positions, last_used, target): each of the first
+    three (B, M_e) long, the candidate each slot now holds (-1: it kept its token), the position it holds and
+    its recency; target (B, E) long, the slot each candidate took (-1: none). Ties go to the lowest slot (best
+    match, first free slot, LRU victim), as torch.max / argmax / argmin pick them.
     """
     batch, heads, slots = unit.shape[0], unit.shape[1], bank_unit.shape[2]
     to_bank = torch.einsum("bhed,bhmd->bem", unit, bank_unit) / heads  # (B, E, M_e) cosines averaged over heads
     to_candidate = torch.einsum("bhed,bhfd->bef", unit, unit) / heads  # (B, E, E)
     slot_positions, last_used = slot_positions.clone(), last_used.clone()
     source = torch.full((batch, slots), -1, dtype=torch.long, device=unit.device)  # candidate now in a slot
+    taken = torch.full((batch, unit.shape[2]), -1, dtype=torch.long, device=unit.device)  # slot of each candidate
     rows = torch.arange(batch, device=unit.device)
     never = torch.iinfo(torch.long).max
     for j in range(unit.shape[2]):  # sequential by nature: each insertion changes the next one's LRU victim
@@ -48,7 +50,22 @@ def exact_routing(unit, bank_unit, positions, passed, slot_positions, last_used,
         source[rows, target] = torch.where(novel, j, source[rows, target])
         slot_positions[rows, target] = torch.where(novel, position, slot_positions[rows, target])
         last_used[rows, target] = torch.where(novel | hit, position, last_used[rows, target])
-    return source, slot_positions, last_used
+        taken[:, j] = torch.where(novel, target, -1)
+    return source, slot_positions, last_used, taken
+
+
+def reigns(claims: torch.Tensor, steps: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """When each claim on a slot ends. claims: (B, E) the slot each of E events claims in turn (-1: none);
+    steps: (E,) when each happens. Returns (until (B, E): the step of the next claim on the same slot, NEVER if
+    none; first (B, M): the step of the first claim on each slot, NEVER if none)."""
+    count = claims.shape[1]
+    later = torch.ones(count, count, dtype=torch.bool, device=claims.device).triu(1)  # [j, j']: j' after j
+    same = (claims[:, :, None] == claims[:, None, :]) & (claims[:, None, :] >= 0) & later
+    never = torch.full((), NEVER, device=claims.device)
+    until = torch.where(same, steps, never).amin(dim=2)
+    on_slot = claims[:, :, None] == torch.arange(slots, device=claims.device)  # (B, E, M)
+    first = torch.where(on_slot, steps[:, None], never).amin(dim=1)
+    return until, first
 
 
 class BoundedCache(MemoryCache):
@@ -73,10 +90,13 @@ class BoundedCache(MemoryCache):
                  a copy); every other one moves its best-matching prototype by eta = sigmoid(eta_logit) * g
                  (Eq. 9). RoPE fields are blended on their low-frequency channels only and their high-frequency
                  channels stay zero, so keys rotated to different positions do not interfere; fields without
-                 RoPE (values, DBA's semantic keys, MLA's latent) are blended in full. Vectorised over a chunk:
-                 routing against the bank as it stood before the chunk (fills first, then blends), and the
-                 blends applied as the exact closed form of the sequential EMA: per slot, m <- prod(1 - eta_l) m
-                 + sum_l eta_l prod_{l' > l}(1 - eta_l') t_l.
+                 RoPE (values, DBA's semantic keys, MLA's latent) are blended in full. One candidate after
+                 another, as decoding routes them (a loop over the chunk's candidates, like the exact bank's).
+
+    A chunk reads the memory as decoding would: each of its queries sees every token and prototype the memory
+    holds at that query's own step. A bank token is the column of the ring or chunk token it copies, seen
+    until another candidate takes its slot; each prototype a chunk's candidate opens or moves is one more
+    column, seen from that candidate's step until the next change of its slot (Routed, MemoryCache.mask).
 
     detach_evicted (default) stops gradients at the bank writes; false lets them flow through the bank
     updates into the projections, the write gate and eta_logit (phase-2 training, §3.6).
@@ -124,22 +144,35 @@ class BoundedCache(MemoryCache):
                              f"(expected {(first.shape[0], length)})")  # fmt: skip
         return write.gate.float()
 
-    def _route(self, tensors, positions, gate) -> None:
+    def _route(self, tensors, positions, gate) -> Routed:
         if self.memory.detach_evicted:
             tensors, gate = {name: t.detach() for name, t in tensors.items()}, gate.detach()
+        batch, window = gate.shape[0], self.recent_window
+        hidden = (positions + window).expand(batch, -1).clone()  # (B, E): seen until they leave the window
+        memory_hidden = torch.full_like(self.memory_positions, NEVER)
+        extra = {name: t[:, :, :0] for name, t in tensors.items()}
+        extra_positions = extra_shown = extra_hidden = torch.empty(batch, 0, dtype=torch.long, device=gate.device)
         passed = gate >= self.memory.tau_gate  # (B, E)
         candidates = passed.any(dim=0).nonzero().squeeze(1)  # tokens some sequence writes
-        if candidates.numel() == 0:
-            return
-        tensors = {name: t[:, :, candidates].float() for name, t in tensors.items()}
-        positions, gate, passed = positions[candidates], gate[:, candidates], passed[:, candidates]
-        if self.exact_slots:
-            self._update_exact(tensors, positions, passed)
-        if self.summary_slots:
-            self._update_summary(tensors, positions, gate, passed)
+        if candidates.numel():
+            tensors = {name: t[:, :, candidates].float() for name, t in tensors.items()}
+            positions, gate, passed = positions[candidates], gate[:, candidates], passed[:, candidates]
+            steps = positions + window  # a candidate is routed when the query at p + W arrives
+            if self.exact_slots:
+                taken = self._update_exact(tensors, positions, passed)
+                until, first = reigns(taken, steps, self.exact_slots)
+                hidden[:, candidates] = torch.where(taken >= 0, until, steps)
+                memory_hidden[:, : self.exact_slots] = first
+            if self.summary_slots:
+                extra, changed, extra_positions = self._update_summary(tensors, positions, gate, passed)
+                extra_hidden, first = reigns(changed, steps, self.summary_slots)
+                memory_hidden[:, self.exact_slots :] = first
+                extra_shown = torch.where(changed >= 0, steps, NEVER)
+        return Routed(hidden, memory_hidden, extra, extra_positions, extra_shown, extra_hidden)
 
-    def _update_exact(self, tensors, positions, passed) -> None:
-        """Novelty-filtered LRU over the routing field's cosine (§3.2, Eq. 10). tensors: (B, H, E, width) fp32."""
+    def _update_exact(self, tensors, positions, passed) -> torch.Tensor:
+        """Novelty-filtered LRU over the routing field's cosine (§3.2, Eq. 10). tensors: (B, H, E, width) fp32.
+        Returns the slot each candidate took, (B, E) (-1: none)."""
         slots = self.exact_slots
         buffer, lo, hi = self.layout.slices[self.layout.route]
         route, bank_route = tensors[buffer][..., lo:hi], self._memory(buffer, torch.float32, 0, slots)[..., lo:hi]
@@ -150,66 +183,70 @@ class BoundedCache(MemoryCache):
         if kernel_usable(route, bank_route):  # CUDA without autograd: the whole loop in one launch (§3.4)
             from attnlab.kernels.bank_routing import bank_routing  # optional: needs triton
 
-            source, slot_positions, last_used = bank_routing(*routing)
+            source, slot_positions, last_used, taken = bank_routing(*routing)
         else:
-            source, slot_positions, last_used = exact_routing(*routing)
-        taken = (source >= 0)[:, None, :, None]  # (B, 1, M_e, 1)
+            source, slot_positions, last_used, taken = exact_routing(*routing)
+        held = (source >= 0)[:, None, :, None]  # (B, 1, M_e, 1)
         written = {}
         for name, t in tensors.items():
             bank = self._memory(name, torch.float32, 0, slots)
             index = source.clamp(min=0)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
-            written[name] = torch.where(taken, t.gather(2, index), bank)
+            written[name] = torch.where(held, t.gather(2, index), bank)
         self._write_memory(0, written)
         self.memory_positions = torch.cat((slot_positions, self.memory_positions[:, slots:]), dim=1)
         self.exact_last_used = last_used
+        return taken
 
-    def _update_summary(self, tensors, positions, gate, passed) -> None:
-        """EMA prototypes with LF-K routing (§3.2 Eq. 9, §3.3). tensors: (B, H, E, width) fp32; gate (B, E)."""
+    def _update_summary(self, tensors, positions, gate, passed):
+        """EMA prototypes with LF-K routing (§3.2 Eq. 9, §3.3), one candidate after another as decoding routes
+        them. tensors: (B, H, E, width) fp32; gate (B, E). Returns (versions, changed, version_positions): each
+        buffer's prototype as candidate j left it, (B, H, E, width); the slot candidate j opened or moved, (B, E)
+        (-1: none); the position that prototype then carries (the newest blended into it), (B, E)."""
         slots, first = self.summary_slots, self.exact_slots
         heads = next(iter(tensors.values())).shape[1]
         tensors = {name: t * self.blend[name].to(t.dtype) for name, t in tensors.items()}  # HF channels stay 0
         bank = {name: self._memory(name, torch.float32, first, slots) for name in tensors}
         slot_positions = self.memory_positions[:, first:]
+        lf = {name: m.to(torch.float32) for name, m in self.lf.items()}
+
+        def routing_keys(buffers):  # (B, H, n, sum of routed channels): the LF-K vectors
+            return torch.cat([t * lf[name] for name, t in buffers.items()], dim=-1)
+
+        # Per candidate: its LF-K unit vector, its buffers, its rate eta = sigma(eta_logit) * g per KV head.
+        units = F.normalize(routing_keys(tensors), dim=-1).unbind(2)  # (B, H, d) each
+        columns = {name: t.unbind(2) for name, t in tensors.items()}  # (B, H, width) each
+        rates = (self._eta.float().reshape(1, -1, 1).expand(1, heads, 1) * gate[:, None, :]).unbind(2)  # (B, H)
+        prototypes = F.normalize(routing_keys(bank), dim=-1)  # (B, H, M_s, d), kept up to date below
         used = slot_positions >= 0
-
-        def routing_keys(buffers):  # (B, H, n, sum of routed channels), the LF-K vectors
-            return torch.cat([t * self.lf[name].to(t.dtype) for name, t in buffers.items()], dim=-1)
-
-        unit = F.normalize(routing_keys(tensors), dim=-1)
-
-        def route(bank_buffers, used):
-            similarity = torch.einsum("bhed,bhmd->bem", unit, F.normalize(routing_keys(bank_buffers), dim=-1)) / heads
-            return similarity.masked_fill(~used[:, None, :], float("-inf")).max(dim=2)  # (B, E) twice
-
-        # 1. Novel candidates open the free slots, lowest slot first, in position order (eta = 1).
-        best, _ = route(bank, used)
-        novel = passed & (best < self.memory.tau_novel)
-        rank = novel.long().cumsum(dim=1) - 1  # (B, E): this candidate's turn among the novel ones
-        free_slots = torch.sort((used).long(), dim=1, stable=True).indices  # free slots first, ascending
-        opens = novel & (rank < (~used).sum(dim=1, keepdim=True))
-        open_slot = free_slots.gather(1, rank.clamp(0, slots - 1))  # (B, E)
-        fill = F.one_hot(open_slot, slots).float() * opens[..., None]  # (B, E, M_s)
-        filled = fill.sum(dim=1)[:, None, :, None] > 0  # (B, 1, M_s, 1)
-        bank = {name: torch.where(filled, torch.einsum("bem,bhed->bhmd", fill, tensors[name]), b)
-                for name, b in bank.items()}  # fmt: skip
-        opened_positions = torch.where(opens, positions, -1)
-        slot_positions = slot_positions.scatter_reduce(1, open_slot, opened_positions, "amax")
-        # 2. Every other candidate moves its best-matching prototype (after the fills) by eta = sigma * g.
-        blends = passed & ~opens
-        if blends.any():
-            _, best_slot = route(bank, slot_positions >= 0)
-            assign = F.one_hot(best_slot, slots).float() * blends[..., None]  # (B, E, M_s)
-            eta = self._eta.float().reshape(1, -1, 1).expand(1, heads, 1) * gate[:, None, :]  # (B, H, E)
-            log_keep = torch.log1p(-eta.clamp(max=1 - 1e-6))[..., None] * assign[:, None]  # (B, H, E, M_s)
-            later = log_keep.flip(2).cumsum(2).flip(2) - log_keep  # sum over later candidates, same slot
-            weight = eta * ((later * assign[:, None]).sum(-1)).exp()  # (B, H, E): eta_l prod_{l'>l}(1 - eta_l')
-            keep = log_keep.sum(2).exp()[..., None]  # (B, H, M_s, 1): prod_l (1 - eta_l)
-            bank = {name: keep * b + torch.einsum("bhe,bem,bhed->bhmd", weight, assign, tensors[name])
-                    for name, b in bank.items()}  # fmt: skip
-            blended_positions = torch.where(blends, positions, -1)
-            slot_positions = slot_positions.scatter_reduce(1, best_slot, blended_positions, "amax")
+        index = torch.arange(slots, device=gate.device)
+        tau_novel = self.memory.tau_novel * heads  # the cosines below are summed over heads, not averaged
+        versions = {name: [] for name in tensors}
+        changed, version_positions = [], []
+        for j, position in enumerate(positions.tolist()):  # sequential: each change moves the next one's match
+            acts = passed[:, j]  # every candidate that passed its gate opens a prototype or moves one
+            similarity = torch.einsum("bhd,bhmd->bm", units[j], prototypes).masked_fill(~used, float("-inf"))
+            best, best_slot = similarity.max(dim=1)  # (B,)
+            free = ~used
+            opens = acts & (best < tau_novel) & free.any(dim=1)  # a copy in the first free slot (eta = 1)
+            slot = torch.where(opens, free.long().argmax(dim=1), best_slot)  # else the best match moves
+            eta = torch.where(opens[:, None], 1.0, rates[j])  # (B, H)
+            hit = (index == slot[:, None]) & acts[:, None]  # (B, M_s): the slot this candidate changes
+            weight = hit[:, None, :, None] * eta[:, :, None, None]  # (B, H, M_s, 1)
+            made = {}
+            for name, column in columns.items():
+                bank[name] = bank[name] + weight * (column[j][:, :, None] - bank[name])  # empty slots hold 0
+                made[name] = (bank[name] * hit[:, None, :, None]).sum(dim=2)  # (B, H, width): the new prototype
+                versions[name].append(made[name])
+            made_unit = F.normalize(routing_keys({name: t[:, :, None] for name, t in made.items()}), dim=-1)
+            prototypes = torch.where(hit[:, None, :, None], made_unit, prototypes)
+            slot_positions = torch.where(hit, slot_positions.clamp(min=position), slot_positions)
+            used = used | hit
+            changed.append(torch.where(acts, slot, -1))
+            version_positions.append(torch.where(acts, position, -1))
         self._write_memory(first, bank)
         self.memory_positions = torch.cat((self.memory_positions[:, :first], slot_positions), dim=1)
+        versions = {name: torch.stack(v, dim=2) for name, v in versions.items()}
+        return versions, torch.stack(changed, dim=1), torch.stack(version_positions, dim=1)
 
 
 class MemoryWrite(nn.Module):

@@ -74,6 +74,15 @@ class LayerCache(ABC):
         the variant's window), a leading always-visible column for a null key."""
         return attention_mask(q_pos, k_pos, window, null, self.static)
 
+    def resolve(
+        self, q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None, null: bool
+    ) -> torch.Tensor | None:
+        """The mask a chunk's queries q (B, H, T, D) attend with over the keys k (B, H_kv, S, D) (a null
+        key first when `null`), given the one `mask` built from positions. A cache whose evictions depend on
+        the attention itself (H2O) decides them here, query by query, so that a chunk sees what token-by-token
+        decoding would; called only when `wants_probs`, before `observe`. Default: `mask`."""
+        return mask
+
     def observe(self, probs: torch.Tensor) -> None:
         """probs (B, H, Tq, S): attention probabilities over the slots `update` returned (no null column).
         Called only when `wants_probs`; a cache that sets it overrides this."""

@@ -14,21 +14,32 @@ field's format (`SlotStorage`), the ring and the banks alike.
 When tokens leave the window:
   decode (one token)  the token at p - W is routed into the memory slots first, then p takes its ring slot
                       and the query attends over the buffers themselves (no copy; the paper's decode order)
-  chunk (T > 1)       the chunk's queries attend over [ring as it was | chunk | memory as it was], the
-                      first W + T columns under the exact sliding-window rule; then the tokens that left
-                      the window are routed into memory and the newest W written into the ring (the
-                      paper's prefill: a chunk sees the memory as it stood before the chunk)
+  chunk (T > 1)       the chunk's queries attend over [ring as it was | chunk | memory as it was | columns
+                      the routing made], and each query sees exactly what decoding would hold at its step:
+                      the tokens that leave the window during the chunk are routed in position order, and
+                      every column is visible to the queries at steps [shown, hidden) (`Routed`): a ring or
+                      chunk token at p from p until p + W, or, if a bank slot takes it, until another token
+                      takes that slot; a memory token until it is replaced; a summary prototype as a blend
+                      made it, from that candidate's step until the next blend of its slot. H2O's evictions
+                      depend on the chunk's own attention, so it decides them query by query in `resolve`.
+                      Then the newest W tokens are written into the ring.
+
+Scoring a sequence in blocks therefore equals decoding it token by token (tests/test_composition.py), for every
+memory kind, with absolute positions; with `positions: cache` a block's queries share one ranking of the held
+keys (the rank of the block's first token), which decoding would refine per query.
 
 Positions and masks. Ring slots share their positions across the batch, (W,); memory slots differ per
 sequence, (B, M). A memory slot carries the position of the token it holds (exact bank, sinks, heavy
 hitters) or of the newest token blended into it (summary bank). Every token in memory has left the window
-of the query that first sees it, so its position is below every later query's: under the causal rule a
-filled memory slot is visible to every later query, and an empty one (-1) to none. The recent columns
-also obey the window rule q - p < W, so `window` equals sliding-window attention of the same window
-(ops.masks.memory_mask). Masks are (B, 1, Tq, S); `positions()` is (B, W + M).
+of the query that first sees it, so its position is below every later query's. In decoding a filled memory
+slot is visible to the query and an empty one (-1) is not; the recent columns obey the window rule q - p < W,
+so `window` equals sliding-window attention of the same window (ops.masks.memory_mask). Masks are
+(B, 1, Tq, S); `positions()` is (B, W + M).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -37,8 +48,25 @@ from attnlab.cache.codecs import FORMAT_OF_DTYPE, Codec, KVPolicy
 from attnlab.cache.layout import CacheLayout
 from attnlab.config import MemoryConfig
 from attnlab.errors import ConfigError
+from attnlab.ops.attend import attention_logits
 from attnlab.ops.masks import memory_mask, with_null_column
 from attnlab.ops.rope import shift_rotation
+
+NEVER = torch.iinfo(torch.long).max  # the step of an event that does not come
+
+
+@dataclass
+class Routed:
+    """What routing a chunk's leaving tokens (E of them, at positions p) changed about what the chunk's own
+    queries see, as query steps: a token routed at step p + W is seen by the query at that step on."""
+
+    hidden: torch.Tensor  # (B, E) the step from which each leaving token is no longer seen: p + W, or the
+    #                       step its memory slot is taken by another (NEVER: still held after the chunk)
+    memory_hidden: torch.Tensor  # (B, M) the step from which each memory slot's token before the chunk is not
+    extra: dict[str, torch.Tensor]  # (B, H, X, width) columns the routing made (summary prototypes as blended)
+    extra_positions: torch.Tensor  # (B, X)
+    extra_shown: torch.Tensor  # (B, X) the step each extra column is seen from (NEVER: an unused column)
+    extra_hidden: torch.Tensor  # (B, X)
 
 
 def tracking(*tensors: torch.Tensor) -> bool:
@@ -222,8 +250,14 @@ class MemoryCache(LayerCache):
 
     def mask(self, q_pos, k_pos, window=None, null=False):
         """(B, 1, Tq, S) visibility of the slots `update` returned (k_pos: (B, S)); a leading always-visible
-        column for a variant's null key when `null`."""
-        mask = memory_mask(q_pos, k_pos, k_pos.shape[-1] - self.memory_slots, self.recent_window)
+        column for a variant's null key when `null`. After a chunk, each column is visible to the queries at
+        the steps the memory holds its token in decoding (`bounds`)."""
+        if self.bounds is None:
+            mask = memory_mask(q_pos, k_pos, k_pos.shape[-1] - self.memory_slots, self.recent_window)
+        else:
+            shown, hidden = (b[:, None, None, :] for b in self.bounds)  # (B, 1, 1, S)
+            q = q_pos[None, None, :, None]
+            mask = (shown <= q) & (q < hidden)
         return (with_null_column(mask) if null else mask), False
 
     def update(self, new: dict[str, torch.Tensor], positions: torch.Tensor, write: Write | None = None):
@@ -238,6 +272,7 @@ class MemoryCache(LayerCache):
         pinned = max(0, min(self.pinned_tokens - start, length))
         if pinned:  # StreamingLLM sinks go to their memory slots at once and never through the ring
             self._pin({name: t[:, :, :pinned] for name, t in new.items()}, positions[:pinned])
+        self.bounds = None
         if length == 1:
             if not pinned:
                 self._leave_window(start, 1, new, ring_values)
@@ -260,25 +295,50 @@ class MemoryCache(LayerCache):
             held[name] = torch.cat((stored[:, :, :window], t, stored[:, :, window:]), dim=2)
         held_positions = torch.cat((self.ring_positions.expand(batch, -1), chunk_positions.expand(batch, -1),
                                     self.memory_positions), dim=1)  # fmt: skip
+        # Each column is visible to the queries at steps [shown, hidden): a ring or chunk token at p from p to
+        # p + W (the window rule), a memory slot's token from before the chunk until routing replaces it.
+        filled = held_positions >= 0
+        shown = torch.where(filled, held_positions, NEVER)
+        hidden = torch.cat((held_positions[:, : window + length] + window,
+                            torch.full_like(self.memory_positions, NEVER)), dim=1)  # fmt: skip
+        self.columns = held  # before any re-rotation: H2O copies its heavy hitters from here
+        routed = self._leave_window(start, length, new, ring_values)
+        if routed is not None:  # what the chunk's own queries see of the routing, step by step
+            low = max(self.pinned_tokens, start - window)
+            columns = torch.arange(low, low + routed.hidden.shape[1], device=first.device)
+            columns = torch.where(columns < start, columns % window, window + columns - start)
+            hidden[:, columns] = routed.hidden
+            hidden[:, window + length :] = routed.memory_hidden
+            held = {name: torch.cat((t, routed.extra[name].to(t.dtype)), dim=2) for name, t in held.items()}
+            held_positions = torch.cat((held_positions, routed.extra_positions), dim=1)
+            shown = torch.cat((shown, routed.extra_shown), dim=1)
+            hidden = torch.cat((hidden, routed.extra_hidden), dim=1)
+        self.bounds = shown, hidden
         if self.cache_positions:
-            held = self._at_cache_positions(held, held_positions, start)
-        self._leave_window(start, length, new, ring_values)
+            held = self._at_cache_positions(held, held_positions, start, window + length + self.memory_slots)
         keep = min(length - pinned, window)  # the newest W tokens of the chunk stay in the ring
         if keep:
             values = None if ring_values is None else ring_values[:, -keep:]
             self._write_ring({name: t[:, :, -keep:] for name, t in new.items()}, positions[-keep:], values)
         return self._out(held, headless), held_positions
 
-    def _at_cache_positions(self, held: dict[str, torch.Tensor], k_pos: torch.Tensor, first: int):
+    def _at_cache_positions(self, held: dict[str, torch.Tensor], k_pos: torch.Tensor, first: int,
+                            base: int | None = None):  # fmt: skip
         """StreamingLLM's positions (Xiao et al. 2024, §3.2): the held tokens (B, H, S, width) with their RoPE
         fields re-rotated so that a key and a query are as far apart as their ranks among the held tokens (the
         sinks at 0, 1, ..., the window after them), not as their places in the stream. The queries were rotated at
         their stream positions first.. by the variant: a key at stream position p and rank c is moved by
         (c - p) - (c_q - first), c_q the rank of the chunk's first token, which leaves the chunk's own keys as
-        they are. Masks still use stream positions. k_pos: (B, S), -1 for an empty slot."""
+        they are. Masks still use stream positions. k_pos: (B, S), -1 for an empty slot. Columns past `base` (a
+        chunk's summary prototypes as blended) are ranked as the base column of their position."""
         valid = k_pos >= 0
-        rank = torch.where(valid, k_pos, torch.iinfo(torch.long).max).argsort(dim=1).argsort(dim=1)  # (B, S)
-        first_rank = (valid & (k_pos < first)).sum(dim=1, keepdim=True)  # (B, 1): c_q of the chunk's first token
+        base = k_pos.shape[1] if base is None else base
+        rank = torch.where(valid, k_pos, NEVER)[:, :base].argsort(dim=1).argsort(dim=1)  # (B, base)
+        if base < k_pos.shape[1]:
+            below = (valid[:, None, :base] & (k_pos[:, None, :base] < k_pos[:, base:, None])).sum(dim=2)
+            rank = torch.cat((rank, below), dim=1)
+        first_rank = (valid[:, :base] & (k_pos[:, :base] < first)).sum(dim=1, keepdim=True)  # (B, 1): c_q of the
+        # chunk's first token
         shift = torch.where(valid, (rank - k_pos) - (first_rank - first), 0)  # (B, S)
         out = {}
         for buffer, fields in self.layout.buffers:
@@ -305,13 +365,13 @@ class MemoryCache(LayerCache):
             return None
         return torch.full((first.shape[0], length), self.ring_value_init, device=first.device)
 
-    def _leave_window(self, start: int, length: int, new: dict[str, torch.Tensor], ring_values) -> None:
+    def _leave_window(self, start: int, length: int, new: dict[str, torch.Tensor], ring_values) -> Routed | None:
         """Routes the tokens that leave the window because of tokens [start, start + length) into memory,
         oldest first: ring tokens at positions [max(first ring position, start - W), start + length - W)."""
         window = self.recent_window
         low, high = max(self.pinned_tokens, start - window), start + length - window  # [low, high)
         if high <= low:
-            return
+            return None
         split = min(max(low, start), high)  # positions below `split` are in the ring, the rest in the chunk
         device = self.ring_positions.device
         from_ring = torch.arange(low, split, device=device)
@@ -324,7 +384,7 @@ class MemoryCache(LayerCache):
         values = None  # (B, E)
         if self.ring_values is not None:
             values = torch.cat((self.ring_values[:, slots], ring_values[:, from_chunk]), dim=1)
-        self._route(leaving, torch.arange(low, high, device=device), values)
+        return self._route(leaving, torch.arange(low, high, device=device), values)
 
     def _write_ring(self, new: dict[str, torch.Tensor], positions: torch.Tensor, values) -> None:
         slots = positions % self.recent_window
@@ -353,9 +413,11 @@ class MemoryCache(LayerCache):
     def _pin(self, tensors: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _route(self, tensors: dict[str, torch.Tensor], positions: torch.Tensor, values) -> None:
+    def _route(self, tensors: dict[str, torch.Tensor], positions: torch.Tensor, values) -> Routed | None:
         """Tokens leaving the window: buffers (B, H, E, width), positions (E,) oldest first, values (B, E) or
-        None."""
+        None. Returns what the routing changed about the columns a chunk's queries see (None: nothing; each
+        leaving token is then hidden once it leaves)."""
+        return None
 
 
 class WindowCache(MemoryCache):
@@ -388,8 +450,12 @@ class H2OCache(MemoryCache):
     Scores: the attention hands `observe` its probabilities over the held slots (computed explicitly, not by
     the fused kernel, which does not return them: a (B, H, Tq, S) fp32 temporary), and each slot's mass,
     summed over query heads and queries, is added to the token it holds. A token leaving the window takes a
-    heavy slot when its score beats the lowest heavy score (or a slot is free); in a chunk, the scores are
-    those from before the chunk (the chunk's own attention mass is added after its evictions).
+    heavy slot when its score beats the lowest heavy score (or a slot is free).
+
+    A chunk's evictions depend on the chunk's own attention (the query at step q + 1 may drop a token the
+    query at q made heavy), so `resolve` decides them query by query from the chunk's logits, as decoding
+    would: the token leaving at each step is ranked against the heavy hitters, that query's visible columns
+    follow, its softmax adds its mass; the memory's state after the chunk is written at the end.
     """
 
     ring_value_init = 0.0  # attention mass received so far
@@ -400,24 +466,34 @@ class H2OCache(MemoryCache):
         self.cache_positions = memory.positions == "cache"
         self.heavy_scores = torch.full((batch, memory.heavy_slots), float("-inf"), device=device)
         self._held_positions: torch.Tensor | None = None
+        self._pending: tuple[int, torch.Tensor] | None = None  # a chunk whose evictions `resolve` decides
+        self._deferring = False
 
     def bookkeeping(self):
         return {**super().bookkeeping(), "heavy_scores": self.heavy_scores}
 
     def update(self, new, positions, write=None):
+        if self._pending is not None:
+            raise RuntimeError("h2o: a chunk's attention was never resolved (attend through attend_held, which "
+                               "calls the cache's resolve and observe)")  # fmt: skip
+        chunk = positions.shape[0] > 1
+        ring_values = self.ring_values.clone() if chunk else None  # the ring's masses before the chunk
+        self._deferring = chunk
         held, held_positions = super().update(new, positions, write)
+        self._deferring = False
         self._held_positions = held_positions
+        if chunk:
+            self._pending = (self.seen - positions.shape[0], ring_values)
         return held, held_positions
 
     def _route(self, tensors, positions, scores) -> None:
-        if not self.memory_slots:
-            return
+        if not self.memory_slots or self._deferring:
+            return  # nothing to hold, or a chunk: `resolve` routes its tokens query by query
         batch = scores.shape[0]
         # Candidates: the heavy slots (empty ones score -inf) and the leaving tokens; keep the best M.
         all_scores = torch.cat((self.heavy_scores, scores), dim=1)  # (B, M + E)
         all_positions = torch.cat((self.memory_positions, positions.expand(batch, -1)), dim=1)
-        # Highest score first; ties keep the earlier entry (the sitting heavy hitter), so it is deterministic.
-        order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, : self.memory_slots]
+        order = self._best(all_scores)
         self.heavy_scores = all_scores.gather(1, order)
         self.memory_positions = all_positions.gather(1, order)
         kept = {}
@@ -427,16 +503,58 @@ class H2OCache(MemoryCache):
             kept[name] = candidates.gather(2, index)
         self._write_memory(0, kept)
 
+    def _best(self, scores: torch.Tensor) -> torch.Tensor:
+        """(B, M) indices of the M best of scores (B, M + E): highest first; ties keep the earlier entry (the
+        sitting heavy hitter), so it is deterministic."""
+        return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : self.memory_slots]
+
+    @torch.no_grad()
+    def resolve(self, q, k, scale, mask, null):
+        """A chunk's evictions, query by query (decode: `mask` as built). Returns the chunk's mask (B, 1, T, S)."""
+        if self._pending is None:
+            return mask
+        start, ring_values = self._pending
+        self._pending = None
+        logits = attention_logits(q, k, scale)  # (B, H, T, null + S)
+        n, window, slots = int(null), self.recent_window, self.memory_slots
+        k_pos = self._held_positions  # (B, S): [ring as it was | chunk | heavy hitters as they were]
+        batch, length, recent = k_pos.shape[0], q.shape[2], self.recent_window + q.shape[2]
+        # Every column's score: the ring's masses, nothing yet for the chunk, the heavy hitters' scores.
+        score = torch.cat((ring_values, ring_values.new_zeros(batch, length), self.heavy_scores), dim=1)
+        heavy = torch.arange(recent, recent + slots, device=k_pos.device).expand(batch, -1)  # (B, M) columns
+        resolved = mask.clone()
+        for t in range(length):
+            leaving = start + t - window
+            if slots and leaving >= self.pinned_tokens:  # its column: in the ring as it was, or in the chunk
+                column = leaving % window if leaving < start else window + leaving - start
+                all_scores = torch.cat((score.gather(1, heavy), score[:, column, None]), dim=1)
+                all_columns = torch.cat((heavy, heavy.new_full((batch, 1), column)), dim=1)
+                heavy = all_columns.gather(1, self._best(all_scores))
+            visible = torch.zeros_like(k_pos, dtype=torch.bool).scatter_(1, heavy, True) & (k_pos >= 0)
+            visible[:, :recent] |= mask[:, 0, t, n : n + recent]  # the window rule
+            resolved[:, 0, t, n:] = visible
+            probs = logits[:, :, t].masked_fill(~resolved[:, :, t], float("-inf")).softmax(dim=-1)  # (B, H, n + S)
+            score += torch.where(visible, probs[..., n:].sum(dim=1), 0.0)
+        # The memory after the chunk: the heavy hitters' tokens and scores, the ring's masses.
+        self.heavy_scores = score.gather(1, heavy)
+        self.memory_positions = k_pos.gather(1, heavy)
+        kept = {}
+        for name, t in self.columns.items():
+            index = heavy[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+            kept[name] = t.gather(2, index)
+        self._write_memory(0, kept)
+        ring = self.ring_positions
+        column = torch.where(ring < start, ring % window, window + ring - start)
+        self.ring_values = torch.where(ring >= 0, score.gather(1, column.clamp(min=0).expand(batch, -1)), 0.0)
+        return resolved
+
     @torch.no_grad()
     def observe(self, probs: torch.Tensor) -> None:
-        """Adds the attention mass each held slot received: probs (B, H, Tq, S) over what `update` returned."""
-        held = self._held_positions  # (B, S)
-        mass = probs.float().sum(dim=(1, 2))  # (B, S)
+        """Adds the attention mass each held slot received: probs (B, H, 1, S) over what `update` returned. A
+        chunk's masses were added by `resolve`."""
+        if self.bounds is not None:
+            return
+        mass = probs.float().sum(dim=(1, 2))  # (B, S): the held slots are the buffer itself
         window = self.recent_window
-        if held.shape[1] == self.capacity:  # decode: the held slots are the buffer itself
-            ring_mass, heavy_mass = mass[:, :window], mass[:, window:]
-        else:  # a chunk: credit each slot by the position it now holds (evictions moved tokens)
-            ring_mass = ((held[:, None, :] == self.ring_positions[None, :, None]) * mass[:, None, :]).sum(-1)
-            heavy_mass = ((held[:, None, :] == self.memory_positions[:, :, None]) * mass[:, None, :]).sum(-1)
-        self.ring_values += torch.where(self.ring_positions >= 0, ring_mass, 0.0)
-        self.heavy_scores += torch.where(self.memory_positions >= 0, heavy_mass, 0.0)
+        self.ring_values += torch.where(self.ring_positions >= 0, mass[:, :window], 0.0)
+        self.heavy_scores += torch.where(self.memory_positions >= 0, mass[:, window:], 0.0)

@@ -25,12 +25,13 @@ import numpy as np
 import torch
 
 from attnlab.accounting import kv_report
+from attnlab.cache.codecs import FLOAT_FORMATS, FORMAT_OF_DTYPE
 from attnlab.errors import InputError
 from attnlab.eval.records import make_record
 from attnlab.generate import decode_step, prefill
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+DTYPE_NAMES = FORMAT_OF_DTYPE  # torch.float16 -> "fp16"
+TORCH_DTYPES = FLOAT_FORMATS  # "fp16" -> torch.float16
 OOM_MESSAGES = ("out of memory", "not enough memory")  # CUDA / MPS and CPU allocator messages
 
 # ----------------------------------------------------------------------------- shared helpers

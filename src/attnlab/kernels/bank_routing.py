@@ -16,7 +16,8 @@ KV head) would have to exchange partial sums after every candidate; the heads ar
 feature axis instead (H_kv x head_dim features per vector).
 
 What it writes: per slot, the index of the candidate it now holds (-1: it kept its token), its position
-and its recency. Not the keys and values: a slot may be claimed several times in one chunk and only its
+and its recency; per candidate, the slot it took (a chunk's queries see each token while a slot holds it).
+Not the keys and values: a slot may be claimed several times in one chunk and only its
 last claimant is copied, which the per-slot index gives directly; the copy is then one gather that the
 caller shares with the PyTorch path (cast to the cache dtype, autograd-safe writes), and the kernel, whose
 outputs are integers, stays a pure decision.
@@ -42,8 +43,8 @@ import triton.language as tl
 
 @triton.jit
 def _bank_routing_kernel(
-    UNIT, BANK, POS, PASSED, SLOT_POS, LAST_USED, SOURCE_OUT, SLOT_POS_OUT, LAST_USED_OUT,
-    sub, suh, sue, sud, sbb, sbh, sbm, sbd, spb, spe, ssb, ssm, slb, slm, sob, som,
+    UNIT, BANK, POS, PASSED, SLOT_POS, LAST_USED, SOURCE_OUT, SLOT_POS_OUT, LAST_USED_OUT, TAKEN_OUT,
+    sub, suh, sue, sud, sbb, sbh, sbm, sbd, spb, spe, ssb, ssm, slb, slm, sob, som, stb, ste,
     count, slots, n_kv_heads, head_dim, tau_novel, tau_match,
     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
@@ -95,6 +96,7 @@ def _bank_routing_kernel(
             source = tl.where(slot == inserted, j, source)
             slot_pos = tl.where(slot == inserted, position, slot_pos)
             last_used = tl.where(slot == touched, position, last_used)
+            tl.store(TAKEN_OUT + b * stb + j * ste, inserted)
 
     out = b * sob + slot * som
     tl.store(SOURCE_OUT + out, source, mask=real)
@@ -118,21 +120,23 @@ def bank_routing(
     (B, H_kv, M_e, D) the bank's values, likewise; positions: (E,) long; passed: (B, E) bool, whether each
     sequence writes each candidate; slot_positions, last_used: (B, M_e) long, -1 for an empty slot. Any
     strides. Returns (source, slot_positions, last_used), each (B, M_e) long: the candidate each slot now
-    holds (-1: it kept its token), the position it holds and its recency.
+    holds (-1: it kept its token), the position it holds and its recency, and taken (B, E) long: the slot each
+    candidate took (-1: none).
     """
     batch, n_kv_heads, count, head_dim = unit.shape
     slots = bank_unit.shape[2]
     source = torch.empty(batch, slots, dtype=torch.long, device=unit.device)
     new_positions, new_last_used = torch.empty_like(source), torch.empty_like(source)
+    taken = torch.full((batch, count), -1, dtype=torch.long, device=unit.device)  # stays -1 where gated out
     passed = passed.to(torch.int8)
     block_m = max(16, triton.next_power_of_2(slots))
     block_f = min(max(16, triton.next_power_of_2(n_kv_heads * head_dim)), max(16, 4096 // block_m))
     _bank_routing_kernel[(batch,)](
         unit, bank_unit, positions.contiguous(), passed, slot_positions, last_used,
-        source, new_positions, new_last_used,
+        source, new_positions, new_last_used, taken,
         *unit.stride(), *bank_unit.stride(), *passed.stride(), *slot_positions.stride(), *last_used.stride(),
-        *source.stride(),
+        *source.stride(), *taken.stride(),
         count, slots, n_kv_heads, head_dim, float(tau_novel), float(tau_match),
         BLOCK_M=block_m, BLOCK_F=block_f,
     )  # fmt: skip
-    return source, new_positions, new_last_used
+    return source, new_positions, new_last_used, taken

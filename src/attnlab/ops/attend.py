@@ -65,14 +65,25 @@ def attend_with_probs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend` computed explicitly, also returning the probabilities: (out (B, H, Tq, Dv), probs (B, H, Tq, Tk)
     in fp32). Same shapes and mask forms as `attend` (no is_causal: give the mask)."""
-    batch, n_heads, tq, dim = q.shape
-    n_kv = k.shape[1]
-    group = n_heads // n_kv
-    q = q.reshape(batch, n_kv, group, tq, dim).float()  # query heads grouped by K/V head
-    scores = torch.einsum("bhgtd,bhsd->bhgts", q, k.float()) * scale  # (B, H_kv, G, Tq, Tk)
+    batch, n_heads, tq, _ = q.shape
+    scores = grouped_logits(q, k, scale)  # (B, H_kv, G, Tq, Tk)
     if mask is not None:
         mask = mask[:, :, None] if mask.dim() == 4 else mask  # (B, 1, 1, Tq, Tk) or (Tq, Tk)
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = scores.softmax(dim=-1)
     out = torch.einsum("bhgts,bhsd->bhgtd", probs, v.float()).to(v.dtype)
     return out.reshape(batch, n_heads, tq, v.shape[-1]), probs.reshape(batch, n_heads, tq, -1)
+
+
+def grouped_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q k^T * scale in fp32, query heads grouped by K/V head: q (B, H, Tq, D), k (B, H_kv, Tk, D) ->
+    (B, H_kv, H / H_kv, Tq, Tk)."""
+    batch, n_heads, tq, dim = q.shape
+    q = q.reshape(batch, k.shape[1], n_heads // k.shape[1], tq, dim).float()
+    return torch.einsum("bhgtd,bhsd->bhgts", q, k.float()) * scale
+
+
+def attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q k^T * scale in fp32 with grouped K/V heads: (B, H, Tq, Tk), before any mask."""
+    scores = grouped_logits(q, k, scale)
+    return scores.reshape(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
