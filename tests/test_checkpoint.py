@@ -1,6 +1,7 @@
 """Checkpoints: safetensors round trip, atomic pointers, a full disk loses nothing, mismatches are clear."""
 
 import errno
+import hashlib
 import json
 import os
 
@@ -96,7 +97,7 @@ def test_checkpoint_files_are_readable_by_others(tmp_path):
     modes = {p.name: p.stat().st_mode & 0o777 for p in [final, *final.iterdir(), final.parent / "last.json"]}
     assert modes == {
         "step-000001": 0o755, "model.safetensors": 0o644, "optimizer.pt": 0o644, "trainer.json": 0o644,
-        "config.json": 0o644, "last.json": 0o644,
+        "config.json": 0o644, "checksums.json": 0o644, "last.json": 0o644,
     }  # fmt: skip
 
 
@@ -124,6 +125,9 @@ def test_a_checkpoint_folder_without_its_config_is_a_clear_error(tmp_path):
     loaded = ckpt.load_checkpoint(final)
     assert loaded.folder == final and loaded.run_dir == tmp_path and loaded.config["model"] == model.cfg.to_dict()
     (final / "config.json").write_text('{"data": {}}')
+    checksums = json.loads((final / "checksums.json").read_text())  # as if written so: only the content is wrong
+    checksums["files"]["config.json"] = {"bytes": 12, "sha256": hashlib.sha256(b'{"data": {}}').hexdigest()}
+    (final / "checksums.json").write_text(json.dumps(checksums))
     with pytest.raises(ckpt.CheckpointError, match=r"config\.json: no model config in it"):
         ckpt.load_model_from_checkpoint(final)
     (final / "config.json").unlink()

@@ -7,7 +7,9 @@ import gzip
 import hashlib
 import lzma
 import os
+import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +48,48 @@ def atomic_path(path: str | Path, durable: bool = False) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+
+
+TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{12}\.tmp")  # temp_path_beside's names
+
+
+def remove_stale_temporaries(folder: str | Path, names: str = r".+", idle_seconds: float = 600.0) -> list[Path]:
+    """Removes the temporaries atomic_path left in `folder` (for files or folders whose name matches the regex
+    `names`) when their writer died before it could (killed, out of memory, the machine went down): its process
+    is gone from this machine and nothing in the temporary was written for `idle_seconds` (so a writer on
+    another machine sharing the folder, whose process cannot be seen from here, is left alone). Returns them."""
+    folder, removed, now = Path(folder), [], time.time()
+    if not folder.is_dir():
+        return removed
+    for path in folder.iterdir():
+        match = TEMPORARY.fullmatch(path.name)
+        if not match or not re.fullmatch(names, match["name"]) or _process_alive(int(match["pid"])):
+            continue
+        try:
+            inside = path.rglob("*") if path.is_dir() and not path.is_symlink() else []
+            last_write = max((p.lstat().st_mtime for p in [path, *inside]), default=0.0)
+        except OSError:  # removed meanwhile
+            continue
+        if now - last_write < idle_seconds:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _fsync(file: Path) -> None:

@@ -45,6 +45,11 @@ def load_for_eval(path: str | Path, data_dir: str | None = None, tag: str = "bes
     if data:
         try:
             tokenizer = load_tokenizer(data["tokenizer"], run_dir / "tokenizer", data_dir=data_dir)
-        except DataError:
-            tokenizer = prepare(DataConfig(**data), data_dir=data_dir).tokenizer
+        except DataError as saved_error:
+            try:
+                tokenizer = prepare(DataConfig(**data), data_dir=data_dir).tokenizer
+            except DataError:
+                if (run_dir / "tokenizer").is_dir():  # the run's own tokenizer is damaged: say so, not the data's
+                    raise saved_error from None
+                raise
     return EvalModel(_label(run_dir), path, loaded.cfg, model, tokenizer, config)

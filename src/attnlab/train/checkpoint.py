@@ -1,33 +1,52 @@
-"""Checkpoints that never lose work and never execute code when loaded.
+"""Checkpoints that never lose work, never execute code when loaded, and are checked before they are trusted.
 
-    <run>/checkpoints/step-000200/   model.safetensors  optimizer.pt  trainer.json  config.json
+    <run>/checkpoints/step-000200/   model.safetensors  optimizer.pt  trainer.json  config.json  checksums.json
     <run>/checkpoints/last.json      {"dir": "step-000200", "step": 200}   (and best.json)
 
 A checkpoint folder is written under a temporary name and renamed into place; the last.json / best.json
 pointers are then replaced atomically, so an interruption (or a full disk) at any moment leaves the
-previous checkpoint intact. Folders no pointer names any more are removed. Weights are safetensors;
+previous checkpoint intact. Folders no pointer names any more are removed, and so are the temporaries of
+writers that died (killed, out of memory) before they could remove their own. Weights are safetensors;
 optimizer and RNG state are read with torch.load(weights_only=True).
+
+checksums.json, written last inside the folder, records every other file's size and sha256; each file is
+checked against it whenever it is read (weights by every load, optimizer state on resume), so a damaged or
+changed file is refused with one line naming it instead of being used. The weights' safetensors metadata says
+the checkpoint has a checksums.json, so one that lost it is refused too. A checkpoint written before checksums
+were recorded (neither) still loads, checked only for being readable.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import pickle
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 from attnlab.config import ModelConfig
 from attnlab.config_io import model_config_from_dict
-from attnlab.data.files import atomic_path, atomic_write_text
-from attnlab.errors import AttnlabError
+from attnlab.data.files import atomic_path, atomic_write_text, remove_stale_temporaries, sha256_file
+from attnlab.errors import DataError
 from attnlab.model.transformer import Transformer, build_model
 
+WEIGHTS, OPTIMIZER, TRAINER, CONFIG = "model.safetensors", "optimizer.pt", "trainer.json", "config.json"
+CHECKSUMS = "checksums.json"
+CHECKSUMS_FORMAT = "attnlab-checkpoint-checksums"
+CHECKSUMS_KEY = "attnlab.checksums"  # in the weights' safetensors metadata: this checkpoint has a checksums.json
 
-class CheckpointError(AttnlabError):
-    """A checkpoint cannot be written or read."""
+log = logging.getLogger(__name__)
+_unchecked_warned: set[Path] = set()  # checkpoints from before checksums, warned about once per process
+
+
+class CheckpointError(DataError):
+    """A checkpoint cannot be written or read (missing, damaged, changed, or not for this model)."""
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -55,33 +74,71 @@ def save_checkpoint(run_dir: Path, model, optimizer, trainer: dict, config: dict
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{trainer['step']:06d}"
     if not final.exists():
+        writing = WEIGHTS
         try:
             with atomic_path(final, durable=True) as tmp:  # the folder, all its files flushed, then renamed
                 tmp.mkdir()
-                save_model(unwrap(model), str(tmp / "model.safetensors"), metadata={"step": str(trainer["step"])})
+                metadata = {"step": str(trainer["step"]), CHECKSUMS_KEY: CHECKSUMS}
+                save_model(unwrap(model), str(tmp / WEIGHTS), metadata=metadata)
+                writing = OPTIMIZER
                 state = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
-                torch.save(state, tmp / "optimizer.pt")
-                (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
-                (tmp / "config.json").write_text(json.dumps(config, indent=1))
-                shutil.copymode(tmp / "config.json", tmp / "model.safetensors")  # safetensors makes it 0o600
-        except OSError as e:
-            previous = read_pointer(root, "last")
-            kept = f"the previous checkpoint (step {previous['step']}) is intact" if previous else "nothing was kept"
-            raise CheckpointError(f"could not write checkpoint {final}: {e.strerror or e}; {kept}") from None
+                torch.save(state, tmp / OPTIMIZER)
+                writing = TRAINER
+                (tmp / TRAINER).write_text(json.dumps(trainer, indent=1))
+                writing = CONFIG
+                (tmp / CONFIG).write_text(json.dumps(config, indent=1))
+                shutil.copymode(tmp / CONFIG, tmp / WEIGHTS)  # safetensors makes it 0o600
+                writing = CHECKSUMS
+                files = {name: _fingerprint(tmp / name) for name in (WEIGHTS, OPTIMIZER, TRAINER, CONFIG)}
+                (tmp / CHECKSUMS).write_text(json.dumps({"format": CHECKSUMS_FORMAT, "files": files}, indent=1))
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk is an OSError, or torch's RuntimeError
+            raise CheckpointError(f"could not write checkpoint {final}: {writing}: {_why(e)}; {_kept(root)}") from None
     for tag in tags:
-        write_json_atomic(root / f"{tag}.json", {"dir": final.name, "step": trainer["step"]})
+        try:
+            write_json_atomic(root / f"{tag}.json", {"dir": final.name, "step": trainer["step"]})
+        except OSError as e:
+            raise CheckpointError(f"could not write {root / tag}.json: {_why(e)}; {_kept(root)}") from None
     _remove_unreferenced(root)
     return final
 
 
+def _fingerprint(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def _why(error: BaseException) -> str:
+    if isinstance(error, OSError):
+        return str(error.strerror or error)
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"{first} (is the disk full, or a file size limit reached?)"
+
+
+def _kept(root: Path) -> str:
+    try:
+        previous = read_pointer(root, "last")
+    except CheckpointError:
+        previous = None
+    return f"the previous checkpoint (step {previous['step']}) is intact" if previous else "nothing was kept"
+
+
 def read_pointer(root: Path, tag: str) -> dict | None:
+    """{"dir": "step-N", "step": N} of a tag (last, best), or None when there is none."""
     path = Path(root) / f"{tag}.json"
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        pointer = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); delete it to start over") from None
+    if not (
+        isinstance(pointer, dict)
+        and isinstance(pointer.get("dir"), str)
+        and re.fullmatch(r"step-\d+", pointer["dir"])
+        and isinstance(pointer.get("step"), int)
+    ):
+        raise CheckpointError(f'{path}: not a checkpoint pointer (expected {{"dir": "step-N", "step": N}}); '
+                              "delete it to start over")  # fmt: skip
+    return pointer
 
 
 def _remove_unreferenced(root: Path) -> None:
@@ -89,27 +146,151 @@ def _remove_unreferenced(root: Path) -> None:
     for path in root.iterdir():
         if path.is_dir() and path.name.startswith("step-") and path.name not in keep:
             shutil.rmtree(path, ignore_errors=True)
+    # A writer killed mid-write (SIGKILL, out of memory) could not remove its temporary. One process writes a
+    # run's checkpoints, so any temporary whose process is gone is stale, however recent.
+    remove_stale_temporaries(root, r"step-\d+|last\.json|best\.json", idle_seconds=0)
+
+
+# ----------------------------------------------------------------------------- checking what is read
+
+
+def _fix(folder: Path) -> str:
+    if folder.parent.name == "checkpoints":
+        return f"restore it from a copy, or delete {folder.parent} to train the run again from the start"
+    return "restore it from a copy of the checkpoint"
+
+
+def recorded_checksums(folder: Path) -> dict | None:
+    """{file name: {"bytes", "sha256"}} recorded when the checkpoint was written; None for a checkpoint written
+    before checksums were (no checksums.json, and its weights do not say it had one)."""
+    folder = Path(folder)
+    path = folder / CHECKSUMS
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if _weights_say_checksummed(folder):
+            raise CheckpointError(
+                f"{path}: missing, but {WEIGHTS} records that the checkpoint was written with it (the checkpoint "
+                f"was changed or copied in part); {_fix(folder)}"
+            ) from None
+        if folder not in _unchecked_warned:
+            _unchecked_warned.add(folder)
+            log.warning("%s: no %s (written by an older attnlab): its files cannot be checked", folder, CHECKSUMS)
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({_why(e)}); {_fix(folder)}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}): it was damaged or changed; {_fix(folder)}") from None
+    files = data.get("files") if isinstance(data, dict) and data.get("format") == CHECKSUMS_FORMAT else None
+    if not isinstance(files, dict) or not all(
+        isinstance(entry, dict)
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("sha256"), str)
+        and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])
+        for entry in files.values()
+    ):
+        raise CheckpointError(
+            f"{path}: not a checkpoint checksum list (expected format {CHECKSUMS_FORMAT!r} and files: {{name: "
+            f"{{bytes, sha256}}}}): the file was damaged or changed; {_fix(folder)}"
+        )
+    return files
+
+
+def _weights_say_checksummed(folder: Path) -> bool:
+    weights = folder / WEIGHTS
+    if not weights.exists():
+        return False
+    try:
+        with safe_open(str(weights), "pt") as f:
+            metadata = f.metadata() or {}
+    except SafetensorError as e:
+        raise _unreadable_weights(weights, e) from None
+    except OSError as e:
+        raise CheckpointError(f"{weights}: unreadable ({_why(e)}); {_fix(folder)}") from None
+    return CHECKSUMS_KEY in metadata
+
+
+def verify_file(folder: Path, name: str, recorded: dict | None) -> Path:
+    """folder/name, after checking its size and sha256 against `recorded` (recorded_checksums(folder)); nothing
+    is checked when None (a checkpoint from before checksums)."""
+    path = Path(folder) / name
+    if recorded is None:
+        return path
+    if name not in recorded:
+        raise CheckpointError(f"{path}: not listed in {CHECKSUMS} (the checkpoint was changed); {_fix(path.parent)}")
+    expected = recorded[name]
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path}: missing, but {CHECKSUMS} records it ({expected['bytes']:,} bytes); {_fix(path.parent)}"
+        ) from None
+    if size != expected["bytes"]:
+        found = "empty" if size == 0 else f"{size:,} bytes"
+        raise CheckpointError(
+            f"{path}: {found}, but {expected['bytes']:,} bytes were written (the file was truncated, damaged or "
+            f"changed); {_fix(path.parent)}"
+        )
+    try:
+        digest = sha256_file(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({_why(e)}); {_fix(path.parent)}") from None
+    if digest != expected["sha256"]:
+        raise CheckpointError(
+            f"{path}: sha256 does not match the one recorded when it was written (the file was damaged or "
+            f"changed); {_fix(path.parent)}"
+        )
+    return path
+
+
+def _read_json(folder: Path, name: str, recorded: dict | None):
+    path = verify_file(folder, name, recorded)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        detail = e.strerror if isinstance(e, OSError) else e
+        raise CheckpointError(f"{path}: unreadable ({detail}); the checkpoint is incomplete or damaged") from None
+
+
+def _unreadable_weights(path: Path, error: BaseException) -> CheckpointError:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return CheckpointError(f"{path}: not a readable safetensors file ({first}): it was truncated or damaged; "
+                           f"{_fix(path.parent)}")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- reading
 
 
 def find_checkpoint(run_dir: Path, tag: str = "last") -> Checkpoint | None:
-    """The checkpoint a tag points at, or None when the run has none."""
+    """The checkpoint a tag points at (its trainer.json and config.json checked), or None when the run has none."""
     root = Path(run_dir) / "checkpoints"
     pointer = read_pointer(root, tag)
     if pointer is None:
         return None
     path = root / pointer["dir"]
-    try:
-        trainer = json.loads((path / "trainer.json").read_text())
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: incomplete or corrupt checkpoint ({e}); delete it to start over") from None
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: incomplete or corrupt checkpoint (the folder {tag}.json names is missing); "
+                              "delete it to start over")  # fmt: skip
+    recorded = recorded_checksums(path)
+    trainer, config = _read_json(path, TRAINER, recorded), _read_json(path, CONFIG, recorded)
+    if not isinstance(trainer, dict) or not isinstance(config, dict):
+        raise CheckpointError(f"{path}: incomplete or corrupt checkpoint (trainer.json and config.json must hold "
+                              "objects); delete it to start over")  # fmt: skip
     return Checkpoint(path, pointer["step"], trainer, config)
 
 
 def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
-    path = Path(getattr(checkpoint, "path", checkpoint)) / "model.safetensors"
+    """The checkpoint's weights into `model`, after checking model.safetensors against its recorded sha256."""
+    folder = Path(getattr(checkpoint, "path", checkpoint))
+    path = verify_file(folder, WEIGHTS, recorded_checksums(folder))
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing (the checkpoint is incomplete); {_fix(folder)}")
     try:
         missing, unexpected = load_model(unwrap(model), str(path), strict=False)
+    except SafetensorError as e:
+        raise _unreadable_weights(path, e) from None
     except (OSError, RuntimeError) as e:
         raise CheckpointError(f"{path}: weights do not fit this model ({str(e).splitlines()[0]})") from None
     if missing or unexpected:
@@ -118,9 +299,20 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
 
 
 def load_optimizer(optimizer, checkpoint: Checkpoint) -> None:
-    state = torch.load(checkpoint.path / "optimizer.pt", weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
+    """The optimizer and torch RNG state of a checkpoint, after checking optimizer.pt against its sha256."""
+    path = verify_file(checkpoint.path, OPTIMIZER, recorded_checksums(checkpoint.path))
+    try:
+        state = torch.load(path, weights_only=True)  # never executes code: refuses anything but tensors and plain data
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; {_fix(path.parent)}") from None
+    except (EOFError, RuntimeError, pickle.UnpicklingError, OSError, KeyError, TypeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(
+            f"{path}: not a readable optimizer state ({type(e).__name__}{': ' + first if first else ''}): it was "
+            f"truncated or damaged; {_fix(path.parent)}"
+        ) from None
 
 
 @dataclass
@@ -138,22 +330,25 @@ class LoadedCheckpoint:
 
 def load_checkpoint(path: str | Path, tag: str = "best") -> LoadedCheckpoint:
     """The model and config of a run directory (its `tag` checkpoint, else its last) or of a checkpoint
-    folder, the model in eval mode. Reads safetensors and JSON only."""
+    folder, the model in eval mode. Reads safetensors and JSON only, each file checked against its sha256."""
     path = Path(path)
     checkpoint = (
         find_checkpoint(path, tag) or find_checkpoint(path, "last") if (path / "checkpoints").exists() else None
     )
     folder = checkpoint.path if checkpoint else path
-    if not (folder / "model.safetensors").exists():
+    if checkpoint is None and not (folder / WEIGHTS).exists():
         raise CheckpointError(
             f"{path}: no checkpoint here (expected a run directory or a folder with model.safetensors)"
         )
-    config_path = folder / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        detail = e.strerror if isinstance(e, OSError) else e
-        raise CheckpointError(f"{config_path}: unreadable ({detail}); the checkpoint is incomplete") from None
+    config_path = folder / CONFIG
+    if checkpoint is not None:
+        config = checkpoint.config
+    else:
+        recorded = recorded_checksums(folder)
+        if not config_path.exists():
+            missing = "unreadable (No such file or directory); the checkpoint is incomplete"
+            raise CheckpointError(f"{config_path}: {missing}")
+        config = _read_json(folder, CONFIG, recorded)
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"{config_path}: no model config in it (expected an object with a 'model' key)")
     cfg = model_config_from_dict(config["model"], source=str(config_path))

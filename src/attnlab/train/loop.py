@@ -17,6 +17,7 @@ from attnlab.data import BatchSampler, eval_batches
 from attnlab.errors import ConfigError
 from attnlab.model.transformer import build_model
 from attnlab.train.checkpoint import (
+    CheckpointError,
     find_checkpoint,
     load_model_from_checkpoint,
     load_optimizer,
@@ -96,6 +97,7 @@ def train(
     if model_cfg.max_seq_len < train_cfg.seq_len:
         raise ConfigError(f"train.seq_len={train_cfg.seq_len} exceeds model max_seq_len={model_cfg.max_seq_len}")
     prepared = prepared or prepare_rank0_first(data_cfg, data_dir, dist_info)
+    prepared.verify()  # every split's sha256 and id range, before anything is written
     if model_cfg.vocab_size < prepared.vocab_size:
         raise ConfigError(
             f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {prepared.vocab_size} "
@@ -119,10 +121,17 @@ def train(
                 [f"checkpoint {checkpoint.path} is from another config: {d}" for d in differences]
                 + ["use another --out directory, or delete the run to start over"]
             )
+        # Every file is checked (sha256) before it is used; a refusal leaves the run folder as it was.
         load_weights(model, checkpoint)
         load_optimizer(optimizer, checkpoint)
-        sampler.load_state_dict(checkpoint.trainer["sampler"])
-        state.update({k: checkpoint.trainer[k] for k in state})
+        try:
+            sampler.load_state_dict(checkpoint.trainer["sampler"])
+            state.update({k: checkpoint.trainer[k] for k in state})
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{checkpoint.path / 'trainer.json'}: not a trainer state ({type(e).__name__}: {e}); "
+                "delete the run's checkpoints to train again from the start"
+            ) from None
     elif init_from is not None:
         _, previous = load_model_from_checkpoint(init_from, tag="last")
         # A phase may add a bounded memory: its write gate and EMA rate are new (freshly initialised);
