@@ -10,16 +10,30 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any, ClassVar
 
 from attnlab.errors import ConfigError
+from attnlab.paths import brief
 
 DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
+# Integer fields are bounded far beyond any real model or run, so that an absurd value is one clear error instead
+# of an overflow (or a model of a million layers built) deep inside: a model's widths and counts (a class's
+# `int_limit`, with exceptions in its `int_limits`), everything else (steps, lengths, token counts).
+MAX_WIDTH = 2**24
+MAX_INT = 2**31 - 1
+MAX_SEED = 2**32 - 1  # a seed is 0 .. 2^32 - 1 (what every random generator here accepts)
+# Data sources: these named datasets, or a local file with one of these suffixes (.xz/.gz compressed allowed).
+DATA_SOURCES = ("wikitext2", "wikitext2-raw", "tinyshakespeare", "fineweb-edu")
+DATA_FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -34,7 +48,10 @@ def divisors(n: int) -> list[int]:
 
 
 def check_head_split(model: ModelConfig, head_dim: int | None) -> list[str]:
-    """Problems when the per-head width is derived as d_model / n_heads (head_dim None)."""
+    """Problems with `attention.head_dim`: below 1 (0 is no width, not "unset": leave the key out for that), or
+    derived as d_model / n_heads (head_dim None) when n_heads does not divide d_model."""
+    if head_dim is not None and head_dim < 1:
+        return [f"attention.head_dim={head_dim} must be >= 1 (or leave it out: d_model / n_heads)"]
     if head_dim is None and model.d_model % model.n_heads:
         return [f"d_model={model.d_model} must be divisible by n_heads={model.n_heads} (or set attention.head_dim)"]
     return []
@@ -60,11 +77,18 @@ class AttentionConfig:
 
     kind: ClassVar[str] = ""
     kinds: ClassVar[dict[str, type]] = {}
+    int_limit: ClassVar[int] = MAX_WIDTH
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.kind:
             AttentionConfig.kinds.setdefault(cls.kind, cls)
+
+    def __post_init__(self) -> None:
+        # Types, finite floats and bounded integers first: `problems(model)` does arithmetic on the values.
+        problems = field_problems(self, "attention.")
+        if problems:
+            raise ConfigError(problems)
 
     def problems(self, model: ModelConfig) -> list[str]:
         """Everything wrong with this config inside `model` (empty when valid)."""
@@ -120,10 +144,13 @@ class MemoryConfig:
     positions: str = "absolute"  # RoPE positions the attention reads: `absolute` (each token's place in the
     # stream) or `cache` (StreamingLLM: its place among the tokens the memory holds, so relative distances stay
     # within the slots however long the stream)
+    int_limit: ClassVar[int] = MAX_WIDTH
 
     def __post_init__(self) -> None:
-        problems = []
-        if not isinstance(self.kind, str) or self.kind not in MEMORY_KINDS:
+        problems = field_problems(self, "memory.")
+        if problems:
+            raise ConfigError(problems)
+        if self.kind not in MEMORY_KINDS:
             problems.append(unknown_key_problem(str(self.kind), list(MEMORY_KINDS), "memory.kind=", "value"))
         else:
             for f in dataclasses.fields(self):
@@ -167,7 +194,7 @@ class MemoryConfig:
 
     @property
     def block_size(self) -> int:
-        return self.block or self.recent_window
+        return self.block if self.block is not None else self.recent_window
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -198,18 +225,26 @@ class ModelConfig:
     vocab_multiple: int = 64
     init_std: float = 0.02
     name: str = ""
+    int_limit: ClassVar[int] = MAX_WIDTH
+    int_limits: ClassVar[dict[str, int]] = {"max_seq_len": MAX_INT, "n_layers": 4096, "n_heads": 2**16}
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = field_problems(self, "")
+        if problems:
+            raise ConfigError(problems)
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "vocab_multiple"):
             if getattr(self, key) < 1:
                 problems.append(f"{key}={getattr(self, key)} must be >= 1")
         if self.mlp not in ("swiglu", "gelu"):
             problems.append(f"mlp={self.mlp!r} is not known (use 'swiglu' or 'gelu')")
         if self.d_ff is not None and self.d_ff < 1:
-            problems.append(f"d_ff={self.d_ff} must be >= 1")
-        if self.rope_base <= 0:
-            problems.append(f"rope_base={self.rope_base} must be > 0")
+            problems.append(f"d_ff={self.d_ff} must be >= 1 (or leave it out: the MLP's default width)")
+        if self.rope_base <= 1:  # theta_i = base^(-2i/d): base 1 rotates every pair alike, below 1 the ladder inverts
+            problems.append(f"rope_base={self.rope_base} must be > 1 (10000 is usual; Llama 3 uses 500000)")
+        if not 0 < self.norm_eps < 1:
+            problems.append(f"norm_eps={self.norm_eps} must be > 0 and < 1 (1e-5 or 1e-6 are usual)")
+        if self.init_std <= 0:
+            problems.append(f"init_std={self.init_std} must be > 0 (0.02 is usual)")
         if not problems:
             problems += self.attention.problems(self)
         layout = None if problems else self.attention.cache_layout(self)
@@ -297,6 +332,45 @@ def _type_name(annotation: Any) -> str:
     return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 
 
+@functools.cache
+def _field_types(cls: type) -> dict[str, tuple[Any, int]]:
+    """Each init field of dataclass `cls`: (its type annotation, the bound of its integer values)."""
+    hints = typing.get_type_hints(cls)
+    limits = getattr(cls, "int_limits", {})
+    default = getattr(cls, "int_limit", MAX_INT)
+    return {f.name: (hints[f.name], limits.get(f.name, default)) for f in dataclasses.fields(cls) if f.init}
+
+
+def value_problem(value: Any, annotation: Any, key: str, int_limit: int = MAX_INT) -> str | None:
+    """Why `value` cannot be the value of a field typed `annotation` (None when it can): the wrong type (a bool
+    is not a number, nor a number a bool), a float that is NaN or infinite, an integer beyond `int_limit`."""
+    if not _type_ok(value, annotation):
+        return f"{key}={brief(value)} must be {_type_name(annotation)}, got {type(value).__name__}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if _type_ok(1.5, annotation):  # a float field (an int is accepted and read as a float)
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        return None if finite else f"{key}={brief(value)} must be a finite number"
+    if value > int_limit:
+        return f"{key}={brief(value)} is too large (at most {int_limit:,})"
+    if value < -int_limit:
+        return f"{key}={brief(value)} is out of range ({-int_limit:,} .. {int_limit:,})"
+    return None
+
+
+def field_problems(obj: Any, where: str) -> list[str]:
+    """value_problem of every init field of dataclass instance `obj` (checked before anything reads them)."""
+    out = []
+    for name, (annotation, limit) in _field_types(type(obj)).items():
+        problem = value_problem(getattr(obj, name), annotation, where + name, limit)
+        if problem:
+            out.append(problem)
+    return out
+
+
 def unknown_key_problem(key: str, valid: list[str], where: str, what: str = "key") -> str:
     """`unknown key 'n_kv_head' (did you mean 'n_kv_heads'?)`, or the valid choices when none is close."""
     valid = [str(v) for v in valid]
@@ -313,25 +387,30 @@ def dataclass_kwargs(cls: type, data: Any, where: str, problems: list[str], skip
     if not isinstance(data, dict):
         problems.append(f"{where.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
         return {}
-    hints = typing.get_type_hints(cls)
+    types_of = _field_types(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in skip}
     kwargs = {}
     for key, value in data.items():
         if key in skip:
             continue
-        if key not in fields:
-            problems.append(unknown_key_problem(str(key), list(fields) + list(skip), where))
+        if not isinstance(key, str):
+            problems.append(f"{where.rstrip('.') or 'config'}: key {brief(key)} must be a name (a string)")
             continue
-        if isinstance(value, str) and _type_ok(1.5, hints[key]):
+        if key not in fields:
+            problems.append(unknown_key_problem(key, list(fields) + list(skip), where))
+            continue
+        annotation, limit = types_of[key]
+        if isinstance(value, str) and _type_ok(1.5, annotation):
             # PyYAML reads 3e-4 (no dot) as a string: accept numbers written that way.
             try:
                 value = float(value)
             except ValueError:
                 pass
-        if not _type_ok(value, hints[key]):
-            problems.append(f"{where}{key}={value!r} must be {_type_name(hints[key])}")
+        problem = value_problem(value, annotation, where + key, limit)
+        if problem:
+            problems.append(problem)
             continue
-        kwargs[key] = float(value) if _type_ok(1.5, hints[key]) and isinstance(value, int) else value
+        kwargs[key] = float(value) if _type_ok(1.5, annotation) and isinstance(value, int) else value
     for name, f in fields.items():
         no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if no_default and name not in data:
@@ -352,18 +431,37 @@ class DataConfig:
     val_fraction: float = 0.05  # for sources without their own splits: share of documents, by hash
     test_fraction: float = 0.0
     max_tokens: int | None = None  # cap on the training split's tokens (the budget for streamed fineweb-edu)
+    int_limits: ClassVar[dict[str, int]] = {"max_tokens": 2**53}
 
     def __post_init__(self) -> None:
-        problems = []
-        if not (0.0 <= self.val_fraction < 1.0 and 0.0 <= self.test_fraction < 1.0):
-            problems.append("data.val_fraction and data.test_fraction must be in [0, 1)")
-        elif self.val_fraction + self.test_fraction >= 1.0:
-            problems.append("data.val_fraction + data.test_fraction must leave documents for training")
+        problems = field_problems(self, "data.")
+        if problems:
+            raise ConfigError(problems)
+        for key in ("val_fraction", "test_fraction"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                problems.append(f"data.{key}={getattr(self, key)} must be in [0, 1)")
+        if not problems and self.val_fraction + self.test_fraction >= 1.0:
+            problems.append(
+                f"data.val_fraction + data.test_fraction = {self.val_fraction + self.test_fraction} must be < 1 "
+                "(leave documents for training)"
+            )
+        path = PurePath(self.source)
+        suffix = PurePath(path.stem).suffix if path.suffix in (".xz", ".gz") else path.suffix
+        if self.source not in DATA_SOURCES and suffix not in DATA_FILE_SUFFIXES:
+            problems.append(
+                f"data.source={brief(self.source)} is not a known dataset ({', '.join(DATA_SOURCES)}) nor a "
+                f"{', '.join(DATA_FILE_SUFFIXES)} file (.xz / .gz compressed allowed)"
+            )
         tok = self.tokenizer
-        if tok not in ("gpt2", "word", "byte", "char") and not (tok.startswith("bpe:") and tok[4:].isdigit()):
+        bpe = tok.startswith("bpe:") and tok[4:].isascii() and tok[4:].isdigit()
+        if tok not in ("gpt2", "word", "byte", "char") and not bpe:
             problems.append(f"data.tokenizer={tok!r} is not known (use gpt2, bpe:<vocab size>, word, byte or char)")
+        elif bpe and not 257 <= int(tok[4:]) <= MAX_WIDTH:
+            problems.append(
+                f"data.tokenizer={tok!r}: a byte-level BPE needs 257 to {MAX_WIDTH:,} ids (256 bytes + end-of-text)"
+            )
         if self.max_tokens is not None and self.max_tokens < 1:
-            problems.append(f"data.max_tokens={self.max_tokens} must be >= 1")
+            problems.append(f"data.max_tokens={self.max_tokens} must be >= 1 (or leave it out: no cap)")
         if problems:
             raise ConfigError(problems)
 
@@ -394,22 +492,37 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast where the device is fast at it, else fp32) | fp32 | bf16
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    int_limits: ClassVar[dict[str, int]] = {"seed": MAX_SEED}
 
     def __post_init__(self) -> None:
-        problems = []
-        for key in ("seq_len", "batch_size", "grad_accum", "steps", "eval_every", "log_every", "checkpoint_every"):
+        problems = field_problems(self, "train.")
+        if problems:
+            raise ConfigError(problems)
+        for key in ("seq_len", "batch_size", "grad_accum", "steps", "eval_every", "log_every", "checkpoint_every",
+                    "eval_tokens"):  # fmt: skip
             if getattr(self, key) < 1:
                 problems.append(f"train.{key}={getattr(self, key)} must be >= 1")
+        for key in ("warmup_steps", "seed"):
+            if getattr(self, key) < 0:
+                problems.append(f"train.{key}={getattr(self, key)} must be >= 0")
         if self.optimizer not in ("adamw", "lion"):
             problems.append(f"train.optimizer={self.optimizer!r} is not known (use adamw or lion)")
         if self.schedule not in ("constant", "linear", "cosine"):
             problems.append(f"train.schedule={self.schedule!r} is not known (use constant, linear or cosine)")
         if self.precision not in ("auto", "fp32", "bf16"):
             problems.append(f"train.precision={self.precision!r} is not known (use auto, fp32 or bf16)")
-        if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            problems.append("train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
-        if self.warmup_steps < 0 or self.eval_tokens < 1:
-            problems.append("train.warmup_steps must be >= 0 and train.eval_tokens >= 1")
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:[0-9]+)?", self.device):
+            problems.append(f"train.device={brief(self.device)} is not known (use auto, cpu, cuda, cuda:N or mps)")
+        for key in ("lr", "eps"):
+            if getattr(self, key) <= 0:
+                problems.append(f"train.{key}={getattr(self, key)} must be > 0")
+        if self.weight_decay < 0:
+            problems.append(f"train.weight_decay={self.weight_decay} must be >= 0 (0 = no decay)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            problems.append(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                problems.append(f"train.{key}={getattr(self, key)} must be in [0, 1)")
         if self.grad_clip is not None and self.grad_clip <= 0:
             problems.append(f"train.grad_clip={self.grad_clip} must be > 0 (or null for no clipping)")
         if problems:

@@ -6,6 +6,7 @@ own config class); this module puts them together for a whole model config.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import yaml
 from attnlab.attention.registry import parse_attention
 from attnlab.config import MemoryConfig, ModelConfig, build_collecting, dataclass_kwargs
 from attnlab.errors import ConfigError
+from attnlab.paths import brief
 
 
 def memory_from_dict(data: Any, problems: list[str]) -> MemoryConfig | None:
@@ -37,17 +39,63 @@ def model_config_from_dict(data: Any, source: str | None = None) -> ModelConfig:
         raise e.with_source(source) if source else e from None
 
 
+class StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML would keep the last silently).
+    Keys a merge brings in (`<<: *anchor`) may still be overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader's own error ("found unhashable key") follows
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"key {brief(key)} is given twice (first at line {first_line[key]}; keep one)",
+                    problem_mark=key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def yaml_problem(e: yaml.YAMLError, text: str = "") -> str:
+    """A PyYAML error as one line: `not valid YAML at line L, column C: what`."""
+    mark = getattr(e, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow (a control character)
+        line = text.count("\n", 0, e.position) + 1
+        character = f"{e.character:#04x}" if isinstance(e.character, int) else repr(e.character)
+        return f"not valid YAML at line {line}: {e.reason} (character {character})"
+    what = " ".join(str(getattr(e, "problem", None) or e).split())  # one line
+    return f"not valid YAML{at}: {what}"
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text -> data, strictly (StrictLoader); raises yaml.YAMLError."""
+    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader)
+
+
 def read_yaml(path: str | Path) -> Any:
-    """A YAML file's data ({} when empty); a missing file or bad YAML is a ConfigError naming the file."""
+    """A YAML file's data ({} when empty). A missing or unreadable file, text that is not UTF-8, bad YAML or a
+    key given twice is a ConfigError naming the file (and the line)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError("file not found (check the path)", source=str(path))
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): save the file as UTF-8",
+            source=str(path),
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the file ({e.strerror or e})", source=str(path)) from None
+    try:
+        data = parse_yaml(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"not valid YAML{at}: {getattr(e, 'problem', e)}", source=str(path)) from None
+        raise ConfigError(yaml_problem(e, text), source=str(path)) from None
     return data if data is not None else {}
 
 

@@ -18,8 +18,17 @@
 A target's config is the defaults deep-merged with its own sections (an `attention` block whose `kind`
 differs from the default's replaces it whole); a phase merges on top of its target; `--set a.b=v`
 overrides go on top of everything. `model.vocab_size` may be left out: the tokenizer's is used. Strict
-throughout: unknown keys and undefined ${vars} are errors naming the file, the key path and the nearest
-valid name, all reported at once.
+throughout: unknown keys, undefined ${vars}, a key given twice and values of the wrong type are errors naming
+the file, the key path and the nearest valid name, all reported at once.
+
+Everything `attnlab run` would refuse once a run starts is refused here, so `validate` and `run --dry-run`
+catch it: names that are not plain folder names (the manifest's, targets', phases'; attnlab.paths.name_problem),
+seeds outside 0 .. 2^32 - 1 or given twice, a train.seed (`seeds` would override it), an unknown data source or
+tokenizer, a model vocab_size smaller than a fixed tokenizer's (gpt2, byte), and train.seq_len above the model's
+max_seq_len. The last holds with a memory too (memory.kind != none): such a model reads streams of any length
+when it scores or generates, but it trains on sequences of at most max_seq_len (raise model.max_seq_len to train
+on longer ones; the trainer refuses them as well). Whether a local data file exists depends on --data-dir:
+`run` checks it (dry runs included) before the first run starts.
 """
 
 from __future__ import annotations
@@ -33,9 +42,10 @@ from typing import Any
 
 import yaml
 
-from attnlab.config import DataConfig, ModelConfig, TrainConfig, section_from_dict, unknown_key_problem
-from attnlab.config_io import model_config_from_dict, read_yaml
+from attnlab.config import MAX_SEED, DataConfig, ModelConfig, TrainConfig, section_from_dict, unknown_key_problem
+from attnlab.config_io import model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
+from attnlab.paths import brief, name_problem
 
 TOP_KEYS = ("name", "description", "vars", "seeds", "defaults", "targets")
 SECTION_KEYS = ("model", "data", "train")
@@ -43,6 +53,7 @@ TARGET_KEYS = ("description", "phases", "init_from", *SECTION_KEYS)
 PHASE_KEYS = ("name", *SECTION_KEYS)
 VAR = re.compile(r"\$\{([^}]*)\}")
 PLACEHOLDER_VOCAB = {"gpt2": 50257, "byte": 260, "word": 33280, "char": 256}
+FIXED_VOCAB = {"gpt2": 50257, "byte": 257}  # tokenizers whose vocabulary does not depend on the data
 
 
 @dataclass(frozen=True)
@@ -60,7 +71,7 @@ class RunSpec:
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         model = dict(self.model)
         if "vocab_size" not in model:
-            model["vocab_size"] = vocab_size or placeholder_vocab(self.data.tokenizer)
+            model["vocab_size"] = vocab_size if vocab_size is not None else placeholder_vocab(self.data.tokenizer)
         return model_config_from_dict(model, source=f"target {self.target}")
 
     def run_dir(self, root: Path) -> Path:
@@ -124,28 +135,56 @@ def parse_set(assignments: list[str] | tuple[str, ...]) -> dict:
     out: dict = {}
     for item in assignments:
         key, sep, raw = item.partition("=")
-        parts = key.strip().split(".")
+        parts = [part.strip() for part in key.split(".")]
         if not sep or not all(parts) or parts[0] not in SECTION_KEYS:
-            raise ConfigError(f"--set {item!r} must look like model.KEY=VALUE, data.KEY=VALUE or train.KEY=VALUE")
+            raise ConfigError(f"--set {brief(item)} must look like model.KEY=VALUE, data.KEY=VALUE or train.KEY=VALUE")
+        try:
+            value = parse_yaml(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"--set {brief(item)}: the value {brief(raw)} is {yaml_problem(e)} (quote the whole value, or drop a "
+                "stray quote or bracket)"
+            ) from None
         node = out
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+            if not isinstance(node, dict):
+                raise ConfigError(
+                    f"--set {brief(item)}: {'.'.join(parts[: i + 1])} is set to a value by an earlier --set, "
+                    "so it has no keys"
+                )
+        node[parts[-1]] = value
     return out
 
 
 def _check_keys(data: Any, allowed: tuple[str, ...], where: str, problems: list[str]) -> dict:
+    """`data` when a mapping ({} when None) with only `allowed` keys (each other key is a problem) and, for the
+    model/data/train sections among them, mapping (or null) values; the keys that pass."""
+    if data is None:
+        return {}
     if not isinstance(data, dict):
         problems.append(f"{where or 'manifest'} must be a mapping, got {type(data).__name__}")
         return {}
-    for key in data:
+    out = {}
+    for key, value in data.items():
         if key not in allowed:
             problems.append(unknown_key_problem(str(key), list(allowed), f"{where}." if where else ""))
-    return data
+        elif key in SECTION_KEYS and value is not None and not isinstance(value, dict):
+            problems.append(f"{where + '.' if where else ''}{key} must be a mapping, got {type(value).__name__}")
+        elif key == "description" and value is not None and not isinstance(value, str):
+            problems.append(f"{where + '.' if where else ''}description must be text, got {type(value).__name__}")
+        else:
+            out[key] = {} if key in SECTION_KEYS and value is None else value  # `model:` alone changes nothing
+    return out
 
 
 def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict) -> None:
     """Validates one fully merged {model, data, train} config; records problems; fills spec."""
+    if isinstance(config.get("train"), dict) and "seed" in config["train"]:
+        problems.append(
+            f"{where}: train.seed={brief(config['train']['seed'])} would be ignored: each run's seed comes from the "
+            "manifest's `seeds` (remove train.seed; list the seeds in seeds: [...])"
+        )
     try:
         spec["data"] = section_from_dict(DataConfig, config.get("data"), "data.")
     except ConfigError as e:
@@ -160,10 +199,51 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict)
         return
     tokenizer = spec["data"].tokenizer if "data" in spec else "gpt2"
     try:
-        model_config_from_dict({"vocab_size": placeholder_vocab(tokenizer), **model})
-        spec["model"] = model
+        cfg = model_config_from_dict({"vocab_size": placeholder_vocab(tokenizer), **model})
     except ConfigError as e:
         problems.extend(f"{where}.model: {p}" for p in e.problems)
+        return
+    spec["model"] = model
+    # What train() refuses before its first step, refused here (validate, run --dry-run) already.
+    if "train" in spec and spec["train"].seq_len > cfg.max_seq_len:
+        memory = " (a memory model too trains on at most max_seq_len tokens)" if cfg.memory.kind != "none" else ""
+        problems.append(
+            f"{where}: train.seq_len={spec['train'].seq_len} exceeds model.max_seq_len={cfg.max_seq_len}{memory} "
+            "(lower train.seq_len or raise model.max_seq_len)"
+        )
+    if "vocab_size" in model and cfg.vocab_size < FIXED_VOCAB.get(tokenizer, 0):
+        problems.append(
+            f"{where}: model.vocab_size={cfg.vocab_size} is smaller than tokenizer {tokenizer}'s "
+            f"{FIXED_VOCAB[tokenizer]} (leave vocab_size out to take the tokenizer's)"
+        )
+
+
+def _check_seeds(seeds: Any, problems: list[str]) -> list[int]:
+    if not isinstance(seeds, list) or not seeds:
+        problems.append(f"seeds={brief(seeds)} must be a non-empty list of integers")
+        return [0]
+    good = []
+    for i, seed in enumerate(seeds):
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            problems.append(f"seeds[{i}]={brief(seed)} must be an integer, got {type(seed).__name__}")
+        elif not 0 <= seed <= MAX_SEED:
+            problems.append(f"seeds[{i}]={brief(seed)} must be in 0 .. {MAX_SEED}")
+        elif seed in good:
+            problems.append(f"seeds[{i}]={seed} is given twice (each seed is one run folder)")
+        else:
+            good.append(seed)
+    return good or [0]
+
+
+def _check_vars(variables: Any, problems: list[str]) -> dict:
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict):
+        problems.append(f"vars must be a mapping of names to values, got {type(variables).__name__}")
+        return {}
+    bad = [k for k in variables if not isinstance(k, str) or not k or "}" in k]
+    problems.extend(f"vars: {brief(k)} is not a variable name (use text, without '}}')" for k in bad)
+    return {k: v for k, v in variables.items() if k not in bad}
 
 
 def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> Manifest:
@@ -172,69 +252,99 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
     raw = read_yaml(path)
     problems: list[str] = []
     raw = _check_keys(raw, TOP_KEYS, "", problems)
-    variables = raw.get("vars") or {}
-    if not isinstance(variables, dict):
-        problems.append("vars must be a mapping of names to values")
-        variables = {}
-    defaults = _check_keys(raw.get("defaults") or {}, SECTION_KEYS, "defaults", problems)
+    name = raw.get("name")
+    if name is None:
+        name = path.stem
+        problem = name_problem(name, "the manifest's name (its file name, as no `name:` is given)")
+    else:
+        problem = name_problem(name, "name")
+    if problem:
+        problems.append(problem + ("" if "name" in raw and raw["name"] is not None else " (set `name:`)"))
+    variables = _check_vars(raw.get("vars"), problems)
+    defaults = _check_keys(raw.get("defaults"), SECTION_KEYS, "defaults", problems)
     defaults = substitute(defaults, variables, "defaults", problems)
-    seeds = raw.get("seeds", [0])
-    if (
-        not isinstance(seeds, list)
-        or not seeds
-        or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
-    ):
-        problems.append(f"seeds={seeds!r} must be a non-empty list of integers")
-        seeds = [0]
+    seeds = _check_seeds(raw.get("seeds", [0]), problems)
     targets = raw.get("targets")
     if not isinstance(targets, dict) or not targets:
         problems.append("targets must be a non-empty mapping of target names to configs")
         targets = {}
     overrides = parse_set(sets)
+    order = list(targets)
     runs = []
-    for name, target in targets.items():
-        where = f"targets.{name}"
-        target = _check_keys(target if target is not None else {}, TARGET_KEYS, where, problems)
+    for name_, target in targets.items():
+        problem = name_problem(name_, "target name")
+        if problem:
+            problems.append(f"targets: {problem}")
+            continue
+        where = f"targets.{name_}"
+        target = _check_keys(target, TARGET_KEYS, where, problems)
         target = substitute(target, variables, where, problems)
         base = deep_merge(defaults, {k: v for k, v in target.items() if k in SECTION_KEYS})
-        phases = target.get("phases") or [{}]
-        if not isinstance(phases, list):
-            problems.append(f"{where}.phases must be a list")
+        phases = target.get("phases")
+        if phases is None:
+            phases = [{}]
+        elif not isinstance(phases, list) or not phases:
+            problems.append(
+                f"{where}.phases must be a non-empty list (or leave it out: one phase), got {brief(phases)}"
+            )
             continue
         start_from = target.get("init_from")
-        if start_from is not None and (
-            start_from not in targets or list(targets).index(start_from) >= list(targets).index(name)
-        ):
-            earlier = [t for t in list(targets)[: list(targets).index(name)]]
+        if start_from is not None and not isinstance(start_from, str):
             problems.append(
-                f"{where}.init_from={start_from!r} must name an earlier target ({', '.join(earlier) or 'none'})"
+                f"{where}.init_from={brief(start_from)} must be a target name, got {type(start_from).__name__}"
             )
+            start_from = None
+        elif start_from is not None and (start_from not in targets or order.index(start_from) >= order.index(name_)):
+            earlier = ", ".join(map(str, order[: order.index(name_)])) or "none"
+            problems.append(f"{where}.init_from={start_from!r} must name an earlier target ({earlier})")
+            start_from = None
         phase_names = []
         for i, phase in enumerate(phases):
-            phase = _check_keys(phase, PHASE_KEYS, f"{where}.phases[{i}]", problems)
-            phase_name = phase.get("name") if len(phases) > 1 else None
-            if len(phases) > 1 and not phase_name:
-                problems.append(f"{where}.phases[{i}] needs a name (phases are saved in folders by name)")
+            phase_where = f"{where}.phases[{i}]"
+            if phase is None or not isinstance(phase, dict):
+                problems.append(f"{phase_where} must be a mapping, got {brief(phase)}")
+                continue
+            phase = _check_keys(phase, PHASE_KEYS, phase_where, problems)
+            phase_name = phase.get("name")
+            if phase_name is None and len(phases) > 1:
+                problems.append(f"{phase_where} needs a name (phases are saved in folders by name)")
+                continue
+            problem = name_problem(phase_name, "name") if phase_name is not None else None
+            if problem:
+                problems.append(f"{phase_where}: phase {problem}")
+                continue
+            phase_name = phase_name if len(phases) > 1 else None  # one phase: the run folder is the seed's
+            if phase_name is not None and phase_name in phase_names:
+                problems.append(f"{where}.phases: the name {phase_name!r} is given twice (names must be unique)")
             phase_names.append(phase_name)
             merged = deep_merge(deep_merge(base, {k: v for k, v in phase.items() if k in SECTION_KEYS}), overrides)
             spec: dict = {}
-            _resolve_sections(merged, where + (f".phases[{i}]" if len(phases) > 1 else ""), problems, spec)
+            _resolve_sections(merged, phase_where if len(phases) > 1 else where, problems, spec)
             if len(spec) == 3:
                 for seed in seeds:
-                    runs.append(RunSpec(name, seed, phase_name, spec["model"], spec["data"],
+                    runs.append(RunSpec(name_, seed, phase_name, spec["model"], spec["data"],
                                         replace(spec["train"], seed=seed), start_from if i == 0 else None))  # fmt: skip
-        if len(set(phase_names)) != len(phase_names):
-            problems.append(f"{where}.phases: names must be unique")
     if problems:
         raise ConfigError(problems, source=str(path))
-    runs.sort(key=lambda r: (list(targets).index(r.target), seeds.index(r.seed)))  # stable: phases keep order
-    return Manifest(raw.get("name") or path.stem, path, tuple(seeds), tuple(runs))
+    runs.sort(key=lambda r: (order.index(r.target), seeds.index(r.seed)))  # stable: phases keep order
+    return Manifest(name, path, tuple(seeds), tuple(runs))
+
+
+def file_kind(path: str | Path) -> str:
+    """What a YAML file holds, from its keys: "manifest" (`targets`), "bench" (a benchmark manifest: `benchmarks`),
+    "probes" (a probe suite: `cases`), else "model" (a model config). A file that cannot be read as YAML is
+    "model" (load_config then says why, naming the file)."""
+    try:
+        data = read_yaml(path)
+    except ConfigError:
+        return "model"
+    if isinstance(data, dict):
+        for key, kind in (("targets", "manifest"), ("benchmarks", "bench"), ("cases", "probes")):
+            if key in data:
+                return kind
+    return "model"
 
 
 def is_manifest(path: str | Path) -> bool:
     """True when a YAML file looks like a manifest (has `targets`) rather than a model config."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    return isinstance(data, dict) and "targets" in data
+    return file_kind(path) == "manifest"

@@ -1,11 +1,21 @@
-"""Where data files are looked up: an explicit directory, then $ATTNLAB_DATA, then the user cache."""
+"""Where data files are looked up (an explicit directory, then $ATTNLAB_DATA, then the user cache), what a name
+that becomes a folder or file name may be, and where a path a user's name built may land."""
 
 from __future__ import annotations
 
 import os
+import unicodedata
 from pathlib import Path
 
-from attnlab.errors import DataError
+from attnlab.errors import ConfigError, DataError
+
+MAX_NAME_LENGTH = 100
+
+
+def brief(value: object, limit: int = 60) -> str:
+    """repr(value) on one line, cut to about `limit` characters (how an error message shows a user's value)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
@@ -27,3 +37,45 @@ def find_data_file(relative: str, data_dir: str | Path | None = None) -> Path:
         f"{relative} not found (looked in: {', '.join(map(str, tried))}); "
         "pass --data-dir DIR or set ATTNLAB_DATA to a directory that holds it"
     )
+
+
+def name_problem(name: object, what: str) -> str | None:
+    """Why `name` cannot be a manifest, target, phase or memory name (it becomes a folder or file name), or None.
+
+    A name is a non-empty string of at most MAX_NAME_LENGTH characters, without path separators, `..`,
+    control characters, a leading dot (hidden files, `.` and `..`) or white space at either end.
+    """
+    if not isinstance(name, str):
+        return f"{what}={brief(name)} must be a string (a name), got {type(name).__name__}"
+    if not name:
+        return f"{what} must not be empty"
+    shown = brief(name)
+    if len(name) > MAX_NAME_LENGTH:
+        return f"{what} {shown} is {len(name)} characters long (at most {MAX_NAME_LENGTH})"
+    if "/" in name or "\\" in name:
+        return f"{what} {shown} must not contain a path separator ('/' or '\\'): it names one folder or file"
+    if ".." in name:
+        return f"{what} {shown} must not contain '..'"
+    if name.startswith("."):
+        return f"{what} {shown} must not start with '.'"
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
+        return f"{what} {shown} must not contain control characters"
+    if name != name.strip():
+        return f"{what} {shown} must not start or end with white space"
+    return None
+
+
+def check_name(name: object, what: str, error: type[Exception] = ConfigError) -> str:
+    """`name` when it is a usable name (see name_problem), else `error` with the reason."""
+    problem = name_problem(name, what)
+    if problem:
+        raise error(problem)
+    return name
+
+
+def inside(path: str | Path, root: str | Path, what: str) -> Path:
+    """`path` when it resolves inside `root` (both resolved: `..` and symbolic links followed), else ConfigError."""
+    resolved, base = Path(path).resolve(), Path(root).resolve()
+    if not resolved.is_relative_to(base):
+        raise ConfigError(f"{what} {path} resolves to {resolved}, outside {base} (use plain names, without '..')")
+    return Path(path)

@@ -1,7 +1,8 @@
 """`attnlab run`: every target x seed (x phase) of a manifest into runs/<manifest>/<target>/seed<S>/.
 
 Finished runs (summary.json) are skipped, interrupted ones resume from their last checkpoint, and a run
-folder made with another config is an error rather than silently reused.
+folder made with another config is an error rather than silently reused. Before the first run starts (dry runs
+too) every folder a run would write is checked to lie inside --out, and every local data file to exist.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import yaml
 
 from attnlab.config import unknown_key_problem
 from attnlab.data.files import atomic_write_text
-from attnlab.errors import ConfigError
+from attnlab.data.sources import NAMED_SOURCES, local_path
+from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
+from attnlab.paths import inside
 from attnlab.train.checkpoint import write_json_atomic
 from attnlab.train.distributed import init_distributed, prepare_rank0_first
 from attnlab.train.loop import full_config, pick_device, train
@@ -37,6 +40,29 @@ def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
     return [r for r in manifest.runs if (not targets or r.target in targets) and (not seeds or r.seed in seeds)]
 
 
+def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, data_dir: str | None) -> None:
+    """What would fail once the runs start, checked before the first: a folder the runs write (or read a previous
+    phase from) outside `out_root` (ConfigError), a local data file that is not there (DataError)."""
+    root = Path(out_root) / manifest.name
+    problems = []
+    for path in [root, *(spec.run_dir(root) for spec in manifest.runs)]:
+        try:
+            inside(path, out_root, "run folder")
+        except ConfigError as e:
+            problems.extend(e.problems)
+    if problems:
+        raise ConfigError(problems, source=str(manifest.path))
+    missing = []
+    for source in dict.fromkeys(spec.data.source for spec in runs):
+        if source not in NAMED_SOURCES:
+            try:
+                local_path(source, data_dir)
+            except DataError as e:
+                missing.append(str(e))
+    if missing:
+        raise DataError("; ".join(missing))
+
+
 def run_manifest(
     manifest: Manifest,
     out_root: str | Path = "runs",
@@ -51,6 +77,7 @@ def run_manifest(
     """Runs the selected runs in order; returns one summary per run (None for dry runs)."""
     root = Path(out_root) / manifest.name
     runs = select_runs(manifest, targets, seeds)
+    check_runs(manifest, runs, out_root, data_dir)
     # Under torchrun every rank runs this loop; rank 0 alone writes files and prints.
     dist_info = init_distributed(pick_device(runs[0].train.device).type) if runs else None
     if dist_info is not None and not dist_info.is_main:

@@ -41,10 +41,10 @@ class MHAConfig(AttentionConfig):
     head_dim: int | None = None  # None = d_model / n_heads
 
     def kv_heads(self, model: ModelConfig) -> int:
-        return self.n_kv_heads or model.n_heads
+        return self.n_kv_heads if self.n_kv_heads is not None else model.n_heads
 
     def dim(self, model: ModelConfig) -> int:
-        return self.head_dim or model.d_model // model.n_heads
+        return self.head_dim if self.head_dim is not None else model.d_model // model.n_heads
 
     def problems(self, model: ModelConfig) -> list[str]:
         out = check_kv_heads(self.n_kv_heads, model.n_heads) + check_head_split(model, self.head_dim)

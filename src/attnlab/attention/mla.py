@@ -42,8 +42,9 @@ class MLAConfig(AttentionConfig):
     absorb: bool = True  # decode through the absorbed path
 
     def dims(self, model: ModelConfig) -> tuple[int, int, int]:
-        head_dim = self.head_dim or model.d_model // model.n_heads
-        return head_dim, self.d_rope if self.d_rope is not None else head_dim // 2, self.v_head_dim or head_dim
+        head_dim = self.head_dim if self.head_dim is not None else model.d_model // model.n_heads
+        d_rope = self.d_rope if self.d_rope is not None else head_dim // 2
+        return head_dim, d_rope, self.v_head_dim if self.v_head_dim is not None else head_dim
 
     def problems(self, model: ModelConfig) -> list[str]:
         out = check_head_split(model, self.head_dim)
@@ -51,6 +52,8 @@ class MLAConfig(AttentionConfig):
             return out
         if self.d_latent < 1:
             out.append(f"attention.d_latent={self.d_latent} must be >= 1")
+        if self.v_head_dim is not None and self.v_head_dim < 1:
+            out.append(f"attention.v_head_dim={self.v_head_dim} must be >= 1 (or leave it out: head_dim)")
         d_rope = self.dims(model)[1]
         if d_rope < 2 or d_rope % 2:
             out.append(f"attention.d_rope={d_rope} must be even and >= 2 for RoPE")

@@ -17,6 +17,7 @@ from attnlab.attention.mha import MHA, MHAConfig
 from attnlab.attention.mla import MLA, MLAConfig
 from attnlab.attention.sliding import Sliding, SlidingConfig
 from attnlab.config import AttentionConfig, ModelConfig, build_collecting, dataclass_kwargs, unknown_key_problem
+from attnlab.paths import brief
 
 
 class Kind(StrEnum):
@@ -58,10 +59,12 @@ def parse_attention(data: Any, problems: list[str]) -> AttentionConfig | None:
         problems.append(f"attention must be a mapping with a 'kind', got {type(data).__name__}")
         return None
     kind = data.get("kind", "mha")
-    if not isinstance(kind, str) or kind not in REGISTRY:
-        problems.append(
-            unknown_key_problem(str(kind), list(REGISTRY), "attention.kind=").replace("unknown key", "unknown value")
-        )
+    if not isinstance(kind, str):
+        problems.append(f"attention.kind={brief(kind)} must be str, got {type(kind).__name__} "
+                        f"(one of: {', '.join(REGISTRY)})")  # fmt: skip
+        return None
+    if kind not in REGISTRY:
+        problems.append(unknown_key_problem(kind, list(REGISTRY), "attention.kind=", "value"))
         return None
     cls = REGISTRY[kind].config
     fields_of = {name: {f.name for f in dataclasses.fields(v.config)} for name, v in REGISTRY.items()}

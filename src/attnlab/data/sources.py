@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnlab.config import DATA_FILE_SUFFIXES, DATA_SOURCES
 from attnlab.data.files import (
     atomic_path,
     atomic_write_text,
@@ -35,8 +36,8 @@ from attnlab.errors import DataError
 from attnlab.paths import data_dirs, find_data_file
 
 SPLITS = ("train", "val", "test")
-NAMED_SOURCES = ("wikitext2", "wikitext2-raw", "tinyshakespeare", "fineweb-edu")
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+NAMED_SOURCES = DATA_SOURCES  # the datasets known by name (config.py checks a DataConfig against them)
+LOCAL_SUFFIXES = DATA_FILE_SUFFIXES
 
 # WikiText: our split name -> the file's split name, and (file extension, HF Hub config) per source.
 WIKITEXT_SPLITS = {"train": "train", "val": "valid", "test": "test"}

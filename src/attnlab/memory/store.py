@@ -16,7 +16,6 @@ import datetime
 import hashlib
 import json
 import os
-import re
 import sqlite3
 import uuid
 from contextlib import closing
@@ -29,8 +28,8 @@ from attnlab.errors import DataError, InputError
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
 from attnlab.memory.state import load_state, require_memory, save_state
+from attnlab.paths import check_name as check_name_of
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 SCHEMA = """CREATE TABLE IF NOT EXISTS states (
     name TEXT PRIMARY KEY, file TEXT NOT NULL, documents TEXT NOT NULL, tokens INTEGER NOT NULL,
     bytes INTEGER NOT NULL, config_hash TEXT NOT NULL, model_path TEXT NOT NULL, created TEXT NOT NULL,
@@ -125,9 +124,8 @@ class MemoryStore:
 
 
 def check_name(name: str) -> None:
-    if not NAME.fullmatch(name):
-        raise InputError(f"memory name {name!r}: use 1-100 letters, digits, '.', '_' or '-', starting with a "
-                         "letter or digit")  # fmt: skip
+    """A memory's name becomes part of its state file's name: the rules of every name (attnlab.paths)."""
+    check_name_of(name, "memory name", InputError)
 
 
 def _load_model(path: str | Path, data_dir: str | None):
