@@ -7,7 +7,7 @@ import torch
 from helpers import tiny_model
 
 import attnlab
-from attnlab.errors import InputError
+from attnlab.errors import InputError, LengthWarning
 from attnlab.generate import compiled_decode_step, prefill_last, sample
 
 generate_module = importlib.import_module("attnlab.generate")  # the module (attnlab.generate is the function)
@@ -81,8 +81,10 @@ def test_batch_generation_matches_single(model):
         assert batch[row].tolist() == attnlab.generate(model, prompts[row], max_new_tokens=8).tolist()
 
 
-def test_generation_stops_at_max_seq_len(model):
-    out = attnlab.generate(model, list(range(1, 41)), max_new_tokens=100)
+def test_generation_stops_at_max_seq_len_and_says_so(model):
+    with pytest.warns(LengthWarning, match=r"prompt of 40 tokens leaves room for 8 new tokens of the "
+                                           r"max_new_tokens=100 asked \(max_seq_len 48\): generating 8"):  # fmt: skip
+        out = attnlab.generate(model, list(range(1, 41)), max_new_tokens=100)
     assert len(out) == 48 - 40
 
 
@@ -108,7 +110,8 @@ def test_generate_continues_a_given_cache(model):
     cache = model.new_cache(1)
     with torch.no_grad():
         model(torch.tensor([prompt]), cache=cache)
-    out = attnlab.generate(model, [5], max_new_tokens=100, cache=cache)  # room left: 48 - 20 - 1 positions
+    with pytest.warns(LengthWarning, match="prompt of 1 token after the cache's 20 leaves room for 27 new tokens"):
+        out = attnlab.generate(model, [5], max_new_tokens=100, cache=cache)  # room left: 48 - 20 - 1 positions
     assert len(out) == 48 - 21
     with pytest.raises(InputError, match=r"prompt of 28 tokens after the cache's \d+ .* max_seq_len=48"):
         attnlab.generate(model, [1] * 28, cache=cache)

@@ -9,6 +9,7 @@ from attnlab.cache.codecs import Codec, as_policy
 from attnlab.cache.memories import memory_codecs
 from attnlab.cache.quantized import slot_counts
 from attnlab.config import ModelConfig, dtype_bytes
+from attnlab.errors import InputError
 from attnlab.model.transformer import build_model
 
 
@@ -53,7 +54,9 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
     2 * H_kv * slots * head_dim * dtype bytes (CoDA-GQA-L Theorem 1); `memory` then also gives the slots
     and what the variant's own cache would hold at seq_len, and is None otherwise.
     """
-    seq_len = seq_len or cfg.max_seq_len
+    seq_len = cfg.max_seq_len if seq_len is None else seq_len
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise InputError(f"seq_len={seq_len!r} must be a whole number of tokens >= 1")
     width = dtype_bytes(dtype)
     layout = cfg.attention.cache_layout(cfg)
     fields = layout.values_per_token()  # elements per token per layer, by cached field

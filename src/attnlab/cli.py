@@ -1,15 +1,19 @@
 """The `attnlab` command: thin argparse subcommands over library functions.
 
-User mistakes (bad config, bad input) print one clear line per problem and exit with code 2.
+User mistakes (bad config, bad input, a damaged file, a folder it may not write) print one clear line and exit
+with code 2; a bug of attnlab's still shows its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,7 +22,7 @@ from attnlab.accounting import info
 from attnlab.attention.registry import REGISTRY
 from attnlab.compare import compare
 from attnlab.config_io import load_config
-from attnlab.errors import AttnlabError, ConfigError
+from attnlab.errors import AttnlabError, ConfigError, LengthWarning
 from attnlab.eval import append_records, load_for_eval, make_record
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
 from attnlab.eval.kvquant import held_out_windows, run_kv_eval, table, tune
@@ -27,7 +31,7 @@ from attnlab.eval.probes import comparison_record, load_suite, probe_records, ru
 from attnlab.eval.report import build_report
 from attnlab.eval.stats import paired_comparison
 from attnlab.generate import generate
-from attnlab.manifest import is_manifest, load_manifest
+from attnlab.manifest import file_kind, load_manifest
 from attnlab.memory import MemoryStore, ingest, query
 from attnlab.runner import run_manifest
 
@@ -45,10 +49,20 @@ def cmd_validate(args) -> int:
     status = 0
     for path in args.files:
         try:
-            if is_manifest(path):
+            kind = file_kind(path)
+            if kind == "manifest":
                 manifest = load_manifest(path, args.set)
                 print(f"{path}: ok (manifest {manifest.name}: {len(manifest.targets)} targets, "
                       f"{len(manifest.seeds)} seeds, {len(manifest.runs)} runs)")  # fmt: skip
+                continue
+            if kind == "bench":
+                plan = load_plan([str(path)], sets=args.set, need_checkpoints=False)
+                print(f"{path}: ok (benchmark manifest {plan.name}: {len(plan.benchmarks)} benchmarks, "
+                      f"{len(plan.checkpoints)} checkpoints found)")  # fmt: skip
+                continue
+            if kind == "probes":
+                suite = load_suite(path)
+                print(f"{path}: ok (probe suite {suite.name}: {len(suite.cases)} cases)")
                 continue
             cfg = load_config(path)
         except ConfigError as e:
@@ -203,7 +217,12 @@ def cmd_generate(args) -> int:
     if model.tokenizer is None:
         raise ConfigError(f"{args.checkpoint}: no tokenizer saved with this checkpoint: cannot encode a prompt")
     prompt = model.tokenizer.encode(args.prompt)
-    out = generate(model.model, torch.tensor(prompt), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    new_tokens = args.max_new_tokens
+    if new_tokens is None:  # the default: up to DEFAULT_NEW_TOKENS, as many as the context leaves room for
+        cfg = model.model.cfg
+        room = cfg.max_seq_len - len(prompt) if cfg.memory.kind == "none" else DEFAULT_NEW_TOKENS
+        new_tokens = min(DEFAULT_NEW_TOKENS, max(1, room))  # no room at all: generate's error says so
+    out = generate(model.model, torch.tensor(prompt), max_new_tokens=new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv_policy=args.kv_policy)  # fmt: skip
     print(args.prompt + model.tokenizer.decode(out.tolist()))
     return 0
@@ -256,10 +275,12 @@ def cmd_report(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnlab", description=__doc__.splitlines()[0])
+    parser = Parser(prog="attnlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="attention kinds and their options").set_defaults(func=cmd_list)
-    p = sub.add_parser("validate", help="check model configs and manifests, reporting every problem")
+    p = sub.add_parser(
+        "validate", help="check model configs, manifests, benchmark manifests and probe suites, reporting every problem"
+    )
     p.add_argument("files", nargs="+")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="manifest override")
     p.set_defaults(func=cmd_validate)
@@ -342,11 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="continue a prompt with a checkpoint (optionally a quantized KV cache)")
     p.add_argument("checkpoint", help="a run folder or checkpoint folder")
     p.add_argument("prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_arguments(p, streams=False)
     p.add_argument("--kv-policy", default=None, help=kv_help.replace("policies", "policy"))
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_generate)
@@ -377,25 +394,207 @@ def add_memory_parser(sub) -> None:
     p.add_argument("name")
     p.add_argument("prompt")
     p.add_argument("--model", default=None, help="use this model folder instead of the one recorded at ingestion")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_arguments(p, streams=True)
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_memory_query)
 
 
+DEFAULT_NEW_TOKENS = 64
+
+
+def add_sampling_arguments(p, streams: bool) -> None:
+    """The flags of attnlab.generate.generate (it checks their values: a bad one is one line, exit code 2).
+    streams: the model has a memory, which reads past max_seq_len."""
+    if streams:
+        default, limit = DEFAULT_NEW_TOKENS, "a model with a memory reads past max_seq_len: no limit"
+    else:
+        default, limit = None, ("or what max_seq_len leaves room for; the prompt and the new tokens stay within "
+                                "max_seq_len: a larger number generates what fits and says so on stderr (a model "
+                                "with a memory has no limit)")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=default,
+                   help=f"at most this many new tokens, >= 0 (default {DEFAULT_NEW_TOKENS}, {limit})")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, a finite number >= 0 (default 0: greedy)")  # fmt: skip
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens, k >= 1 (default: all)")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens whose probabilities add up to p, 0 < p <= 1 "
+                        "(default: all)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling, 0 .. 2**64 - 1 (default: random)")
+
+
+MAX_LINE = 2000  # characters of an error line; a longer message is cut (its start names the problem)
+
+
+def one_line(text: object) -> str:
+    """`text` on one line: its lines joined with spaces (blank lines and caret markers such as `^^^` dropped),
+    cut to MAX_LINE characters."""
+    lines = [line.strip() for line in str(text).splitlines()]
+    joined = " ".join(line for line in lines if line.strip("^~ "))
+    if len(joined) > MAX_LINE:
+        cut = MAX_LINE - 40
+        joined = joined[:cut].rstrip() + f" ... ({len(joined) - cut:,} more characters)"
+    return joined
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors (`--top-p abc`) are one line too, with exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+# The operating system's refusals a user can act on. Permissions, read-only and full disks, on any path: they
+# are never attnlab's bugs. A missing path, or a file where a folder belongs (and the reverse), only on a path
+# the user gave (an argument, $ATTNLAB_DATA, $ATTNLAB_MEMORY), one inside it or one of its folders: elsewhere they
+# are bugs and keep their traceback.
+ANY_PATH = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+GIVEN_PATH = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+OPTIONS = {"out": "--out", "store": "--store", "data_dir": "--data-dir"}  # where a user chooses a folder
+ENVIRONMENT = ("ATTNLAB_DATA", "ATTNLAB_MEMORY")  # folders a user names in the environment
+CACHE = "XDG_CACHE_HOME"  # the user cache (prepared data, compiled kernels, memories): ~/.cache by default
+NOT_PATHS = {
+    "func",
+    "command",
+    "verb",
+    "prompt",
+    "name",
+    "set",
+    "target",
+    "policies",
+    "kv_policy",
+    "benchmarks",
+    "formats",
+    "resids",
+    "split",
+    "dtype",
+    "task",
+    "baseline",
+}  # string arguments that never name a path
+TEMPORARY = re.compile(r"\.(.+)\.\d+\.[0-9a-f]{12}\.tmp")  # data.files.temp_path_beside's names
+
+
+def _absolute(path: str | os.PathLike) -> list[Path]:
+    """The path made absolute, as given and with symbolic links resolved."""
+    return list(dict.fromkeys([Path(os.path.abspath(path)), Path(os.path.realpath(path))]))
+
+
+def _given_paths(args, cache: bool) -> list[tuple[str, list[Path]]]:
+    """(where it came from: an argument's dest or $VARIABLE, its absolute forms) for every path the user gave:
+    the string arguments that may be paths and the environment's folders; with `cache`, the user cache too
+    (chosen by the user or not)."""
+    given = []
+    for dest, value in vars(args).items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, (str, os.PathLike)) and str(item) and dest not in NOT_PATHS:
+                given.append((dest, _absolute(item)))
+    given += [(f"${name}", _absolute(os.environ[name])) for name in ENVIRONMENT if os.environ.get(name)]
+    if cache:
+        given.append((f"${CACHE}", _absolute(os.environ.get(CACHE) or Path.home() / ".cache")))
+    return given
+
+
+def _origin(path: str | os.PathLike, args, cache: bool = False) -> str | None:
+    """Where `path` came from: the argument dest or $VARIABLE of the given path it is, is inside, or is a folder
+    of (making `--out a/b` makes `a`), else None. The working folder, the home folder and the root hold
+    everything: they match only themselves."""
+    broad = {Path.cwd(), Path("/"), Path.home()}
+    mine = _absolute(path)
+    for origin, forms in _given_paths(args, cache):
+        for given in forms:
+            for p in mine:
+                if p == given or (given not in broad and p.is_relative_to(given)):
+                    return origin
+                if p not in broad and given.is_relative_to(p):
+                    return origin
+    return None
+
+
+def _elsewhere(origin: str | None) -> str:
+    """How to point attnlab at another place, for a path that came from `origin`."""
+    if origin in OPTIONS:
+        return f", or choose another folder with {OPTIONS[origin]}"
+    if origin is not None and origin.startswith("$"):
+        return f", or set {origin[1:]} to another folder"
+    if origin is not None:
+        return ", or give another path"
+    return ""
+
+
+def os_error_line(e: OSError, args) -> str | None:
+    """One line for an error of the operating system the user can act on (see ANY_PATH, GIVEN_PATH), naming
+    the path and what to do; None for any other (a bug: it keeps its traceback)."""
+    code = errno.EACCES if isinstance(e, PermissionError) and e.errno not in ANY_PATH else e.errno
+    name = e.filename if isinstance(e.filename, (str, os.PathLike)) else None
+    if code not in ANY_PATH and not (code in GIVEN_PATH and name is not None and _origin(name, args)):
+        return None
+    if name is None:  # e.g. a write() on a full disk: no path to name
+        fix = "free some space" if code in (errno.ENOSPC, errno.EDQUOT) else "check the permissions"
+        out = f" (or write elsewhere with {OPTIONS['out']})" if getattr(args, "out", None) else ""
+        return f"{e.strerror or e}: {fix}{out}"
+    path = Path(name)
+    temporary = TEMPORARY.fullmatch(path.name)
+    if temporary:  # a file written under a temporary name, then renamed: name the file it becomes
+        path = path.with_name(temporary.group(1))
+    hint = _elsewhere(_origin(path, args, cache=True))
+    if code in (errno.EACCES, errno.EPERM):
+        if os.path.lexists(path):
+            return f"{path}: permission denied (check its permissions{hint})"
+        folder = next(p for p in path.parents if os.path.lexists(p))  # the root exists
+        return f"{path}: permission denied: cannot create it in {folder} (make that folder writable{hint})"
+    if code == errno.EROFS:
+        return f"{path}: on a read-only file system (write it somewhere else{hint})"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left on the device" if code == errno.ENOSPC else "disk quota exceeded"
+        return f"{path}: {what} (free some space{hint})"
+    if code == errno.ENOENT:
+        return f"{path}: no such file or folder (check the path)"
+    if code == errno.ENOTDIR:
+        return f"{path}: a part of this path is a file, not a folder (check the path)"
+    if code == errno.EISDIR:
+        return f"{path}: is a folder, where a file is expected (give a file's path)"
+    if os.path.isdir(path):  # EEXIST
+        return f"{path}: already exists (give another path)"
+    return f"{path}: is a file, where a folder is expected (give a folder's path)"
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"attnlab {command}: error: {one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def _warning_printer(command: str, show):
+    """warnings.showwarning that prints a LengthWarning as one line (`attnlab generate: warning: ...`)."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, LengthWarning):
+            print(f"attnlab {command}: warning: {one_line(message)}", file=sys.stderr if file is None else file)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command: its exit code. A user's mistake or a damaged file (an AttnlabError, or an OS error
+    the user can act on, see os_error_line) ends in one line on stderr, `attnlab <command>: error: ...`, and
+    exit code 2; any other exception is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except AttnlabError as e:
-        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # output piped into `head` and the like
-        sys.stderr.close()
-        return 0
+    with warnings.catch_warnings():  # restores warnings.showwarning and the filters on the way out
+        warnings.simplefilter("always", LengthWarning)  # every cut request said, not only the first
+        warnings.showwarning = _warning_printer(args.command, warnings.showwarning)
+        try:
+            return args.func(args)
+        except AttnlabError as e:
+            return _fail(args.command, str(e))
+        except BrokenPipeError:  # output piped into `head` and the like
+            sys.stderr.close()
+            return 0
+        except OSError as e:
+            line = os_error_line(e, args)
+            if line is None:
+                raise
+            return _fail(args.command, line)
 
 
 if __name__ == "__main__":

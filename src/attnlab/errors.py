@@ -1,4 +1,5 @@
-"""Typed errors. The CLI turns any `AttnlabError` into one clear message and exit code 2."""
+"""Typed errors and warnings. The CLI turns any `AttnlabError` into one clear line and exit code 2, and a
+`LengthWarning` into one line on stderr."""
 
 from __future__ import annotations
 
@@ -27,3 +28,8 @@ class InputError(AttnlabError, ValueError):
 
 class DataError(AttnlabError):
     """A dataset or file is missing or malformed."""
+
+
+class LengthWarning(UserWarning):
+    """A request was cut to fit a limit, e.g. more new tokens asked than a model's max_seq_len leaves room for.
+    `warnings.simplefilter("error", LengthWarning)` turns it into an error."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import operator
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -10,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from attnlab.cache.base import ModelCache
-from attnlab.errors import InputError
+from attnlab.errors import InputError, LengthWarning
 
 # Inductor options of the compiled decode step, measured on bench/decode.py's model (per step):
 # cpp_wrapper calls the step's kernels from C++, not Python (293 -> 239 µs, 1 thread); decompose_mm_pass
@@ -107,6 +109,63 @@ def can_compile_on_cpu() -> bool:
     return True
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0 .. 2**64 - 1
+
+
+def _whole(value) -> int | None:
+    """`value` as an int if it is a whole number (not a bool, not a float), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _real(value) -> float | None:
+    """`value` as a float if it is a number (not a bool or a string), else None."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_sampling(max_new_tokens=32, temperature=0.0, top_k=None, top_p=None, seed=None, prefill_chunk=512) -> None:
+    """Raises InputError naming every argument of `generate` that cannot be used, with its value and the
+    values it may take: max_new_tokens a whole number >= 0, temperature a finite number >= 0, top_k a whole
+    number >= 1 (or None), top_p in (0, 1] (or None), seed 0 .. 2**64 - 1 (or None), prefill_chunk >= 1."""
+    problems = []
+    n = _whole(max_new_tokens)
+    if n is None or n < 0:
+        problems.append(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 0 (0 generates nothing)")
+    t = _real(temperature)
+    if t is None or not math.isfinite(t) or t < 0:
+        problems.append(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy, 1 = sample the "
+                        "model's distribution as it is)")  # fmt: skip
+    k = None if top_k is None else _whole(top_k)
+    if top_k is not None and (k is None or k < 1):
+        problems.append(f"top_k={top_k!r} must be a whole number >= 1: the k most likely tokens are kept (leave it "
+                        "out to keep every token)")  # fmt: skip
+    p = None if top_p is None else _real(top_p)
+    if top_p is not None and (p is None or not 0 < p <= 1):  # NaN fails the comparison too
+        problems.append(f"top_p={top_p!r} must be in (0, 1]: the most likely tokens whose probabilities add up to "
+                        "top_p are kept (1, or leaving it out, keeps every token)")  # fmt: skip
+    s = None if seed is None else _whole(seed)
+    if seed is not None and (s is None or not 0 <= s <= MAX_SEED):
+        problems.append(f"seed={seed!r} must be a whole number from 0 to 2**64 - 1")
+    c = _whole(prefill_chunk)
+    if c is None or c < 1:
+        problems.append(f"prefill_chunk={prefill_chunk!r} must be a whole number >= 1")
+    if problems:
+        raise InputError("; ".join(problems))
+
+
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator) -> torch.Tensor:
     """logits (B, V) -> next tokens (B, 1). temperature 0 is greedy (argmax)."""
     if temperature == 0:
@@ -144,7 +203,15 @@ def generate(
 
     Greedy when temperature is 0. Stops once every sequence has produced a stop token (the stop token
     is included) or after max_new_tokens. `seed` makes sampling reproducible. `kv_policy` (a KVPolicy or
-    a string such as "k=q8_0,v=q4_0,resid=128") stores the KV cache quantized.
+    a string such as "k=q8_0,v=q4_0,resid=128") stores the KV cache quantized. Bad arguments raise
+    InputError (see `check_sampling`): temperature finite and >= 0, top_k >= 1, top_p in (0, 1],
+    max_new_tokens >= 0 (0 returns no tokens), seed 0 .. 2**64 - 1.
+
+    Length: a model without a memory (memory.kind none) reads at most max_seq_len tokens, and the prompt
+    (after what a given cache holds) and the new tokens stay within it. A prompt that leaves no room raises
+    InputError; a max_new_tokens beyond the room left generates what fits and warns (a LengthWarning,
+    attnlab.errors, naming the prompt's length, the room and max_seq_len; turn it into an error with
+    warnings.simplefilter("error", LengthWarning)). A model with a memory streams past max_seq_len: no limit.
 
     `cache` continues a cache that already holds `cache.seen` tokens (e.g. a loaded memory state,
     attnlab.memory) instead of starting a new one: the prompt follows those tokens, and the cache is updated
@@ -157,27 +224,51 @@ def generate(
     either way; a quantized cache's attention is one opaque op inside the compiled step.
     callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
+    max_new_tokens = operator.index(max_new_tokens)
+    top_k = None if top_k is None else operator.index(top_k)
+    seed = None if seed is None else operator.index(seed)
     cfg = model.cfg
     device = next(model.parameters()).device
+    if isinstance(prompt, torch.Tensor) and (prompt.is_floating_point() or prompt.is_complex()):
+        raise InputError(f"prompt is a {prompt.dtype} tensor: give token ids (an integer tensor or a list of ints)")
     tokens = torch.as_tensor(prompt, dtype=torch.long, device=device)
     single = tokens.dim() == 1
     tokens = tokens[None] if single else tokens
+    if tokens.dim() != 2:
+        raise InputError(f"prompt has shape {tuple(tokens.shape)}: give a list of ids or a (T,) or (B, T) tensor")
     if tokens.shape[1] == 0:
         raise InputError("prompt is empty (give at least one token, e.g. a BOS token)")
-    held = cache.seen if cache is not None else 0
-    streams = cfg.memory.kind != "none"  # a bounded memory reads streams of any length
-    if not streams and held + tokens.shape[1] >= cfg.max_seq_len:
-        after = f" after the cache's {held}" if held else ""
-        raise InputError(
-            f"prompt of {tokens.shape[1]} tokens{after} leaves no room to generate: max_seq_len={cfg.max_seq_len} "
-            "(shorten the prompt or raise max_seq_len)"
-        )
-    if temperature < 0:
-        raise InputError(f"temperature={temperature} must be >= 0")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= cfg.vocab_size:
+        raise InputError(f"prompt token ids must be in 0 .. {cfg.vocab_size - 1} (vocab_size={cfg.vocab_size}), got "
+                         f"{low if low < 0 else high}")  # fmt: skip
     if cache is not None and kv_policy is not None:
         raise InputError("kv_policy chooses how a new cache is stored: it does not apply to a given cache")
+    held = cache.seen if cache is not None else 0
+    streams = cfg.memory.kind != "none"  # a bounded memory reads streams of any length: no limit
     if not streams:
-        max_new_tokens = min(max_new_tokens, cfg.max_seq_len - held - tokens.shape[1])
+        # The prompt and what follows it stay within max_seq_len (the last new token is never fed).
+        room = cfg.max_seq_len - held - tokens.shape[1]
+        after = f" after the cache's {held}" if held else ""
+        if room < 0 or (room == 0 and max_new_tokens > 0):
+            raise InputError(
+                f"prompt of {tokens.shape[1]} tokens{after} leaves no room to generate: max_seq_len={cfg.max_seq_len} "
+                "(shorten the prompt or raise max_seq_len)"
+            )
+        if max_new_tokens > room:
+            # Produce what fits and say so (warnings.simplefilter("error", LengthWarning) makes it an error).
+            # stacklevel 3: the caller of generate, past torch.no_grad's wrapper.
+            warnings.warn(
+                f"the prompt of {_count(tokens.shape[1], 'token')}{after} leaves room for {_count(room, 'new token')} "
+                f"of the max_new_tokens={max_new_tokens} asked (max_seq_len {cfg.max_seq_len}): generating {room}",
+                LengthWarning,
+                stacklevel=3,
+            )
+            max_new_tokens = room
+    if max_new_tokens == 0 and cache is None:  # nothing to generate (a given cache still reads the prompt)
+        empty = tokens.new_zeros(tokens.shape[0], 0)
+        return empty[0] if single else empty
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     was_training = model.training
     if was_training:

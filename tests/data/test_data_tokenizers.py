@@ -41,6 +41,7 @@ def test_char_round_trip_unknown_and_save_load(tmp_path):
     assert tok.decode(tok.encode("hello\nworld")) == "hello\nworld"
     assert tok.encode("hz") == [tok.ids["h"], tok.unk_id]
     assert tok.decode(tok.encode("hz")) == "h\ufffd"
+    assert tok.decode([tok.ids["h"], tok.vocab_size, -1]) == "h\ufffd\ufffd"  # ids past the vocabulary (a padded model)
     tok.save(tmp_path)
     loaded = load_tokenizer("char", tmp_path)
     assert loaded.tokens == tok.tokens and loaded.encode("hello") == tok.encode("hello")
@@ -55,6 +56,7 @@ def test_word_vocabulary_order_eos_and_unk(tmp_path):
     ids = tok.encode(" The game began zorblax . \n")
     assert ids == [tok.ids[w] for w in ("The", "game", "began")] + [tok.unk_id, tok.ids["."], tok.ids[EOS]]
     assert tok.decode(ids) == f"The game began {UNK} .\n"
+    assert tok.decode([tok.ids["The"], tok.vocab_size + 3]) == "The \ufffd"
     assert tok.encode(EOT) == [tok.unk_id]  # the text of the end-of-text token is an unknown word
     tok.save(tmp_path)
     assert load_tokenizer("word", tmp_path).encode(CORPUS[1]) == tok.encode(CORPUS[1])
@@ -72,6 +74,7 @@ def test_gpt2_offline_files(shared_data, tmp_path):
     assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
     assert tok.decode(tok.encode(TEXT)) == TEXT
     assert 50256 not in tok.encode(TEXT)
+    assert tok.decode([15496, 50257, 995]) == "Hello\ufffd world"  # past the vocabulary
     tok.save(tmp_path)  # the prepared folder gets its own copy: loading it needs no data directory
     assert (tmp_path / "gpt2.tiktoken").read_bytes() == (shared_data / "gpt2-bpe" / "r50k_base.tiktoken").read_bytes()
     assert load_tokenizer("gpt2", tmp_path, download=False).encode(TEXT) == tok.encode(TEXT)

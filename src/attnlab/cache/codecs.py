@@ -42,7 +42,8 @@ class KVPolicy:
     resid: int = 0  # newest tokens kept at full precision
     group: int | None = None  # KIVI group size (None = 32)
     flush: int = 1  # tokens quantized together once they left the window (up to flush - 1 more wait in full
-    # precision): fewer, larger quantize calls per decode step
+    # precision): fewer, larger quantize calls per decode step. A cache allocates only whole blocks that can leave
+    # (cache.quantized.slot_counts): with a flush longer than the cache, its tokens all stay at full precision
 
     @classmethod
     def parse(cls, text: str) -> KVPolicy:

@@ -16,7 +16,6 @@ exactly the stored values.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +29,12 @@ from attnlab.kernels import cpu as cpu_kernels
 
 
 def slot_counts(slots: int, resid: int, tokens_per_block: int) -> tuple[int, int]:
-    """(full-precision residual slots, quantized token slots) of a cache holding `slots` tokens."""
+    """(full-precision residual slots, quantized token slots) of a cache holding `slots` tokens, neither more
+    than `slots`. Tokens leave the residual window a whole block (flush, KIVI group) at a time, so only whole
+    blocks of the oldest slots - resid tokens are ever quantized: a block longer than that (e.g. flush=10**9)
+    never leaves, and its tokens stay in the full-precision ring, as a resid longer than the cache keeps them."""
     ring = min(slots, resid + tokens_per_block - 1)
-    stored = math.ceil(max(slots - resid, 0) / tokens_per_block) * tokens_per_block
+    stored = max(slots - resid, 0) // tokens_per_block * tokens_per_block
     return ring, stored
 
 

@@ -125,9 +125,10 @@ class CharTokenizer(VocabTokenizer):
         return [ids.get(c, unk) for c in text]
 
     def decode(self, ids: Sequence[int]) -> str:
-        # One unknown character decodes to U+FFFD, as undecodable bytes do.
-        names = {self.unk_id: "\ufffd"}
-        return "".join(names.get(i, self.tokens[i]) for i in map(int, ids))
+        # One unknown character, or an id past the vocabulary (a model whose vocab_size is larger than its
+        # tokenizer's may sample one), decodes to U+FFFD, as undecodable bytes do.
+        size = len(self.tokens)
+        return "".join(self.tokens[i] if 0 <= i < size and i != self.unk_id else "\ufffd" for i in map(int, ids))
 
 
 class WordTokenizer(VocabTokenizer):
@@ -165,7 +166,7 @@ class WordTokenizer(VocabTokenizer):
         """Words joined by one space, `<eos>` as a line end (the text's own spacing is not kept)."""
         pieces, line_start = [], True
         for i in map(int, ids):
-            token = self.tokens[i]
+            token = self.tokens[i] if 0 <= i < len(self.tokens) else "\ufffd"  # past the vocabulary: U+FFFD
             if token == EOS:
                 pieces.append("\n")
                 line_start = True
@@ -196,7 +197,14 @@ class TiktokenTokenizer(Tokenizer):
         return self.encoding.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.encoding.decode([int(i) for i in ids])
+        pieces, run = [], []
+        for i in map(int, ids):
+            if 0 <= i < self.encoding.n_vocab:
+                run.append(i)
+            else:  # past the vocabulary (a model whose vocab_size is larger may sample one): U+FFFD
+                pieces += [self.encoding.decode(run), "\ufffd"]
+                run = []
+        return "".join(pieces) + self.encoding.decode(run)
 
     def save(self, folder: str | Path) -> None:
         # The r50k_base.tiktoken format: base64(token bytes) rank, one per line in rank order.

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from attnlab.config import unknown_key_problem
-from attnlab.config_io import read_yaml
+from attnlab.config_io import parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
 from attnlab.eval.analysis import run_attention_maps, run_effective_rank
 from attnlab.eval.kvquant import run_kv_eval
@@ -40,6 +40,7 @@ from attnlab.eval.perplexity import run_perplexity
 from attnlab.eval.probes import load_suite, probe_records, run_probes
 from attnlab.eval.records import append_records, read_records
 from attnlab.eval.speed import run_latency, run_memory
+from attnlab.paths import brief, check_name
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PROMPT = (
@@ -166,19 +167,35 @@ class BenchPlan:
     data_dir: str | None = None
 
 
-def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[str] = (), data_dir=None) -> BenchPlan:
-    """A plan from one benchmark manifest (YAML with `benchmarks`), or from checkpoint paths (default set)."""
+def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[str] = (), data_dir=None,
+              need_checkpoints: bool = True) -> BenchPlan:  # fmt: skip
+    """A plan from one benchmark manifest (YAML with `benchmarks`), or from checkpoint paths (default set).
+    need_checkpoints False (`attnlab validate`): checkpoints not trained yet are left out, not a problem."""
     if len(paths) == 1 and paths[0].endswith((".yml", ".yaml")):
         path = Path(paths[0])
         raw = read_yaml(path)
+        if not isinstance(raw, dict):
+            raise ConfigError("a benchmark manifest is a mapping with benchmarks and checkpoints", source=str(path))
         problems = [unknown_key_problem(str(k), ["name", "checkpoints", "benchmarks", "data_dir"], "")
                     for k in raw if k not in ("name", "checkpoints", "benchmarks", "data_dir")]  # fmt: skip
         spec = raw.get("benchmarks") or {}
-        problems += check_benchmarks(spec if isinstance(spec, dict) else {})
+        if not isinstance(spec, dict) or not all(isinstance(v, dict | None) for v in spec.values()):
+            problems.append("benchmarks must map each benchmark's name to its parameters (a mapping, or nothing)")
+            spec = {}
+        problems += check_benchmarks(spec)
         checkpoints = raw.get("checkpoints") or []
+        if isinstance(checkpoints, str):
+            checkpoints = [checkpoints]
+        if not isinstance(checkpoints, list) or not all(isinstance(c, str) for c in checkpoints):
+            problems.append("checkpoints must be a list of run or checkpoint folders (glob patterns allowed)")
+            checkpoints = []
+        for key in ("name", "data_dir"):
+            if raw.get(key) is not None and not isinstance(raw[key], str):
+                problems.append(f"{key}={brief(raw[key])} must be a string")
         if problems:
             raise ConfigError(problems, source=str(path))
         name, data_dir = raw.get("name") or path.stem, data_dir or raw.get("data_dir")
+        check_name(name, "benchmark manifest name")
     else:
         name, checkpoints, spec = "bench", paths, {b: {} for b in DEFAULT_SET}
     if benchmarks:
@@ -192,14 +209,17 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         bench, _, param = key.partition(".")
         if not param:
             raise ConfigError(f"--set {item!r} must look like BENCHMARK.PARAM=VALUE")
-        spec.setdefault(bench, {})[param] = yaml.safe_load(raw_value)
+        try:
+            spec.setdefault(bench, {})[param] = parse_yaml(raw_value) if raw_value.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {brief(item)}: the value is {yaml_problem(e)} (quote the whole value)") from None
     problems = check_benchmarks(spec)
     resolved = []
     for pattern in checkpoints:
         matches = sorted(glob.glob(str(pattern))) if any(c in str(pattern) for c in "*?[") else [str(pattern)]
-        if not matches or not all(Path(m).exists() for m in matches):
+        if need_checkpoints and (not matches or not all(Path(m).exists() for m in matches)):
             problems.append(f"checkpoint {pattern!r} not found (a run folder or a checkpoint folder)")
-        resolved += matches
+        resolved += [m for m in matches if Path(m).exists()]
     if problems:
         raise ConfigError(problems)
     return BenchPlan(name, tuple(resolved), spec, data_dir)

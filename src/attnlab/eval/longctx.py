@@ -141,10 +141,13 @@ def _starts_with_key(output: str, key: str) -> bool:
 
 def needle_trial(module, tokenizer, prompt: PasskeyPrompt, key: str) -> dict:
     """Greedy retrieval and the needle's likelihood gain (nats) for one prompt."""
+    budget = len(prompt.answer) + 2
+    if module.cfg.memory.kind == "none":  # what the context leaves (the answer itself always fits: it is scored)
+        budget = min(budget, module.cfg.max_seq_len - len(prompt.with_needle))
     ids = generate(
         module,
         prompt.with_needle,
-        max_new_tokens=len(prompt.answer) + 2,
+        max_new_tokens=budget,
         temperature=0.0,
         stop_tokens=[tokenizer.eot_id],
         compile=False,  # a few tokens per prompt: compiling the decode step would cost more than it saves

@@ -40,9 +40,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from attnlab.config import unknown_key_problem
+from attnlab.config_io import read_yaml
 from attnlab.errors import ConfigError, InputError
 from attnlab.eval.records import make_record
 from attnlab.eval.scoring import continuation_logprobs, greedy_text
@@ -108,13 +107,7 @@ def load_suite(path: str | Path) -> ProbeSuite:
     path = Path(path)
     if not path.is_file():
         raise ConfigError("file not found (check the path)", source=str(path))
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"not valid YAML{at}: {getattr(e, 'problem', e)}", source=str(path)) from None
-    return suite_from_dict(raw, source=str(path))
+    return suite_from_dict(read_yaml(path), source=str(path))
 
 
 def suite_from_dict(data: Any, source: str = "<dict>") -> ProbeSuite:

@@ -72,7 +72,9 @@ class Transformer(nn.Module):
         policy (a KVPolicy or a string such as "k=q8_0,v=q4_0,resid=128") stores the cached fields
         quantized (attnlab.cache.quantized, or a memory's slots in those formats); None keeps them in `dtype`
         (default: the model's)."""
-        max_len = max_len or self.cfg.max_seq_len
+        max_len = self.cfg.max_seq_len if max_len is None else max_len
+        if max_len < 1:
+            raise InputError(f"a cache of max_len={max_len} holds nothing (give at least 1 token)")
         dtype = dtype or self.embed.weight.dtype
         device = device or self.embed.weight.device
         memory = self.cfg.memory
