@@ -5,7 +5,7 @@ from attnlab.config import ModelConfig
 from attnlab.config_io import load_config, model_config_from_dict
 from attnlab.errors import AttnlabError, ConfigError, DataError, InputError
 from attnlab.generate import generate
-from attnlab.interop import from_hf_llama
+from attnlab.interop import from_hf_llama, load_model
 from attnlab.model.transformer import Transformer, build_model
 
 __version__ = "0.1.0"
@@ -22,6 +22,7 @@ __all__ = [
     "generate",
     "kv_report",
     "load_config",
+    "load_model",
     "model_config_from_dict",
     "param_counts",
 ]

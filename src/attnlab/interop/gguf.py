@@ -1,0 +1,236 @@
+"""GGUF files (llama.cpp's format) in: metadata -> ModelConfig, tensors dequantized -> an attnlab model.
+
+    cfg, model, tokenizer = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")   # fp32 weights, rebuilt tokenizer
+
+Read with the `gguf` package (gguf-py, llama.cpp's own reader; an optional dependency): F32, F16, BF16,
+Q8_0, Q4_0/1, Q5_0/1, the K-quants and whatever else `gguf.quants.dequantize` knows. Weights are
+dequantized one tensor at a time into the model, so the peak is the model plus one tensor in fp32.
+
+Two things differ from a Hugging Face checkpoint, and are undone here:
+* shapes are listed innermost first (ggml's ne0, the input dimension of a matrix), so a (out, in) weight
+  is listed as [in, out];
+* llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute) reorders the rows of q and k within
+  each head so that its RoPE, which rotates adjacent pairs (2i, 2i+1), equals Hugging Face's half-split
+  rotation (i, i + head_dim/2). Head h's row (h, s, j) (s in {0, 1} the half, j < head_dim/2) is stored as
+  row (h, j, s); `unpermute` puts it back, so the model uses Hugging Face's layout and rope_interleaved=False.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnlab.attention.mha import MHAConfig
+from attnlab.config import ModelConfig
+from attnlab.errors import ConfigError, DataError
+from attnlab.interop.hf import WeightFiller
+from attnlab.interop.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
+from attnlab.model.transformer import Transformer, build_model
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+REFUSED_ARCHITECTURES = {"qwen2": "its q/k/v projections have biases, and attnlab's attention has no bias option yet"}
+TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def import_gguf():
+    """The `gguf` package (a dependency, imported here only: 0.1 s that only reading a .gguf needs), or ConfigError
+    saying how to get it."""
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError("reading .gguf files needs the gguf package (pip install 'gguf>=0.10')") from None
+    return gguf
+
+
+@dataclass
+class GGUFFile:
+    """An opened GGUF file: its metadata (key -> value) and its tensors (name -> gguf ReaderTensor)."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, Any]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape in PyTorch order (outermost first): GGUF lists ne0, the innermost dimension, first."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+
+def field_value(field) -> Any:
+    """A metadata field's value: a str, number or bool, or a list of them for arrays."""
+    return field.contents() if hasattr(field, "contents") else decode_field(field)
+
+
+def decode_field(field) -> Any:
+    """field_value for gguf versions whose ReaderField has no contents(): from its raw parts."""
+    gguf = import_gguf()
+    strings = field.types[-1] == gguf.GGUFValueType.STRING
+    values = [bytes(field.parts[i]).decode("utf-8") if strings else field.parts[i].tolist()[0] for i in field.data]
+    return values if field.types[0] == gguf.GGUFValueType.ARRAY else values[0]
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Reads a GGUF file's header, metadata and tensor table (the tensor data stays memory-mapped).
+    DataError (one line naming the file) when it is not a complete GGUF file."""
+    gguf, path = import_gguf(), Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: not found")
+    try:
+        reader = gguf.GGUFReader(path)
+        metadata = {name: field_value(field) for name, field in reader.fields.items()}
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
+        reason = " ".join(str(e).split())
+        raise DataError(f"{path}: not a readable GGUF file ({reason}); is it truncated or altered?") from None
+    size = path.stat().st_size
+    tensors = {}
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size or tensor.data.nbytes != tensor.n_bytes:
+            raise DataError(f"{path}: tensor {tensor.name!r} runs past the end of the file; is it truncated?")
+        if tensor.name in tensors:
+            raise DataError(f"{path}: tensor {tensor.name!r} is stored twice")
+        tensors[tensor.name] = tensor
+    return GGUFFile(path, metadata, tensors)
+
+
+def config_from_gguf(file: GGUFFile) -> ModelConfig:
+    """ModelConfig of a GGUF file's metadata (`<arch>.*` keys); ConfigError (one line) for what attnlab cannot
+    express: another architecture, mixture of experts, partial or scaled RoPE, per-layer head counts."""
+    meta, source = file.metadata, str(file.path)
+    arch = meta.get("general.architecture")
+    if arch in REFUSED_ARCHITECTURES:
+        raise ConfigError(f"general.architecture={arch!r} is not supported yet: {REFUSED_ARCHITECTURES[arch]}", source)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ConfigError(f"general.architecture={arch!r} is not supported (supported: {supported})", source=source)
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    required = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+    problems = [f"metadata {arch}.{name} is missing" for name in required if key(name) is None]
+    if problems:
+        raise ConfigError(problems, source=source)
+    d_model, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    n_kv_heads = key("attention.head_count_kv", n_heads)
+    if isinstance(n_kv_heads, list):
+        if len(set(n_kv_heads)) != 1:
+            problems.append(f"per-layer KV head counts {sorted(set(n_kv_heads))} are not supported")
+        n_kv_heads = n_kv_heads[0]
+    head_dim = int(key("attention.key_length") or d_model // n_heads)
+    if key("attention.value_length", head_dim) != head_dim:
+        problems.append(f"value heads of {key('attention.value_length')} != key heads of {head_dim} are not supported")
+    if key("rope.dimension_count", head_dim) != head_dim:
+        problems.append(
+            f"{arch}.rope.dimension_count={key('rope.dimension_count')} != head_dim={head_dim}: partial RoPE "
+            "is not supported"
+        )
+    scaling = key("rope.scaling.type", "none")
+    if scaling != "none" and not (scaling == "linear" and key("rope.scaling.factor", 1.0) == 1.0):
+        problems.append(f"{arch}.rope.scaling.type={scaling!r} is not supported (only plain RoPE)")
+    if "rope_freqs.weight" in file.tensors:
+        problems.append("rope_freqs.weight (Llama 3.1-style RoPE frequency scaling) is not supported")
+    if key("expert_count", 0):
+        problems.append(f"{arch}.expert_count={key('expert_count')}: mixtures of experts are not supported")
+    if problems:
+        raise ConfigError(problems, source=source)
+    vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
+    if not vocab and "token_embd.weight" in file.tensors:
+        vocab = file.shape("token_embd.weight")[0]
+    try:
+        return ModelConfig(
+            vocab_size=int(vocab),
+            d_model=d_model,
+            n_layers=int(key("block_count")),
+            n_heads=n_heads,
+            max_seq_len=int(key("context_length", 2048)),
+            attention=MHAConfig(n_kv_heads=int(n_kv_heads), head_dim=head_dim),
+            mlp="swiglu",
+            d_ff=int(key("feed_forward_length")),
+            tie_embeddings="output.weight" not in file.tensors,
+            rope_base=float(key("rope.freq_base", 10000.0)),
+            norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            name=file.path.stem,
+        )
+    except ConfigError as e:
+        raise e.with_source(source) from None
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face Llama name of a GGUF tensor name (None for names with no counterpart)."""
+    if name in TOP_LEVEL_NAMES:
+        return TOP_LEVEL_NAMES[name]
+    match = BLOCK_TENSOR.fullmatch(name)
+    if match and match.group(2) in BLOCK_NAMES:
+        return f"model.layers.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}.weight"
+    return None
+
+
+def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's q/k row permutation: weight (n_heads * head_dim, d_model), rows per head stored
+    as (head_dim/2, 2) pairs -> Hugging Face's (2, head_dim/2) halves."""
+    rows = weight.shape[0]
+    pairs = weight.reshape(n_heads, rows // n_heads // 2, 2, -1)  # (H, D/2, 2, d_model)
+    return pairs.transpose(1, 2).reshape(rows, -1)  # (H, 2, D/2, d_model) -> (H * D, d_model)
+
+
+def dequantized(file: GGUFFile, name: str) -> torch.Tensor:
+    """A tensor's values in fp32, in PyTorch shape order."""
+    gguf, tensor = import_gguf(), file.tensors[name]
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except (NotImplementedError, ValueError) as e:
+        kind = getattr(tensor.tensor_type, "name", tensor.tensor_type)
+        raise DataError(f"{file.path}: tensor {name!r} of type {kind} cannot be dequantized ({e})") from None
+    values = np.asarray(values, dtype=np.float32)
+    if not values.flags.writeable:  # F32 tensors come back as views of the read-only memory map
+        values = values.copy()
+    return torch.from_numpy(values.reshape(file.shape(name)))
+
+
+@torch.no_grad()
+def model_from_gguf(file: GGUFFile, cfg: ModelConfig, dtype=torch.float32) -> Transformer:
+    """The model of `cfg` holding a GGUF file's weights (dequantized, q/k unpermuted), in `dtype`."""
+    filler = WeightFiller(build_model(cfg, dtype=dtype), str(file.path))
+    n_kv_heads = cfg.attention.n_kv_heads or cfg.n_heads
+    for name in file.tensors:
+        target = hf_name(name)
+        if target is None:
+            raise DataError(f"{file.path}: unexpected tensor {name!r} for architecture llama")
+        values = dequantized(file, name)
+        if name.endswith(".attn_q.weight"):
+            values = unpermute(values, cfg.n_heads)
+        elif name.endswith(".attn_k.weight"):
+            values = unpermute(values, n_kv_heads)
+        filler.fill(target, values, where=f"{file.path} ({name})")
+    return filler.finish()
+
+
+def load_gguf(
+    path: str | Path, dtype=torch.float32, tokenizer: bool = True
+) -> tuple[ModelConfig, Transformer, PretrainedTokenizer | None]:
+    """(config, model, tokenizer) from a GGUF file: the weights dequantized to `dtype` (default fp32) and the
+    tokenizer rebuilt from its tokenizer.ggml.* metadata (None when tokenizer=False)."""
+    file = open_gguf(path)
+    cfg = config_from_gguf(file)
+    model = model_from_gguf(file, cfg, dtype)
+    return cfg, model, tokenizer_from_gguf(file.metadata, source=str(file.path)) if tokenizer else None

@@ -1,0 +1,272 @@
+"""Hugging Face Llama-family models in: a loaded transformers model, or a model folder read without transformers.
+
+    cfg, model = from_hf_llama(LlamaForCausalLM.from_pretrained(...))    # a model already in memory
+    cfg, model = load_hf_folder("path/to/folder")                          # config.json + *.safetensors
+
+A folder holds config.json and the weights as model.safetensors, or as shards model-0000i-of-0000n.safetensors
+listed in model.safetensors.index.json. Shards are read one at a time through safetensors' memory map and
+each tensor is copied straight into the model, so two full copies of the weights are never held.
+
+Every source (a transformers model, a folder, a GGUF file through interop.gguf) fills the model through one
+table, `hf_targets`: Hugging Face parameter name -> the attnlab tensor it fills (q/k/v are slices of the fused
+qkv projection, gate/up slices of the fused SwiGLU input, the embeddings the first vocab_size padded rows).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from attnlab.attention.mha import MHAConfig
+from attnlab.attention.sliding import SlidingConfig
+from attnlab.config import ModelConfig
+from attnlab.errors import ConfigError, DataError
+from attnlab.model.transformer import Transformer, build_model
+
+# config.json "architectures" entries attnlab maps, and those it knows but refuses (with the reason).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+REFUSED_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "its q/k/v projections have biases, and attnlab's attention has no bias option yet",
+}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# transformers' class defaults for keys a config.json may leave out.
+DEFAULTS = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+}
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Buffers some checkpoints carry that attnlab recomputes.
+RECOMPUTED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def architecture_of(hf: dict, source: str) -> str:
+    """The one supported architecture config.json names; ConfigError (one line) for any other."""
+    names = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type"), str(hf.get("model_type")))]
+    name = names[0] if len(names) == 1 else ", ".join(map(str, names))
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if name in REFUSED_ARCHITECTURES:
+        raise ConfigError(f"architecture {name} is not supported yet: {REFUSED_ARCHITECTURES[name]}", source=source)
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"architecture {name} is not supported (supported: {supported})", source=source)
+    return name
+
+
+def rope_base(hf: dict, default: float) -> tuple[float, list[str]]:
+    """(rope theta, problems): transformers 5 writes rope_parameters, older configs rope_theta + rope_scaling."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    problems = []
+    if rope_type != "default":
+        problems.append(
+            f"rope_type={rope_type!r} is not supported (only plain RoPE: attnlab's ModelConfig has no RoPE "
+            "frequency-scaling option yet)"
+        )
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append("partial_rotary_factor != 1 is not supported (attnlab rotates every channel of a head)")
+    return float(params.get("rope_theta", hf.get("rope_theta", default))), problems
+
+
+def config_from_hf(hf: dict, source: str = "config.json", name: str | None = None) -> ModelConfig:
+    """ModelConfig of a Hugging Face config.json (as a dict) for LlamaForCausalLM or MistralForCausalLM.
+
+    Mistral's sliding_window W (each token sees itself and the W - 1 before it) becomes attention.kind
+    `sliding` with window W; sliding_window null is plain attention. Everything attnlab cannot express
+    (biases, another activation, scaled RoPE, ...) is refused in one ConfigError listing every problem."""
+    arch = architecture_of(hf, source)
+    hf = {**DEFAULTS[arch], **{k: v for k, v in hf.items() if v is not None}}
+    problems = [f"{key} is missing" for key in REQUIRED_KEYS if key not in hf]
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} is not supported (only SwiGLU with silu)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        problems.append("attention_bias/mlp_bias=True is not supported (attnlab's projections have no bias)")
+    base, rope_problems = rope_base(hf, DEFAULTS[arch]["rope_theta"])
+    problems += rope_problems
+    kinds = set(hf.get("layer_types") or ["full_attention"])
+    if kinds - {"full_attention", "sliding_attention"} or len(kinds) > 1:
+        problems.append(f"layer_types {sorted(kinds)} are not supported (every layer must attend alike)")
+    if problems:
+        raise ConfigError(problems, source=source)
+    n_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    heads = {"n_kv_heads": hf.get("num_key_value_heads") or n_heads, "head_dim": head_dim}
+    window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
+    attention = SlidingConfig(window=window, **heads) if window else MHAConfig(**heads)
+    try:
+        return ModelConfig(
+            vocab_size=hf["vocab_size"],
+            d_model=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads,
+            max_seq_len=hf["max_position_embeddings"],
+            attention=attention,
+            mlp="swiglu",
+            d_ff=hf["intermediate_size"],
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_base=base,
+            norm_eps=float(hf["rms_norm_eps"]),
+            name=name or hf.get("_name_or_path") or arch,
+        )
+    except ConfigError as e:
+        raise e.with_source(source) from None
+
+
+def config_from_hf_llama(hf_cfg) -> ModelConfig:
+    """ModelConfig of a transformers LlamaConfig (or MistralConfig) object."""
+    return config_from_hf(hf_cfg.to_dict(), source="from_hf_llama")
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def hf_targets(model: Transformer) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama parameter name -> the attnlab tensor (a view of a parameter) that holds it.
+
+    q, k, v are row slices of the fused `qkv` projection (in that order), gate and up of the SwiGLU's fused
+    `gate_up`; the embedding and an untied LM head fill their first vocab_size (unpadded) rows."""
+    cfg, vocab = model.cfg, model.cfg.vocab_size
+    out = {"model.embed_tokens.weight": model.embed.weight[:vocab], "model.norm.weight": model.norm.weight}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = model.lm_head.weight[:vocab]
+    for i, block in enumerate(model.blocks):
+        attn, mlp, p = block.attn, block.mlp, f"model.layers.{i}."
+        q_rows, kv_rows = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
+        q, k, v = attn.qkv.weight.split((q_rows, kv_rows, kv_rows))  # (rows, d_model) each
+        gate, up = mlp.gate_up.weight.split(mlp.hidden_dim)  # (hidden_dim, d_model) each
+        out.update({
+            p + "input_layernorm.weight": block.attn_norm.weight,
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": attn.out.weight,
+            p + "post_attention_layernorm.weight": block.mlp_norm.weight,
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": mlp.down.weight,
+        })  # fmt: skip
+    return out
+
+
+class WeightFiller:
+    """Copies named Hugging Face tensors into a model, one at a time, checking names and shapes.
+
+    `fill(name, tensor)` for each tensor in any order, then `finish()`, which raises DataError if a tensor
+    the model needs never came. The padded rows of the embedding and LM head are zeroed."""
+
+    def __init__(self, model: Transformer, source: str):
+        self.model, self.source = model, source
+        self.targets = hf_targets(model)
+        self.missing = set(self.targets)
+        with torch.no_grad():
+            model.embed.weight.zero_()
+            model.lm_head.weight.zero_()
+
+    @torch.no_grad()
+    def fill(self, name: str, tensor: torch.Tensor, where: str | None = None) -> None:
+        where = where or self.source
+        target = self.targets.get(name)
+        if target is None:
+            if name.endswith(RECOMPUTED_SUFFIXES) or (name == "lm_head.weight" and self.model.cfg.tie_embeddings):
+                return  # recomputed buffers; a tied checkpoint that also stores its LM head
+            raise DataError(f"{where}: unexpected tensor {name!r} (the weights do not match the model's config)")
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise DataError(
+                f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        self.missing.discard(name)
+
+    def finish(self) -> Transformer:
+        if self.missing:
+            names = sorted(self.missing)
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise DataError(f"{self.source}: missing tensor(s) {', '.join(names[:3])}{more}")
+        return self.model.eval()
+
+
+def fill_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], source: str, dtype=None) -> Transformer:
+    """A model of `cfg` (in dtype, default fp32) holding the named Hugging Face tensors."""
+    filler = WeightFiller(build_model(cfg, dtype=dtype), source)
+    for name, tensor in tensors:
+        filler.fill(name, tensor)
+    return filler.finish()
+
+
+@torch.no_grad()
+def from_hf_llama(hf_model, dtype=torch.float32) -> tuple[ModelConfig, Transformer]:
+    """(config, model) with the weights of a transformers `LlamaForCausalLM` (or Mistral), in `dtype`."""
+    cfg = config_from_hf(hf_model.config.to_dict(), source="from_hf_llama")
+    return cfg, fill_model(cfg, hf_model.state_dict().items(), "from_hf_llama", dtype)
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; DataError (one line naming the file) when it is missing or malformed."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path}: not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def is_hf_folder(folder: Path) -> bool:
+    """Whether `folder` looks like a Hugging Face model folder (its config.json names an architecture)."""
+    try:
+        config = read_json(Path(folder) / "config.json")
+    except DataError:
+        return False
+    return "architectures" in config or "model_type" in config
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a folder: the shards its index lists (each checked to exist), else model.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise DataError(f"{index}: no weight_map in it")
+        shards = [folder / name for name in sorted(set(weight_map.values()))]
+        for shard in shards:
+            if not shard.is_file():
+                raise DataError(f"{shard}: not found (named in {index.name})")
+        return shards
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+    hint = f" ({', '.join(pickled)} are pickle files, never loaded: convert them to safetensors)" if pickled else ""
+    raise DataError(f"{folder}: no model.safetensors or model.safetensors.index.json{hint}")
+
+
+def safetensors_tensors(files: list[Path]) -> Iterable[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, file) for every tensor, one file open at a time (memory-mapped by safetensors)."""
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name), str(path)
+        except (SafetensorError, OSError) as e:
+            raise DataError(f"{path}: unreadable safetensors file ({e}); is it truncated?") from None
+
+
+@torch.no_grad()
+def load_hf_folder(folder: str | Path, dtype=torch.float32, name: str | None = None) -> tuple[ModelConfig, Transformer]:
+    """(config, model) from a Hugging Face model folder, read without transformers, in `dtype`."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    cfg = config_from_hf(read_json(config_path), source=str(config_path), name=name or folder.name)
+    files = safetensors_files(folder)
+    filler = WeightFiller(build_model(cfg, dtype=dtype), str(folder))
+    for tensor_name, tensor, path in safetensors_tensors(files):
+        filler.fill(tensor_name, tensor, where=path)
+    return cfg, filler.finish()
