@@ -263,3 +263,45 @@ def test_attnlab_checkpoints_load_through_the_same_call(tmp_path):
     config = {"model": model.cfg.to_dict(), "data": {"source": "tinyshakespeare", "tokenizer": "byte"}}
     save_checkpoint(tmp_path / "run2", model, optimizer, {"step": 1}, config)
     assert attnlab.load_model(tmp_path / "run2")[2].name == "byte"
+
+
+# ----------------------------------------------------------------------------- commands take references
+
+
+def test_info_reads_a_reference_without_its_weights(tmp_path, capsys):
+    """`attnlab info FOLDER` gives the parameters and KV bytes of the pretrained shape, as the loaded model counts
+    them, with a KV policy and with a memory."""
+    from attnlab.accounting import kv_report, param_counts
+    from attnlab.cli import main
+
+    folder = save(random_model("llama", n_kv_heads=2), tmp_path / "m")
+    cfg, model, _ = attnlab.load_model(folder)
+    assert main(["info", str(folder), "--json", "--kv-policy", "k=q8_0,v=q8_0", "--dtype", "fp32"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["params"] == param_counts(model)
+    assert report["kv_bytes"] == kv_report(cfg, "fp32", policy="k=q8_0,v=q8_0")["kv_bytes"]
+    assert main(["info", str(folder), "--json", "--memory", "kind=window,recent_window=16"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["slots"] == 16
+    assert main(["info", str(folder), "--memory", "kind=window,recent_wndow=16"]) == 2
+    assert "recent_wndow" in capsys.readouterr().err
+
+
+def test_generate_continues_a_prompt_as_transformers_does(tmp_path, capsys):
+    """`attnlab generate FOLDER PROMPT` (greedy) prints the prompt and the tokens transformers' greedy generate
+    gives, the prompt read as the model reads one (BOS first); --chat renders the model's chat template."""
+    from attnlab.cli import main
+
+    hf = random_model("llama", n_kv_heads=2)
+    folder = save(hf, tmp_path / "m")
+    tokenizer = tokenizer_from_folder(folder)
+    prompt = "the cat is here"
+    ids = tokenizer.encode_prompt(prompt)
+    assert ids[0] == 1  # <s>
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(ids) :]
+    assert main(["generate", str(folder), prompt, "--max-new-tokens", "6"]) == 0
+    expected = want.tolist()
+    stop = next((i for i, t in enumerate(expected) if t in tokenizer.stop_ids), None)
+    expected = expected if stop is None else expected[:stop]
+    assert capsys.readouterr().out == prompt + tokenizer.decode(expected) + "\n"
+    assert tokenizer.encode_chat("hi") == tokenizer.encode("<s>hi</s>", prompt=True)[1:]  # TEMPLATE, no extra BOS

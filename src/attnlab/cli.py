@@ -17,12 +17,13 @@ import warnings
 from pathlib import Path
 
 import torch
+import yaml
 
 from attnlab.accounting import info
 from attnlab.attention.registry import REGISTRY
 from attnlab.compare import compare
-from attnlab.config_io import load_config
-from attnlab.errors import AttnlabError, ConfigError, LengthWarning
+from attnlab.config_io import load_config, memory_from_dict, parse_yaml
+from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval, make_record
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
 from attnlab.eval.kvquant import held_out_windows, run_kv_eval, table, tune
@@ -31,6 +32,7 @@ from attnlab.eval.probes import comparison_record, load_suite, probe_records, ru
 from attnlab.eval.report import build_report
 from attnlab.eval.stats import paired_comparison
 from attnlab.generate import generate
+from attnlab.interop.references import model_config_of
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.memory import MemoryStore, ingest, query
 from attnlab.runner import run_manifest
@@ -98,8 +100,34 @@ def _fmt(n: float) -> str:
     return f"{n:,.0f}"
 
 
+REFERENCE_HELP = "an attnlab run or checkpoint folder, a .gguf file, a Hugging Face model folder, or hf:ORG/NAME[@REV]"
+
+
+def memory_option(text: str):
+    """--memory 'kind=bounded,recent_window=256,...' -> MemoryConfig (values read as YAML scalars)."""
+    data = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"--memory {text!r}: {item!r} must look like KEY=VALUE (e.g. kind=window,recent_window=256)"
+            )
+        try:
+            data[key.strip()] = parse_yaml(value) if value.strip() else None
+        except yaml.YAMLError:  # a value such as an unbalanced quote
+            raise ConfigError(f"--memory {text!r}: the value of {key.strip()} is not a plain value") from None
+    problems: list[str] = []
+    memory = memory_from_dict(data, problems)
+    if problems:
+        raise ConfigError([f"--memory: {p}" for p in problems])
+    return memory
+
+
 def cmd_info(args) -> int:
-    cfg = load_config(args.config)
+    is_yaml = Path(args.config).suffix.lower() in (".yaml", ".yml")
+    cfg = load_config(args.config) if is_yaml else model_config_of(args.config, args.data_dir)
+    if args.memory is not None:
+        cfg = cfg.replace(memory=memory_option(args.memory))
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
     if args.json:
         print(json.dumps(report))
@@ -214,17 +242,23 @@ def cmd_kv_tune(args) -> int:
 
 def cmd_generate(args) -> int:
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
-    if model.tokenizer is None:
+    tokenizer = model.tokenizer
+    if tokenizer is None:
         raise ConfigError(f"{args.checkpoint}: no tokenizer saved with this checkpoint: cannot encode a prompt")
-    prompt = model.tokenizer.encode(args.prompt)
+    if args.chat and not hasattr(tokenizer, "encode_chat"):
+        raise InputError(f"{args.checkpoint}: --chat needs a pretrained model with a chat template")
+    prompt = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode_prompt(args.prompt)
     new_tokens = args.max_new_tokens
     if new_tokens is None:  # the default: up to DEFAULT_NEW_TOKENS, as many as the context leaves room for
         cfg = model.model.cfg
         room = cfg.max_seq_len - len(prompt) if cfg.memory.kind == "none" else DEFAULT_NEW_TOKENS
         new_tokens = min(DEFAULT_NEW_TOKENS, max(1, room))  # no room at all: generate's error says so
     out = generate(model.model, torch.tensor(prompt), max_new_tokens=new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv_policy=args.kv_policy)  # fmt: skip
-    print(args.prompt + model.tokenizer.decode(out.tolist()))
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv_policy=args.kv_policy,
+                   stop_tokens=tokenizer.stop_ids)  # fmt: skip
+    ids = out.tolist()
+    ids = ids[:-1] if ids and ids[-1] in tokenizer.stop_ids else ids  # the end-of-text token is not text
+    print(tokenizer.decode(ids) if args.chat else args.prompt + tokenizer.decode(ids))
     return 0
 
 
@@ -329,8 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="tables, plots, report.md and report.html from a bench folder's records")
     p.add_argument("dir", help="the folder `attnlab bench` wrote (holds records.jsonl)")
     p.set_defaults(func=cmd_report)
-    p = sub.add_parser("info", help="parameters by component and KV-cache bytes")
-    p.add_argument("config")
+    p = sub.add_parser("info", help="parameters by component and KV-cache bytes of a model config or reference")
+    p.add_argument("config", help="a model config (.yaml) or a model reference: " + REFERENCE_HELP)
+    p.add_argument("--memory", default=None, help="a bounded memory, e.g. 'kind=bounded,recent_window=256,"
+                   "exact_slots=64,summary_slots=64' (model.memory keys)")  # fmt: skip
+    p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.add_argument("--dtype", default="fp16", help="KV storage dtype: fp32, fp16, bf16 (default fp16)")
     p.add_argument("--seq-len", type=int, default=None, help="context length (default max_seq_len)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -360,9 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
         p.add_argument("--out", default=None, help="append records to this JSONL file")
         p.set_defaults(func=func)
-    p = sub.add_parser("generate", help="continue a prompt with a checkpoint (optionally a quantized KV cache)")
-    p.add_argument("checkpoint", help="a run folder or checkpoint folder")
+    p = sub.add_parser("generate", help="continue a prompt with a model (optionally a quantized KV cache)")
+    p.add_argument("checkpoint", help="a model reference: " + REFERENCE_HELP)
     p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="the prompt as a user turn of the model's chat template; "
+                   "prints the answer only")  # fmt: skip
     add_sampling_arguments(p, streams=False)
     p.add_argument("--kv-policy", default=None, help=kv_help.replace("policies", "policy"))
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")

@@ -61,6 +61,15 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(text) for text in texts]
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt, as the model reads one (a pretrained model's BOS first where it expects it)."""
+        return self.encode(text)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation: end-of-text (a pretrained model's end-of-sequence ids too)."""
+        return (self.eot_id,)
+
     def save(self, folder: str | Path) -> None:
         """Writes what `load_tokenizer(self.name, folder)` needs (nothing for fixed tokenizers)."""
 

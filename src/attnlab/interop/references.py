@@ -13,21 +13,23 @@ huggingface_hub (an optional dependency) unless downloads are off ($ATTNLAB_OFFL
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from attnlab.config import DataConfig, ModelConfig
+from attnlab.config_io import model_config_from_dict
 from attnlab.data import load_tokenizer, prepare
 from attnlab.data.files import downloads_allowed
 from attnlab.data.tokenizers import Tokenizer
 from attnlab.errors import DataError, InputError
-from attnlab.interop.gguf import load_gguf
-from attnlab.interop.hf import is_hf_folder, load_hf_folder, read_json
+from attnlab.interop.gguf import config_from_gguf, load_gguf, open_gguf
+from attnlab.interop.hf import config_from_hf, is_hf_folder, load_hf_folder, read_json
 from attnlab.interop.tokenizer import tokenizer_from_folder
 from attnlab.model.transformer import Transformer
 from attnlab.paths import data_dirs
-from attnlab.train.checkpoint import load_checkpoint
+from attnlab.train.checkpoint import find_checkpoint, load_checkpoint
 
 HUB_PREFIX = "hf:"
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -39,6 +41,18 @@ HUB_FILES = [
 KINDS = "a .gguf file, a Hugging Face model folder, an attnlab run or checkpoint folder, or hf:ORG/NAME[@REVISION]"
 
 
+@dataclass
+class LoadedModel:
+    """A model a reference names, ready to use: what load_model returns, plus what tables and records need."""
+
+    cfg: ModelConfig
+    model: Transformer  # eval mode
+    tokenizer: Tokenizer | None
+    config: dict  # an attnlab run's resolved config (model, data, train); else {"model": ..., "source": ref}
+    label: str  # a name for tables: <target>/seed<S> for a run, the file or folder name, ORG/NAME for the Hub
+    folder: Path | None = None  # an attnlab checkpoint's folder (None for pretrained models)
+
+
 def load_model(
     ref: str | Path, dtype: torch.dtype = torch.float32, data_dir: str | Path | None = None, *, tag: str = "best"
 ) -> tuple[ModelConfig, Transformer, Tokenizer | None]:
@@ -47,25 +61,67 @@ def load_model(
     dtype: the weights' dtype (quantized GGUF weights are dequantized to it). tag: which checkpoint of an
     attnlab run (best, else last). The tokenizer is None only for an attnlab checkpoint saved without one.
     """
+    loaded = load_reference(ref, dtype, data_dir, tag=tag)
+    return loaded.cfg, loaded.model, loaded.tokenizer
+
+
+def load_reference(
+    ref: str | Path, dtype: torch.dtype = torch.float32, data_dir: str | Path | None = None, *, tag: str = "best"
+) -> LoadedModel:
+    """`load_model` with the reference's run config and label (attnlab.eval.load_for_eval builds on it)."""
+    kind, where = resolve(ref, data_dir)
+    if kind == "run":
+        return _load_run(where, dtype, data_dir, tag)
+    if kind == "gguf":
+        cfg, model, tokenizer = load_gguf(where, dtype)
+        label = where.stem
+    else:
+        name = str(ref) if kind == "hub" else None
+        cfg, model = load_hf_folder(where, dtype, name=name)
+        tokenizer = tokenizer_from_folder(where, name=name)
+        label = str(ref)[len(HUB_PREFIX) :] if kind == "hub" else where.name
+    return LoadedModel(cfg, model, tokenizer, {"model": cfg.to_dict(), "source": str(ref)}, label)
+
+
+def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, Path]:
+    """What `ref` is and where: ("gguf", file), ("hf", folder), ("hub", its local folder) or ("run", folder).
+    DataError (one line) when it names nothing loadable."""
     if isinstance(ref, str) and ref.startswith(HUB_PREFIX):
-        folder = hub_folder(ref, data_dir)
-        cfg, model = load_hf_folder(folder, dtype, name=ref)
-        return cfg, model, tokenizer_from_folder(folder, name=ref)
+        return "hub", hub_folder(ref, data_dir)
     path = Path(ref)
     if path.is_file():
         with open(path, "rb") as f:
             magic = f.read(4)
         if path.suffix.lower() != ".gguf" and magic != b"GGUF":
             raise DataError(f"{path}: not a GGUF file (a model reference is {KINDS})")
-        return load_gguf(path, dtype)
+        return "gguf", path
     if not path.is_dir():
         raise DataError(f"{ref}: no such file or folder (a model reference is {KINDS})")
     if (path / "checkpoints").is_dir() or _is_attnlab_checkpoint(path):
-        return _load_run(path, dtype, data_dir, tag)
+        return "run", path
     if is_hf_folder(path):
-        cfg, model = load_hf_folder(path, dtype)
-        return cfg, model, tokenizer_from_folder(path)
+        return "hf", path
     raise DataError(f"{path}: no config.json naming a model here (a model reference is {KINDS})")
+
+
+def model_config_of(ref: str | Path, data_dir: str | Path | None = None) -> ModelConfig:
+    """The ModelConfig of the model `ref` names, without loading its weights (`attnlab info`)."""
+    kind, where = resolve(ref, data_dir)
+    if kind == "gguf":
+        return config_from_gguf(open_gguf(where))
+    if kind == "run":
+        checkpoint = (
+            find_checkpoint(where, "best") or find_checkpoint(where, "last")
+            if (where / "checkpoints").is_dir()
+            else None
+        )
+        config_path = (checkpoint.path if checkpoint else where) / "config.json"
+        config = checkpoint.config if checkpoint else read_json(config_path)
+        return model_config_from_dict(config.get("model"), source=str(config_path))
+    config_path = where / "config.json"
+    return config_from_hf(
+        read_json(config_path), source=str(config_path), name=str(ref) if kind == "hub" else where.name
+    )
 
 
 def _is_attnlab_checkpoint(folder: Path) -> bool:
@@ -78,9 +134,16 @@ def _is_attnlab_checkpoint(folder: Path) -> bool:
         return False
 
 
-def _load_run(path: Path, dtype, data_dir, tag: str) -> tuple[ModelConfig, Transformer, Tokenizer | None]:
-    """An attnlab run or checkpoint: its model, and the tokenizer it was trained with (as eval.loading finds it:
-    the run's tokenizer/ folder, else the prepared data of its data config)."""
+def _label(path: Path) -> str:
+    """<target>/seed<S> for a run's folder (or a checkpoint inside it), else the folder's name."""
+    parts = path.resolve().parts
+    seed = next((i for i in range(len(parts) - 1, -1, -1) if parts[i].startswith("seed")), None)
+    return f"{parts[seed - 1]}/{parts[seed]}" if seed else path.name
+
+
+def _load_run(path: Path, dtype, data_dir, tag: str) -> LoadedModel:
+    """An attnlab run or checkpoint: its model, and the tokenizer it was trained with (the run's tokenizer/
+    folder, else the prepared data of its data config)."""
     loaded = load_checkpoint(path, tag=tag)
     model = loaded.model if dtype == torch.float32 else loaded.model.to(dtype)
     data = loaded.config.get("data")
@@ -95,7 +158,7 @@ def _load_run(path: Path, dtype, data_dir, tag: str) -> tuple[ModelConfig, Trans
                 if (loaded.run_dir / "tokenizer").is_dir():  # the run's own tokenizer is damaged: say so
                     raise saved_error from None
                 raise
-    return loaded.cfg, model, tokenizer
+    return LoadedModel(loaded.cfg, model, tokenizer, loaded.config, _label(loaded.run_dir), loaded.folder)
 
 
 def parse_hub_ref(ref: str) -> tuple[str, str | None]:

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from attnlab.data.files import atomic_write_text
 from attnlab.data.tokenizers import Tokenizer
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import ConfigError, DataError, InputError
 
 # The ids a document ends with in pretraining, when the vocabulary has one (GPT-2 family, SmolLM, Llama 3);
 # otherwise end-of-text is the end-of-sequence id.
@@ -81,9 +81,42 @@ class PretrainedTokenizer(Tokenizer):
         if eot_id is None:
             raise DataError(f"{name}: the tokenizer has no end-of-sequence token (needed between documents)")
         self.eot_id = eot_id
-        self.stop_ids = tuple(dict.fromkeys([*eos_ids, eot_id]))
+        self._stop_ids = tuple(dict.fromkeys([*eos_ids, eot_id]))
         self.add_bos = bool(add_bos and bos_id is not None)
         self.chat_template = chat_template
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text, prompt=True)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of `text` as one user turn of the model's chat template, ready for the assistant's answer: the
+        Jinja template rendered and tokenized as transformers' apply_chat_template does (special tokens in it
+        recognised, no BOS added beyond what the template writes). InputError without a template."""
+        if not self.chat_template:
+            raise InputError(f"{self.name}: the model has no chat template (leave out --chat)")
+        import jinja2  # a dependency of torch; imported here only: chat prompts alone need it
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise InputError(f"{self.name}: the chat template refuses the prompt: {message}")
+
+        environment.globals["raise_exception"] = raise_exception
+        token = self.tokenizer.id_to_token
+        try:
+            rendered = environment.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": text}], add_generation_prompt=True,
+                bos_token="" if self.bos_id is None else token(self.bos_id),
+                eos_token="" if self.eos_id is None else token(self.eos_id),
+            )  # fmt: skip
+        except jinja2.TemplateError as e:
+            raise DataError(f"{self.name}: its chat template does not render ({' '.join(str(e).split())})") from None
+        return self.prompt_tokenizer.encode(rendered, add_special_tokens=False).ids
 
     @property
     def prompt_tokenizer(self) -> HFTokenizer:
