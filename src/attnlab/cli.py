@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("mc", help="zero-shot multiple choice (arc_easy, piqa, winogrande, hellaswag), lm-eval style")
     p.add_argument("task", help="arc_easy, piqa, winogrande or hellaswag")
-    p.add_argument("checkpoint", help="a run directory (its best checkpoint, else last) or a checkpoint folder")
+    p.add_argument("checkpoint", help="a model reference: " + REFERENCE_HELP)
     p.add_argument("--limit", type=int, default=None, help="only the first N items")
     p.add_argument("--file", default=None, help="the task's data file (default: its place in the data directory)")
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_mc)
     p = sub.add_parser("probes", help="behaviour probes per category; with two checkpoints, a paired head-to-head")
     p.add_argument("suite", help="probe suite YAML (e.g. configs/probes/core.yml)")
-    p.add_argument("checkpoint", help="run directory or checkpoint folder")
+    p.add_argument("checkpoint", help="a model reference: " + REFERENCE_HELP)
     p.add_argument("checkpoint_b", nargs="?", default=None, help="second checkpoint: McNemar exact test, bootstrap CI")
     p.add_argument("--out", default="results", help="folder for probes.jsonl (default results/)")
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
@@ -379,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("kv-tune", cmd_kv_tune, "the KV policy with the least quality loss (KL) under a memory budget"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("checkpoint", help="a run folder or checkpoint folder")
+        p.add_argument("checkpoint", help="a model reference: " + REFERENCE_HELP)
         if name == "kv-eval":
             p.add_argument("--policies", nargs="+", required=True, help=kv_help)
         else:
@@ -417,7 +417,7 @@ def add_memory_parser(sub) -> None:
     memory = sub.add_parser("memory", help="memory files: ingest documents into a bounded memory, query it later")
     verbs = memory.add_subparsers(dest="verb", required=True)
     p = verbs.add_parser("ingest", parents=[common], help="read documents into a new memory state, stored by name")
-    p.add_argument("model", help="a run folder or checkpoint folder of a model with a bounded memory")
+    p.add_argument("model", help="a model reference (its model config must have a bounded memory): " + REFERENCE_HELP)
     p.add_argument("documents", nargs="+", help="UTF-8 text files, read in order")
     p.add_argument("--name", required=True, help="the name to store the state under")
     p.add_argument("--chunk", type=int, default=512, help="tokens per prefill step (default 512)")

@@ -216,9 +216,15 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
     problems = check_benchmarks(spec)
     resolved = []
     for pattern in checkpoints:
+        if str(pattern).startswith("hf:"):  # a Hub reference: resolved when loaded
+            resolved.append(str(pattern))
+            continue
         matches = sorted(glob.glob(str(pattern))) if any(c in str(pattern) for c in "*?[") else [str(pattern)]
         if need_checkpoints and (not matches or not all(Path(m).exists() for m in matches)):
-            problems.append(f"checkpoint {pattern!r} not found (a run folder or a checkpoint folder)")
+            problems.append(
+                f"checkpoint {pattern!r} not found (a model reference: a run or checkpoint folder, a .gguf "
+                "file, a Hugging Face folder or hf:ORG/NAME)"
+            )
         resolved += [m for m in matches if Path(m).exists()]
     if problems:
         raise ConfigError(problems)
