@@ -32,6 +32,7 @@ from attnlab.eval.probes import comparison_record, load_suite, probe_records, ru
 from attnlab.eval.report import build_report
 from attnlab.eval.stats import paired_comparison
 from attnlab.generate import generate
+from attnlab.interop.export import export
 from attnlab.interop.references import model_config_of
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.memory import MemoryStore, ingest, query
@@ -262,6 +263,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_lm_eval(args) -> int:
+    from attnlab.eval.lmeval import run_lm_eval, table  # lm-eval is an optional extra: pip install 'attnlab[lmeval]'
+
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    results = run_lm_eval(args.checkpoint, tasks, out_dir=args.out, kv_policy=args.kv_policy, limit=args.limit,
+                          num_fewshot=args.num_fewshot, data_dir=args.data_dir, include_path=args.include_path,
+                          batch_size=args.batch_size)  # fmt: skip
+    print(table(results))
+    if args.out:
+        print(f"results: {Path(args.out) / 'lm_eval.json'}  items: {Path(args.out) / 'lm_eval_samples.jsonl'}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    exported = export(args.ref, args.hf, data_dir=args.data_dir, dtype=args.dtype, overwrite=args.overwrite)
+    print(exported.summary())
+    return 0
+
+
 def cmd_memory_ingest(args) -> int:
     store = MemoryStore(args.store)
     entry = ingest(store, args.model, args.documents, args.name, chunk=args.chunk, replace=args.replace,
@@ -406,6 +426,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-policy", default=None, help=kv_help.replace("policies", "policy"))
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on a model (needs the lmeval extra)")
+    p.add_argument("checkpoint", help="a model reference: " + REFERENCE_HELP)
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. arc_easy,hellaswag")
+    p.add_argument("--include-path", action="append", default=None, metavar="DIR",
+                   help="a folder of task YAML files besides lm-eval's own (repeatable); a relative data file a task "
+                        "names is looked up in the data directory")  # fmt: skip
+    p.add_argument("--kv-policy", default=None, help=kv_help.replace("policies", "policy"))
+    p.add_argument("--limit", type=int, default=None, help="only the first N items of each task")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences scored per forward pass (default 1)")
+    p.add_argument("--out", default=None, help="write OUT/lm_eval.json and the items to OUT/lm_eval_samples.jsonl")
+    p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
+    p.set_defaults(func=cmd_lm_eval)
+    p = sub.add_parser(
+        "export", help="write a model as a Hugging Face folder (Llama, Mistral or Qwen2) for transformers"
+    )
+    p.add_argument("ref", help="a model reference: " + REFERENCE_HELP)
+    p.add_argument("--hf", required=True, metavar="DIR", help="the folder to write (new or empty, else --overwrite)")
+    p.add_argument("--dtype", default="fp32", help="the weights' dtype: fp32, fp16 or bf16 (default fp32)")
+    p.add_argument("--overwrite", action="store_true", help="replace DIR when it is not empty")
+    p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
+    p.set_defaults(func=cmd_export)
     add_memory_parser(sub)
     return parser
 

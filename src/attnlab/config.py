@@ -205,6 +205,90 @@ class MemoryConfig:
         return out
 
 
+# The options each RoPE scaling type reads (besides type): all required, another type's refused. Factors are
+# bounded far beyond any real model, so that no frequency over- or underflows in float32.
+ROPE_SCALING_OPTIONS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "freq_factors": ("freq_factors",),
+}
+UNSUPPORTED_ROPE_TYPES = ("dynamic", "yarn", "longrope")  # transformers' others (they change with the length)
+ROPE_FACTOR_RANGE = (1e-6, 1e6)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (attnlab.ops.rope.scaled_frequencies): pair i's inverse frequency base^(-2i/d) is
+
+    linear (position interpolation): divided by `factor` (positions read as position / factor);
+    llama3 (Llama 3.1): kept where its wavelength 2 pi / freq < original_max_position_embeddings /
+      high_freq_factor, divided by `factor` where it is > original_max_position_embeddings / low_freq_factor,
+      interpolated smoothly between (transformers' _compute_llama3_parameters, to the bit);
+    freq_factors: divided by freq_factors[i], one per rotated pair (llama.cpp's rope_freqs.weight in GGUF files).
+    """
+
+    type: str
+    factor: float | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    freq_factors: tuple[float, ...] | None = None  # a list in YAML and JSON
+    int_limit: ClassVar[int] = MAX_INT
+
+    def __post_init__(self) -> None:
+        if isinstance(self.freq_factors, list):  # as YAML and JSON give it; a tuple keeps the config hashable
+            object.__setattr__(self, "freq_factors", tuple(self.freq_factors))
+        problems, factors = field_problems(self, "rope_scaling."), self.freq_factors
+        if factors is not None and not isinstance(factors, tuple):
+            problems.append(f"rope_scaling.freq_factors={brief(factors)} must be a list of numbers")
+        elif factors:  # the first bad one
+            found = (value_problem(v, float, f"rope_scaling.freq_factors[{i}]") for i, v in enumerate(factors))
+            problems += [p for p in found if p][:1]
+        if problems:
+            raise ConfigError(problems)
+        if factors:
+            object.__setattr__(self, "freq_factors", tuple(float(v) for v in factors))
+        if self.type not in ROPE_SCALING_OPTIONS:
+            known = ", ".join(ROPE_SCALING_OPTIONS)
+            raise ConfigError(
+                f"rope_scaling.type={self.type!r} is not supported (use {known})"
+                if self.type in UNSUPPORTED_ROPE_TYPES
+                else unknown_key_problem(self.type, list(ROPE_SCALING_OPTIONS), "rope_scaling.type=", "value")
+            )
+        options = ROPE_SCALING_OPTIONS[self.type]
+        missing = [key for key in options if getattr(self, key) is None]
+        if missing:
+            problems.append(f"rope_scaling.type {self.type} needs {', '.join(missing)} (missing)")
+        for key in [f.name for f in dataclasses.fields(self) if f.name != "type" and f.name not in options]:
+            if getattr(self, key) is not None:
+                owners = " or ".join(t for t, names in ROPE_SCALING_OPTIONS.items() if key in names)
+                problems.append(
+                    f"rope_scaling.{key} belongs to rope_scaling.type {owners}, not {self.type} (remove it)"
+                )
+        low, high = ROPE_FACTOR_RANGE
+        values = {key: getattr(self, key) for key in ("factor", "low_freq_factor", "high_freq_factor")}
+        outside = [i for i, v in enumerate(self.freq_factors or ()) if not low <= v <= high][:1]  # the first one
+        values.update({f"freq_factors[{i}]": self.freq_factors[i] for i in outside})
+        for key, value in values.items():
+            if value is not None and not low <= value <= high:
+                problems.append(f"rope_scaling.{key}={value} must be in [{low:g}, {high:g}]")
+        if self.original_max_position_embeddings is not None and self.original_max_position_embeddings < 1:
+            problems.append(f"rope_scaling.original_max_position_embeddings={self.original_max_position_embeddings} "
+                            "must be >= 1")  # fmt: skip
+        if self.freq_factors == ():
+            problems.append("rope_scaling.freq_factors is empty (one factor per rotated channel pair)")
+        if self.type == "llama3" and not problems and not self.high_freq_factor > self.low_freq_factor:
+            problems.append(f"rope_scaling.high_freq_factor={self.high_freq_factor} must be > low_freq_factor="
+                            f"{self.low_freq_factor} (Llama 3.1 uses 4 and 1)")  # fmt: skip
+        if problems:
+            raise ConfigError(problems)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The type and its options (the other types' options, all None, left out)."""
+        out = {"type": self.type, **{key: getattr(self, key) for key in ROPE_SCALING_OPTIONS[self.type]}}
+        return {**out, "freq_factors": list(self.freq_factors)} if self.freq_factors is not None else out
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A pre-norm decoder-only transformer. Validated at construction."""
@@ -221,6 +305,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_base: float = 10000.0
     rope_interleaved: bool = False
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     norm_eps: float = 1e-5
     vocab_multiple: int = 64
     init_std: float = 0.02
@@ -249,6 +334,8 @@ class ModelConfig:
             problems += self.attention.problems(self)
         layout = None if problems else self.attention.cache_layout(self)
         window = None if layout is None else layout.window
+        if self.rope_scaling is not None and layout is not None:
+            problems += rope_scaling_problems(self.rope_scaling, layout, self.attention.kind)
         if self.memory.positions == "cache" and layout is not None and layout.null_key:
             problems.append(
                 f"memory.positions='cache' re-rotates the held keys to their ranks, but attention.kind="
@@ -291,6 +378,10 @@ class ModelConfig:
             del out["memory"]  # the default: configs (and their hashes) read as before memories existed
         else:
             out["memory"] = self.memory.to_dict()
+        if self.rope_scaling is None:
+            del out["rope_scaling"]  # the default: configs (and their hashes) read as before scaled RoPE
+        else:
+            out["rope_scaling"] = self.rope_scaling.to_dict()
         return out
 
     def config_hash(self) -> str:
@@ -300,6 +391,24 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def rope_scaling_problems(scaling: RopeScaling, layout, kind: str) -> list[str]:
+    """Problems with `rope_scaling` in a model whose attention declares cache layout `layout`: the variant must
+    rotate with it (its layout says so: the kinds built on attnlab.attention.mha.HeadAttention do), and
+    freq_factors must give one factor per pair of each rotated field."""
+    if layout.rope_scaling != scaling:
+        return [
+            f"rope_scaling is not applied by attention.kind={kind!r} (its RoPE is unscaled): use attention.kind "
+            "mha, sliding or bottleneck, or remove rope_scaling"
+        ]
+    widths = sorted({f.width for f in layout.fields if f.rope})
+    if scaling.freq_factors is not None and any(len(scaling.freq_factors) != w // 2 for w in widths):
+        return [
+            f"rope_scaling.freq_factors has {len(scaling.freq_factors)} factors, the rotated width "
+            f"{' and '.join(map(str, widths))} has {' and '.join(str(w // 2) for w in widths)} channel pairs"
+        ]
+    return []
 
 
 def _default_attention() -> AttentionConfig:

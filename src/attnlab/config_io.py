@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from attnlab.attention.registry import parse_attention
-from attnlab.config import MemoryConfig, ModelConfig, build_collecting, dataclass_kwargs
+from attnlab.config import MemoryConfig, ModelConfig, RopeScaling, build_collecting, dataclass_kwargs
 from attnlab.errors import ConfigError
 from attnlab.paths import brief
 
@@ -23,18 +23,27 @@ def memory_from_dict(data: Any, problems: list[str]) -> MemoryConfig | None:
     return None if problems else build_collecting(MemoryConfig, kwargs, problems)
 
 
+def rope_scaling_from_dict(data: Any, problems: list[str]) -> RopeScaling | None:
+    """The `rope_scaling:` section (null or absent: plain RoPE)."""
+    if data is None:
+        return None
+    kwargs = dataclass_kwargs(RopeScaling, data, "rope_scaling.", problems)
+    return None if problems else build_collecting(RopeScaling, kwargs, problems)
+
+
 def model_config_from_dict(data: Any, source: str | None = None) -> ModelConfig:
     """Builds a validated ModelConfig from plain data; raises one ConfigError listing every problem."""
     problems: list[str] = []
     if isinstance(data, dict) and set(data) == {"model"}:
         data = data["model"]
-    kwargs = dataclass_kwargs(ModelConfig, data, "", problems, skip=("attention", "memory"))
+    kwargs = dataclass_kwargs(ModelConfig, data, "", problems, skip=("attention", "memory", "rope_scaling"))
     attention = parse_attention(data.get("attention", {}) if isinstance(data, dict) else {}, problems)
     memory = memory_from_dict(data.get("memory", {}) if isinstance(data, dict) else {}, problems)
+    rope_scaling = rope_scaling_from_dict(data.get("rope_scaling") if isinstance(data, dict) else None, problems)
     if problems:
         raise ConfigError(problems, source=source)
     try:
-        return ModelConfig(attention=attention, memory=memory, **kwargs)
+        return ModelConfig(attention=attention, memory=memory, rope_scaling=rope_scaling, **kwargs)
     except ConfigError as e:
         raise e.with_source(source) if source else e from None
 

@@ -29,4 +29,4 @@ class SlidingConfig(MHAConfig):
 class Sliding(HeadAttention):
     def __init__(self, model: ModelConfig):
         cfg: SlidingConfig = model.attention
-        super().__init__(model, model.n_heads, cfg.kv_heads(model), cfg.dim(model))
+        super().__init__(model, model.n_heads, cfg.kv_heads(model), cfg.dim(model), qkv_bias=cfg.qkv_bias)

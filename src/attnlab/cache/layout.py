@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab.config import RopeScaling
+
 
 @dataclass(frozen=True)
 class Field:
@@ -46,6 +48,7 @@ class CacheLayout:
     null_key: bool = False  # the variant prepends a learned null key/value to what it reads
     rope_interleaved: bool = False  # RoPE pairs channels (2i, 2i+1), else (i, i + width/2)
     rope_base: float = 10000.0  # RoPE's base (a memory that re-rotates keys to their cache positions needs it)
+    rope_scaling: RopeScaling | None = None  # its frequency scaling, likewise (the variant rotates with it)
 
     @classmethod
     def of(cls, buffers: dict[str, list[Field]], **options) -> CacheLayout:

@@ -349,7 +349,8 @@ class MemoryCache(LayerCache):
                     if f.rope:
                         part = t[..., lo : lo + f.width]
                         t[..., lo : lo + f.width] = shift_rotation(part, shift, self.layout.rope_base,
-                                                                   self.layout.rope_interleaved)  # fmt: skip
+                                                                   self.layout.rope_interleaved,
+                                                                   self.layout.rope_scaling)  # fmt: skip
                     lo += f.width
             out[buffer] = t
         return out

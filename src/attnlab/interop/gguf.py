@@ -6,13 +6,20 @@ Read with the `gguf` package (gguf-py, llama.cpp's own reader; an optional depen
 Q8_0, Q4_0/1, Q5_0/1, the K-quants and whatever else `gguf.quants.dequantize` knows. Weights are
 dequantized one tensor at a time into the model, so the peak is the model plus one tensor in fp32.
 
-Two things differ from a Hugging Face checkpoint, and are undone here:
+Architectures `llama` and `qwen2` (Llama with biases on q/k/v: attention.qkv_bias). Two things differ from a
+Hugging Face checkpoint, and are undone here:
 * shapes are listed innermost first (ggml's ne0, the input dimension of a matrix), so a (out, in) weight
   is listed as [in, out];
-* llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute) reorders the rows of q and k within
-  each head so that its RoPE, which rotates adjacent pairs (2i, 2i+1), equals Hugging Face's half-split
-  rotation (i, i + head_dim/2). Head h's row (h, s, j) (s in {0, 1} the half, j < head_dim/2) is stored as
-  row (h, j, s); `unpermute` puts it back, so the model uses Hugging Face's layout and rope_interleaved=False.
+* for `llama`, llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute) reorders the rows of q and k
+  (weights and biases) within each head so that its RoPE, which rotates adjacent pairs (2i, 2i+1), equals
+  Hugging Face's half-split rotation (i, i + head_dim/2). Head h's row (h, s, j) (s in {0, 1} the half,
+  j < head_dim/2) is stored as row (h, j, s); `unpermute` puts it back, so the model uses Hugging Face's layout
+  and rope_interleaved=False. `qwen2` is stored unpermuted: llama.cpp runs it with its NEOX RoPE, which is the
+  half-split rotation (transformers' GGUF loader reverses the permutation for llama only, too).
+
+RoPE scaling: `<arch>.rope.scaling.type` linear (with its factor) becomes rope_scaling linear; the tensor
+rope_freqs.weight, llama.cpp's form of Llama 3.1's scaling (per rotated pair, the divisor of its frequency),
+becomes rope_scaling freq_factors.
 """
 
 from __future__ import annotations
@@ -26,14 +33,16 @@ import numpy as np
 import torch
 
 from attnlab.attention.mha import MHAConfig
-from attnlab.config import ModelConfig
+from attnlab.config import ModelConfig, RopeScaling
 from attnlab.errors import ConfigError, DataError
 from attnlab.interop.hf import WeightFiller
 from attnlab.interop.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
 from attnlab.model.transformer import Transformer, build_model
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-REFUSED_ARCHITECTURES = {"qwen2": "its q/k/v projections have biases, and attnlab's attention has no bias option yet"}
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+REFUSED_ARCHITECTURES: dict[str, str] = {}
+PERMUTED_ARCHITECTURES = ("llama",)  # q/k rows permuted by llama.cpp's converter (see the module docstring)
+ROPE_FREQS = "rope_freqs.weight"
 TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -50,7 +59,8 @@ BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 
 
 def import_gguf():
@@ -113,8 +123,9 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 
 def config_from_gguf(file: GGUFFile) -> ModelConfig:
-    """ModelConfig of a GGUF file's metadata (`<arch>.*` keys); ConfigError (one line) for what attnlab cannot
-    express: another architecture, mixture of experts, partial or scaled RoPE, per-layer head counts."""
+    """ModelConfig of a GGUF file's metadata (`<arch>.*` keys, and the rope_freqs.weight tensor); ConfigError (one
+    line) for what attnlab cannot express: another architecture, mixture of experts, partial RoPE or RoPE scaled
+    otherwise than linearly or by frequency factors, per-layer head counts."""
     meta, source = file.metadata, str(file.path)
     arch = meta.get("general.architecture")
     if arch in REFUSED_ARCHITECTURES:
@@ -144,11 +155,8 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
             f"{arch}.rope.dimension_count={key('rope.dimension_count')} != head_dim={head_dim}: partial RoPE "
             "is not supported"
         )
-    scaling = key("rope.scaling.type", "none")
-    if scaling != "none" and not (scaling == "linear" and key("rope.scaling.factor", 1.0) == 1.0):
-        problems.append(f"{arch}.rope.scaling.type={scaling!r} is not supported (only plain RoPE)")
-    if "rope_freqs.weight" in file.tensors:
-        problems.append("rope_freqs.weight (Llama 3.1-style RoPE frequency scaling) is not supported")
+    scaling, scaling_problems = rope_scaling_of(file, arch)
+    problems += scaling_problems
     if key("expert_count", 0):
         problems.append(f"{arch}.expert_count={key('expert_count')}: mixtures of experts are not supported")
     if problems:
@@ -163,16 +171,47 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
             n_layers=int(key("block_count")),
             n_heads=n_heads,
             max_seq_len=int(key("context_length", 2048)),
-            attention=MHAConfig(n_kv_heads=int(n_kv_heads), head_dim=head_dim),
+            attention=MHAConfig(n_kv_heads=int(n_kv_heads), head_dim=head_dim, qkv_bias=has_qkv_bias(file)),
             mlp="swiglu",
             d_ff=int(key("feed_forward_length")),
             tie_embeddings="output.weight" not in file.tensors,
             rope_base=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
             norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             name=file.path.stem,
         )
     except ConfigError as e:
         raise e.with_source(source) from None
+
+
+def rope_scaling_of(file: GGUFFile, arch: str) -> tuple[RopeScaling | None, list[str]]:
+    """(rope_scaling or None, problems) of a file: `<arch>.rope.scaling.type` none, or linear with its factor (or
+    the older `<arch>.rope.scale_linear`); or the rope_freqs.weight tensor, one frequency divisor per rotated pair."""
+    meta = file.metadata
+    kind, factor = meta.get(f"{arch}.rope.scaling.type", "none"), meta.get(f"{arch}.rope.scaling.factor", 1.0)
+    if f"{arch}.rope.scaling.type" not in meta and f"{arch}.rope.scale_linear" in meta:
+        kind, factor = "linear", meta[f"{arch}.rope.scale_linear"]
+    if kind not in ("none", "linear"):
+        return None, [f"{arch}.rope.scaling.type={kind!r} is not supported (only linear, or {ROPE_FREQS})"]
+    if not isinstance(factor, int | float) or isinstance(factor, bool) or not factor > 0:
+        return None, [f"{arch}.rope.scaling.factor={factor!r} must be a number > 0"]
+    linear = kind == "linear" and factor != 1.0  # a factor of 1 is plain RoPE
+    if ROPE_FREQS in file.tensors:
+        if linear:
+            return None, [f"{arch}.rope.scaling.factor={factor} together with {ROPE_FREQS} is not supported"]
+        if len(file.shape(ROPE_FREQS)) != 1:
+            return None, [f"{ROPE_FREQS} has shape {file.shape(ROPE_FREQS)}, expected one factor per rotated pair"]
+        factors = tuple(float(v) for v in dequantized(file, ROPE_FREQS).tolist())
+        try:
+            return RopeScaling(type="freq_factors", freq_factors=factors), []
+        except ConfigError as e:
+            return None, [f"{ROPE_FREQS}: {problem}" for problem in e.problems]
+    return (RopeScaling(type="linear", factor=float(factor)) if linear else None), []
+
+
+def has_qkv_bias(file: GGUFFile) -> bool:
+    """Whether the blocks' q/k/v projections have biases (qwen2 always; a llama file may too)."""
+    return any(name.endswith(QKV_BIASES) for name in file.tensors)
 
 
 def hf_name(name: str) -> str | None:
@@ -181,16 +220,16 @@ def hf_name(name: str) -> str | None:
         return TOP_LEVEL_NAMES[name]
     match = BLOCK_TENSOR.fullmatch(name)
     if match and match.group(2) in BLOCK_NAMES:
-        return f"model.layers.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}.weight"
+        return f"model.layers.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
     return None
 
 
 def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undoes llama.cpp's q/k row permutation: weight (n_heads * head_dim, d_model), rows per head stored
-    as (head_dim/2, 2) pairs -> Hugging Face's (2, head_dim/2) halves."""
+    """Undoes llama.cpp's q/k row permutation: weight (n_heads * head_dim, d_model), or a bias (n_heads * head_dim,),
+    rows per head stored as (head_dim/2, 2) pairs -> Hugging Face's (2, head_dim/2) halves."""
     rows = weight.shape[0]
-    pairs = weight.reshape(n_heads, rows // n_heads // 2, 2, -1)  # (H, D/2, 2, d_model)
-    return pairs.transpose(1, 2).reshape(rows, -1)  # (H, 2, D/2, d_model) -> (H * D, d_model)
+    pairs = weight.reshape(n_heads, rows // n_heads // 2, 2, -1)  # (H, D/2, 2, d_model or 1)
+    return pairs.transpose(1, 2).reshape(weight.shape)  # (H, 2, D/2, d_model or 1) -> rows
 
 
 def dequantized(file: GGUFFile, name: str) -> torch.Tensor:
@@ -209,17 +248,20 @@ def dequantized(file: GGUFFile, name: str) -> torch.Tensor:
 
 @torch.no_grad()
 def model_from_gguf(file: GGUFFile, cfg: ModelConfig, dtype=torch.float32) -> Transformer:
-    """The model of `cfg` holding a GGUF file's weights (dequantized, q/k unpermuted), in `dtype`."""
+    """The model of `cfg` holding a GGUF file's weights (dequantized, q/k unpermuted for llama), in `dtype`."""
     filler = WeightFiller(build_model(cfg, dtype=dtype), str(file.path))
     n_kv_heads = cfg.attention.n_kv_heads or cfg.n_heads
+    arch = file.metadata.get("general.architecture")
     for name in file.tensors:
+        if name == ROPE_FREQS:
+            continue  # read into the config (rope_scaling freq_factors)
         target = hf_name(name)
         if target is None:
-            raise DataError(f"{file.path}: unexpected tensor {name!r} for architecture llama")
+            raise DataError(f"{file.path}: unexpected tensor {name!r} for architecture {arch}")
         values = dequantized(file, name)
-        if name.endswith(".attn_q.weight"):
+        if arch in PERMUTED_ARCHITECTURES and name.endswith((".attn_q.weight", ".attn_q.bias")):
             values = unpermute(values, cfg.n_heads)
-        elif name.endswith(".attn_k.weight"):
+        elif arch in PERMUTED_ARCHITECTURES and name.endswith((".attn_k.weight", ".attn_k.bias")):
             values = unpermute(values, n_kv_heads)
         filler.fill(target, values, where=f"{file.path} ({name})")
     return filler.finish()

@@ -1,4 +1,5 @@
-"""Hugging Face Llama-family models in: a loaded transformers model, or a model folder read without transformers.
+"""Hugging Face Llama-family models in (Llama, Mistral, Qwen2): a loaded transformers model, or a model folder read
+without transformers.
 
     cfg, model = from_hf_llama(LlamaForCausalLM.from_pretrained(...))    # a model already in memory
     cfg, model = load_hf_folder("path/to/folder")                          # config.json + *.safetensors
@@ -8,8 +9,9 @@ listed in model.safetensors.index.json. Shards are read one at a time through sa
 each tensor is copied straight into the model, so two full copies of the weights are never held.
 
 Every source (a transformers model, a folder, a GGUF file through interop.gguf) fills the model through one
-table, `hf_targets`: Hugging Face parameter name -> the attnlab tensor it fills (q/k/v are slices of the fused
-qkv projection, gate/up slices of the fused SwiGLU input, the embeddings the first vocab_size padded rows).
+table, `hf_targets`: Hugging Face parameter name -> the attnlab tensor it fills (q/k/v weights and biases are
+slices of the fused qkv projection, gate/up slices of the fused SwiGLU input, the embeddings the first vocab_size
+padded rows).
 """
 
 from __future__ import annotations
@@ -23,21 +25,24 @@ from safetensors import SafetensorError, safe_open
 
 from attnlab.attention.mha import MHAConfig
 from attnlab.attention.sliding import SlidingConfig
-from attnlab.config import ModelConfig
+from attnlab.config import ModelConfig, RopeScaling
 from attnlab.errors import ConfigError, DataError
 from attnlab.model.transformer import Transformer, build_model
 
 # config.json "architectures" entries attnlab maps, and those it knows but refuses (with the reason).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-REFUSED_ARCHITECTURES = {
-    "Qwen2ForCausalLM": "its q/k/v projections have biases, and attnlab's attention has no bias option yet",
-}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+REFUSED_ARCHITECTURES: dict[str, str] = {}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # transformers' class defaults for keys a config.json may leave out.
 DEFAULTS = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
-}
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                         "max_window_layers": 28},
+}  # fmt: skip
+# RoPE scaling types (rope_type) attnlab applies; transformers' others (dynamic, yarn, longrope, ...) are refused.
+ROPE_TYPES = ("default", "linear", "llama3")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Buffers some checkpoints carry that attnlab recomputes.
 RECOMPUTED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -55,46 +60,86 @@ def architecture_of(hf: dict, source: str) -> str:
     return name
 
 
-def rope_base(hf: dict, default: float) -> tuple[float, list[str]]:
-    """(rope theta, problems): transformers 5 writes rope_parameters, older configs rope_theta + rope_scaling."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+def rope_settings(hf: dict, default: float) -> tuple[float, RopeScaling | None, list[str]]:
+    """(rope theta, scaling or None, problems). transformers 5 writes rope_parameters (rope_type, rope_theta and
+    the scaling options together), older configs rope_theta + rope_scaling (rope_type, or type, and options)."""
+    params, older = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(older, dict):
+        return 10000.0, None, ["rope_parameters and rope_scaling must be JSON objects (or null)"]
+    scaling = {**older, **params}  # the options, whichever spelling holds them
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     problems = []
-    if rope_type != "default":
+    if rope_type not in ROPE_TYPES:
         problems.append(
-            f"rope_type={rope_type!r} is not supported (only plain RoPE: attnlab's ModelConfig has no RoPE "
-            "frequency-scaling option yet)"
+            f"rope_type={rope_type!r} is not supported (attnlab applies plain RoPE and the linear and llama3 "
+            "scalings, not dynamic, yarn, longrope or others)"
         )
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         problems.append("partial_rotary_factor != 1 is not supported (attnlab rotates every channel of a head)")
-    return float(params.get("rope_theta", hf.get("rope_theta", default))), problems
+    base = float(params.get("rope_theta", hf.get("rope_theta", default)))
+    options = {"linear": ("factor",), "llama3": LLAMA3_KEYS}.get(rope_type, ()) if rope_type in ROPE_TYPES else ()
+    missing = [key for key in options if scaling.get(key) is None]
+    if missing:
+        problems.append(f"rope_type={rope_type!r} needs {', '.join(missing)} (missing from the config)")
+    if problems or not options or (rope_type == "linear" and scaling["factor"] == 1.0):
+        return base, None, problems
+    try:
+        return base, RopeScaling(type=rope_type, **{key: scaling[key] for key in options}), problems
+    except ConfigError as e:
+        return base, None, problems + e.problems
+
+
+def attention_window(hf: dict, arch: str) -> tuple[int | None, list[str]]:
+    """(sliding window or None, problems). Mistral's sliding_window W (each token sees itself and the W - 1
+    before it) holds for every layer. Qwen2 slides only when use_sliding_window, and then only layers from
+    max_window_layers on (transformers' layer_types, which transformers 5 also writes out): all of them or none."""
+    n_layers, first, types = hf.get("num_hidden_layers", 0), hf.get("max_window_layers"), hf.get("layer_types")
+    if arch == "Qwen2ForCausalLM" and not types and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        if not isinstance(n_layers, int) or not isinstance(first, int):
+            return None, [f"max_window_layers={first!r} and num_hidden_layers={n_layers!r} must be integers"]
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    if not isinstance(types or [], list):
+        return None, [f"layer_types must be a list, got {type(types).__name__}"]
+    kinds = set(map(str, types or ["full_attention"]))
+    if kinds - {"full_attention", "sliding_attention"} or len(kinds) > 1:
+        where = f" (max_window_layers={hf.get('max_window_layers')})" if arch == "Qwen2ForCausalLM" else ""
+        return None, [f"layer_types {sorted(kinds)}{where} are not supported (every layer must attend alike)"]
+    if arch == "MistralForCausalLM":
+        return hf.get("sliding_window"), []
+    if kinds == {"sliding_attention"}:
+        if not hf.get("sliding_window"):
+            return None, ["layer_types are sliding_attention but sliding_window is not set"]
+        return hf["sliding_window"], []
+    return None, []
 
 
 def config_from_hf(hf: dict, source: str = "config.json", name: str | None = None) -> ModelConfig:
-    """ModelConfig of a Hugging Face config.json (as a dict) for LlamaForCausalLM or MistralForCausalLM.
+    """ModelConfig of a Hugging Face config.json (as a dict) for LlamaForCausalLM, MistralForCausalLM or
+    Qwen2ForCausalLM.
 
-    Mistral's sliding_window W (each token sees itself and the W - 1 before it) becomes attention.kind
-    `sliding` with window W; sliding_window null is plain attention. Everything attnlab cannot express
-    (biases, another activation, scaled RoPE, ...) is refused in one ConfigError listing every problem."""
+    A sliding window for every layer (attention_window) becomes attention.kind `sliding`; Qwen2's biases on
+    q/k/v become attention.qkv_bias; RoPE scaling linear or llama3 becomes rope_scaling. Everything attnlab
+    cannot express (a bias on o_proj or the MLP, another activation, another RoPE scaling, per-layer attention,
+    ...) is refused in one ConfigError listing every problem."""
     arch = architecture_of(hf, source)
     hf = {**DEFAULTS[arch], **{k: v for k, v in hf.items() if v is not None}}
     problems = [f"{key} is missing" for key in REQUIRED_KEYS if key not in hf]
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} is not supported (only SwiGLU with silu)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        problems.append("attention_bias/mlp_bias=True is not supported (attnlab's projections have no bias)")
-    base, rope_problems = rope_base(hf, DEFAULTS[arch]["rope_theta"])
-    problems += rope_problems
-    kinds = set(hf.get("layer_types") or ["full_attention"])
-    if kinds - {"full_attention", "sliding_attention"} or len(kinds) > 1:
-        problems.append(f"layer_types {sorted(kinds)} are not supported (every layer must attend alike)")
+        problems.append(
+            "attention_bias/mlp_bias=True is not supported (attnlab has biases on q/k/v only, as Qwen2; "
+            "Llama's attention_bias puts one on o_proj too)"
+        )
+    base, scaling, rope_problems = rope_settings(hf, DEFAULTS[arch]["rope_theta"])
+    window, window_problems = attention_window(hf, arch)
+    problems += rope_problems + window_problems
     if problems:
         raise ConfigError(problems, source=source)
     n_heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-    heads = {"n_kv_heads": hf.get("num_key_value_heads") or n_heads, "head_dim": head_dim}
-    window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
+    heads = {"n_kv_heads": hf.get("num_key_value_heads") or n_heads, "head_dim": head_dim,
+             "qkv_bias": arch == "Qwen2ForCausalLM"}  # fmt: skip
     attention = SlidingConfig(window=window, **heads) if window else MHAConfig(**heads)
     try:
         return ModelConfig(
@@ -108,6 +153,7 @@ def config_from_hf(hf: dict, source: str = "config.json", name: str | None = Non
             d_ff=hf["intermediate_size"],
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rope_base=base,
+            rope_scaling=scaling,
             norm_eps=float(hf["rms_norm_eps"]),
             name=name or hf.get("_name_or_path") or arch,
         )
@@ -116,7 +162,7 @@ def config_from_hf(hf: dict, source: str = "config.json", name: str | None = Non
 
 
 def config_from_hf_llama(hf_cfg) -> ModelConfig:
-    """ModelConfig of a transformers LlamaConfig (or MistralConfig) object."""
+    """ModelConfig of a transformers LlamaConfig (or MistralConfig, Qwen2Config) object."""
     return config_from_hf(hf_cfg.to_dict(), source="from_hf_llama")
 
 
@@ -126,8 +172,9 @@ def config_from_hf_llama(hf_cfg) -> ModelConfig:
 def hf_targets(model: Transformer) -> dict[str, torch.Tensor]:
     """Hugging Face Llama parameter name -> the attnlab tensor (a view of a parameter) that holds it.
 
-    q, k, v are row slices of the fused `qkv` projection (in that order), gate and up of the SwiGLU's fused
-    `gate_up`; the embedding and an untied LM head fill their first vocab_size (unpadded) rows."""
+    q, k, v are row slices of the fused `qkv` projection (in that order; its bias too with attention.qkv_bias),
+    gate and up of the SwiGLU's fused `gate_up`; the embedding and an untied LM head fill their first vocab_size
+    (unpadded) rows."""
     cfg, vocab = model.cfg, model.cfg.vocab_size
     out = {"model.embed_tokens.weight": model.embed.weight[:vocab], "model.norm.weight": model.norm.weight}
     if not cfg.tie_embeddings:
@@ -148,6 +195,9 @@ def hf_targets(model: Transformer) -> dict[str, torch.Tensor]:
             p + "mlp.up_proj.weight": up,
             p + "mlp.down_proj.weight": mlp.down.weight,
         })  # fmt: skip
+        if attn.qkv.bias is not None:
+            q, k, v = attn.qkv.bias.split((q_rows, kv_rows, kv_rows))
+            out.update({p + "self_attn.q_proj.bias": q, p + "self_attn.k_proj.bias": k, p + "self_attn.v_proj.bias": v})
     return out
 
 
@@ -198,7 +248,7 @@ def fill_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], so
 
 @torch.no_grad()
 def from_hf_llama(hf_model, dtype=torch.float32) -> tuple[ModelConfig, Transformer]:
-    """(config, model) with the weights of a transformers `LlamaForCausalLM` (or Mistral), in `dtype`."""
+    """(config, model) with the weights of a transformers `LlamaForCausalLM` (or Mistral, Qwen2), in `dtype`."""
     cfg = config_from_hf(hf_model.config.to_dict(), source="from_hf_llama")
     return cfg, fill_model(cfg, hf_model.state_dict().items(), "from_hf_llama", dtype)
 
