@@ -304,3 +304,26 @@ def test_generate_continues_a_prompt_as_transformers_does(tmp_path, capsys):
     expected = expected if stop is None else expected[:stop]
     assert capsys.readouterr().out == prompt + tokenizer.decode(expected) + "\n"
     assert tokenizer.encode_chat("hi") == tokenizer.encode("<s>hi</s>", prompt=True)[1:]  # TEMPLATE, no extra BOS
+
+
+def test_a_pretrained_model_is_scored_on_a_named_dataset_with_its_own_tokenizer(tmp_path, data_dir):
+    """perplexity.dataset: the test split of WikiText-2 raw, read through the model's tokenizer (a pretrained model
+    has no prepared data), every window scored as the plain forward pass scores it."""
+    import lzma
+
+    import torch.nn.functional as F
+
+    from attnlab.eval import load_for_eval
+    from attnlab.eval.perplexity import dataset_split, run_perplexity
+
+    model = load_for_eval(save(random_model("llama", n_kv_heads=2), tmp_path / "m"))
+    tokens = dataset_split(model, "wikitext2-raw", "test", data_dir)
+    with lzma.open(data_dir / "wikitext-2" / "wiki.test.raw.xz", "rt", encoding="utf-8") as f:
+        start = f.read(2000)
+    assert model.tokenizer.decode(tokens[:200].tolist()) in start  # the split's own text, from its start
+    record = run_perplexity(model, dataset="wikitext2-raw", seq_len=32, max_tokens=128, data_dir=data_dir)
+    with torch.no_grad():
+        windows = torch.as_tensor(tokens[:129]).unfold(0, 33, 32)  # 4 windows of 32 scored tokens
+        losses = [F.cross_entropy(model.model(w[None, :-1], use_cache=False)[0][0], w[1:]) for w in windows]
+    assert record["dataset"] == "wikitext2-raw" and record["tokens"] == 128
+    assert abs(record["ppl"] - float(torch.stack(losses).mean().exp())) < 1e-3 * record["ppl"]

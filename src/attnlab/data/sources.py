@@ -178,13 +178,15 @@ def _how_to_provide(what: str) -> str:
     return f"put {what} in one of those folders, pass --data-dir DIR, or set ATTNLAB_DATA"
 
 
-def _download(url: str, dest: Path) -> None:
-    """Fetches `url` into `dest` atomically (used only when downloads are allowed; never in tests)."""
+def _download(url: str, dest: Path, by_hand: Path | None = None) -> None:
+    """Fetches `url` into `dest` atomically (used only when downloads are allowed; never in tests). by_hand: the
+    file a user would put in place instead (default `dest`), named when the download fails."""
     try:
         with atomic_path(dest) as tmp, urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
             shutil.copyfileobj(response, out)
     except OSError as e:
-        raise DataError(f"download of {url} failed ({e}); put the file at {dest} by hand") from None
+        reason = getattr(e, "reason", None) or e
+        raise DataError(f"download of {url} failed ({reason}); put the file at {by_hand or dest} by hand") from None
 
 
 def _download_wikitext(config: str, extension: str, splits: list[str], folder: Path) -> None:
@@ -194,7 +196,8 @@ def _download_wikitext(config: str, extension: str, splits: list[str], folder: P
         hf_split = "validation" if split == "val" else split
         parquet = temp_path_beside(folder / f"{file_split}.parquet")
         try:
-            _download(HF_WIKITEXT_URL.format(config=config, split=hf_split), parquet)
+            final = folder / f"wiki.{file_split}.{extension}"
+            _download(HF_WIKITEXT_URL.format(config=config, split=hf_split), parquet, by_hand=final)
             lines = [text or " " for text in parquet_texts_raw(parquet)]
             rows = [line if line.endswith("\n") else line + "\n" for line in lines]
         finally:
@@ -211,7 +214,7 @@ def parquet_texts_raw(path: Path) -> Iterator[str]:
     yield from pq.read_table(path, columns=["text"]).column(0).to_pylist()
 
 
-def _wikitext(name: str, data_dir: str | Path | None, download: bool | None) -> Source:
+def _wikitext(name: str, data_dir: str | Path | None, download: bool | None, splits=None) -> Source:
     extension, config = WIKITEXT[name]
     dirs = [d / "wikitext-2" for d in data_dirs(data_dir)]
 
@@ -225,12 +228,13 @@ def _wikitext(name: str, data_dir: str | Path | None, download: bool | None) -> 
                 found[split] = hits[0]
         return found
 
-    found = find()
-    missing = [s for s in WIKITEXT_SPLITS if s not in found]
+    wanted = [s for s in WIKITEXT_SPLITS if splits is None or s in splits]
+    found = {split: path for split, path in find().items() if split in wanted}
+    missing = [s for s in wanted if s not in found]
     if missing and downloads_allowed(download):
         _download_wikitext(config, extension, missing, data_dirs(None)[-1] / "wikitext-2")
-        found = find()
-        missing = [s for s in WIKITEXT_SPLITS if s not in found]
+        found = {split: path for split, path in find().items() if split in wanted}
+        missing = [s for s in wanted if s not in found]
     if missing:
         names = ", ".join(f"wiki.{WIKITEXT_SPLITS[s]}.{extension}" for s in missing)
         have = "".join(f"; found {p}" for p in found.values())
@@ -328,13 +332,15 @@ def open_source(
     test_fraction: float = 0.0,
     max_tokens: int | None = None,
     download: bool | None = None,
+    splits: tuple[str, ...] | None = None,
 ) -> Source:
     """The named dataset or local file `source`; DataError (where it looked, how to provide it) when missing.
 
-    The fractions apply to sources without their own splits; `max_tokens` only matters for streaming.
+    The fractions apply to sources without their own splits; `max_tokens` only matters for streaming. splits:
+    the only splits needed (a dataset with its own split files then needs only those; default all).
     """
     if source in WIKITEXT:
-        return _wikitext(source, data_dir, download)
+        return _wikitext(source, data_dir, download, splits)
     if source == "tinyshakespeare":
         return _tinyshakespeare(data_dir, download, val_fraction, test_fraction)
     if source == "fineweb-edu":

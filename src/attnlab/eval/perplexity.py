@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from attnlab.config import DataConfig
 from attnlab.data import prepare
+from attnlab.data.sources import open_source
 from attnlab.errors import DataError, InputError
 from attnlab.eval.records import make_record
 
@@ -70,23 +71,43 @@ def heldout_split(eval_model, split: str, data_dir: str | None = None) -> np.nda
     """The token ids of `split` of the dataset the checkpoint was trained on (its saved data config)."""
     data = eval_model.config.get("data")
     if not data:
-        raise DataError(f"{eval_model.path}: no data config saved with this checkpoint: cannot find its held-out split")
+        raise DataError(
+            f"{eval_model.path}: no data config saved with this model: cannot find its held-out split (for a "
+            "pretrained model name a dataset: perplexity.dataset=wikitext2-raw)"
+        )
     prepared = prepare(DataConfig(**data), data_dir=data_dir)
     if split not in prepared.splits:
         raise DataError(f"split {split!r} is not in {prepared.path} (it has {', '.join(prepared.splits)})")
     return prepared.split(split)
 
 
+def dataset_split(eval_model, dataset: str, split: str, data_dir: str | None = None) -> np.ndarray:
+    """`split` of the named dataset (or local file) `dataset`, tokenized with the model's own tokenizer: its
+    documents joined by a blank line and read as one stream (a pretrained model has no prepared data)."""
+    if eval_model.tokenizer is None:
+        raise DataError(f"{eval_model.path}: no tokenizer with this model: cannot tokenize {dataset}")
+    texts = [text for name, text in open_source(dataset, data_dir, splits=(split,)).documents() if name == split]
+    if not texts:
+        raise DataError(f"{dataset} has no {split!r} split here (check the split's name, or the data directory)")
+    return np.asarray(eval_model.tokenizer.encode("\n\n".join(texts)), dtype=np.int64)
+
+
 def run_perplexity(eval_model, split: str = "test", seq_len: int | None = None, stride: int | None = None,
-                   max_tokens: int | None = None, data_dir: str | None = None) -> dict:  # fmt: skip
-    """A `perplexity` record for a checkpoint on its own dataset's held-out split (never the training split
-    unless asked for by name). seq_len defaults to the run's training context."""
-    tokens = heldout_split(eval_model, split, data_dir)  # raises without a saved data config
-    data = eval_model.config["data"]
+                   max_tokens: int | None = None, data_dir: str | None = None,
+                   dataset: str | None = None) -> dict:  # fmt: skip
+    """A `perplexity` record for a model on its own dataset's held-out split (never the training split unless
+    asked for by name), or on `dataset` (a named dataset or file, e.g. wikitext2-raw) tokenized with its own
+    tokenizer: what a pretrained model is scored on. seq_len defaults to the run's training context."""
+    data = eval_model.config.get("data") or {}
+    if dataset is None:
+        tokens = heldout_split(eval_model, split, data_dir)  # raises without a saved data config
+        dataset, tokenizer = data["source"], data["tokenizer"]
+    else:
+        tokens, tokenizer = dataset_split(eval_model, dataset, split, data_dir), eval_model.tokenizer.name
     seq_len = seq_len or eval_model.config.get("train", {}).get("seq_len") or eval_model.cfg.max_seq_len
     windows = window_losses(eval_model.model, tokens, seq_len, stride, max_tokens)
     summary = summarize_losses(windows)
     return make_record(
         "perplexity", eval_model, split=split, seq_len=seq_len, stride=stride or seq_len, max_tokens=max_tokens,
-        dataset=data["source"], tokenizer=data["tokenizer"], **summary,
+        dataset=dataset, tokenizer=tokenizer, tokens_in_split=len(tokens), **summary,
     )  # fmt: skip
