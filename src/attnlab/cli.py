@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import errno
 import json
+import math
 import os
 import re
 import sys
@@ -21,6 +22,7 @@ import yaml
 
 from attnlab.accounting import info
 from attnlab.attention.registry import REGISTRY
+from attnlab.cache.codecs import FORMATS
 from attnlab.compare import compare
 from attnlab.config_io import load_config, memory_from_dict, parse_yaml
 from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
@@ -224,10 +226,27 @@ def cmd_kv_eval(args) -> int:
 
 
 def cmd_kv_tune(args) -> int:
+    formats = tuple(f.strip() for f in args.formats.split(","))
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise InputError(f"--formats {args.formats!r}: {', '.join(map(repr, unknown)) or 'nothing'} is not a format "
+                         f"(use some of {', '.join(FORMATS)}, comma-separated)")  # fmt: skip
+    try:
+        resids = tuple(int(r) for r in args.resids.split(","))
+    except ValueError:
+        raise InputError(
+            f"--resids {args.resids!r} must be whole numbers of tokens, comma-separated (e.g. 0,64)"
+        ) from None
+    if any(r < 0 for r in resids):
+        raise InputError(f"--resids {args.resids!r} must be >= 0")
+    if not (math.isfinite(args.budget) and args.budget > 0):
+        raise InputError(f"--budget={args.budget!r} must be a finite number of bytes per token > 0")
+    if args.max_dnll is not None and not math.isfinite(args.max_dnll):
+        raise InputError(f"--max-dnll={args.max_dnll!r} must be a finite number (nats per token)")
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
     windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir)
-    result = tune(model.model, windows, args.budget, args.max_dnll, formats=tuple(args.formats.split(",")),
-                  resids=tuple(int(r) for r in args.resids.split(",")), chunk=args.chunk, dtype=args.dtype)  # fmt: skip
+    result = tune(model.model, windows, args.budget, args.max_dnll, formats=formats, resids=resids, chunk=args.chunk,
+                  dtype=args.dtype)  # fmt: skip
     print(table(result["verified"]))
     best = result["best"]
     verdict = "meets" if result["meets_max_dnll"] else "EXCEEDS"
@@ -676,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
             if line is None:
                 raise
             return _fail(args.command, line)
+        except MemoryError:  # numpy's and the allocator's out-of-memory: the sizes asked for, not a bug
+            return _fail(args.command, "out of memory: the sizes asked for do not fit this machine (lower "
+                         "train.batch_size, seq_len, the model's size or max tokens)")  # fmt: skip
 
 
 if __name__ == "__main__":

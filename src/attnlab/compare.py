@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import re
 import statistics
 from pathlib import Path
 
-from attnlab.data.files import atomic_write_text
-from attnlab.errors import DataError
+from attnlab.data.files import atomic_write_text, read_json_lines, read_json_object
+from attnlab.errors import DataError, InputError
 
 SEED_DIR = re.compile(r"seed(\d+)")
 
@@ -32,16 +31,15 @@ def collect_runs(runs_dir: str | Path) -> list[dict]:
         metrics = summary_path.parent / "metrics.jsonl"
         curve = []
         if metrics.exists():
-            for line in metrics.read_text().splitlines():
-                row = json.loads(line) if line.strip() else {}
-                if "val_loss" in row:
+            for row in read_json_lines(metrics):
+                if isinstance(row.get("val_loss"), int | float) and isinstance(row.get("tokens"), int):
                     curve.append((row["tokens"], row["val_loss"]))
         runs.append({
             "target": parts[seed_at - 1],
             "seed": int(SEED_DIR.fullmatch(parts[seed_at]).group(1)),
             "phase": "/".join(parts[seed_at + 1 :]) or None,
             "dir": str(summary_path.parent),
-            "summary": json.loads(summary_path.read_text()),
+            "summary": _summary(summary_path),
             "val_curve": curve,
         })  # fmt: skip
     if not runs:
@@ -54,6 +52,20 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
     if not values:
         return float("nan"), None
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def _summary(path: Path) -> dict:
+    """A run's summary.json, its figures checked (DataError naming the file when one is missing or not a number)."""
+    fix = "delete the run's folder, or train it again"
+    summary = read_json_object(path, fix)
+    for key in ("params", "kv_bytes_per_token_fp16", "val_loss"):
+        if key not in summary:
+            raise DataError(f"{path}: no {key!r} in it (it was changed); {fix}")
+    for key in ("params", "kv_bytes_per_token_fp16", "val_loss", "val_ppl", "test_loss", "test_ppl", "train_tok_per_s"):
+        value = summary.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise DataError(f"{path}: {key}={value!r} is not a number (it was changed); {fix}")
+    return summary
 
 
 def compare_table(runs: list[dict], baseline: str | None = None) -> list[dict]:
@@ -73,6 +85,8 @@ def compare_table(runs: list[dict], baseline: str | None = None) -> list[dict]:
             row[key], row[key + "_std"] = _mean_std([s.get(key) for s in summaries])
         rows.append(row)
     names = [r["target"] for r in rows]
+    if baseline is not None and baseline not in names:
+        raise InputError(f"baseline {baseline!r} is not one of the targets ({', '.join(names)})")
     base_name = baseline if baseline in names else next((n for n in ("baseline", "mha") if n in names), names[0])
     base = rows[names.index(base_name)]
     for row in rows:

@@ -450,6 +450,9 @@ def _field_types(cls: type) -> dict[str, tuple[Any, int]]:
     return {f.name: (hints[f.name], limits.get(f.name, default)) for f in dataclasses.fields(cls) if f.init}
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def value_problem(value: Any, annotation: Any, key: str, int_limit: int = MAX_INT) -> str | None:
     """Why `value` cannot be the value of a field typed `annotation` (None when it can): the wrong type (a bool
     is not a number, nor a number a bool), a float that is NaN or infinite, an integer beyond `int_limit`."""
@@ -462,7 +465,11 @@ def value_problem(value: Any, annotation: Any, key: str, int_limit: int = MAX_IN
             finite = math.isfinite(value)
         except OverflowError:  # an int too large for a float
             finite = False
-        return None if finite else f"{key}={brief(value)} must be a finite number"
+        if not finite:
+            return f"{key}={brief(value)} must be a finite number"
+        if abs(value) > FLOAT32_MAX:  # every parameter and activation is at most fp32: it would overflow
+            return f"{key}={brief(value)} is too large (at most {FLOAT32_MAX:.3g} in magnitude)"
+        return None
     if value > int_limit:
         return f"{key}={brief(value)} is too large (at most {int_limit:,})"
     if value < -int_limit:

@@ -105,6 +105,8 @@ def read_yaml(path: str | Path) -> Any:
         data = parse_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(yaml_problem(e, text), source=str(path)) from None
+    except RecursionError:
+        raise ConfigError("nested too deeply to be a config (thousands of levels)", source=str(path)) from None
     return data if data is not None else {}
 
 

@@ -33,3 +33,7 @@ class DataError(AttnlabError):
 class LengthWarning(UserWarning):
     """A request was cut to fit a limit, e.g. more new tokens asked than a model's max_seq_len leaves room for.
     `warnings.simplefilter("error", LengthWarning)` turns it into an error."""
+
+
+class DivergedError(AttnlabError, FloatingPointError):
+    """Training diverged (a non-finite loss): the run's settings, not a bug, are to blame."""

@@ -170,7 +170,10 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
     """logits (B, V) -> next tokens (B, 1). temperature 0 is greedy (argmax)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    # In float64 (a temperature such as 1e-300 is 0 in float32), shifted so the largest is 0 before dividing: a
+    # tiny temperature then gives -inf elsewhere, never inf - inf = nan, and sampling tends to greedy.
+    logits = logits.double()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -178,6 +181,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # keep the smallest set reaching top_p
+        drop[:, 0] = False  # the most likely token always stays (a top_p below its probability keeps it alone)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator)

@@ -4,6 +4,7 @@ that becomes a folder or file name may be, and where a path a user's name built 
 from __future__ import annotations
 
 import os
+import reprlib
 import unicodedata
 from pathlib import Path
 
@@ -12,9 +13,15 @@ from attnlab.errors import ConfigError, DataError
 MAX_NAME_LENGTH = 100
 
 
+_SHORT = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 3, 8, 8, 8, 8
+_SHORT.maxstring = _SHORT.maxother = 80
+
+
 def brief(value: object, limit: int = 60) -> str:
     """repr(value) on one line, cut to about `limit` characters (how an error message shows a user's value)."""
-    text = repr(value)
+    text = _SHORT.repr(value) if isinstance(value, list | tuple | dict | set) else repr(value)  # never a huge repr
+    text = " ".join(text.split()) if "\n" in text else text
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -62,6 +69,10 @@ def name_problem(name: object, what: str) -> str | None:
         return f"{what} {shown} must not contain control characters"
     if name != name.strip():
         return f"{what} {shown} must not start or end with white space"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that were not UTF-8 (a shell argument): surrogates
+        return f"{what} {shown} is not valid UTF-8 text"
     return None
 
 

@@ -7,7 +7,6 @@ too) every folder a run would write is checked to lie inside --out, and every lo
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from attnlab.config import unknown_key_problem
-from attnlab.data.files import atomic_write_text
+from attnlab.data.files import atomic_write_text, read_json_object
 from attnlab.data.sources import NAMED_SOURCES, local_path
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
@@ -112,13 +111,13 @@ def run_manifest(
         config = full_config(model_cfg, spec.data, spec.train)
         summary_path = run_dir / "summary.json"
         if summary_path.exists():
-            saved = json.loads((run_dir / "config.json").read_text())
+            fix = "delete the run's folder to train it again"
+            saved, summary = read_json_object(run_dir / "config.json", fix), read_json_object(summary_path, fix)
             if saved != config:
                 raise ConfigError(
                     f"{run_dir} holds a finished run made with another config; "
                     "use another --out directory or delete that folder", source=str(manifest.path)
                 )  # fmt: skip
-            summary = json.loads(summary_path.read_text())
             log(f"{label}: done already (val loss {summary.get('val_loss', float('nan')):.4f}), skipped")
             summaries.append(summary)
             continue

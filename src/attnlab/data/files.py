@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import json
 import lzma
 import os
 import re
@@ -14,6 +15,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
+
+from attnlab.errors import DataError
 
 
 def temp_path_beside(path: Path) -> Path:
@@ -146,3 +149,39 @@ def downloads_allowed(download: bool | None = None) -> bool:
     if download is not None:
         return download
     return not any(os.environ.get(key, "").strip().lower() in ("1", "true", "yes", "on") for key in OFFLINE_ENV)
+
+
+def read_json_object(path: str | Path, fix: str = "") -> dict:
+    """The JSON object in file `path` (a summary, a config a run wrote); DataError naming the file when it is
+    unreadable or not an object. fix: what to do, said after the problem."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: unreadable ({' '.join(str(e).split())}){'; ' + fix if fix else ''}") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: not a JSON object (it was changed){'; ' + fix if fix else ''}")
+    return value
+
+
+def read_json_lines(path: str | Path, fix: str = "") -> list[dict]:
+    """The JSON objects of a .jsonl file, one per non-blank line; DataError naming the file and line of the first
+    that is not one (a damaged records or metrics file)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (offset {e.start}){'; ' + fix if fix else ''}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: line {number} is not a JSON object (the file was damaged); repair or remove "
+                            f"that line{'; ' + fix if fix else ''}")  # fmt: skip
+        rows.append(row)
+    return rows

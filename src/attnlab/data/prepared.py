@@ -405,7 +405,11 @@ def _build(data_cfg: DataConfig, folder: Path, data_dir, download) -> Prepared:
         download=download,
     )
     log.info("preparing %s with %s into %s", data_cfg.source, data_cfg.tokenizer, folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a file where the cache expects a folder
+        raise DataError(f"{folder}: a file stands where the prepared data's folder goes (or one of its parents); "
+                        "remove it, or set XDG_CACHE_HOME to another cache") from None  # fmt: skip
     (folder / "meta.json").unlink(missing_ok=True)
     remove_stale_temporaries(folder)  # .bin files of a prepare that was killed mid-write (possibly large)
     name = data_cfg.tokenizer

@@ -14,8 +14,10 @@ cache) and downloaded into the user cache only when downloads are allowed (see `
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import lzma
 import re
 import shutil
 import urllib.request
@@ -160,15 +162,28 @@ def parquet_texts(path: Path) -> Iterator[str]:
 
 
 def file_texts(path: Path) -> Iterator[str]:
-    """Documents of one local file, by its kind (.txt / .jsonl / .parquet, optionally .xz or .gz)."""
+    """Documents of one local file, by its kind (.txt / .jsonl / .parquet, optionally .xz or .gz). A file that
+    cannot be read as its name says (not UTF-8, a damaged archive or parquet file) is a DataError naming it."""
     kind = base_suffix(path)
-    if kind == ".jsonl":
-        yield from jsonl_texts(path)
-    elif kind == ".parquet":
-        yield from parquet_texts(path)
-    else:
-        with open_text(path) as f:
-            yield from paragraphs(f)
+    try:
+        if kind == ".jsonl":
+            yield from jsonl_texts(path)
+        elif kind == ".parquet":
+            yield from parquet_texts(path)
+        else:
+            with open_text(path) as f:
+                yield from paragraphs(f)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                        "save it as UTF-8") from None  # fmt: skip
+    except (EOFError, lzma.LZMAError, gzip.BadGzipFile) as e:
+        raise DataError(f"{path}: a damaged or cut-short {path.suffix} archive ({e}); replace the file") from None
+    except DataError:
+        raise
+    except Exception as e:  # pyarrow's ArrowInvalid and friends: not a parquet file
+        if kind != ".parquet" or type(e).__module__.split(".")[0] != "pyarrow":
+            raise
+        raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())})") from None
 
 
 # ----------------------------------------------------------------------------- lookup and downloads
@@ -287,8 +302,13 @@ def _fineweb_edu(data_dir, download, val_fraction, test_fraction, max_tokens) ->
         raise DataError("fineweb-edu is streamed from the HF Hub: set data.max_tokens (e.g. 100000000)")
 
     def stream() -> Iterator[str]:
-        rows = datasets.load_dataset(FINEWEB_EDU[0], name=FINEWEB_EDU[1], split="train", streaming=True)
-        yield from (row["text"] for row in rows if row["text"].strip())
+        try:
+            rows = datasets.load_dataset(FINEWEB_EDU[0], name=FINEWEB_EDU[1], split="train", streaming=True)
+            yield from (row["text"] for row in rows if row["text"].strip())
+        except (ConnectionError, OSError) as e:  # offline, or the Hub out of reach (datasets raises these)
+            reason = " ".join(str(e).split())[:200]
+            raise DataError(f"fineweb-edu: streaming from the Hub failed ({reason}); no local files ({where}); "
+                            f"{_how_to_provide('*.parquet or *.jsonl files')}") from None  # fmt: skip
 
     read = _hash_split(stream, val_fraction, test_fraction)
     return Source(name="fineweb-edu", own_splits=False, read=read, streamed_from="hf:" + "/".join(FINEWEB_EDU))

@@ -20,6 +20,7 @@ import glob
 import hashlib
 import inspect
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,9 +155,56 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
         if params is not None and not isinstance(params, dict):
             problems.append(f"{where}.{name} must be a mapping of parameters, got {type(params).__name__}")
             continue
-        valid = list(parameters(name))
-        problems += [unknown_key_problem(str(k), valid, f"{where}.{name}.") for k in params or {} if k not in valid]
+        signature = inspect.signature(BENCHMARKS[name]).parameters
+        for key, value in (params or {}).items():
+            if key not in signature or key in ("model", "out_dir", "data_dir"):
+                problems.append(unknown_key_problem(str(key), list(parameters(name)), f"{where}.{name}."))
+            else:
+                problem = parameter_problem(signature[key], value)
+                if problem:
+                    problems.append(f"{where}.{name}.{key}={brief(value)} {problem}")
     return problems
+
+
+NON_NEGATIVE = ("offset", "seed", "depth")  # integer parameters for which 0 means zero, not nothing
+
+
+def parameter_problem(parameter: inspect.Parameter, value: Any) -> str | None:
+    """Why `value` cannot be this benchmark parameter (its type read from the default or the annotation): numbers
+    must be finite, counts and lengths >= 1 (offsets and seeds >= 0), lists hold such numbers. None if it can."""
+    if value is None:
+        return None if parameter.default is None else "must be given a value (leave it out for the default)"
+    default, annotation = parameter.default, str(parameter.annotation)
+    minimum = 0 if any(word in parameter.name for word in NON_NEGATIVE) else 1
+
+    def number_problem(item: Any, kind: type) -> str | None:
+        if isinstance(item, bool) or not isinstance(item, (int, float) if kind is float else int):
+            return f"must be {'a number' if kind is float else 'a whole number'}"
+        if not math.isfinite(item):
+            return "must be finite"
+        if kind is int and item < minimum:
+            return f"must be >= {minimum}"
+        if kind is float and item <= 0 and "factor" in parameter.name:
+            return "must be > 0"
+        return None
+
+    if isinstance(default, bool) or annotation.startswith("bool"):
+        return None if isinstance(value, bool) else "must be true or false"
+    if isinstance(default, (list, tuple)) or annotation.startswith(("list", "tuple")):
+        if not isinstance(value, list) or not value:
+            return "must be a non-empty list"
+        sample = default[0] if isinstance(default, (list, tuple)) and default else None
+        kind = float if isinstance(sample, float) else int if isinstance(sample, int) else None
+        if kind is None:
+            return None
+        return next((f"holds {brief(item)}, which {p}" for item in value if (p := number_problem(item, kind))), None)
+    if isinstance(default, int) or annotation.startswith("int"):
+        return number_problem(value, int)
+    if isinstance(default, float) or annotation.startswith("float"):
+        return number_problem(value, float)
+    if isinstance(default, str) or annotation.startswith("str"):
+        return None if isinstance(value, str) else "must be a string"
+    return None
 
 
 @dataclass(frozen=True)

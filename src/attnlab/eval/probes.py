@@ -137,6 +137,8 @@ def suite_from_dict(data: Any, source: str = "<dict>") -> ProbeSuite:
     cases, seen = [], {}
     for i, raw in enumerate(cases_raw):
         cid = raw.get("id") if isinstance(raw, dict) else None
+        if not isinstance(cid, str):
+            cid = None  # _case reports an id that is not a string
         if isinstance(cid, str) and cid in seen:
             problems.append(f"duplicate id {cid!r} (cases[{seen[cid]}] and cases[{i}]): ids must be unique")
         seen.setdefault(cid, i)

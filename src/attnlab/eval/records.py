@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import attnlab
-from attnlab.data.files import atomic_write_text
+from attnlab.data.files import atomic_write_text, read_json_lines
 
 
 def make_record(benchmark: str, model=None, **figures) -> dict:
@@ -45,5 +45,5 @@ def append_records(path: str | Path, rows: list[dict]) -> Path:
 
 
 def read_records(path: str | Path, benchmark: str | None = None) -> list[dict]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = read_json_lines(path, fix="records are appended one JSON object per line")
     return [r for r in rows if benchmark is None or r.get("benchmark") == benchmark]

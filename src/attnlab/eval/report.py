@@ -281,6 +281,10 @@ def build_report(out_dir: str | Path) -> dict:
     if not records_path.exists():
         raise DataError(f"{records_path} not found: run `attnlab bench ... --out {out_dir}` first")
     records = read_records(records_path)
+    for number, record in enumerate(records, 1):
+        if not isinstance(record.get("benchmark"), str) or not isinstance(record.get("model"), str):
+            raise DataError(f"{records_path}: record {number} names no benchmark or model (the file was changed); "
+                            "remove that line, or run the benchmark again")  # fmt: skip
     tables = [t for t in (perplexity_table(records), memory_table(records), latency_table(records),
                           multiple_choice_table(records), needle_table(records), sweep_table(records),
                           extrapolation_table(records)) if t] + probes_tables(records)  # fmt: skip

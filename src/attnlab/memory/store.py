@@ -90,7 +90,18 @@ class MemoryStore:
         if not self.index.exists():
             return []
         rows = self._run(f"SELECT {', '.join(COLUMNS)} FROM states ORDER BY name")
-        return [Entry(*row[:2], json.loads(row[2]), *row[3:]) for row in rows]
+        entries = []
+        types = (str, str, list, int, int, str, str, str, str)
+        for row in rows:
+            try:
+                values = (*row[:2], json.loads(row[2]), *row[3:])
+            except (TypeError, ValueError):
+                values = ()
+            if len(values) != len(types) or not all(isinstance(v, t) for v, t in zip(values, types, strict=True)):
+                raise StoreError(f"{self.index}: the row of memory {row[0]!r} is damaged (the index was changed by "
+                                 "hand); `attnlab memory rm` it, or restore the index")  # fmt: skip
+            entries.append(Entry(*values))
+        return entries
 
     def find(self, name: str) -> Entry | None:
         return next((e for e in self.entries() if e.name == name), None)

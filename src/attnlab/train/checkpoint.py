@@ -296,6 +296,10 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
     if missing or unexpected:
         detail = f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
         raise CheckpointError(f"{path}: weights do not fit this model ({detail})")
+    bad = [name for name, p in unwrap(model).state_dict().items() if p.is_floating_point() and not p.isfinite().all()]
+    if bad:  # a diverged run saves none (the loop stops first): these were written in, checksum or not
+        raise CheckpointError(f"{path}: {len(bad)} weight tensor(s) hold NaN or infinity ({', '.join(bad[:3])}); "
+                              f"{_fix(folder)}")  # fmt: skip
 
 
 def load_optimizer(optimizer, checkpoint: Checkpoint) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from attnlab.data.files import atomic_write_text
+from attnlab.errors import DataError
 
 
 class MetricsLog:
@@ -33,7 +34,17 @@ class MetricsLog:
         if not self.path.exists():
             return
         rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+        kept = []
+        for number, line in enumerate(rows, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise DataError(f"{self.path}: line {number} is not JSON (the metrics log was damaged); repair or "
+                                "remove that line, or delete the file to start the log afresh") from None  # fmt: skip
+            if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
+                raise DataError(f"{self.path}: line {number} is not a metrics row (an object with an integer step)")
+            if row.get("step", 0) <= step:
+                kept.append(line)
         if len(kept) != len(rows):
             atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 

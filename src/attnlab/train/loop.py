@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from attnlab.accounting import kv_report, param_counts
 from attnlab.config import DataConfig, ModelConfig, TrainConfig
 from attnlab.data import BatchSampler, eval_batches
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, DivergedError
 from attnlab.model.transformer import build_model
 from attnlab.train.checkpoint import (
     CheckpointError,
@@ -33,8 +33,17 @@ from attnlab.train.optim import build_optimizer, lr_at
 
 
 def pick_device(name: str) -> torch.device:
+    """train.device as a torch device; ConfigError when this machine has no such device."""
     if name != "auto":
-        return torch.device(name)
+        device = torch.device(name)
+        if device.type == "cuda" and (
+            not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
+        ):
+            have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA"
+            raise ConfigError(f"train.device={name}: this machine has {have} (use train.device: auto or cpu)")
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise ConfigError(f"train.device={name}: this machine has no MPS device (use train.device: auto or cpu)")
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("cpu")
@@ -136,6 +145,14 @@ def train(
         _, previous = load_model_from_checkpoint(init_from, tag="last")
         # A phase may add a bounded memory: its write gate and EMA rate are new (freshly initialised);
         # any other missing or unexpected weight means the phases do not fit together.
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
+        wrong = [f"{k} {tuple(v.shape)} vs {tuple(shapes[k])}" for k, v in previous.state_dict().items()
+                 if k in shapes and v.shape != shapes[k]]  # fmt: skip
+        if wrong:
+            raise ConfigError(
+                f"{init_from}: its weights do not fit this model's shapes ({', '.join(wrong[:3])}"
+                f"{', ...' if len(wrong) > 3 else ''}): init_from needs the same architecture and vocabulary"
+            )
         missing, unexpected = model.load_state_dict(previous.state_dict(), strict=False)
         misfits = [k for k in missing if ".memory." not in k] + list(unexpected)
         if misfits:
@@ -198,7 +215,8 @@ def train(
         state["tokens"] += tokens_per_step
         loss_value = all_reduce_mean(step_loss, dist_info).item()
         if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss became {loss_value} at step {step} (lower train.lr or set train.grad_clip)")
+            raise DivergedError(f"{run_dir}: the loss became {loss_value} at step {step} (lower train.lr, set "
+                                "train.grad_clip or a smaller model.init_std)")  # fmt: skip
         window_loss += loss_value
         window_steps += 1
         if state["step"] % train_cfg.log_every == 0 or state["step"] == train_cfg.steps:

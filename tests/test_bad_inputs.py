@@ -1,0 +1,124 @@
+"""The probe's findings (issue 13), one CLI case each: a damaged file, an odd value or a fault ends in exit code 2
+and one line `attnlab <command>: error: ...` naming what is wrong, and the user's other files are unchanged."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import train_tiny_run
+
+from attnlab.cli import main
+from attnlab.errors import DataError
+from attnlab.generate import sample
+
+MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return train_tiny_run(tmp_path_factory.mktemp("bad"), MODEL, steps=6)
+
+
+def fails(capsys, argv, *fragments):
+    """main(argv) exits 2 with one stderr line holding every fragment."""
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attnlab {argv[0]}: error: "), lines
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def copy_run(run, tmp_path):
+    target = tmp_path / "runs" / "tiny" / "seed0"
+    shutil.copytree(run, target)
+    return target
+
+
+def test_a_damaged_summary_or_metrics_log_is_named(run, tmp_path, capsys):
+    copied = copy_run(run, tmp_path)
+    (copied / "summary.json").write_text("[]")
+    fails(capsys, ["compare", str(tmp_path / "runs")], "summary.json", "not a JSON object")
+    (copied / "summary.json").write_text(json.dumps({"params": 1, "kv_bytes_per_token_fp16": 2, "val_loss": "abc"}))
+    fails(capsys, ["compare", str(tmp_path / "runs")], "val_loss='abc' is not a number")
+    shutil.copy(run / "summary.json", copied / "summary.json")
+    fails(capsys, ["compare", str(tmp_path / "runs"), "--baseline", "nope"], "baseline 'nope'")
+    with open(copied / "metrics.jsonl", "a") as f:
+        f.write("{broken\n")
+    fails(capsys, ["compare", str(tmp_path / "runs")], "metrics.jsonl: line", "not a JSON object")
+
+
+def test_a_damaged_records_file_is_named(tmp_path, capsys):
+    (tmp_path / "records.jsonl").write_text('{"benchmark": "perplexity"}\n[1, 2]\n')
+    fails(capsys, ["report", str(tmp_path)], "records.jsonl: line 2")
+    (tmp_path / "records.jsonl").write_text('{"model": null, "benchmark": "perplexity"}\n')
+    fails(capsys, ["report", str(tmp_path)], "records.jsonl: record 1")
+
+
+def test_nan_weights_are_refused_even_with_a_matching_checksum(run, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from attnlab.data.files import sha256_file
+
+    copied = copy_run(run, tmp_path)
+    folder = next((copied / "checkpoints").glob("step-*"))
+    weights = load_file(folder / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, folder / "model.safetensors", metadata={"attnlab.checksums": "1"})
+    sums = json.loads((folder / "checksums.json").read_text())
+    entry = sums["files"]["model.safetensors"]
+    entry.update(sha256=sha256_file(folder / "model.safetensors"), bytes=(folder / "model.safetensors").stat().st_size)
+    (folder / "checksums.json").write_text(json.dumps(sums))
+    fails(capsys, ["generate", str(copied), "the", "--max-new-tokens", "2"], "NaN or infinity")
+
+
+@pytest.mark.parametrize("kind", ["latin1", "not-gzip"])
+def test_unreadable_data_files_are_named(tmp_path, kind):
+    from attnlab.data.sources import file_texts
+
+    path = tmp_path / ("a.txt" if kind == "latin1" else "a.txt.gz")
+    path.write_bytes("caf\xe9 au lait\n".encode("latin-1") if kind == "latin1" else b"plain text, not gzip")
+    with pytest.raises(DataError, match="a.txt") as error:
+        list(file_texts(path))
+    assert "\n" not in str(error.value)
+    gzip.open(tmp_path / "b.txt.gz", "wt").write("fine\n")  # a real archive reads
+
+
+def test_odd_values_and_files_are_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    fails(capsys, ["info", str(deep)], "nested too deeply")
+    config = tmp_path / "m.yaml"
+    config.write_text("vocab_size: 97\nd_model: 64\nn_layers: 2\nn_heads: 4\nmax_seq_len: 64\n"
+                      "attention: {kind: coda, gate_bias: 1.0e+308}\n")  # fmt: skip
+    fails(capsys, ["info", str(config)], "gate_bias", "too large")
+    fails(capsys, ["kv-tune", "x", "--budget", "10", "--formats", "q8_0,zz"], "'zz' is not a format")
+    fails(capsys, ["kv-tune", "x", "--budget", "10", "--resids", "a,b"], "--resids")
+
+
+def test_memory_names_must_be_utf8(run, tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("hello")
+    fails(capsys, ["memory", "ingest", str(run), str(doc), "--name", "\udcff", "--store", str(tmp_path / "s")],
+          "not valid UTF-8")  # fmt: skip
+
+
+def test_sampling_at_extreme_settings_stays_a_distribution():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9]])
+    generator = torch.Generator().manual_seed(0)
+    assert sample(logits, 1e-300, None, None, generator).item() == 1  # tends to greedy, never NaN
+    assert sample(logits, 1.0, None, 1e-300, generator).item() == 1  # the most likely token always stays
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA has the device")
+def test_a_device_this_machine_lacks_is_refused_before_training():
+    from attnlab.errors import ConfigError
+    from attnlab.train.loop import pick_device
+
+    with pytest.raises(ConfigError, match="train.device=cuda:7: this machine has no CUDA"):
+        pick_device("cuda:7")
