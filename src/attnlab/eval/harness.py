@@ -50,9 +50,10 @@ DEFAULT_PROMPT = (
 
 
 def perplexity(model, out_dir, data_dir, split: str = "test", seq_len: int | None = None, stride: int | None = None,
-               max_tokens: int | None = None) -> list[dict]:  # fmt: skip
-    """Held-out loss and perplexity with a bootstrap interval (non-overlapping windows unless stride)."""
-    return [run_perplexity(model, split, seq_len, stride, max_tokens, data_dir)]
+               max_tokens: int | None = None, dataset: str | None = None) -> list[dict]:  # fmt: skip
+    """Held-out loss and perplexity with a bootstrap interval (non-overlapping windows unless stride); dataset:
+    score a named dataset (e.g. wikitext2-raw) with the model's own tokenizer (pretrained models)."""
+    return [run_perplexity(model, split, seq_len, stride, max_tokens, data_dir, dataset=dataset)]
 
 
 def probes(model, out_dir, data_dir, suite: str = "configs/probes/core.yml") -> list[dict]:
