@@ -49,7 +49,7 @@ def test_bench_records_resume_and_report(tmp_path, checkpoint):
     assert {r["benchmark"] for r in records} == {"perplexity", "memory", "latency"}
     ppl = next(r for r in records if r["benchmark"] == "perplexity")
     assert ppl["model"] == "tiny/seed0" and ppl["split"] == "val" and ppl["tokens"] == 200
-    assert ppl["params"] == {"split": "val", "seq_len": None, "stride": None, "max_tokens": 200}
+    assert ppl["params"] == {"split": "val", "seq_len": None, "stride": None, "max_tokens": 200, "dataset": None}
     assert all(r["kv_bytes"] == r["kv_bytes_analytic"] for r in records if r["benchmark"] == "memory")
     assert main(["bench", str(manifest), "--out", str(out)]) == 0  # everything recorded already: skipped
     assert len(read_records(out / "records.jsonl")) == len(records)
