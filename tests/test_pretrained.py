@@ -327,3 +327,13 @@ def test_a_pretrained_model_is_scored_on_a_named_dataset_with_its_own_tokenizer(
         losses = [F.cross_entropy(model.model(w[None, :-1], use_cache=False)[0][0], w[1:]) for w in windows]
     assert record["dataset"] == "wikitext2-raw" and record["tokens"] == 128
     assert abs(record["ppl"] - float(torch.stack(losses).mean().exp())) < 1e-3 * record["ppl"]
+
+
+def test_the_demo_says_where_it_looked_for_the_pretrained_model(tmp_path, monkeypatch, capsys):
+    from attnlab.demo import pretrained
+
+    monkeypatch.setenv("ATTNLAB_DATA", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    pretrained(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "skipped:" in out and "SmolLM2-135M-Instruct.Q4_1.gguf" in out
