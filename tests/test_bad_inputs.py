@@ -122,3 +122,32 @@ def test_a_device_this_machine_lacks_is_refused_before_training():
 
     with pytest.raises(ConfigError, match="train.device=cuda:7: this machine has no CUDA"):
         pick_device("cuda:7")
+
+
+def test_the_probes_smaller_findings(run, tmp_path, capsys):
+    """--out naming a file, a file as the memory store, a target named like a file attnlab writes, an empty bench
+    manifest, a negative bootstrap seed; a byte-order mark is not read as text."""
+    from attnlab.data.files import open_text
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    manifest = tmp_path / "m.yml"
+    manifest.write_text("name: m\nseeds: [0]\ntargets:\n  base:\n    model: {vocab_size: 64, d_model: 32, n_layers: 1, "
+                        "n_heads: 2, max_seq_len: 64}\n    data: {source: tinyshakespeare, tokenizer: char}\n"
+                        "    train: {seq_len: 32, batch_size: 2, steps: 2}\n")  # fmt: skip
+    fails(capsys, ["run", str(manifest), "--out", str(afile), "--dry-run"], "a file, not a folder")
+    fails(capsys, ["memory", "ls", "--store", str(afile)], "a file, not a memory store folder")
+    manifest.write_text(manifest.read_text().replace("  base:", "  compare.md:"))
+    fails(capsys, ["run", str(manifest), "--dry-run"], "compare.md")
+    bench = tmp_path / "b.yml"
+    bench.write_text("name: b\ncheckpoints: []\n")
+    fails(capsys, ["bench", str(bench), "--out", str(tmp_path / "o")], "no benchmarks named")
+    fails(
+        capsys,
+        ["probes", "configs/probes/core.yml", str(run), "--seed", "-1", "--out", str(tmp_path / "p")],
+        "--seed -1",
+    )
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfhello\n")
+    with open_text(tmp_path / "bom.txt") as f:
+        assert f.read() == "hello\n"
+    assert afile.read_text() == "x"

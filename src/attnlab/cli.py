@@ -180,6 +180,8 @@ def cmd_mc(args) -> int:
 
 
 def cmd_probes(args) -> int:
+    if not 0 <= args.seed < 2**32:
+        raise InputError(f"--seed {args.seed} must be from 0 to 2**32 - 1 (the bootstrap's seed)")
     suite, out, runs = load_suite(args.suite), Path(args.out), []
     for path in [args.checkpoint] + ([args.checkpoint_b] if args.checkpoint_b else []):
         model = load_for_eval(path, data_dir=args.data_dir)

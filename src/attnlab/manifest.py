@@ -246,6 +246,10 @@ def _check_vars(variables: Any, problems: list[str]) -> dict:
     return {k: v for k, v in variables.items() if k not in bad}
 
 
+# Files `attnlab run` and `attnlab compare` write in <out>/<manifest>/, beside the targets' folders.
+RESERVED_NAMES = ("manifest.json", "compare.md", "compare.csv", "val_loss.png")
+
+
 def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> Manifest:
     """Reads and fully resolves a manifest; raises one ConfigError listing every problem."""
     path = Path(path)
@@ -273,6 +277,8 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
     runs = []
     for name_, target in targets.items():
         problem = name_problem(name_, "target name")
+        if problem is None and name_ in RESERVED_NAMES:
+            problem = f"target name {name_!r} is a file attnlab writes beside the targets' folders (choose another)"
         if problem:
             problems.append(f"targets: {problem}")
             continue

@@ -74,6 +74,8 @@ def run_manifest(
     log=print,
 ) -> list[dict]:
     """Runs the selected runs in order; returns one summary per run (None for dry runs)."""
+    if Path(out_root).exists() and not Path(out_root).is_dir():
+        raise ConfigError(f"--out {out_root}: a file, not a folder (runs are written into a folder)")
     root = Path(out_root) / manifest.name
     runs = select_runs(manifest, targets, seeds)
     check_runs(manifest, runs, out_root, data_dir)

@@ -125,13 +125,14 @@ def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
 
 
 def open_text(path: str | Path) -> IO[str]:
-    """Opens a UTF-8 text file for reading, decompressing `.xz` and `.gz` transparently."""
+    """Opens a UTF-8 text file for reading, decompressing `.xz` and `.gz` transparently; a leading byte-order mark
+    (some editors write one) is dropped, not read as text."""
     path = Path(path)
     if path.suffix == ".xz":
-        return lzma.open(path, "rt", encoding="utf-8")
+        return lzma.open(path, "rt", encoding="utf-8-sig")
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def base_suffix(path: str | Path) -> str:

@@ -227,6 +227,9 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
             raise ConfigError("a benchmark manifest is a mapping with benchmarks and checkpoints", source=str(path))
         problems = [unknown_key_problem(str(k), ["name", "checkpoints", "benchmarks", "data_dir"], "")
                     for k in raw if k not in ("name", "checkpoints", "benchmarks", "data_dir")]  # fmt: skip
+        if not raw.get("benchmarks"):
+            raise ConfigError("no benchmarks named (benchmarks: maps each benchmark to its parameters; "
+                              "`attnlab bench --list` lists them)", source=str(path))  # fmt: skip
         spec = raw.get("benchmarks") or {}
         if not isinstance(spec, dict) or not all(isinstance(v, dict | None) for v in spec.values()):
             problems.append("benchmarks must map each benchmark's name to its parameters (a mapping, or nothing)")

@@ -69,6 +69,8 @@ class MemoryStore:
     def __init__(self, store: str | Path | None = None, create: bool = True):
         self.root = store_dir(store)
         self.index = self.root / "index.sqlite"
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"{self.root}: a file, not a memory store folder (give --store a folder)")
         if create:
             try:
                 (self.root / "states").mkdir(parents=True, exist_ok=True)
