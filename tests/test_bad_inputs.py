@@ -151,3 +151,14 @@ def test_the_probes_smaller_findings(run, tmp_path, capsys):
     with open_text(tmp_path / "bom.txt") as f:
         assert f.read() == "hello\n"
     assert afile.read_text() == "x"
+
+
+def test_options_that_would_be_ignored_and_unsubstituted_names_are_refused():
+    from helpers import tiny_config
+
+    from attnlab.errors import ConfigError
+    from attnlab.paths import name_problem
+
+    with pytest.raises(ConfigError, match="rope_semantic needs rope: true"):
+        tiny_config({"kind": "decoupled", "d_sem": 16, "d_geo": 32, "rope": False, "rope_semantic": True})
+    assert "not substituted" in name_problem("run-${lr}", "target name")

@@ -69,6 +69,8 @@ def name_problem(name: object, what: str) -> str | None:
         return f"{what} {shown} must not contain control characters"
     if name != name.strip():
         return f"{what} {shown} must not start or end with white space"
+    if "${" in name:
+        return f"{what} {shown}: variables are not substituted in names (write the name out)"
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:  # bytes that were not UTF-8 (a shell argument): surrogates

@@ -58,6 +58,8 @@ class DecoupledConfig(AttentionConfig):
             out.append(f"attention.d_geo / n_heads = {self.d_geo // heads} must be even for RoPE (or set rope: false)")
         if self.rope and self.rope_semantic and (self.d_sem // heads) % 2:
             out.append(f"attention.d_sem / n_heads = {self.d_sem // heads} must be even for RoPE on the semantic path")
+        if self.rope_semantic and not self.rope:
+            out.append("attention.rope_semantic needs rope: true (with rope: false no path is rotated; drop one)")
         if self.tie_qk and (self.n_kv_heads or heads) != heads:
             out.append("attention.tie_qk needs n_kv_heads == n_heads (W_Q = W_K must have the same heads)")
         return out
