@@ -23,8 +23,8 @@ def run(tmp_path_factory):
     return train_tiny_run(tmp_path_factory.mktemp("bad"), MODEL, steps=6)
 
 
-def fails(capsys, argv, *fragments):
-    """main(argv) exits 2 with one stderr line holding every fragment."""
+def fails(capsys, argv, *fragments) -> str:
+    """main(argv) exits 2 with one stderr line holding every fragment; that line."""
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"attnlab {argv[0]}: error: "), lines
@@ -42,21 +42,21 @@ def copy_run(run, tmp_path):
 def test_a_damaged_summary_or_metrics_log_is_named(run, tmp_path, capsys):
     copied = copy_run(run, tmp_path)
     (copied / "summary.json").write_text("[]")
-    fails(capsys, ["compare", str(tmp_path / "runs")], "summary.json", "not a JSON object")
+    assert fails(capsys, ["compare", str(tmp_path / "runs")], "summary.json", "not a JSON object")
     (copied / "summary.json").write_text(json.dumps({"params": 1, "kv_bytes_per_token_fp16": 2, "val_loss": "abc"}))
-    fails(capsys, ["compare", str(tmp_path / "runs")], "val_loss='abc' is not a number")
+    assert fails(capsys, ["compare", str(tmp_path / "runs")], "val_loss='abc' is not a number")
     shutil.copy(run / "summary.json", copied / "summary.json")
-    fails(capsys, ["compare", str(tmp_path / "runs"), "--baseline", "nope"], "baseline 'nope'")
+    assert fails(capsys, ["compare", str(tmp_path / "runs"), "--baseline", "nope"], "baseline 'nope'")
     with open(copied / "metrics.jsonl", "a") as f:
         f.write("{broken\n")
-    fails(capsys, ["compare", str(tmp_path / "runs")], "metrics.jsonl: line", "not a JSON object")
+    assert fails(capsys, ["compare", str(tmp_path / "runs")], "metrics.jsonl: line", "not a JSON object")
 
 
 def test_a_damaged_records_file_is_named(tmp_path, capsys):
     (tmp_path / "records.jsonl").write_text('{"benchmark": "perplexity"}\n[1, 2]\n')
-    fails(capsys, ["report", str(tmp_path)], "records.jsonl: line 2")
+    assert fails(capsys, ["report", str(tmp_path)], "records.jsonl: line 2")
     (tmp_path / "records.jsonl").write_text('{"model": null, "benchmark": "perplexity"}\n')
-    fails(capsys, ["report", str(tmp_path)], "records.jsonl: record 1")
+    assert fails(capsys, ["report", str(tmp_path)], "records.jsonl: record 1")
 
 
 def test_nan_weights_are_refused_even_with_a_matching_checksum(run, tmp_path, capsys):
@@ -74,7 +74,7 @@ def test_nan_weights_are_refused_even_with_a_matching_checksum(run, tmp_path, ca
     entry = sums["files"]["model.safetensors"]
     entry.update(sha256=sha256_file(folder / "model.safetensors"), bytes=(folder / "model.safetensors").stat().st_size)
     (folder / "checksums.json").write_text(json.dumps(sums))
-    fails(capsys, ["generate", str(copied), "the", "--max-new-tokens", "2"], "NaN or infinity")
+    assert fails(capsys, ["generate", str(copied), "the", "--max-new-tokens", "2"], "NaN or infinity")
 
 
 @pytest.mark.parametrize("kind", ["latin1", "not-gzip"])
@@ -92,19 +92,19 @@ def test_unreadable_data_files_are_named(tmp_path, kind):
 def test_odd_values_and_files_are_one_line(tmp_path, capsys):
     deep = tmp_path / "deep.yaml"
     deep.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
-    fails(capsys, ["info", str(deep)], "nested too deeply")
+    assert fails(capsys, ["info", str(deep)], "nested too deeply")
     config = tmp_path / "m.yaml"
     config.write_text("vocab_size: 97\nd_model: 64\nn_layers: 2\nn_heads: 4\nmax_seq_len: 64\n"
                       "attention: {kind: coda, gate_bias: 1.0e+308}\n")  # fmt: skip
-    fails(capsys, ["info", str(config)], "gate_bias", "too large")
-    fails(capsys, ["kv-tune", "x", "--budget", "10", "--formats", "q8_0,zz"], "'zz' is not a format")
-    fails(capsys, ["kv-tune", "x", "--budget", "10", "--resids", "a,b"], "--resids")
+    assert fails(capsys, ["info", str(config)], "gate_bias", "too large")
+    assert fails(capsys, ["kv-tune", "x", "--budget", "10", "--formats", "q8_0,zz"], "'zz' is not a format")
+    assert fails(capsys, ["kv-tune", "x", "--budget", "10", "--resids", "a,b"], "--resids")
 
 
 def test_memory_names_must_be_utf8(run, tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text("hello")
-    fails(capsys, ["memory", "ingest", str(run), str(doc), "--name", "\udcff", "--store", str(tmp_path / "s")],
+    assert fails(capsys, ["memory", "ingest", str(run), str(doc), "--name", "\udcff", "--store", str(tmp_path / "s")],
           "not valid UTF-8")  # fmt: skip
 
 
@@ -135,13 +135,13 @@ def test_the_probes_smaller_findings(run, tmp_path, capsys):
     manifest.write_text("name: m\nseeds: [0]\ntargets:\n  base:\n    model: {vocab_size: 64, d_model: 32, n_layers: 1, "
                         "n_heads: 2, max_seq_len: 64}\n    data: {source: tinyshakespeare, tokenizer: char}\n"
                         "    train: {seq_len: 32, batch_size: 2, steps: 2}\n")  # fmt: skip
-    fails(capsys, ["run", str(manifest), "--out", str(afile), "--dry-run"], "a file, not a folder")
-    fails(capsys, ["memory", "ls", "--store", str(afile)], "a file, not a memory store folder")
+    assert fails(capsys, ["run", str(manifest), "--out", str(afile), "--dry-run"], "a file, not a folder")
+    assert fails(capsys, ["memory", "ls", "--store", str(afile)], "a file, not a memory store folder")
     manifest.write_text(manifest.read_text().replace("  base:", "  compare.md:"))
-    fails(capsys, ["run", str(manifest), "--dry-run"], "compare.md")
+    assert fails(capsys, ["run", str(manifest), "--dry-run"], "compare.md")
     bench = tmp_path / "b.yml"
     bench.write_text("name: b\ncheckpoints: []\n")
-    fails(capsys, ["bench", str(bench), "--out", str(tmp_path / "o")], "no benchmarks named")
+    assert fails(capsys, ["bench", str(bench), "--out", str(tmp_path / "o")], "no benchmarks named")
     fails(
         capsys,
         ["probes", "configs/probes/core.yml", str(run), "--seed", "-1", "--out", str(tmp_path / "p")],

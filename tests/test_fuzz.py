@@ -195,6 +195,8 @@ def test_raw_bytes_as_a_config_or_manifest_file_are_refused_with_a_typed_error(r
         path.write_bytes(raw)
         for load in (load_config, load_manifest):
             try:
-                load(path)
-            except AttnlabError:
-                pass
+                loaded = load(path)
+            except AttnlabError as error:
+                assert str(error)  # a typed error says what is wrong
+            else:
+                assert loaded is not None  # bytes that happen to be a valid config load as one

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import tiny_model
 from test_gguf import SP_SCORES, SP_TOKENS, SP_TYPES, llama_cpp_permute, transformers_gguf_model
-from test_pretrained import write_tokenizer
+from test_pretrained import one_line, write_config, write_tokenizer
 
 import attnlab
 from attnlab.config import MemoryConfig, RopeScaling
@@ -153,18 +153,6 @@ def test_both_spellings_of_rope_scaling_and_qwen2_windows(tmp_path):
     with pytest.raises(attnlab.ConfigError, match=r"layer_types .* \(max_window_layers=1\) are not supported") as error:
         config_from_hf({**qwen, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1})
     one_line(error)
-
-
-def one_line(error) -> str:
-    message = str(error.value)
-    assert "\n" not in message and message
-    return message
-
-
-def write_config(folder, **changes):
-    config = json.loads((folder / "config.json").read_text())
-    config.update(changes)
-    (folder / "config.json").write_text(json.dumps(config))
 
 
 def test_what_stays_refused(tmp_path):
