@@ -18,7 +18,8 @@ from helpers import tiny_model, train_tiny_run
 import attnlab
 from attnlab import cli
 from attnlab.accounting import kv_report
-from attnlab.cli import main, one_line
+from attnlab.cli import main
+from attnlab.cli_errors import MAX_LINE, one_line
 from attnlab.errors import InputError, LengthWarning
 from attnlab.generate import check_sampling
 
@@ -356,7 +357,7 @@ def test_a_multi_line_message_becomes_one_line(capsys, monkeypatch, tmp_path):
     assert exit_code == 2
     assert err == "attnlab info: error: first line second line third\n"
     long = one_line("x" * 5000)
-    assert len(long) <= cli.MAX_LINE and "more characters" in long and "\n" not in long
+    assert len(long) <= MAX_LINE and "more characters" in long and "\n" not in long
 
 
 # ---------------------------------------------------------------------------------------------- the library

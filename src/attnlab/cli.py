@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import json
 import math
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -23,6 +21,7 @@ import yaml
 from attnlab.accounting import info
 from attnlab.attention.registry import REGISTRY
 from attnlab.cache.codecs import FORMATS
+from attnlab.cli_errors import Parser, fail, os_error_line, warning_printer
 from attnlab.compare import compare
 from attnlab.config_io import load_config, memory_from_dict, parse_yaml
 from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
@@ -525,158 +524,6 @@ def add_sampling_arguments(p, streams: bool) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling, 0 .. 2**64 - 1 (default: random)")
 
 
-MAX_LINE = 2000  # characters of an error line; a longer message is cut (its start names the problem)
-
-
-def one_line(text: object) -> str:
-    """`text` on one line: its lines joined with spaces (blank lines and caret markers such as `^^^` dropped),
-    cut to MAX_LINE characters."""
-    lines = [line.strip() for line in str(text).splitlines()]
-    joined = " ".join(line for line in lines if line.strip("^~ "))
-    if len(joined) > MAX_LINE:
-        cut = MAX_LINE - 40
-        joined = joined[:cut].rstrip() + f" ... ({len(joined) - cut:,} more characters)"
-    return joined
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors (`--top-p abc`) are one line too, with exit code 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
-
-
-# The operating system's refusals a user can act on. Permissions, read-only and full disks, on any path: they
-# are never attnlab's bugs. A missing path, or a file where a folder belongs (and the reverse), only on a path
-# the user gave (an argument, $ATTNLAB_DATA, $ATTNLAB_MEMORY), one inside it or one of its folders: elsewhere they
-# are bugs and keep their traceback.
-ANY_PATH = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
-GIVEN_PATH = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
-OPTIONS = {"out": "--out", "store": "--store", "data_dir": "--data-dir"}  # where a user chooses a folder
-ENVIRONMENT = ("ATTNLAB_DATA", "ATTNLAB_MEMORY")  # folders a user names in the environment
-CACHE = "XDG_CACHE_HOME"  # the user cache (prepared data, compiled kernels, memories): ~/.cache by default
-NOT_PATHS = {
-    "func",
-    "command",
-    "verb",
-    "prompt",
-    "name",
-    "set",
-    "target",
-    "policies",
-    "kv_policy",
-    "benchmarks",
-    "formats",
-    "resids",
-    "split",
-    "dtype",
-    "task",
-    "baseline",
-}  # string arguments that never name a path
-TEMPORARY = re.compile(r"\.(.+)\.\d+\.[0-9a-f]{12}\.tmp")  # data.files.temp_path_beside's names
-
-
-def _absolute(path: str | os.PathLike) -> list[Path]:
-    """The path made absolute, as given and with symbolic links resolved."""
-    return list(dict.fromkeys([Path(os.path.abspath(path)), Path(os.path.realpath(path))]))
-
-
-def _given_paths(args, cache: bool) -> list[tuple[str, list[Path]]]:
-    """(where it came from: an argument's dest or $VARIABLE, its absolute forms) for every path the user gave:
-    the string arguments that may be paths and the environment's folders; with `cache`, the user cache too
-    (chosen by the user or not)."""
-    given = []
-    for dest, value in vars(args).items():
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, (str, os.PathLike)) and str(item) and dest not in NOT_PATHS:
-                given.append((dest, _absolute(item)))
-    given += [(f"${name}", _absolute(os.environ[name])) for name in ENVIRONMENT if os.environ.get(name)]
-    if cache:
-        given.append((f"${CACHE}", _absolute(os.environ.get(CACHE) or Path.home() / ".cache")))
-    return given
-
-
-def _origin(path: str | os.PathLike, args, cache: bool = False) -> str | None:
-    """Where `path` came from: the argument dest or $VARIABLE of the given path it is, is inside, or is a folder
-    of (making `--out a/b` makes `a`), else None. The working folder, the home folder and the root hold
-    everything: they match only themselves."""
-    broad = {Path.cwd(), Path("/"), Path.home()}
-    mine = _absolute(path)
-    for origin, forms in _given_paths(args, cache):
-        for given in forms:
-            for p in mine:
-                if p == given or (given not in broad and p.is_relative_to(given)):
-                    return origin
-                if p not in broad and given.is_relative_to(p):
-                    return origin
-    return None
-
-
-def _elsewhere(origin: str | None) -> str:
-    """How to point attnlab at another place, for a path that came from `origin`."""
-    if origin in OPTIONS:
-        return f", or choose another folder with {OPTIONS[origin]}"
-    if origin is not None and origin.startswith("$"):
-        return f", or set {origin[1:]} to another folder"
-    if origin is not None:
-        return ", or give another path"
-    return ""
-
-
-def os_error_line(e: OSError, args) -> str | None:
-    """One line for an error of the operating system the user can act on (see ANY_PATH, GIVEN_PATH), naming
-    the path and what to do; None for any other (a bug: it keeps its traceback)."""
-    code = errno.EACCES if isinstance(e, PermissionError) and e.errno not in ANY_PATH else e.errno
-    name = e.filename if isinstance(e.filename, (str, os.PathLike)) else None
-    if code not in ANY_PATH and not (code in GIVEN_PATH and name is not None and _origin(name, args)):
-        return None
-    if name is None:  # e.g. a write() on a full disk: no path to name
-        fix = "free some space" if code in (errno.ENOSPC, errno.EDQUOT) else "check the permissions"
-        out = f" (or write elsewhere with {OPTIONS['out']})" if getattr(args, "out", None) else ""
-        return f"{e.strerror or e}: {fix}{out}"
-    path = Path(name)
-    temporary = TEMPORARY.fullmatch(path.name)
-    if temporary:  # a file written under a temporary name, then renamed: name the file it becomes
-        path = path.with_name(temporary.group(1))
-    hint = _elsewhere(_origin(path, args, cache=True))
-    if code in (errno.EACCES, errno.EPERM):
-        if os.path.lexists(path):
-            return f"{path}: permission denied (check its permissions{hint})"
-        folder = next(p for p in path.parents if os.path.lexists(p))  # the root exists
-        return f"{path}: permission denied: cannot create it in {folder} (make that folder writable{hint})"
-    if code == errno.EROFS:
-        return f"{path}: on a read-only file system (write it somewhere else{hint})"
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        what = "no space left on the device" if code == errno.ENOSPC else "disk quota exceeded"
-        return f"{path}: {what} (free some space{hint})"
-    if code == errno.ENOENT:
-        return f"{path}: no such file or folder (check the path)"
-    if code == errno.ENOTDIR:
-        return f"{path}: a part of this path is a file, not a folder (check the path)"
-    if code == errno.EISDIR:
-        return f"{path}: is a folder, where a file is expected (give a file's path)"
-    if os.path.isdir(path):  # EEXIST
-        return f"{path}: already exists (give another path)"
-    return f"{path}: is a file, where a folder is expected (give a folder's path)"
-
-
-def _fail(command: str, message: str) -> int:
-    print(f"attnlab {command}: error: {one_line(message)}", file=sys.stderr)
-    return 2
-
-
-def _warning_printer(command: str, show):
-    """warnings.showwarning that prints a LengthWarning as one line (`attnlab generate: warning: ...`)."""
-
-    def showwarning(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, LengthWarning):
-            print(f"attnlab {command}: warning: {one_line(message)}", file=sys.stderr if file is None else file)
-        else:
-            show(message, category, filename, lineno, file, line)
-
-    return showwarning
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs one command: its exit code. A user's mistake or a damaged file (an AttnlabError, or an OS error
     the user can act on, see os_error_line) ends in one line on stderr, `attnlab <command>: error: ...`, and
@@ -684,11 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with warnings.catch_warnings():  # restores warnings.showwarning and the filters on the way out
         warnings.simplefilter("always", LengthWarning)  # every cut request said, not only the first
-        warnings.showwarning = _warning_printer(args.command, warnings.showwarning)
+        warnings.showwarning = warning_printer(args.command, warnings.showwarning)
         try:
             return args.func(args)
         except AttnlabError as e:
-            return _fail(args.command, str(e))
+            return fail(args.command, str(e))
         except BrokenPipeError:  # output piped into `head` and the like
             sys.stderr.close()
             return 0
@@ -696,9 +543,9 @@ def main(argv: list[str] | None = None) -> int:
             line = os_error_line(e, args)
             if line is None:
                 raise
-            return _fail(args.command, line)
+            return fail(args.command, line)
         except MemoryError:  # numpy's and the allocator's out-of-memory: the sizes asked for, not a bug
-            return _fail(args.command, "out of memory: the sizes asked for do not fit this machine (lower "
+            return fail(args.command, "out of memory: the sizes asked for do not fit this machine (lower "
                          "train.batch_size, seq_len, the model's size or max tokens)")  # fmt: skip
 
 
