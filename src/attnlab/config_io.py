@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from attnlab.attention.registry import parse_attention
-from attnlab.config import MemoryConfig, ModelConfig, RopeScaling, build_collecting, dataclass_kwargs
+from attnlab.config import MemoryConfig, ModelConfig, RopeScaling
+from attnlab.config_checks import build_collecting, dataclass_kwargs
 from attnlab.errors import ConfigError
 from attnlab.paths import brief
 

@@ -42,7 +42,8 @@ from typing import Any
 
 import yaml
 
-from attnlab.config import MAX_SEED, DataConfig, ModelConfig, TrainConfig, section_from_dict, unknown_key_problem
+from attnlab.config import MAX_SEED, DataConfig, ModelConfig, TrainConfig, section_from_dict
+from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
 from attnlab.paths import brief, name_problem

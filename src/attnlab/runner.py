@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from attnlab.config import unknown_key_problem
+from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import atomic_write_text, read_json_object
 from attnlab.data.sources import NAMED_SOURCES, local_path
 from attnlab.errors import ConfigError, DataError

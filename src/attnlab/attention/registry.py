@@ -16,7 +16,8 @@ from attnlab.attention.differential import DiffConfig, Differential
 from attnlab.attention.mha import MHA, MHAConfig
 from attnlab.attention.mla import MLA, MLAConfig
 from attnlab.attention.sliding import Sliding, SlidingConfig
-from attnlab.config import AttentionConfig, ModelConfig, build_collecting, dataclass_kwargs, unknown_key_problem
+from attnlab.config import AttentionConfig, ModelConfig
+from attnlab.config_checks import build_collecting, dataclass_kwargs, unknown_key_problem
 from attnlab.paths import brief
 
 

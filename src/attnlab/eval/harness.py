@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from attnlab.config import unknown_key_problem
+from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
 from attnlab.eval.analysis import run_attention_maps, run_effective_rank

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from attnlab.config import unknown_key_problem
+from attnlab.config_checks import unknown_key_problem
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.loading import EvalModel
 from attnlab.eval.records import append_records, make_record

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from attnlab.config import unknown_key_problem
+from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import read_yaml
 from attnlab.errors import ConfigError, InputError
 from attnlab.eval.records import make_record

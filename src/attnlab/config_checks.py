@@ -1,0 +1,141 @@
+"""Strict checking of plain data against config dataclasses (the parser config.py and config_io.py build on):
+types before anything reads a value (a bool is not a number), finite numbers within fp32, bounded integers,
+unknown keys with a nearest-name hint, every problem collected so that one ConfigError reports them all."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import types
+import typing
+from typing import Any
+
+from attnlab.errors import ConfigError
+from attnlab.paths import brief
+
+MAX_INT = 2**31 - 1  # the default bound of integer fields (see config.py for the model's own bounds)
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True
+
+
+def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, tuple[Any, int]]:
+    """Each init field of dataclass `cls`: (its type annotation, the bound of its integer values)."""
+    hints = typing.get_type_hints(cls)
+    limits = getattr(cls, "int_limits", {})
+    default = getattr(cls, "int_limit", MAX_INT)
+    return {f.name: (hints[f.name], limits.get(f.name, default)) for f in dataclasses.fields(cls) if f.init}
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def value_problem(value: Any, annotation: Any, key: str, int_limit: int = MAX_INT) -> str | None:
+    """Why `value` cannot be the value of a field typed `annotation` (None when it can): the wrong type (a bool
+    is not a number, nor a number a bool), a float that is NaN or infinite, an integer beyond `int_limit`."""
+    if not _type_ok(value, annotation):
+        return f"{key}={brief(value)} must be {_type_name(annotation)}, got {type(value).__name__}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if _type_ok(1.5, annotation):  # a float field (an int is accepted and read as a float)
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not finite:
+            return f"{key}={brief(value)} must be a finite number"
+        if abs(value) > FLOAT32_MAX:  # every parameter and activation is at most fp32: it would overflow
+            return f"{key}={brief(value)} is too large (at most {FLOAT32_MAX:.3g} in magnitude)"
+        return None
+    if value > int_limit:
+        return f"{key}={brief(value)} is too large (at most {int_limit:,})"
+    if value < -int_limit:
+        return f"{key}={brief(value)} is out of range ({-int_limit:,} .. {int_limit:,})"
+    return None
+
+
+def field_problems(obj: Any, where: str) -> list[str]:
+    """value_problem of every init field of dataclass instance `obj` (checked before anything reads them)."""
+    out = []
+    for name, (annotation, limit) in _field_types(type(obj)).items():
+        problem = value_problem(getattr(obj, name), annotation, where + name, limit)
+        if problem:
+            out.append(problem)
+    return out
+
+
+def unknown_key_problem(key: str, valid: list[str], where: str, what: str = "key") -> str:
+    """`unknown key 'n_kv_head' (did you mean 'n_kv_heads'?)`, or the valid choices when none is close."""
+    valid = [str(v) for v in valid]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (valid {what}s: {', '.join(sorted(valid))})"
+    return f"unknown {what} {where}{key!r}{hint}"
+
+
+def dataclass_kwargs(cls: type, data: Any, where: str, problems: list[str], skip: tuple[str, ...] = ()) -> dict:
+    """Checks `data` against the fields of dataclass `cls`: unknown keys, missing keys, value types.
+
+    Problems are appended (not raised) so every problem is reported at once.
+    """
+    if not isinstance(data, dict):
+        problems.append(f"{where.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
+        return {}
+    types_of = _field_types(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in skip}
+    kwargs = {}
+    for key, value in data.items():
+        if key in skip:
+            continue
+        if not isinstance(key, str):
+            problems.append(f"{where.rstrip('.') or 'config'}: key {brief(key)} must be a name (a string)")
+            continue
+        if key not in fields:
+            problems.append(unknown_key_problem(key, list(fields) + list(skip), where))
+            continue
+        annotation, limit = types_of[key]
+        if isinstance(value, str) and _type_ok(1.5, annotation):
+            # PyYAML reads 3e-4 (no dot) as a string: accept numbers written that way.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        problem = value_problem(value, annotation, where + key, limit)
+        if problem:
+            problems.append(problem)
+            continue
+        kwargs[key] = float(value) if _type_ok(1.5, annotation) and isinstance(value, int) else value
+    for name, f in fields.items():
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if no_default and name not in data:
+            problems.append(f"missing key {where}{name!r}")
+    return kwargs
+
+
+def build_collecting(cls: type, kwargs: dict, problems: list[str]):
+    """cls(**kwargs), or None with its ConfigError's problems appended (to report every problem at once)."""
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        problems.extend(e.problems)
+        return None
