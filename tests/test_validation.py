@@ -11,7 +11,7 @@ from attnlab.cli import main
 from attnlab.config import DataConfig, MemoryConfig, ModelConfig, TrainConfig, section_from_dict
 from attnlab.config_io import load_config, model_config_from_dict, read_yaml
 from attnlab.errors import ConfigError, DataError, InputError
-from attnlab.manifest import Manifest, RunSpec, is_manifest, load_manifest, parse_set
+from attnlab.manifest import Manifest, RunSpec, file_kind, load_manifest, parse_set
 from attnlab.memory.store import check_name as check_memory_name
 from attnlab.paths import check_name, name_problem
 from attnlab.runner import run_manifest
@@ -252,7 +252,7 @@ def test_a_file_that_is_not_utf8_or_not_a_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError) as error:
         load_config(latin)
     refused(error, "latin.yaml: not UTF-8 text (byte 0xe9 at offset 9)")
-    assert not is_manifest(latin)
+    assert file_kind(latin) == "model"  # not read as a manifest: load_config names the file
     with pytest.raises(ConfigError) as error:
         read_yaml(tmp_path)  # a folder
     refused(error, f"{tmp_path}: cannot read the file")

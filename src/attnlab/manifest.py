@@ -351,7 +351,3 @@ def file_kind(path: str | Path) -> str:
                 return kind
     return "model"
 
-
-def is_manifest(path: str | Path) -> bool:
-    """True when a YAML file looks like a manifest (has `targets`) rather than a model config."""
-    return file_kind(path) == "manifest"
