@@ -350,4 +350,3 @@ def file_kind(path: str | Path) -> str:
             if key in data:
                 return kind
     return "model"
-
