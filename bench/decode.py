@@ -76,11 +76,11 @@ def hf_llama():
     return LlamaForCausalLM(hf_cfg).eval()
 
 
-def part_a(args, env) -> list[dict]:
-    hf = hf_llama()
-    cfg, model = attnlab.from_hf_llama(hf)
-    n = args.new_tokens
-    prompt = torch.randint(0, VOCAB, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+def generate_rounds(model, hf, prompt: torch.Tensor, n: int, repeats: int, compiled: bool = True) -> dict:
+    """attnlab's greedy generate (compiled decode step and eager) and transformers' on the same weights, after
+    one warm-up call each (attnlab's first compiled call compiles the step), then `repeats` rounds with a
+    rotated order. Returns {"totals", "steps", "tokens", "first_call"}, each keyed by implementation: seconds
+    of each whole call, seconds between consecutive tokens, the tokens, and the first call's seconds."""
     mask = torch.ones_like(prompt)
     stamps: list[float] = []  # attnlab: the time each new token was chosen (generate's callback)
 
@@ -110,6 +110,8 @@ def part_a(args, env) -> list[dict]:
         return out[0, prompt.shape[1] :]
 
     runs = {"attnlab": run_attnlab(True), "attnlab-eager": run_attnlab(False), "transformers": run_hf}
+    if not compiled:
+        del runs["attnlab"]
     totals = {name: [] for name in runs}
     steps = {name: [] for name in runs}
     tokens, first_call = {}, {}
@@ -117,7 +119,7 @@ def part_a(args, env) -> list[dict]:
         start = time.perf_counter()
         tokens[name] = fn()
         first_call[name] = time.perf_counter() - start
-    for r in range(args.repeats):
+    for r in range(repeats):
         order = list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]  # rotate which goes first
         for name in order:
             stamps.clear()
@@ -130,11 +132,22 @@ def part_a(args, env) -> list[dict]:
                 steps[name] += clock.intervals()
             else:  # between consecutive tokens: one decode step (and choosing the token)
                 steps[name] += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    same = all(torch.equal(tokens[name], tokens["transformers"]) for name in runs)
     for name in runs:
         if not torch.equal(tokens[name], tokens["transformers"]):
             diverge = int((tokens[name] != tokens["transformers"]).nonzero()[0, 0])
             print(f"WARNING: {name} and transformers generated different tokens (first difference at step {diverge})")
+    return {"totals": totals, "steps": steps, "tokens": tokens, "first_call": first_call}
+
+
+def part_a(args, env) -> list[dict]:
+    hf = hf_llama()
+    cfg, model = attnlab.from_hf_llama(hf)
+    n = args.new_tokens
+    prompt = torch.randint(0, VOCAB, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    timed = generate_rounds(model, hf, prompt, n, args.repeats)
+    totals, steps, tokens, first_call = timed["totals"], timed["steps"], timed["tokens"], timed["first_call"]
+    runs = list(totals)
+    same = all(torch.equal(tokens[name], tokens["transformers"]) for name in runs)
     e2e = {name: n / median(t) for name, t in totals.items()}
     per_token = {name: 1 / median(s) for name, s in steps.items()}
     compile_seconds = first_call["attnlab"] - median(totals["attnlab"])

@@ -329,6 +329,33 @@ def test_a_pretrained_model_is_scored_on_a_named_dataset_with_its_own_tokenizer(
     assert abs(record["ppl"] - float(torch.stack(losses).mean().exp())) < 1e-3 * record["ppl"]
 
 
+def test_every_held_out_benchmark_reads_a_named_dataset_for_a_pretrained_model(tmp_path, data_dir):
+    """kv_quant, needle (heldout filler), context_sweep and rope_extrapolation take `dataset` as perplexity does:
+    the same tokens dataset_split gives, and the record names the dataset."""
+    from attnlab.eval import load_for_eval
+    from attnlab.eval.harness import BENCHMARKS, check_benchmarks
+    from attnlab.eval.kvquant import held_out_windows, run_kv_eval
+    from attnlab.eval.longctx import heldout_tokens, run_needle
+    from attnlab.eval.perplexity import dataset_split
+
+    model = load_for_eval(save(random_model("llama", n_kv_heads=2), tmp_path / "m"))
+    tokens = dataset_split(model, "wikitext2-raw", "test", data_dir)
+    windows = held_out_windows(model, "test", 33, 100, data_dir, dataset="wikitext2-raw")
+    assert windows.tolist() == torch.as_tensor(tokens[:99]).view(3, 33).tolist()
+    got, origin = heldout_tokens(model, data_dir=data_dir, dataset="wikitext2-raw")
+    assert origin == "wikitext2-raw:test" and got.tolist() == tokens.tolist()
+    rows = run_kv_eval(model, ["k=q8_0,v=q8_0"], seq_len=32, max_tokens=66, data_dir=data_dir, dataset="wikitext2-raw")
+    assert rows[0]["dataset"] == "wikitext2-raw" and rows[0]["tokens"] == 64
+    for name in ("kv_quant", "needle", "context_sweep", "rope_extrapolation", "perplexity"):
+        assert check_benchmarks({name: {"dataset": "wikitext2-raw"}}) == []
+    needle = BENCHMARKS["needle"](model, tmp_path, data_dir, lengths=[60], depths=[0.5], trials=1, filler="heldout",
+                                  dataset="wikitext2-raw")  # fmt: skip
+    assert needle[0]["filler"] == "wikitext2-raw:test"
+    cell = run_needle(model, lengths=[60], depths=[0.5], trials=1, filler="heldout", data_dir=data_dir,
+                      dataset="wikitext2-raw", intro="", needle="{key}", question="")[0]  # fmt: skip
+    assert cell["status"] == "ok" and cell["filler"] == "wikitext2-raw:test" and cell["trials"] == 1
+
+
 def test_the_demo_says_where_it_looked_for_the_pretrained_model(tmp_path, monkeypatch, capsys):
     from attnlab.demo import pretrained
 

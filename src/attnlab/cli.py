@@ -217,8 +217,9 @@ def cmd_bench(args) -> int:
 def cmd_kv_eval(args) -> int:
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
     rows = run_kv_eval(model, args.policies, split=args.split, seq_len=args.seq_len, max_tokens=args.tokens,
-                       chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir)  # fmt: skip
-    print(f"{model.name}: KV policies on {rows[0]['tokens']:,} held-out tokens ({args.split}), seq_len {args.seq_len}, "
+                       chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir, dataset=args.dataset)  # fmt: skip
+    print(f"{model.name}: KV policies on {rows[0]['tokens']:,} held-out tokens ({rows[0]['dataset']}:{args.split}), "
+          f"seq_len {args.seq_len}, "
           f"fed {args.chunk} token(s) at a time; NLL with the full cache {rows[0]['nll_full']:.4f}")  # fmt: skip
     print(table(rows))
     if args.out:
@@ -245,7 +246,7 @@ def cmd_kv_tune(args) -> int:
     if args.max_dnll is not None and not math.isfinite(args.max_dnll):
         raise InputError(f"--max-dnll={args.max_dnll!r} must be a finite number (nats per token)")
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
-    windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir)
+    windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir, args.dataset)
     result = tune(model.model, windows, args.budget, args.max_dnll, formats=formats, resids=resids, chunk=args.chunk,
                   dtype=args.dtype)  # fmt: skip
     print(table(result["verified"]))
@@ -429,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--formats", default="fp16,q8_0,q4_0,nf4", help="formats to try per tensor")
             p.add_argument("--resids", default="0,32,128", help="residual window sizes to try")
         p.add_argument("--split", default="test", help="held-out split of the checkpoint's dataset (default test)")
+        p.add_argument("--dataset", default=None, help="score a named dataset or text file instead, tokenized with "
+                       "the model's tokenizer (a pretrained model: e.g. wikitext2-raw)")  # fmt: skip
         p.add_argument("--seq-len", type=int, default=512, help="window length (default 512)")
         p.add_argument("--tokens", type=int, default=8192, help="held-out tokens to score (default 8192)")
         p.add_argument("--chunk", type=int, default=1, help="tokens fed per cache update (default 1: decoding)")

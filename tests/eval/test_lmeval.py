@@ -27,7 +27,7 @@ from attnlab.eval.lmeval import AttnlabLM, run_lm_eval, task_specs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TASKS = Path(__file__).parent / "lmeval_tasks"
+TASKS = Path(__file__).resolve().parents[2] / "configs" / "lm_eval"
 ARC = "eval/arc_easy/ARC-Easy-validation.json"
 GGUF = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -80,7 +80,8 @@ def assert_items_agree(rows: list[dict], samples: list[dict], atol: float) -> No
     for row, sample in zip(rows, samples, strict=True):
         theirs = [ll for ll, _ in sample["filtered_resps"]]
         np.testing.assert_allclose(theirs, row["loglikelihoods"], rtol=0, atol=atol, err_msg=f"item {row['id']}")
-        chars = [len(choice) for choice in sample["doc"]["choices"]["text"]]
+        choices = sample["doc"]["choices"]  # ARC: {"text": [...], "label": [...]}; PIQA: a list
+        chars = [len(choice) for choice in (choices["text"] if isinstance(choices, dict) else choices)]
         assert chars == row["choice_chars"]
         assert int(np.argmax(theirs)) == row["predicted"], row["id"]
         assert int(np.argmax(np.array(theirs) / chars)) == row["predicted_norm"], row["id"]
@@ -235,13 +236,15 @@ def test_mistakes_are_typed_errors(byte_model, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_smollm2_gguf_agrees_with_attnlab_multiple_choice(data_dir):
+    """ARC-Easy and PIQA (configs/lm_eval: lm-eval's own task definitions over the local files) item by item."""
     path = data_dir / GGUF
     if not path.is_file():
         pytest.skip(f"{path} not found")
     model = load_for_eval(path)
-    rows, summary = run_multiple_choice(model, "arc_easy", limit=20, data_dir=data_dir)
-    results = run_lm_eval(model, ["arc_easy_local"], limit=20, data_dir=data_dir, include_path=TASKS, batch_size=8)
-    assert_items_agree(rows, results["samples"]["arc_easy_local"], atol=1e-3)
-    assert results["results"]["arc_easy_local"]["acc,none"] == pytest.approx(summary["acc"], abs=1e-12)
-    assert results["results"]["arc_easy_local"]["acc_norm,none"] == pytest.approx(summary["acc_norm"], abs=1e-12)
-    assert not math.isnan(summary["acc"])
+    for task, local in (("arc_easy", "arc_easy_local"), ("piqa", "piqa_local")):
+        rows, summary = run_multiple_choice(model, task, limit=20, data_dir=data_dir)
+        results = run_lm_eval(model, [local], limit=20, data_dir=data_dir, include_path=TASKS, batch_size=8)
+        assert_items_agree(rows, results["samples"][local], atol=1e-3)
+        assert results["results"][local]["acc,none"] == pytest.approx(summary["acc"], abs=1e-12)
+        assert results["results"][local]["acc_norm,none"] == pytest.approx(summary["acc_norm"], abs=1e-12)
+        assert not math.isnan(summary["acc"])

@@ -85,21 +85,25 @@ def attention_maps(model, out_dir, data_dir, prompt: str = DEFAULT_PROMPT, regio
 
 
 def needle(model, out_dir, data_dir, lengths: list | None = None, depths: list = (0.1, 0.3, 0.5, 0.7, 0.9),
-           trials: int = 5, seed: int = 0, filler: str = "sentences") -> list[dict]:  # fmt: skip
-    """Passkey retrieval at depths and lengths: strict accuracy and the likelihood gain of the needle."""
+           trials: int = 5, seed: int = 0, filler: str = "sentences",
+           dataset: str | None = None) -> list[dict]:  # fmt: skip
+    """Passkey retrieval at depths and lengths: strict accuracy and the likelihood gain of the needle (filler:
+    "sentences", or "heldout" text: the model's own test split, or `dataset`'s, e.g. wikitext2-raw)."""
     return run_needle(model, lengths=lengths, depths=tuple(depths), trials=trials, seed=seed, filler=filler,
-                      data_dir=data_dir)  # fmt: skip
+                      data_dir=data_dir, dataset=dataset)  # fmt: skip
 
 
 def context_sweep(model, out_dir, data_dir, lengths: list = (256, 512, 1024), chunk_size: int = 256,
-                  decode_tokens: int = 8) -> list[dict]:  # fmt: skip
+                  decode_tokens: int = 8, dataset: str | None = None) -> list[dict]:  # fmt: skip
     """Chunked prefill to each length: prefill time, last-chunk latency and loss, decode ms/token at context."""
-    return sweep(model, lengths=tuple(lengths), chunk_size=chunk_size, decode_tokens=decode_tokens, data_dir=data_dir)
+    return sweep(model, lengths=tuple(lengths), chunk_size=chunk_size, decode_tokens=decode_tokens, data_dir=data_dir,
+                 dataset=dataset)  # fmt: skip
 
 
-def rope_extrapolation(model, out_dir, data_dir, factors: list = (1, 2, 4), max_tokens: int = 65536) -> list[dict]:
+def rope_extrapolation(model, out_dir, data_dir, factors: list = (1, 2, 4), max_tokens: int = 65536,
+                       dataset: str | None = None) -> list[dict]:  # fmt: skip
     """Held-out loss at 1x, 2x and 4x the training context."""
-    return run_extrapolation(model, factors=tuple(factors), max_tokens=max_tokens, data_dir=data_dir)
+    return run_extrapolation(model, factors=tuple(factors), max_tokens=max_tokens, data_dir=data_dir, dataset=dataset)
 
 
 def latency(model, out_dir, data_dir, prompt_lengths: list = (128, 512), batch_sizes: list = (1,),
@@ -118,11 +122,11 @@ def memory(model, out_dir, data_dir, lengths: list = (256, 512, 1024), batch_siz
 
 
 def kv_quant(model, out_dir, data_dir, policies: list = ("k=q8_0,v=q8_0", "k=q4_0,v=q4_0,resid=128"),
-             split: str = "test", seq_len: int = 512, max_tokens: int = 8192,
-             chunk: int = 1) -> list[dict]:  # fmt: skip
+             split: str = "test", seq_len: int = 512, max_tokens: int = 8192, chunk: int = 1,
+             dataset: str | None = None) -> list[dict]:  # fmt: skip
     """Quality cost of quantized KV caches on held-out text: dNLL, KL, top-1 and greedy agreement, bytes."""
     return run_kv_eval(model, list(policies), split=split, seq_len=seq_len, max_tokens=max_tokens, chunk=chunk,
-                       data_dir=data_dir)  # fmt: skip
+                       data_dir=data_dir, dataset=dataset)  # fmt: skip
 
 
 BENCHMARKS: dict[str, Callable[..., list[dict]]] = {

@@ -25,7 +25,7 @@ import torch
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import SHORT, Codec, KVPolicy, as_policy
 from attnlab.errors import ConfigError, DataError, InputError
-from attnlab.eval.perplexity import heldout_split
+from attnlab.eval.perplexity import eval_tokens
 from attnlab.eval.records import make_record
 from attnlab.generate import generate
 
@@ -55,9 +55,11 @@ def greedy_agreement(model, prompts: torch.Tensor, want: torch.Tensor, policy: K
     return float(same.sum(dim=1).float().mean() / want.shape[1])
 
 
-def held_out_windows(eval_model, split: str, seq_len: int, max_tokens: int, data_dir=None) -> torch.Tensor:
-    """(N, seq_len) non-overlapping windows of the checkpoint's own held-out split."""
-    tokens = heldout_split(eval_model, split, data_dir)
+def held_out_windows(eval_model, split: str, seq_len: int, max_tokens: int, data_dir=None,
+                     dataset: str | None = None) -> torch.Tensor:  # fmt: skip
+    """(N, seq_len) non-overlapping windows of the checkpoint's own held-out split, or of `split` of `dataset`
+    tokenized with the model's tokenizer (a pretrained model: e.g. wikitext2-raw)."""
+    tokens = eval_tokens(eval_model, split, data_dir, dataset)[0]
     n = min(max_tokens, len(tokens)) // seq_len
     if n < 1:
         raise DataError(f"split {split!r} has {len(tokens)} tokens, fewer than one window of seq_len={seq_len}")
@@ -222,9 +224,10 @@ def tune(
 
 
 def run_kv_eval(eval_model, policies: list[str], split: str = "test", seq_len: int = 512, max_tokens: int = 8192,
-                chunk: int = 1, dtype: str = "fp16", data_dir=None) -> list[dict]:  # fmt: skip
-    """`kv_quant` records, one per policy, on the checkpoint's own held-out split."""
-    windows = held_out_windows(eval_model, split, seq_len + 1, max_tokens, data_dir)
+                chunk: int = 1, dtype: str = "fp16", data_dir=None,
+                dataset: str | None = None) -> list[dict]:  # fmt: skip
+    """`kv_quant` records, one per policy, on the checkpoint's own held-out split (or `split` of `dataset`)."""
+    windows = held_out_windows(eval_model, split, seq_len + 1, max_tokens, data_dir, dataset)
     rows = evaluate_policies(eval_model.model, windows, policies, chunk=chunk, dtype=dtype)
-    data = eval_model.config.get("data", {})
-    return [make_record("kv_quant", eval_model, split=split, dataset=data.get("source"), **row) for row in rows]
+    dataset = dataset or eval_model.config.get("data", {}).get("source")
+    return [make_record("kv_quant", eval_model, split=split, dataset=dataset, **row) for row in rows]

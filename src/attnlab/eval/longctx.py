@@ -34,7 +34,7 @@ from attnlab.accounting import kv_report
 from attnlab.config import DataConfig
 from attnlab.data import prepare
 from attnlab.errors import DataError, InputError
-from attnlab.eval.perplexity import summarize_losses
+from attnlab.eval.perplexity import dataset_split, summarize_losses
 from attnlab.eval.records import make_record
 from attnlab.eval.scoring import continuation_logprobs
 from attnlab.eval.speed import dtype_name, run_guarded, synchronize, timed
@@ -53,12 +53,14 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 # ----------------------------------------------------------------------------- held-out text
 
 
-def heldout_tokens(model, text=None, split: str | None = None, data_dir=None, cache_dir=None) -> tuple[np.ndarray, str]:
+def heldout_tokens(model, text=None, split: str | None = None, data_dir=None, cache_dir=None,
+                   dataset: str | None = None) -> tuple[np.ndarray, str]:  # fmt: skip
     """(n,) token ids of held-out text and a label of where they came from.
 
     text: None = the model's own dataset (`prepare(DataConfig(**model.config["data"]))`), split `split`
-    (default: test if the dataset has one, else val; never train unless named); a str / Path = a text file
-    encoded with the model's tokenizer; anything else = token ids (array, list or tensor), used as given.
+    (default: test if the dataset has one, else val; never train unless named), or `dataset` (a named dataset
+    or file, e.g. wikitext2-raw, tokenized with the model's tokenizer: a pretrained model); a str / Path = a
+    text file encoded with the model's tokenizer; anything else = token ids (array, list or tensor), as given.
     """
     if isinstance(text, str | Path):
         path = Path(text)
@@ -69,9 +71,14 @@ def heldout_tokens(model, text=None, split: str | None = None, data_dir=None, ca
         return np.asarray(model.tokenizer.encode(path.read_text()), dtype=np.int64), f"file:{path}"
     if text is not None:
         return np.asarray(text, dtype=np.int64).reshape(-1), "given"
+    if dataset is not None:
+        return dataset_split(model, dataset, split or "test", data_dir), f"{dataset}:{split or 'test'}"
     data = model.config.get("data")
     if not data:
-        raise DataError(f"{model.path}: no data config saved with this checkpoint: give a text file or token ids")
+        raise DataError(
+            f"{model.path}: no data config saved with this model: name a dataset (e.g. dataset=wikitext2-raw), a "
+            "text file or token ids"
+        )
     prepared = prepare(DataConfig(**data), data_dir=data_dir, cache_dir=cache_dir)
     split = split or ("test" if prepared.meta["splits"].get("test", {}).get("tokens") else "val")
     tokens = prepared.split(split)
@@ -185,6 +192,7 @@ def run_needle(
     text=None,
     split: str | None = None,
     data_dir=None,
+    dataset: str | None = None,
     intro: str = INTRO,
     needle: str = NEEDLE,
     question: str = QUESTION,
@@ -205,7 +213,7 @@ def run_needle(
     if filler == "sentences":
         filler_ids, origin = np.asarray(tokenizer.encode(" " + FILLER), dtype=np.int64), "sentences"
     elif filler == "heldout":
-        filler_ids, origin = heldout_tokens(model, text, split, data_dir)
+        filler_ids, origin = heldout_tokens(model, text, split, data_dir, dataset=dataset)
     else:
         raise InputError(f"filler={filler!r} is not known (use 'sentences' or 'heldout')")
     rng = random.Random(seed)
@@ -279,6 +287,7 @@ def context_sweep(
     text=None,
     split: str | None = None,
     data_dir=None,
+    dataset: str | None = None,
     offset: int = 0,
     max_kv_bytes: int | None = None,
     warmup: bool = True,
@@ -290,7 +299,7 @@ def context_sweep(
     `warmup` runs one short untimed prefill and decode first."""
     if chunk_size < 1 or decode_tokens < 0:
         raise InputError(f"chunk_size={chunk_size} must be >= 1 and decode_tokens={decode_tokens} >= 0")
-    tokens, origin = heldout_tokens(model, text, split, data_dir)
+    tokens, origin = heldout_tokens(model, text, split, data_dir, dataset=dataset)
     max_len, device = model.cfg.max_seq_len, model.device
     warmup_length = min(chunk_size, max_len - 2, len(tokens) - 1)
     if warmup and warmup_length >= 1:  # one untimed short run, so the first length pays no one-time costs
@@ -344,6 +353,7 @@ def run_extrapolation(
     text=None,
     split: str | None = None,
     data_dir=None,
+    dataset: str | None = None,
 ) -> list[dict]:
     """`extrapolation` records, one per factor: loss at seq_len = factor * train_seq_len (default the run's
     train.seq_len, else max_seq_len) over floor(max_tokens / seq_len) non-overlapping windows (at least one)
@@ -351,7 +361,7 @@ def run_extrapolation(
     input positions [k T, (k + 1) T) for each training-context-wide segment k. Lengths beyond max_seq_len
     are too_long; text shorter than one window is not_enough_text."""
     train_seq_len = train_seq_len or model.config.get("train", {}).get("seq_len") or model.cfg.max_seq_len
-    tokens, origin = heldout_tokens(model, text, split, data_dir)
+    tokens, origin = heldout_tokens(model, text, split, data_dir, dataset=dataset)
     rows = []
     for factor in factors:
         seq_len = int(round(factor * train_seq_len))

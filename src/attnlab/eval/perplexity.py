@@ -92,18 +92,24 @@ def dataset_split(eval_model, dataset: str, split: str, data_dir: str | None = N
     return np.asarray(eval_model.tokenizer.encode("\n\n".join(texts)), dtype=np.int64)
 
 
+def eval_tokens(eval_model, split: str, data_dir: str | None = None, dataset: str | None = None):
+    """(token ids, dataset name, tokenizer name) of held-out text: `split` of the model's own prepared dataset,
+    or, with `dataset` (a named dataset or file, e.g. wikitext2-raw), of that text tokenized with the model's
+    own tokenizer (what a pretrained model is scored on)."""
+    if dataset is None:
+        tokens = heldout_split(eval_model, split, data_dir)  # raises without a saved data config
+        data = eval_model.config["data"]
+        return tokens, data["source"], data["tokenizer"]
+    return dataset_split(eval_model, dataset, split, data_dir), dataset, eval_model.tokenizer.name
+
+
 def run_perplexity(eval_model, split: str = "test", seq_len: int | None = None, stride: int | None = None,
                    max_tokens: int | None = None, data_dir: str | None = None,
                    dataset: str | None = None) -> dict:  # fmt: skip
     """A `perplexity` record for a model on its own dataset's held-out split (never the training split unless
     asked for by name), or on `dataset` (a named dataset or file, e.g. wikitext2-raw) tokenized with its own
     tokenizer: what a pretrained model is scored on. seq_len defaults to the run's training context."""
-    data = eval_model.config.get("data") or {}
-    if dataset is None:
-        tokens = heldout_split(eval_model, split, data_dir)  # raises without a saved data config
-        dataset, tokenizer = data["source"], data["tokenizer"]
-    else:
-        tokens, tokenizer = dataset_split(eval_model, dataset, split, data_dir), eval_model.tokenizer.name
+    tokens, dataset, tokenizer = eval_tokens(eval_model, split, data_dir, dataset)
     seq_len = seq_len or eval_model.config.get("train", {}).get("seq_len") or eval_model.cfg.max_seq_len
     windows = window_losses(eval_model.model, tokens, seq_len, stride, max_tokens)
     summary = summarize_losses(windows)
