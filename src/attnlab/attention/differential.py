@@ -60,6 +60,13 @@ class DiffConfig(MHAConfig):
     head_dim_reason: ClassVar[str] = "for diff: q and k split into two halves of head_dim/2, each rotated by RoPE"
     # n_kv_heads: None = n_heads; else GQA over DIFF heads. head_dim: D per DIFF head (q1, q2, k1, k2 get D/2
     # each, v gets D); None = d_model / n_heads.
+    head_norm: bool = True  # eq. 3's RMSNorm; false leaves it out (a converted model starts as its source)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        if self.head_norm:
+            del out["head_norm"]  # the default: configs (and their hashes) read as before the option
+        return out
 
     def cache_layout(self, model: ModelConfig) -> CacheLayout:
         """k1, k2 (D/2 each, rotated) and v (D) per K/V head; two maps per step, so no single read."""
@@ -91,7 +98,7 @@ class Differential(Attention):
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
             nn.Parameter(torch.randn(self.half) * 0.1) for _ in range(4)
         )
-        self.head_norm = HeadRMSNorm(d, model.norm_eps)  # eq. 3: one gain of width D shared by the heads
+        self.head_norm = HeadRMSNorm(d, model.norm_eps) if cfg.head_norm else None  # eq. 3: one gain shared by heads
 
     def lambda_full(self) -> torch.Tensor:
         """Eq. 2, a 0-d fp32 tensor."""
@@ -125,6 +132,7 @@ class Differential(Attention):
             from attnlab.kernels.diff_attention import diff_attention  # optional: needs triton
 
             norm = self.head_norm
+            weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
             y = diff_attention(
                 t["q1"],
                 t["q2"],
@@ -135,13 +143,14 @@ class Differential(Attention):
                 scale,
                 positions,
                 held.positions,
-                norm.weight,
-                norm.eps,
-            )  # (B, H, T, D), normalised
+                weight,
+                eps,
+            )  # (B, H, T, D), normalised when the head norm is on
         else:
             signal = attend_held(held, t["q1"], kv["k1"], kv["v"], scale)  # (B, H, T, D)
             noise = attend_held(held, t["q2"], kv["k2"], kv["v"], scale, observe=False)
-            y = self.head_norm(signal - lam.to(signal.dtype) * noise)  # eq. 1, then eq. 3's RMSNorm
+            y = signal - lam.to(signal.dtype) * noise  # eq. 1
+            y = y if self.head_norm is None else self.head_norm(y)  # eq. 3's RMSNorm
         y = y * (1 - self.lambda_init)  # eq. 3
         return self.out(merge_heads(y)), cache
 
@@ -157,7 +166,8 @@ class Differential(Attention):
         lam, norm = self.lambda_full(), self.head_norm
 
         def combine(out: dict[str, torch.Tensor]) -> torch.Tensor:  # eq. 1 and 3 on the maps' outputs
-            y = head_rms_norm(out["signal"] - lam * out["noise"], norm.weight.float(), norm.eps)
+            y = out["signal"] - lam * out["noise"]
+            y = y if norm is None else head_rms_norm(y, norm.weight.float(), norm.eps)
             return F.linear(merge_heads(y * (1 - self.lambda_init)), self.out.weight.float())
 
         return AttentionScores(maps, {"signal": v, "noise": v}, False, combine)

@@ -1,0 +1,117 @@
+"""Attention conversions (attnlab.interop.convert): each against the source model's own logits or an exact identity."""
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from attnlab.errors import ConfigError
+from attnlab.interop.convert import convert_model, pool_heads
+
+TOKENS = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(3))
+
+
+def source(n_kv_heads: int = 4, **attention):
+    """A tiny Llama-like source (mha, 4 heads of 16), every 1-D parameter moved off its init."""
+    model = tiny_model({"kind": "mha", "n_kv_heads": n_kv_heads, **attention}, perturb=True, seed=1)
+    return model.cfg, model
+
+
+def logits(model, tokens=TOKENS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens, use_cache=False)[0]
+
+
+def cached_logits(model, tokens=TOKENS, chunk: int = 7) -> torch.Tensor:
+    """The same tokens fed through a cache `chunk` at a time."""
+    cache = model.new_cache(tokens.shape[0], tokens.shape[1])
+    with torch.no_grad():
+        return torch.cat([model(tokens[:, s : s + chunk], cache=cache)[0] for s in range(0, tokens.shape[1], chunk)], 1)
+
+
+def test_pooling_keeps_or_repeats_heads_exactly():
+    rows = torch.arange(4 * 3 * 5, dtype=torch.float32).view(12, 5)  # 4 heads of 3 rows
+    assert torch.equal(pool_heads(rows, 4, 4), rows)
+    assert torch.equal(pool_heads(rows, 4, 2), torch.cat(((rows[0:3] + rows[3:6]) / 2, (rows[6:9] + rows[9:12]) / 2)))
+    assert torch.equal(pool_heads(rows[:6], 2, 4), torch.cat((rows[0:3], rows[0:3], rows[3:6], rows[3:6])))
+
+
+def test_same_attention_is_the_source_and_more_kv_heads_repeat_exactly():
+    cfg, model = source(n_kv_heads=2)
+    same = convert_model(cfg, model)
+    assert same.fresh == [] and same.cfg == cfg
+    torch.testing.assert_close(logits(same.model), logits(model), rtol=0, atol=0)
+    more = convert_model(cfg, model, {"n_kv_heads": 4})
+    assert more.cfg.attention.n_kv_heads == 4 and more.fresh == []
+    torch.testing.assert_close(logits(more.model), logits(model), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv", [2, 1])
+def test_mean_pooled_gqa_equals_the_source_when_its_kv_heads_are_copies(n_kv):
+    """Ainslie et al.'s mean-pooling: with the source's KV heads equal within each group, pooling loses nothing."""
+    cfg, model = source(n_kv_heads=4)
+    d = 16
+    with torch.no_grad():
+        for block in model.blocks:
+            k = block.attn.qkv.weight[64 : 64 + 4 * d].view(4, d, -1)
+            v = block.attn.qkv.weight[64 + 4 * d :].view(4, d, -1)
+            for rows in (k, v):
+                rows.copy_(rows[:: 4 // n_kv].repeat_interleave(4 // n_kv, dim=0))
+    conversion = convert_model(cfg, model, {"kind": "mha", "n_kv_heads": n_kv})
+    assert conversion.fresh == [] and "mean-pooled" in conversion.notes[0]
+    torch.testing.assert_close(logits(conversion.model), logits(model), rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached_logits(conversion.model), logits(conversion.model), rtol=0, atol=1e-5)
+
+
+def test_mean_pooling_differs_from_the_source_when_heads_differ():
+    cfg, model = source(n_kv_heads=4)
+    pooled = convert_model(cfg, model, {"n_kv_heads": 1})
+    assert (logits(pooled.model) - logits(model)).abs().max() > 1e-2  # the test above can fail
+
+
+def test_coda_gated_off_is_the_source_and_near_transparent_at_the_papers_bias():
+    cfg, model = source(n_kv_heads=2)
+    off = convert_model(cfg, model, {"kind": "coda", "gate_bias": -20.0})
+    assert off.cfg.attention.head_norm is False
+    assert sorted({name.split("attn.")[1] for name in off.fresh}) == ["gate.bias", "gate.weight", "theta"]
+    torch.testing.assert_close(logits(off.model), logits(model), rtol=0, atol=1e-4)
+    torch.testing.assert_close(cached_logits(off.model), logits(off.model), rtol=0, atol=1e-4)
+    paper = convert_model(cfg, model, {"kind": "coda"})  # b_lambda = -6: lambda = 0.0025 on every token
+    gap = (logits(paper.model) - logits(model)).abs().max().item()
+    assert 1e-4 < gap < 0.1
+
+
+def test_diff_with_lambda_zero_is_the_source():
+    cfg, model = source(n_kv_heads=2)
+    conversion = convert_model(cfg, model, {"kind": "diff"})
+    attention = conversion.cfg.attention
+    assert attention.head_dim == 32 and attention.head_norm is False and conversion.fresh == []
+    for block in conversion.model.blocks:
+        assert abs(block.attn.lambda_full().item()) < 1e-6
+    torch.testing.assert_close(logits(conversion.model), logits(model), rtol=0, atol=1e-4)
+    torch.testing.assert_close(cached_logits(conversion.model), logits(conversion.model), rtol=0, atol=1e-4)
+
+
+def test_a_memory_that_holds_everything_is_the_source():
+    cfg, model = source(n_kv_heads=2)
+    for memory in ({"kind": "window", "recent_window": 64}, {"kind": "streaming", "recent_window": 60}):
+        conversion = convert_model(cfg, model, memory=memory)
+        assert conversion.cfg.memory.kind == memory["kind"] and conversion.fresh == []
+        torch.testing.assert_close(cached_logits(conversion.model), logits(model), rtol=0, atol=1e-5)
+    bounded = convert_model(cfg, model, {"kind": "coda", "gate_bias": -20.0}, memory={"kind": "bounded"})
+    assert any("memory" in name for name in bounded.fresh)  # its write gate: the weights say nothing about it
+    assert cached_logits(bounded.model).isfinite().all()
+
+
+def test_a_conversion_the_source_cannot_initialise_is_refused_in_one_line():
+    cfg, model = source(n_kv_heads=4)
+    for attention, words in (
+        ({"n_kv_heads": 3}, "n_kv_heads"),
+        ({"kind": "coda", "head_dim": 8}, "head_dim=8 cannot be initialised from the source's head_dim 16"),
+        ({"kind": "bottleneck", "d_attn": 32}, "cannot be converted to yet"),
+    ):
+        with pytest.raises(ConfigError, match=words) as error:
+            convert_model(cfg, model, attention)
+        assert "\n" not in str(error.value)
+    coda_cfg, coda = tiny_model({"kind": "coda"}).cfg, tiny_model({"kind": "coda"})
+    with pytest.raises(ConfigError, match="a conversion starts from mha or sliding"):
+        convert_model(coda_cfg, coda, {"kind": "mha"})
