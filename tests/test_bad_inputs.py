@@ -3,8 +3,10 @@ and one line `attnlab <command>: error: ...` naming what is wrong, and the user'
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
+import os
 import shutil
 
 import pytest
@@ -162,3 +164,103 @@ def test_options_that_would_be_ignored_and_unsubstituted_names_are_refused():
     with pytest.raises(ConfigError, match="rope_semantic needs rope: true"):
         tiny_config({"kind": "decoupled", "d_sem": 16, "d_geo": 32, "rope": False, "rope_semantic": True})
     assert "not substituted" in name_problem("run-${lr}", "target name")
+
+
+# ------------------------------------------------------------------------------ the second probe's findings
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be created")
+def test_an_output_that_cannot_be_created_is_named_not_its_temporary(run, tmp_path, capsys):
+    argv = ["kv-eval", str(run), "--policies", "k=q8_0", "--split", "val", "--seq-len", "16", "--tokens", "32"]
+    line = fails(capsys, [*argv, "--out", "/proc/attnlab.jsonl"], "/proc/attnlab.jsonl: no such file or folder")
+    assert ".tmp" not in line
+
+
+def test_an_atomic_writes_os_error_names_the_file_not_its_temporary(tmp_path):
+    from attnlab.data.files import atomic_path
+
+    target = tmp_path / "out" / "records.jsonl"
+    with pytest.raises(OSError) as error, atomic_path(target) as tmp:
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp))
+    assert error.value.filename == str(target)
+    with pytest.raises(OSError) as error, atomic_path(target):
+        raise OSError(errno.ENOSPC, "No space left on device")  # a write() on a full disk names no file
+    assert error.value.filename == str(target) and list(target.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [b"[1", b'{"a": "b"}', b"", json.dumps({"name": "char", "tokens": ["a", "a"]}).encode(), None],
+    ids=["not-json", "not-a-vocabulary", "emptied", "duplicates", "removed"],
+)
+def test_a_damaged_run_tokenizer_is_refused_never_replaced(run, tmp_path, capsys, damage):
+    copied = copy_run(run, tmp_path)
+    vocab = copied / "tokenizer" / "vocab.json"
+    vocab.unlink() if damage is None else vocab.write_bytes(damage)
+    phrase = "missing" if damage is None else "not a valid char tokenizer file"
+    fails(capsys, ["generate", str(copied), "the", "--max-new-tokens", "2"], f"{vocab}: {phrase}",
+          f"delete {copied / 'tokenizer'} to make it again")  # fmt: skip
+
+
+def test_compare_shows_a_diverged_run_as_nan_not_as_missing(run, tmp_path, capsys):
+    copied = copy_run(run, tmp_path)
+    summary = json.loads((copied / "summary.json").read_text()) | {"val_loss": float("nan")}
+    (copied / "summary.json").write_text(json.dumps(summary))
+    assert main(["compare", str(tmp_path / "runs")]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[5:9] == ["nan", f"{summary['val_ppl']:.2f}", "nan", "-"]  # val loss, val ppl, vs base, test loss
+
+
+def test_a_data_folder_that_is_a_file_is_named(run, tmp_path, capsys, monkeypatch):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("x")
+    fix = "a file, not a folder (name the folder that holds the data files)"
+    fails(capsys, ["generate", str(run), "the", "--data-dir", str(afile)], f"--data-dir {afile}: {fix}")
+    monkeypatch.setenv("ATTNLAB_DATA", str(afile))
+    fails(capsys, ["mc", "piqa", str(run), "--limit", "1"], f"$ATTNLAB_DATA={afile}: {fix}")
+
+
+def test_a_damaged_or_read_only_memory_index_says_what_to_do(tmp_path, capsys, monkeypatch):
+    import sqlite3
+
+    from attnlab.memory.store import Entry, MemoryStore
+
+    store = MemoryStore(tmp_path / "store")
+    store.put(Entry("notes", "states/notes.safetensors", [], 1, 1, "hash", "model", "now", "sha"))
+    connect = sqlite3.connect  # a read-only index: every connection opened read-only, as the OS would allow
+    monkeypatch.setattr(sqlite3, "connect", lambda name, **kw: connect(name.replace("mode=rwc", "mode=ro"), **kw))
+    fails(capsys, ["memory", "rm", "notes", "--store", str(store.root)], f"{store.index}: read-only (attempt to write "
+          f"a readonly database): make {store.root} and its index writable, or choose another store")  # fmt: skip
+    monkeypatch.undo()
+    store.index.write_bytes(b"not a database" * 100)
+    fails(capsys, ["memory", "ls", "--store", str(store.root)],
+          f"{store.index}: not a readable memory index (file is not a database)", "restore it from a copy")  # fmt: skip
+
+
+def test_usage_errors_name_the_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["list", "extra"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "attnlab list: error: unrecognized arguments: extra (see attnlab list --help)\n"
+    with pytest.raises(SystemExit):
+        main(["memory", "query", "notes", "hi", "--kv-policy", "k=q8_0"])
+    assert capsys.readouterr().err.startswith("attnlab memory query: error: unrecognized arguments: --kv-policy")
+
+
+def test_a_max_tokens_that_stops_before_any_validation_document_is_named(tmp_path):
+    from attnlab.config import DataConfig
+    from attnlab.data import prepare
+    from attnlab.data.sources import split_of
+
+    docs = [f"document {i}: " + "the cat sat on the mat " * 4 for i in range(40)]
+    first = next(doc for doc in docs if split_of(doc, 0.1, 0.0) == "train")  # the budget is spent on it
+    (tmp_path / "corpus.txt").write_text("\n\n".join([first, *docs]) + "\n")
+    data = DataConfig(source=str(tmp_path / "corpus.txt"), tokenizer="byte", val_fraction=0.1, max_tokens=40)
+    with pytest.raises(DataError) as error:
+        prepare(data, cache_dir=tmp_path / "cache")
+    assert str(error.value) == (
+        f"{tmp_path / 'corpus.txt'}: no document fell in the 'val' split before data.max_tokens=40 stopped the "
+        "reading (1 training documents read); raise data.max_tokens, or use more, shorter documents (blank-line "
+        "separated)"
+    )

@@ -20,10 +20,11 @@ from attnlab import cli
 from attnlab.accounting import kv_report
 from attnlab.cli import main
 from attnlab.cli_errors import MAX_LINE, one_line
-from attnlab.errors import InputError, LengthWarning
+from attnlab.errors import AttnlabWarning, InputError, LengthWarning
 from attnlab.generate import check_sampling
 
 generate_module = importlib.import_module("attnlab.generate")  # the module (attnlab.generate is the function)
+can_compile_on_cpu = generate_module.can_compile_on_cpu  # the real check (the fixture below replaces it)
 
 MAX_SEQ_LEN = 64
 MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 4, "max_seq_len": MAX_SEQ_LEN}
@@ -309,6 +310,22 @@ def test_os_errors_on_any_path_are_one_line(capsys, monkeypatch, tmp_path, code,
     assert_one_error_line(err, "compare", str(target), *fragments)  # the file, not its temporary name
 
 
+def test_a_full_disk_during_a_write_names_the_file(capsys, monkeypatch, tmp_path, run):
+    write_text = Path.write_text
+
+    def full_disk(self, *args, **kwargs):  # what write() on a full disk raises: an error that names no file
+        if self.name.endswith(".tmp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    exit_code, _, err = cli_run(capsys, ["compare", str(run.parents[1]), "--out", str(tmp_path / "out")])
+    assert exit_code == 2
+    assert_one_error_line(err, "compare", f"{tmp_path / 'out' / 'compare.md'}: no space left on the device (free "
+                          "some space, or choose another folder with --out)")  # fmt: skip
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_a_permission_error_reading_an_existing_file_names_it(capsys, monkeypatch, tmp_path):
     config = tmp_path / "model.yaml"
     config.write_text("vocab_size: 100\n")
@@ -411,6 +428,18 @@ def test_prompt_ids_outside_the_vocabulary_are_refused(model):
         attnlab.generate(model, [-1, 2])
     with pytest.raises(InputError, match="prompt is a torch.float32 tensor: give token ids"):
         attnlab.generate(model, torch.tensor([1.5, 2.0]))
+    with pytest.raises(InputError, match="prompt is empty: give at least one token"):
+        attnlab.generate(model, torch.tensor([]))  # an empty text's ids: float32, of no type that matters
+
+
+def test_an_empty_prompt_is_called_empty(capsys, run, memory_store):
+    code, _, err = cli_run(capsys, ["generate", str(run), ""])
+    assert code == 2
+    assert (
+        err == "attnlab generate: error: prompt is empty: give at least one token (text to continue, or a BOS token)\n"
+    )
+    code, _, err = cli_run(capsys, ["memory", "query", "notes", "", "--store", str(memory_store[0])])
+    assert code == 2 and err.startswith("attnlab memory: error: prompt is empty:") and len(err.splitlines()) == 1
 
 
 def test_zero_new_tokens_is_an_empty_answer(model):
@@ -459,3 +488,49 @@ def test_a_flush_longer_than_the_cache_allocates_no_more_than_it_holds():
         full, _ = model(tokens, use_cache=False)
         cached, _ = model(tokens, cache=huge)
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)  # nothing was quantized
+
+
+# ---------------------------------------------------------------------------------------------- caches it cannot use
+def test_kernels_whose_cache_cannot_be_written_are_built_for_the_run_said_in_one_line(
+    capsys, monkeypatch, tmp_path, run
+):
+    from attnlab.kernels import cpu
+
+    if cpu._compiler() is None or os.environ.get("ATTNLAB_CPU_KERNELS", "1") in ("0", "false", "no", "off"):
+        pytest.skip("no C compiler, or the CPU kernels are turned off")
+    (tmp_path / "attnlab").write_text("a file where the cache folder goes")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu.library.cache_clear()
+    try:
+        code, out, err = cli_run(capsys, ["generate", str(run), "the cat", "--max-new-tokens", "2", "--kv-policy",
+                                          "k=q8_0,v=q8_0"])  # fmt: skip
+        assert cpu.library() is not None
+    finally:
+        cpu.library.cache_clear()
+    assert code == 0 and out.startswith("the cat")
+    assert err == (f"attnlab generate: warning: attnlab CPU kernels: cannot use the cache {tmp_path}/attnlab/kernels "
+                   "(Not a directory): built for this run only (make it writable, or set XDG_CACHE_HOME, to keep "
+                   "them)\n")  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attnlab"]
+
+
+def test_a_compile_cache_it_cannot_write_means_eager_decoding_said_once(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # imported before the cache folder turns bad
+
+    can_compile_on_cpu.cache_clear()
+    if not can_compile_on_cpu():
+        pytest.skip("inductor finds no C++ compiler here")
+    cache_dir()
+    afile = tmp_path / "afile"
+    afile.write_text("a file where the cache folder goes")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(afile))
+    can_compile_on_cpu.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert can_compile_on_cpu() is False
+    finally:
+        can_compile_on_cpu.cache_clear()
+    assert [(w.category, str(w.message)) for w in caught] == [(AttnlabWarning, (
+        f"torch.compile's cache {afile}: File exists: decoding without compiling (slower; set TORCHINDUCTOR_CACHE_DIR "
+        "to a folder you may write)"))]  # fmt: skip

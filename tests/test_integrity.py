@@ -5,6 +5,7 @@ leaves the previous checkpoint and no temporary behind."""
 import hashlib
 import json
 import os
+import pickle
 import random
 import resource
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +170,66 @@ def test_a_tampered_checksum_names_the_file_it_no_longer_matches(cut):
         ckpt.load_checkpoint(cut)
     assert_one_line(error, folder / "model.safetensors", "sha256 does not match the one recorded")
     assert snapshot(cut) == before
+
+
+def reseal(folder: Path) -> None:
+    """Records every file's present size and sha256 in checksums.json: a damage the checksums cannot see."""
+    checksums = json.loads((folder / CHECKSUMS).read_text())
+    for name, entry in checksums["files"].items():
+        blob = (folder / name).read_bytes()
+        entry.update(bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    (folder / CHECKSUMS).write_text(json.dumps(checksums))
+
+
+@pytest.mark.parametrize(
+    "edit, phrase",
+    [
+        ({"step": -3}, "step=-3 must be >= 0"),
+        ({"step": 2.5}, "step=2.5 must be int, got float"),
+        ({"tokens": None}, "tokens=None must be int, got NoneType"),
+        ({"best_val_loss": "low"}, "best_val_loss='low' must be float or null, got str"),
+        ({"sampler": 3}, "sampler.step=None must be int, got NoneType"),
+    ],
+    ids=["negative step", "fractional step", "no tokens", "text loss", "no sampler"],
+)
+def test_a_forged_trainer_state_is_refused_on_resume_naming_the_key(cut, runs, edit, phrase):
+    folder = last_checkpoint(cut)
+    (folder / "trainer.json").write_text(json.dumps(json.loads((folder / "trainer.json").read_text()) | edit))
+    reseal(folder)
+    before = snapshot(cut)
+    with pytest.raises(ckpt.CheckpointError) as error:
+        loop.train(*configs(runs["corpus"]), cut, progress=False)
+    assert_one_line(error, folder / "trainer.json", f"trainer.json: {phrase}", "delete the run's checkpoints")
+    assert snapshot(cut) == before
+
+
+def test_weights_that_do_not_fit_name_the_tensors_and_shapes(cut):
+    folder = last_checkpoint(cut)
+    (folder / CONFIG).write_text((folder / CONFIG).read_text().replace('"d_model": 32', '"d_model": 48'))
+    reseal(folder)
+    with pytest.raises(ckpt.CheckpointError) as error:
+        ckpt.load_checkpoint(cut)
+    shapes = "embed.weight is [64, 32] in the file, [64, 48] in the model; blocks.0.attn_norm.weight is [32] in"
+    assert_one_line(error, folder / WEIGHTS, f"weights do not fit this model ({shapes} the file, [48] in the model;")
+
+
+def test_a_pickled_optimizer_state_is_refused_in_one_line_without_torchs_warning(cut, runs):
+    folder = last_checkpoint(cut)
+    with open(folder / "optimizer.pt", "wb") as f:
+        pickle.dump({"optimizer": ShellCommand()}, f, protocol=4)
+    reseal(folder)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ckpt.CheckpointError) as error:
+        warnings.simplefilter("always")
+        loop.train(*configs(runs["corpus"]), cut, progress=False)
+    assert_one_line(error, folder / "optimizer.pt", "refused: it holds Python objects besides tensors and plain data")
+    assert [str(w.message) for w in caught] == []
+
+
+class ShellCommand:
+    """A pickle that would run a command when loaded (it never is)."""
+
+    def __reduce__(self):
+        return (os.system, ("echo loaded",))
 
 
 @pytest.mark.parametrize(
@@ -421,6 +483,16 @@ def test_a_meta_json_with_a_missing_or_bad_key_is_refused(prepared, edit, phrase
         reuse(data, p.path)
     assert_one_line(error, p.path / "meta.json", phrase, "to prepare it again")
     assert snapshot(p.path) == before
+
+
+def test_a_damaged_prepared_vocabulary_names_the_file_and_the_fix(prepared):
+    data, p = prepared
+    vocab = p.path / "vocab.json"
+    vocab.write_text(json.dumps({"name": "char", "tokens": ["a", "a"]}))
+    with pytest.raises(DataError) as error:
+        _ = reuse(data, p.path).tokenizer  # read when first used
+    assert_one_line(error, vocab, "not a valid char tokenizer file (char vocabulary must hold distinct tokens",
+                    f"delete {p.path} to make it again from the data")  # fmt: skip
 
 
 def test_out_of_range_token_ids_are_refused_not_an_index_error(prepared, runs, tmp_path, monkeypatch):

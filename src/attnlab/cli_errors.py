@@ -1,7 +1,7 @@
 """How the attnlab command reports a user's mistake: one line, `attnlab <command>: error: ...`, exit code 2.
 Typed errors (attnlab.errors) are printed as one line; the operating system's refusals a user can act on
 (permissions, full or read-only disks; a missing path the user gave) are turned into one line naming the path
-and the fix; warnings attnlab means for the user (LengthWarning) are one line too. The parser's usage errors
+and the fix; warnings attnlab means for the user (AttnlabWarning) are one line too. The parser's usage errors
 are one line (Parser)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import re
 import sys
 from pathlib import Path
 
-from attnlab.errors import LengthWarning
+from attnlab.data.files import TEMPORARY
+from attnlab.errors import AttnlabWarning
 
 MAX_LINE = 2000  # characters of an error line; a longer message is cut (its start names the problem)
 
@@ -30,10 +30,25 @@ def one_line(text: object) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors (`--top-p abc`) are one line too, with exit code 2."""
+    """argparse whose usage errors (`--top-p abc`) are one line too, with exit code 2, from the (sub)command
+    they concern: `attnlab list extra` is refused by `attnlab list`."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._command_of(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _command_of(self, parsed) -> argparse.ArgumentParser:
+        """The innermost subcommand's parser `parsed` went through (`attnlab memory query`)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+                sub = action.choices[getattr(parsed, action.dest)]
+                return sub._command_of(parsed) if isinstance(sub, Parser) else sub
+        return self
 
 
 # The operating system's refusals a user can act on. Permissions, read-only and full disks, on any path: they
@@ -63,7 +78,6 @@ NOT_PATHS = {
     "task",
     "baseline",
 }  # string arguments that never name a path
-TEMPORARY = re.compile(r"\.(.+)\.\d+\.[0-9a-f]{12}\.tmp")  # data.files.temp_path_beside's names
 
 
 def _absolute(path: str | os.PathLike) -> list[Path]:
@@ -117,17 +131,16 @@ def os_error_line(e: OSError, args) -> str | None:
     """One line for an error of the operating system the user can act on (see ANY_PATH, GIVEN_PATH), naming
     the path and what to do; None for any other (a bug: it keeps its traceback)."""
     code = errno.EACCES if isinstance(e, PermissionError) and e.errno not in ANY_PATH else e.errno
-    name = e.filename if isinstance(e.filename, (str, os.PathLike)) else None
-    if code not in ANY_PATH and not (code in GIVEN_PATH and name is not None and _origin(name, args)):
+    path = Path(e.filename) if isinstance(e.filename, (str, os.PathLike)) else None
+    temporary = path and TEMPORARY.fullmatch(path.name)
+    if temporary:  # a file written under a temporary name, then renamed: name the file it becomes
+        path = path.with_name(temporary["name"])
+    if code not in ANY_PATH and not (code in GIVEN_PATH and path is not None and _origin(path, args)):
         return None
-    if name is None:  # e.g. a write() on a full disk: no path to name
+    if path is None:  # e.g. a write() on a full disk: no path to name
         fix = "free some space" if code in (errno.ENOSPC, errno.EDQUOT) else "check the permissions"
         out = f" (or write elsewhere with {OPTIONS['out']})" if getattr(args, "out", None) else ""
         return f"{e.strerror or e}: {fix}{out}"
-    path = Path(name)
-    temporary = TEMPORARY.fullmatch(path.name)
-    if temporary:  # a file written under a temporary name, then renamed: name the file it becomes
-        path = path.with_name(temporary.group(1))
     hint = _elsewhere(_origin(path, args, cache=True))
     if code in (errno.EACCES, errno.EPERM):
         if os.path.lexists(path):
@@ -156,10 +169,11 @@ def fail(command: str, message: str) -> int:
 
 
 def warning_printer(command: str, show):
-    """warnings.showwarning that prints a LengthWarning as one line (`attnlab generate: warning: ...`)."""
+    """warnings.showwarning that prints an AttnlabWarning (e.g. a LengthWarning) as one line (`attnlab generate:
+    warning: ...`)."""
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, LengthWarning):
+        if issubclass(category, AttnlabWarning):
             print(f"attnlab {command}: warning: {one_line(message)}", file=sys.stderr if file is None else file)
         else:
             show(message, category, filename, lineno, file, line)

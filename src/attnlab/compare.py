@@ -47,11 +47,14 @@ def collect_runs(runs_dir: str | Path) -> list[dict]:
     return runs
 
 
-def _mean_std(values: list[float]) -> tuple[float, float | None]:
-    values = [v for v in values if v is not None and math.isfinite(v)]
+def _mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation over the seeds that have a value (None, None when none has); a NaN or
+    infinite value (a diverged run) makes the mean NaN or infinite, so that the table shows it."""
+    values = [v for v in values if v is not None]
     if not values:
-        return float("nan"), None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+        return None, None
+    spread = len(values) > 1 and all(math.isfinite(v) for v in values)
+    return statistics.fmean(values), (statistics.stdev(values) if spread else None)
 
 
 def _summary(path: Path) -> dict:
@@ -90,17 +93,23 @@ def compare_table(runs: list[dict], baseline: str | None = None) -> list[dict]:
     base_name = baseline if baseline in names else next((n for n in ("baseline", "mha") if n in names), names[0])
     base = rows[names.index(base_name)]
     for row in rows:
-        row["val_loss_vs_baseline"] = row["val_loss"] / base["val_loss"] - 1 if base["val_loss"] else float("nan")
+        loss, base_loss = row["val_loss"], base["val_loss"]
+        row["val_loss_vs_baseline"] = loss / base_loss - 1 if loss is not None and base_loss else None
         kv, base_kv = row["kv_bytes_per_token_fp16"], base["kv_bytes_per_token_fp16"]
-        row["kv_vs_baseline"] = kv / base_kv if kv and base_kv else float("nan")
+        row["kv_vs_baseline"] = kv / base_kv if kv and base_kv else None
         row["baseline"] = base_name
     return rows
 
 
-def _pm(mean: float, std: float | None, digits: int) -> str:
-    if not math.isfinite(mean):
+def _number(value: float | None, spec: str) -> str:
+    """`value` formatted by `spec`; "-" when missing, "nan" or "inf" as such (a diverged run stays visible)."""
+    if value is None:
         return "-"
-    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
+    return f"{value:{spec}}" if math.isfinite(value) else str(value)
+
+
+def _pm(mean: float | None, std: float | None, digits: int) -> str:
+    return _number(mean, f".{digits}f") + (f" ± {std:.{digits}f}" if std is not None else "")
 
 
 def to_markdown(rows: list[dict]) -> str:
@@ -110,8 +119,8 @@ def to_markdown(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['target']} | {r['seeds']} | {r['params']:,} | {r['kv_bytes_per_token_fp16']:,} "
-            f"| {r['kv_vs_baseline']:.3f}x | {_pm(r['val_loss'], r['val_loss_std'], 4)} "
-            f"| {_pm(r['val_ppl'], r['val_ppl_std'], 2)} | {r['val_loss_vs_baseline']:+.1%} "
+            f"| {_number(r['kv_vs_baseline'], '.3f')}x | {_pm(r['val_loss'], r['val_loss_std'], 4)} "
+            f"| {_pm(r['val_ppl'], r['val_ppl_std'], 2)} | {_number(r['val_loss_vs_baseline'], '+.1%')} "
             f"| {_pm(r['test_loss'], r['test_loss_std'], 4)} | {_pm(r['test_ppl'], r['test_ppl_std'], 2)} "
             f"| {_pm(r['train_tok_per_s'], r['train_tok_per_s_std'], 0)} |"
         )

@@ -496,6 +496,10 @@ class TrainConfig:
                     "eval_tokens"):  # fmt: skip
             if getattr(self, key) < 1:
                 problems.append(f"train.{key}={getattr(self, key)} must be >= 1")
+        if 1 <= self.eval_tokens < self.seq_len:
+            problems.append(f"train.eval_tokens={self.eval_tokens} is less than train.seq_len={self.seq_len}: "
+                            "evaluation scores whole windows of seq_len tokens (use eval_tokens >= "
+                            f"{self.seq_len})")  # fmt: skip
         for key in ("warmup_steps", "seed"):
             if getattr(self, key) < 0:
                 problems.append(f"train.{key}={getattr(self, key)} must be >= 0")

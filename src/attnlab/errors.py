@@ -1,5 +1,5 @@
-"""Typed errors and warnings. The CLI turns any `AttnlabError` into one clear line and exit code 2, and a
-`LengthWarning` into one line on stderr."""
+"""Typed errors and warnings. The CLI turns any `AttnlabError` into one clear line and exit code 2, and an
+`AttnlabWarning` (e.g. a `LengthWarning`) into one line on stderr."""
 
 from __future__ import annotations
 
@@ -30,7 +30,11 @@ class DataError(AttnlabError):
     """A dataset or file is missing or malformed."""
 
 
-class LengthWarning(UserWarning):
+class AttnlabWarning(UserWarning):
+    """Something the user should know (e.g. a slower fallback was taken); the CLI prints it as one line."""
+
+
+class LengthWarning(AttnlabWarning):
     """A request was cut to fit a limit, e.g. more new tokens asked than a model's max_seq_len leaves room for.
     `warnings.simplefilter("error", LengthWarning)` turns it into an error."""
 

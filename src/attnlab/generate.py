@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import os
+import tempfile
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from attnlab.cache.base import ModelCache
-from attnlab.errors import InputError, LengthWarning
+from attnlab.errors import AttnlabWarning, InputError, LengthWarning
 
 # Inductor options of the compiled decode step, measured on bench/decode.py's model (per step):
 # cpp_wrapper calls the step's kernels from C++, not Python (293 -> 239 µs, 1 thread); decompose_mm_pass
@@ -99,12 +101,20 @@ def compiled_decode_step(model):
 
 @functools.cache
 def can_compile_on_cpu() -> bool:
-    """Whether inductor finds a C++ compiler (compiled CPU code needs one)."""
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
+    """Whether inductor finds a C++ compiler (compiled CPU code needs one) and a cache folder it may write (when
+    it may not, decoding is eager, and an AttnlabWarning says so once)."""
     try:
+        from torch._inductor.cpp_builder import get_cpp_compiler  # importing inductor makes its cache folder
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
         get_cpp_compiler()
+        tempfile.TemporaryDirectory(dir=cache_dir()).cleanup()
     except RuntimeError:
+        return False
+    except OSError as e:
+        where = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or e.filename  # cache_dir() sets it before it makes it
+        warnings.warn(f"torch.compile's cache {where}: {e.strerror or e}: decoding without compiling (slower; set "
+                      "TORCHINDUCTOR_CACHE_DIR to a folder you may write)", AttnlabWarning, stacklevel=2)  # fmt: skip
         return False
     return True
 
@@ -234,7 +244,8 @@ def generate(
     seed = None if seed is None else operator.index(seed)
     cfg = model.cfg
     device = next(model.parameters()).device
-    if isinstance(prompt, torch.Tensor) and (prompt.is_floating_point() or prompt.is_complex()):
+    # An empty tensor has no values to be of the wrong type (torch.tensor([]), an empty text's ids, is float32).
+    if isinstance(prompt, torch.Tensor) and prompt.numel() and (prompt.is_floating_point() or prompt.is_complex()):
         raise InputError(f"prompt is a {prompt.dtype} tensor: give token ids (an integer tensor or a list of ints)")
     tokens = torch.as_tensor(prompt, dtype=torch.long, device=device)
     single = tokens.dim() == 1
@@ -242,7 +253,7 @@ def generate(
     if tokens.dim() != 2:
         raise InputError(f"prompt has shape {tuple(tokens.shape)}: give a list of ids or a (T,) or (B, T) tensor")
     if tokens.shape[1] == 0:
-        raise InputError("prompt is empty (give at least one token, e.g. a BOS token)")
+        raise InputError("prompt is empty: give at least one token (text to continue, or a BOS token)")
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= cfg.vocab_size:
         raise InputError(f"prompt token ids must be in 0 .. {cfg.vocab_size - 1} (vocab_size={cfg.vocab_size}), got "

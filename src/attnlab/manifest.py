@@ -24,10 +24,11 @@ the file, the key path and the nearest valid name, all reported at once.
 Everything `attnlab run` would refuse once a run starts is refused here, so `validate` and `run --dry-run`
 catch it: names that are not plain folder names (the manifest's, targets', phases'; attnlab.paths.name_problem),
 seeds outside 0 .. 2^32 - 1 or given twice, a train.seed (`seeds` would override it), an unknown data source or
-tokenizer, a model vocab_size smaller than a fixed tokenizer's (gpt2, byte), and train.seq_len above the model's
-max_seq_len. The last holds with a memory too (memory.kind != none): such a model reads streams of any length
-when it scores or generates, but it trains on sequences of at most max_seq_len (raise model.max_seq_len to train
-on longer ones; the trainer refuses them as well). Whether a local data file exists depends on --data-dir:
+tokenizer, a model vocab_size smaller than a fixed tokenizer's (gpt2, byte), a data.max_tokens that holds no
+training window, train.eval_tokens below train.seq_len, and train.seq_len above the model's max_seq_len. The
+last holds with a memory too (memory.kind != none): such a model reads streams of any length when it scores or
+generates, but it trains on sequences of at most max_seq_len (raise model.max_seq_len to train on longer ones;
+the trainer refuses them as well). Whether a local data file exists depends on --data-dir:
 `run` checks it (dry runs included) before the first run starts.
 """
 
@@ -211,6 +212,12 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict)
         problems.append(
             f"{where}: train.seq_len={spec['train'].seq_len} exceeds model.max_seq_len={cfg.max_seq_len}{memory} "
             "(lower train.seq_len or raise model.max_seq_len)"
+        )
+    max_tokens = spec["data"].max_tokens if "data" in spec else None
+    if "train" in spec and max_tokens is not None and max_tokens <= spec["train"].seq_len:
+        problems.append(
+            f"{where}: data.max_tokens={spec['data'].max_tokens} leaves no training window: a window is "
+            f"train.seq_len + 1 = {spec['train'].seq_len + 1} tokens (raise data.max_tokens, or leave it out)"
         )
     if "vocab_size" in model and cfg.vocab_size < FIXED_VOCAB.get(tokenizer, 0):
         problems.append(

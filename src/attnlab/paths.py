@@ -25,13 +25,21 @@ def brief(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def cache_dir() -> Path:
+    """The user cache, `$XDG_CACHE_HOME/attnlab` (else ~/.cache/attnlab): prepared data, downloads, kernels."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnlab"
+
+
 def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
-    """Candidate data directories, in lookup order."""
-    dirs = [Path(data_dir)] if data_dir else []
+    """Candidate data directories, in lookup order: `data_dir` (--data-dir), $ATTNLAB_DATA, the user cache.
+    DataError when one of the first two names a file."""
+    given = [(Path(data_dir), f"--data-dir {data_dir}")] if data_dir else []
     if os.environ.get("ATTNLAB_DATA"):
-        dirs.append(Path(os.environ["ATTNLAB_DATA"]))
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnlab"
-    return dirs + [cache]
+        given.append((Path(os.environ["ATTNLAB_DATA"]), f"$ATTNLAB_DATA={os.environ['ATTNLAB_DATA']}"))
+    for path, what in given:
+        if path.exists() and not path.is_dir():
+            raise DataError(f"{what}: a file, not a folder (name the folder that holds the data files)")
+    return [path for path, _ in given] + [cache_dir()]
 
 
 def find_data_file(relative: str, data_dir: str | Path | None = None) -> Path:

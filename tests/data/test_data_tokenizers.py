@@ -120,6 +120,6 @@ def test_tokenizer_name_errors(tmp_path):
         load_tokenizer("sentencepiece")
     with pytest.raises(DataError, match="fitted to a dataset"):
         load_tokenizer("word")
-    with pytest.raises(DataError, match="vocab.json not found"):
+    with pytest.raises(DataError, match="vocab.json: missing"):
         load_tokenizer("char", tmp_path)
     assert [needs_training(n) for n in ("gpt2", "byte", "word", "char", "bpe:512")] == [False, False, True, True, True]

@@ -3,6 +3,7 @@ controlled log-probs, and a real attnlab transformer whose hand-set weights make
 
 import dataclasses
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from torch import nn
 
 import attnlab
 from attnlab.data.tokenizers import CharTokenizer, WordTokenizer
-from attnlab.errors import ConfigError, InputError
+from attnlab.errors import ConfigError, InputError, LengthWarning
 from attnlab.eval import EvalModel, append_records, read_records
 from attnlab.eval.probes import (
     ProbeCase,
@@ -379,13 +380,20 @@ def test_max_new_tokens_bounds_generation(copy_suite, char_tokenizer):
 
 
 def test_prompts_cut_to_fit_are_flagged(core):
-    """A model with a 128-token window cannot see a ~700-character prompt whole: the row says so."""
+    """A model with a 128-token window cannot see a ~700-character prompt whole: the row says so, and one
+    LengthWarning names the cases."""
     long_cases = core.only("long_context").cases
     generated, choice = long_cases[0], long_cases[2]  # the number to remember is in the first sentence
     assert choice.kind == "choice"
     tokenizer = CharTokenizer.fit([generated.prompt, choice.prompt])
     copier = as_eval(copy_transformer(tokenizer, max_seq_len=128), tokenizer)
-    rows = run_probes(copier, dataclasses.replace(core, cases=(generated, choice)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = run_probes(copier, dataclasses.replace(core, cases=(generated, choice)))
+    said = (f"copier on core: the prompt of 2 case(s) ({[generated.id, choice.id]}) does not fit max_seq_len=128 "
+            "with its answer: cut on the left, its start unseen (truncated: true in the records; shorten these "
+            "prompts)")  # fmt: skip
+    assert [(w.category, str(w.message)) for w in caught] == [(LengthWarning, said)]
     assert all(r["truncated"] and r["prompt_tokens"] > 128 for r in rows)
     assert not rows[0]["correct"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import hashlib
 import json
@@ -46,11 +47,23 @@ def atomic_path(path: str | Path, durable: bool = False) -> Iterator[Path]:
                 if file.is_file():
                     _fsync(file)
         os.replace(tmp, path)  # a folder replaces only a missing (or empty) folder
+    except OSError as e:
+        _name_the_path(e, tmp, path)
+        raise
     finally:
         if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+
+
+def _name_the_path(error: OSError, tmp: Path, path: Path) -> None:
+    """An error of an atomic write names the file the caller asked for, not its temporary: the temporary (or a
+    file in it) becomes `path` (or that file in it); a write() on a full disk, which names no file, names `path`."""
+    if error.filename is None and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        error.filename = str(path)
+    elif isinstance(error.filename, str | os.PathLike) and Path(error.filename).is_relative_to(tmp):
+        error.filename = str(path / Path(error.filename).relative_to(tmp))
 
 
 TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{12}\.tmp")  # temp_path_beside's names

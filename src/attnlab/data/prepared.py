@@ -39,7 +39,7 @@ from attnlab.data.files import atomic_path, atomic_write_text, remove_stale_temp
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
 from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
 from attnlab.errors import DataError
-from attnlab.paths import data_dirs
+from attnlab.paths import cache_dir
 
 FORMAT_VERSION = 1
 ENCODE_BATCH_CHARS = 1 << 22  # documents are encoded in batches of about 4M characters (threaded encoders)
@@ -56,7 +56,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def default_cache_dir() -> Path:
     """`<user cache>/attnlab/prepared` ($XDG_CACHE_HOME or ~/.cache)."""
-    return data_dirs(None)[-1] / "prepared"
+    return cache_dir() / "prepared"
 
 
 def cache_key(data_cfg: DataConfig, data_dir: str | Path | None = None) -> str:
@@ -430,6 +430,12 @@ def _build(data_cfg: DataConfig, folder: Path, data_dir, download) -> Prepared:
             writers[s] = _SplitWriter(files.enter_context(open(tmp, "wb")), dtype, tokenizer.eot_id, limit)
         _encode(source, tokenizer, writers)
         for split, writer in writers.items():
+            if writer.tokens == 0 and writers["train"].full and not source.own_splits:
+                raise DataError(
+                    f"{source.name}: no document fell in the {split!r} split before data.max_tokens="
+                    f"{data_cfg.max_tokens} stopped the reading ({writers['train'].documents} training documents "
+                    "read); raise data.max_tokens, or use more, shorter documents (blank-line separated)"
+                )
             if writer.tokens == 0:
                 raise DataError(
                     f"{source.name}: no document fell in the {split!r} split ({writers['train'].documents} training "

@@ -35,7 +35,7 @@ from attnlab.data.files import (
     temp_path_beside,
 )
 from attnlab.errors import DataError
-from attnlab.paths import data_dirs, find_data_file
+from attnlab.paths import cache_dir, data_dirs, find_data_file
 
 SPLITS = ("train", "val", "test")
 NAMED_SOURCES = DATA_SOURCES  # the datasets known by name (config.py checks a DataConfig against them)
@@ -247,7 +247,7 @@ def _wikitext(name: str, data_dir: str | Path | None, download: bool | None, spl
     found = {split: path for split, path in find().items() if split in wanted}
     missing = [s for s in wanted if s not in found]
     if missing and downloads_allowed(download):
-        _download_wikitext(config, extension, missing, data_dirs(None)[-1] / "wikitext-2")
+        _download_wikitext(config, extension, missing, cache_dir() / "wikitext-2")
         found = {split: path for split, path in find().items() if split in wanted}
         missing = [s for s in wanted if s not in found]
     if missing:
@@ -273,7 +273,7 @@ def _tinyshakespeare(data_dir, download, val_fraction, test_fraction) -> Source:
     except DataError as e:
         if not downloads_allowed(download):
             raise DataError(f"tinyshakespeare: {e}; or allow downloads ({TINYSHAKESPEARE_URL})") from None
-        path = data_dirs(None)[-1] / "tinyshakespeare" / "input.txt"
+        path = cache_dir() / "tinyshakespeare" / "input.txt"
         _download(TINYSHAKESPEARE_URL, path)
     read = _hash_split(lambda: file_texts(path), val_fraction, test_fraction)
     return Source(name="tinyshakespeare", own_splits=False, read=read, files=[path])

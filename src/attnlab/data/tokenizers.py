@@ -321,18 +321,22 @@ def load_tokenizer(
         raise DataError(f"tokenizer {name!r} is fitted to a dataset: load it from its prepared folder (prepare())")
     cls = {"word": WordTokenizer, "char": CharTokenizer}.get(name, BPETokenizer)
     path = Path(folder) / cls.file
+    fix = f"restore it from a copy, or delete {folder} to make it again from the data"
     if not path.exists():
-        raise DataError(f"{path} not found: the prepared folder is incomplete (delete {folder} to prepare it again)")
+        raise DataError(f"{path}: missing (the tokenizer folder is incomplete); {fix}")
     try:
         if cls is BPETokenizer:
             return BPETokenizer(name, HFTokenizer.from_file(str(path)))
-        return cls(json.loads(path.read_text(encoding="utf-8"))["tokens"])
-    except DataError:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+            raise DataError('expected {"tokens": [text, ...]}')
+        return cls(tokens)
+    except OSError:  # permissions, a disk error: the operating system's own message names the file
         raise
-    except Exception as e:  # json, KeyError, or the tokenizers library's plain Exception
-        raise DataError(
-            f"{path} is not a valid {name} tokenizer file ({e}); delete {folder} to prepare it again"
-        ) from e
+    except Exception as e:  # json, a bad vocabulary (DataError), the tokenizers library's plain Exception
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise DataError(f"{path}: not a valid {name} tokenizer file ({detail}): it was damaged; {fix}") from None
 
 
 # ----------------------------------------------------------------------------- GPT-2 BPE files

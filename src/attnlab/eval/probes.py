@@ -36,16 +36,18 @@ import difflib
 import hashlib
 import json
 import re
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import read_yaml
-from attnlab.errors import ConfigError, InputError
+from attnlab.errors import ConfigError, InputError, LengthWarning
 from attnlab.eval.records import make_record
 from attnlab.eval.scoring import continuation_logprobs, greedy_text
 from attnlab.eval.stats import wilson_interval
+from attnlab.paths import brief
 
 KINDS = ("exact", "first_line", "contains", "first_integer", "choice")
 NORMALIZE = ("tokens", "chars", "none")
@@ -322,11 +324,22 @@ def run_case(model, tokenizer, case: ProbeCase) -> dict:
 def run_probes(model, suite: ProbeSuite) -> list[dict]:
     """Runs every case of `suite` on an EvalModel; one row per case (see `run_case`).
 
-    `truncated` marks a prompt cut on the left to fit the model's max_seq_len (the answer may be lost).
+    `truncated` marks a prompt cut on the left to fit the model's max_seq_len (the answer may be lost); one
+    LengthWarning names every such case.
     """
     if model.tokenizer is None:
         raise InputError(f"{model.name} has no tokenizer: probes need one (give --data-dir to find it)")
-    return [run_case(model.model, model.tokenizer, case) for case in suite.cases]
+    rows = [run_case(model.model, model.tokenizer, case) for case in suite.cases]
+    cut = [row["id"] for row in rows if row["truncated"]]
+    if cut:
+        warnings.warn(
+            f"{model.name} on {suite.name}: the prompt of {len(cut)} case(s) ({brief(cut)}) does not fit "
+            f"max_seq_len={model.cfg.max_seq_len} with its answer: cut on the left, its start unseen (truncated: true "
+            "in the records; shorten these prompts)",
+            LengthWarning,
+            stacklevel=2,
+        )
+    return rows
 
 
 def summarize(rows: list[dict], level: float = 0.95) -> dict:

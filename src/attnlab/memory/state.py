@@ -112,10 +112,7 @@ def save_state(path: str | Path, model, cache: ModelCache, model_path: str | Non
     text += " " * (-len(text) % 256)  # fixed size whatever the number of tokens (json ignores the spaces)
     blob = save_tensors(tensors, metadata={HEADER_KEY: text})
 
-    try:
-        atomic_write_bytes(path, blob, durable=True)
-    except OSError as e:
-        raise MemoryStateError(f"{path}: could not write the memory state ({e.strerror or e})") from None
+    atomic_write_bytes(path, blob, durable=True)  # an OSError (permissions, a full disk) names `path`
     return header
 
 

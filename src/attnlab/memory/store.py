@@ -28,6 +28,7 @@ from attnlab.errors import DataError, InputError
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
 from attnlab.memory.state import load_state, require_memory, save_state
+from attnlab.paths import cache_dir
 from attnlab.paths import check_name as check_name_of
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS states (
@@ -46,7 +47,7 @@ def store_dir(store: str | Path | None = None) -> Path:
         return Path(store)
     if os.environ.get("ATTNLAB_MEMORY"):
         return Path(os.environ["ATTNLAB_MEMORY"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnlab" / "memory"
+    return cache_dir() / "memory"
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,20 @@ class MemoryStore:
         except sqlite3.IntegrityError:
             raise
         except sqlite3.Error as e:
-            raise StoreError(f"{self.index}: {e}") from None
+            raise StoreError(f"{self.index}: {self._problem(e)}") from None
+
+    def _problem(self, error: sqlite3.Error) -> str:
+        """What is wrong with the index, and what to do, for SQLite's error."""
+        code = getattr(error, "sqlite_errorname", "")
+        elsewhere = "or choose another store with --store or $ATTNLAB_MEMORY"
+        if code.startswith("SQLITE_READONLY"):
+            return f"read-only ({error}): make {self.root} and its index writable, {elsewhere}"
+        if code.startswith(("SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_AUTH")):
+            return f"cannot be opened ({error}): check the permissions of {self.root} and its index, {elsewhere}"
+        if code.startswith("SQLITE_FULL"):
+            return f"no space left on the device ({error}): free some space, {elsewhere}"
+        return (f"not a readable memory index ({error}): it was damaged or replaced; restore it from a copy, or move "
+                f"{self.root} away to start an empty store")  # fmt: skip
 
     def entries(self) -> list[Entry]:
         if not self.index.exists():

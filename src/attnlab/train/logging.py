@@ -51,8 +51,12 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: write() names no file
+            e.filename = e.filename or str(self.path)
+            raise
         if self.tensorboard is not None:
             for key, value in row.items():
                 if key not in ("step", "tokens") and isinstance(value, (int, float)):

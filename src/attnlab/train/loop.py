@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from attnlab.accounting import kv_report, param_counts
 from attnlab.config import DataConfig, ModelConfig, TrainConfig
+from attnlab.config_checks import value_problem
 from attnlab.data import BatchSampler, eval_batches
-from attnlab.errors import ConfigError, DivergedError
+from attnlab.errors import ConfigError, DivergedError, InputError
 from attnlab.model.transformer import build_model
 from attnlab.train.checkpoint import (
     CheckpointError,
@@ -76,6 +77,30 @@ def _config_differences(saved: dict, current: dict, prefix: str = "") -> list[st
     return out
 
 
+TRAINER_STATE = {"step": int, "tokens": int, "best_val_loss": float | None, "train_seconds": float, "sampler.step": int}
+
+
+def resumed_state(checkpoint, sampler: BatchSampler) -> dict:
+    """The trainer state saved with `checkpoint` (its trainer.json), every value checked before it is used (a
+    number >= 0 of the right type); `sampler` continues from it. CheckpointError naming the file and key."""
+    trainer = checkpoint.trainer
+    saved = trainer.get("sampler") if isinstance(trainer.get("sampler"), dict) else {}
+    values = {key: trainer.get(key) for key in TRAINER_STATE} | {"sampler.step": saved.get("step")}
+    fix = "delete the run's checkpoints to train again from the start"
+    for key, kind in TRAINER_STATE.items():
+        value = values[key]
+        problem = value_problem(value, kind, key)
+        if problem is None and value is not None and value < 0:
+            problem = f"{key}={value!r} must be >= 0"
+        if problem:
+            raise CheckpointError(f"{checkpoint.path / 'trainer.json'}: {problem} (the file was changed); {fix}")
+    try:
+        sampler.load_state_dict(saved)
+    except InputError as e:
+        raise CheckpointError(f"{checkpoint.path / 'trainer.json'}: {e}; {fix}") from None
+    return {key: values[key] for key in TRAINER_STATE if "." not in key}
+
+
 def train(
     model_cfg: ModelConfig,
     data_cfg: DataConfig,
@@ -133,14 +158,7 @@ def train(
         # Every file is checked (sha256) before it is used; a refusal leaves the run folder as it was.
         load_weights(model, checkpoint)
         load_optimizer(optimizer, checkpoint)
-        try:
-            sampler.load_state_dict(checkpoint.trainer["sampler"])
-            state.update({k: checkpoint.trainer[k] for k in state})
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(
-                f"{checkpoint.path / 'trainer.json'}: not a trainer state ({type(e).__name__}: {e}); "
-                "delete the run's checkpoints to train again from the start"
-            ) from None
+        state.update(resumed_state(checkpoint, sampler))
     elif init_from is not None:
         _, previous = load_model_from_checkpoint(init_from, tag="last")
         # A phase may add a bounded memory: its write gate and EMA rate are new (freshly initialised);

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from attnlab import quant
-from attnlab.paths import data_dirs
+from attnlab.errors import AttnlabWarning
+from attnlab.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("qattn.c")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=off", "-shared", "-fPIC")  # no fused a*b+c: the
@@ -44,7 +45,7 @@ _WSUM_ARGS = [ctypes.c_int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr
 
 
 def kernel_dir() -> Path:
-    return data_dirs(None)[-1] / "kernels"
+    return cache_dir() / "kernels"
 
 
 def _compiler() -> str | None:
@@ -96,13 +97,23 @@ def build(directory: Path | None = None, extra_flags: tuple[str, ...] = ()) -> P
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (turned off, no compiler, or the build failed: warned once)."""
+    """The compiled kernels, or None (turned off, no compiler, or the build failed: warned once). When the cache
+    folder cannot be used (read-only, full, a file), they are built in a temporary folder, removed once loaded
+    (warned once)."""
     if os.environ.get("ATTNLAB_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        return load(build())
+        try:
+            return load(build())
+        except OSError as err:
+            with tempfile.TemporaryDirectory(prefix="attnlab-kernels-") as folder:
+                lib = load(build(Path(folder)))  # the loaded library outlives its file
+            warnings.warn(f"attnlab CPU kernels: cannot use the cache {kernel_dir()} ({err.strerror or err}): built "
+                          "for this run only (make it writable, or set XDG_CACHE_HOME, to keep them)", AttnlabWarning,
+                          stacklevel=2)  # fmt: skip
+            return lib
     except (OSError, RuntimeError) as err:
-        warnings.warn(f"attnlab CPU kernels unavailable, using the PyTorch path: {err}", stacklevel=2)
+        warnings.warn(f"attnlab CPU kernels unavailable, using the PyTorch path: {err}", AttnlabWarning, stacklevel=2)
         return None
 
 
