@@ -115,3 +115,30 @@ def test_a_conversion_the_source_cannot_initialise_is_refused_in_one_line():
     coda_cfg, coda = tiny_model({"kind": "coda"}).cfg, tiny_model({"kind": "coda"})
     with pytest.raises(ConfigError, match="a conversion starts from mha or sliding"):
         convert_model(coda_cfg, coda, {"kind": "mha"})
+
+
+def test_the_convert_command_writes_a_reference_that_loads_with_the_sources_tokenizer(tmp_path, capsys, data_dir):
+    """attnlab convert REF --attention ... --out DIR: DIR is a model reference (weights, config, tokenizer) whose
+    logits are the conversion's; the original's and the cold conversion's perplexity are printed."""
+    from test_pretrained import random_model, save
+
+    import attnlab
+    from attnlab.cli import main
+
+    folder = save(random_model("llama", n_kv_heads=2), tmp_path / "m")
+    _, original, tokenizer = attnlab.load_model(folder)
+    out = tmp_path / "coda"
+    args = ["convert", str(folder), "--attention", "kind=coda,gate_bias=-20", "--out", str(out), "--seq-len", "32",
+            "--eval-tokens", "96", "--data-dir", str(data_dir)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "converted: kind=coda" in printed and "attn.gate.bias, attn.gate.weight, attn.theta" in printed
+    ppl = [float(line.split("perplexity ")[1].split()[0]) for line in printed.splitlines() if "perplexity" in line]
+    assert len(ppl) == 2 and abs(ppl[0] - ppl[1]) < 1e-2 * ppl[0]  # gated off: the cold conversion is the source
+    cfg, converted, loaded_tokenizer = attnlab.load_model(out)
+    assert cfg.attention.kind == "coda" and loaded_tokenizer.encode("the cat") == tokenizer.encode("the cat")
+    ids = torch.tensor([tokenizer.encode_prompt("the cat sat")])
+    torch.testing.assert_close(logits(converted, ids), logits(original, ids), rtol=0, atol=1e-4)
+    assert main(["generate", str(out), "the cat", "--max-new-tokens", "3"]) == 0
+    assert main(args) == 2  # the folder exists: refused before any work, in one line
+    assert "already exists" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from attnlab.accounting import info
+from attnlab.accounting import info, kv_report
 from attnlab.attention.registry import REGISTRY
 from attnlab.cache.codecs import FORMATS
 from attnlab.cli_errors import Parser, fail, os_error_line, warning_printer
@@ -29,14 +29,17 @@ from attnlab.eval import append_records, load_for_eval, make_record
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
 from attnlab.eval.kvquant import held_out_windows, run_kv_eval, table, tune
 from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
+from attnlab.eval.perplexity import dataset_tokens, summarize_losses, window_losses
 from attnlab.eval.probes import comparison_record, load_suite, probe_records, run_probes, summarize, summary_table
 from attnlab.eval.report import build_report
 from attnlab.eval.stats import paired_comparison
 from attnlab.generate import generate
+from attnlab.interop.convert import convert_model, save_conversion
 from attnlab.interop.export import export
 from attnlab.interop.references import model_config_of
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.memory import MemoryStore, ingest, query
+from attnlab.paths import data_dirs
 from attnlab.runner import run_manifest
 
 
@@ -105,21 +108,24 @@ def _fmt(n: float) -> str:
 REFERENCE_HELP = "an attnlab run or checkpoint folder, a .gguf file, a Hugging Face model folder, or hf:ORG/NAME[@REV]"
 
 
-def memory_option(text: str):
-    """--memory 'kind=bounded,recent_window=256,...' -> MemoryConfig (values read as YAML scalars)."""
+def key_values(flag: str, text: str, example: str) -> dict:
+    """'kind=bounded,recent_window=256,...' -> {key: value} (values read as YAML scalars), one-line errors."""
     data = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(
-                f"--memory {text!r}: {item!r} must look like KEY=VALUE (e.g. kind=window,recent_window=256)"
-            )
+            raise ConfigError(f"{flag} {text!r}: {item!r} must look like KEY=VALUE (e.g. {example})")
         try:
             data[key.strip()] = parse_yaml(value) if value.strip() else None
         except yaml.YAMLError:  # a value such as an unbalanced quote
-            raise ConfigError(f"--memory {text!r}: the value of {key.strip()} is not a plain value") from None
+            raise ConfigError(f"{flag} {text!r}: the value of {key.strip()} is not a plain value") from None
+    return data
+
+
+def memory_option(text: str):
+    """--memory 'kind=bounded,recent_window=256,...' -> MemoryConfig."""
     problems: list[str] = []
-    memory = memory_from_dict(data, problems)
+    memory = memory_from_dict(key_values("--memory", text, "kind=window,recent_window=256"), problems)
     if problems:
         raise ConfigError([f"--memory: {p}" for p in problems])
     return memory
@@ -303,6 +309,35 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    if Path(args.out).exists():  # before minutes of loading and scoring
+        raise InputError(f"--out {args.out}: already exists (choose another folder, or delete it first)")
+    attention = key_values("--attention", args.attention, "kind=mha,n_kv_heads=1") if args.attention else None
+    memory = key_values("--memory", args.memory, "kind=streaming,recent_window=252") if args.memory else None
+    source = load_for_eval(args.ref, data_dir=args.data_dir)
+    conversion = convert_model(source.cfg, source.model, attention, memory)
+    folder = save_conversion(args.out, conversion, source.tokenizer, source=str(args.ref))
+    seq_len = min(args.seq_len, source.cfg.max_seq_len)
+    rows = []
+    for name, cfg in (("original", source.cfg), ("converted", conversion.cfg)):
+        what = ", ".join(f"{k}={v}" for k, v in cfg.attention.to_dict().items())
+        what += "" if cfg.memory.kind == "none" else f"; memory {cfg.memory.kind}"
+        rows.append(f"  {name}: {what}; KV {kv_report(cfg, 'fp16', seq_len)['kv_bytes'] / seq_len:,.0f} bytes/token "
+                    f"at {seq_len} (fp16)")  # fmt: skip
+    print(f"{source.name} -> {folder}\n" + "\n".join(rows + [f"  {note}" for note in conversion.notes]))
+    print(
+        f"  {len(conversion.fresh)} parameter tensors start as built (the source has nothing for them)"
+        + (f": {', '.join(sorted({n.split('.', 2)[-1] for n in conversion.fresh}))}" if conversion.fresh else "")
+    )
+    if args.eval_tokens:
+        tokens = dataset_tokens(source.tokenizer, args.dataset, "test", args.data_dir)
+        for name, model in (("original", source.model), ("converted, cold", conversion.model)):
+            s = summarize_losses(window_losses(model, tokens, seq_len, max_tokens=args.eval_tokens))
+            print(f"  {name}: perplexity {s['ppl']:.2f} [{s['ppl_ci'][0]:.2f}, {s['ppl_ci'][1]:.2f}] on the first "
+                  f"{s['tokens']:,} tokens of {args.dataset} test, context {seq_len}")  # fmt: skip
+    return 0
+
+
 def cmd_memory_ingest(args) -> int:
     store = MemoryStore(args.store)
     entry = ingest(store, args.model, args.documents, args.name, chunk=args.chunk, replace=args.replace,
@@ -471,6 +506,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace DIR when it is not empty")
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("convert", help="give a model another attention or memory, initialised from its weights")
+    p.add_argument("ref", help="a model reference: " + REFERENCE_HELP)
+    p.add_argument("--attention", default=None, help="the new attention, e.g. kind=mha,n_kv_heads=1 (MQA), "
+                   "kind=coda,gate_bias=-20 or kind=diff; unset options keep the source's heads")  # fmt: skip
+    p.add_argument("--memory", default=None, help="a memory, e.g. kind=streaming,recent_window=252")
+    p.add_argument("--out", required=True, metavar="DIR", help="the checkpoint folder to write (must not exist)")
+    p.add_argument("--eval-tokens", type=int, default=8192, help="held-out tokens on which to print the original's "
+                   "and the cold conversion's perplexity (default 8192; 0 skips it)")  # fmt: skip
+    p.add_argument("--dataset", default="wikitext2-raw", help="the held-out text (default wikitext2-raw, test split)")
+    p.add_argument("--seq-len", type=int, default=512, help="the context of that perplexity (default 512)")
+    p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
+    p.set_defaults(func=cmd_convert)
     add_memory_parser(sub)
     return parser
 
@@ -536,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("always", LengthWarning)  # every cut request said, not only the first
         warnings.showwarning = warning_printer(args.command, warnings.showwarning)
         try:
+            if hasattr(args, "data_dir"):
+                data_dirs(args.data_dir)  # --data-dir and $ATTNLAB_DATA must name folders: checked before anything
             return args.func(args)
         except AttnlabError as e:
             return fail(args.command, str(e))

@@ -86,10 +86,15 @@ def dataset_split(eval_model, dataset: str, split: str, data_dir: str | None = N
     documents joined by a blank line and read as one stream (a pretrained model has no prepared data)."""
     if eval_model.tokenizer is None:
         raise DataError(f"{eval_model.path}: no tokenizer with this model: cannot tokenize {dataset}")
+    return dataset_tokens(eval_model.tokenizer, dataset, split, data_dir)
+
+
+def dataset_tokens(tokenizer, dataset: str, split: str, data_dir: str | None = None) -> np.ndarray:
+    """`split` of `dataset` (a named dataset or local file) read as one stream by `tokenizer`."""
     texts = [text for name, text in open_source(dataset, data_dir, splits=(split,)).documents() if name == split]
     if not texts:
         raise DataError(f"{dataset} has no {split!r} split here (check the split's name, or the data directory)")
-    return np.asarray(eval_model.tokenizer.encode("\n\n".join(texts)), dtype=np.int64)
+    return np.asarray(tokenizer.encode("\n\n".join(texts)), dtype=np.int64)
 
 
 def eval_tokens(eval_model, split: str, data_dir: str | None = None, dataset: str | None = None):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -36,6 +37,7 @@ from attnlab.config import ModelConfig
 from attnlab.config_io import model_config_from_dict
 from attnlab.errors import ConfigError
 from attnlab.model.transformer import Transformer, build_model
+from attnlab.train.checkpoint import save_model_folder
 
 SOURCE_KINDS = ("mha", "sliding")
 TARGET_KINDS = ("mha", "sliding", "coda", "diff")
@@ -168,3 +170,22 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
         notes.append(f"diff: head_dim {cfg.attention.dim(cfg)} -> {new_cfg.attention.dim(new_cfg)} (q2, k2 and v's "
                      "second half zero, lambda 0)")  # fmt: skip
     return Conversion(new_cfg, new.eval(), cfg, fresh, notes)
+
+
+def save_conversion(folder: str | Path, conversion: Conversion, tokenizer=None, source: str | None = None) -> Path:
+    """The converted model as a checkpoint folder that every command takes as a model reference: its weights,
+    config.json ({"model", "source", "conversion"}) and the source's tokenizer in tokenizer/ (tokenizer.json)."""
+    from attnlab.interop.export import write_tokenizer  # export imports much of interop: only when saving
+
+    config = {
+        "model": conversion.cfg.to_dict(),
+        "source": source,
+        "tokenizer": None if tokenizer is None else tokenizer.name,
+        "conversion": {"from": conversion.source.to_dict(), "fresh": conversion.fresh, "notes": conversion.notes},
+    }
+    extra = (
+        None
+        if tokenizer is None
+        else lambda tmp: write_tokenizer(tokenizer, tmp / "tokenizer", conversion.cfg.max_seq_len)
+    )
+    return save_model_folder(folder, conversion.model, config, extra)

@@ -143,21 +143,21 @@ def _label(path: Path) -> str:
 
 def _load_run(path: Path, dtype, data_dir, tag: str) -> LoadedModel:
     """An attnlab run or checkpoint: its model, and the tokenizer it was trained with (the run's tokenizer/
-    folder, else the prepared data of its data config)."""
+    folder, else the prepared data of its data config), or, for a converted pretrained model, its source's
+    (tokenizer/tokenizer.json in the checkpoint folder)."""
     loaded = load_checkpoint(path, tag=tag)
     model = loaded.model if dtype == torch.float32 else loaded.model.to(dtype)
     data = loaded.config.get("data")
     tokenizer = None
-    if data:
+    if data and (loaded.run_dir / "tokenizer").is_dir():  # damaged, it is refused: never another in its place
+        tokenizer = load_tokenizer(data["tokenizer"], loaded.run_dir / "tokenizer", data_dir=data_dir)
+    elif data:  # a fixed tokenizer (byte, gpt2) needs no folder; a fitted one of a run from before runs saved theirs
         try:
-            tokenizer = load_tokenizer(data["tokenizer"], loaded.run_dir / "tokenizer", data_dir=data_dir)
-        except DataError as saved_error:
-            try:
-                tokenizer = prepare(DataConfig(**data), data_dir=data_dir).tokenizer
-            except DataError:
-                if (loaded.run_dir / "tokenizer").is_dir():  # the run's own tokenizer is damaged: say so
-                    raise saved_error from None
-                raise
+            tokenizer = load_tokenizer(data["tokenizer"], data_dir=data_dir)
+        except DataError:
+            tokenizer = prepare(DataConfig(**data), data_dir=data_dir).tokenizer
+    elif (loaded.folder / "tokenizer" / "tokenizer.json").is_file():  # a converted pretrained model's (attnlab convert)
+        tokenizer = tokenizer_from_folder(loaded.folder / "tokenizer", name=loaded.config.get("tokenizer"))
     return LoadedModel(loaded.cfg, model, tokenizer, loaded.config, _label(loaded.run_dir), loaded.folder)
 
 

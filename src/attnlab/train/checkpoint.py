@@ -23,6 +23,7 @@ import logging
 import pickle
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,33 @@ def save_checkpoint(run_dir: Path, model, optimizer, trainer: dict, config: dict
             raise CheckpointError(f"could not write {root / tag}.json: {_why(e)}; {_kept(root)}") from None
     _remove_unreferenced(root)
     return final
+
+
+def save_model_folder(folder: str | Path, model, config: dict, extra=None) -> Path:
+    """A checkpoint folder outside a run, which load_checkpoint (and every model reference) reads: model.safetensors,
+    config.json (`config`: {"model": ..., and anything else}), whatever `extra(tmp)` writes into the folder (a
+    tokenizer/ folder, say) and checksums.json of the weights and config; written under a temporary name and renamed
+    into place, so an interruption leaves nothing half-written. An existing folder is refused, not overwritten."""
+    folder = Path(folder)
+    if folder.exists():
+        raise CheckpointError(f"{folder}: already exists (choose another --out, or delete it first)")
+    writing = WEIGHTS
+    try:
+        with atomic_path(folder, durable=True) as tmp:
+            tmp.mkdir(parents=True)
+            save_model(unwrap(model), str(tmp / WEIGHTS), metadata={CHECKSUMS_KEY: CHECKSUMS})
+            writing = CONFIG
+            (tmp / CONFIG).write_text(json.dumps(config, indent=1))
+            shutil.copymode(tmp / CONFIG, tmp / WEIGHTS)  # safetensors makes it 0o600
+            if extra is not None:
+                writing = "the rest"
+                extra(tmp)
+            writing = CHECKSUMS
+            files = {name: _fingerprint(tmp / name) for name in (WEIGHTS, CONFIG)}
+            (tmp / CHECKSUMS).write_text(json.dumps({"format": CHECKSUMS_FORMAT, "files": files}, indent=1))
+    except (OSError, RuntimeError, SafetensorError) as e:
+        raise CheckpointError(f"could not write {folder}: {writing}: {_why(e)}; nothing was written") from None
+    return folder
 
 
 def _fingerprint(path: Path) -> dict:
@@ -254,6 +282,19 @@ def _read_json(folder: Path, name: str, recorded: dict | None):
         raise CheckpointError(f"{path}: unreadable ({detail}); the checkpoint is incomplete or damaged") from None
 
 
+SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[([^\]]*)\]\) from "
+                           r"checkpoint, the shape in current model is torch\.Size\(\[([^\]]*)\]\)")  # fmt: skip
+
+
+def _misfits(error: BaseException) -> str:
+    """torch's load_state_dict error on one line: the first three tensors whose shapes differ, else its text."""
+    found = SIZE_MISMATCH.findall(str(error))
+    if not found:
+        return " ".join(str(error).split())
+    shown = "; ".join(f"{name} is [{file}] in the file, [{model}] in the model" for name, file, model in found[:3])
+    return shown + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+
+
 def _unreadable_weights(path: Path, error: BaseException) -> CheckpointError:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return CheckpointError(f"{path}: not a readable safetensors file ({first}): it was truncated or damaged; "
@@ -292,7 +333,7 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
     except SafetensorError as e:
         raise _unreadable_weights(path, e) from None
     except (OSError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: weights do not fit this model ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(f"{path}: weights do not fit this model ({_misfits(e)}); {_fix(folder)}") from None
     if missing or unexpected:
         detail = f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
         raise CheckpointError(f"{path}: weights do not fit this model ({detail})")
@@ -306,12 +347,19 @@ def load_optimizer(optimizer, checkpoint: Checkpoint) -> None:
     """The optimizer and torch RNG state of a checkpoint, after checking optimizer.pt against its sha256."""
     path = verify_file(checkpoint.path, OPTIMIZER, recorded_checksums(checkpoint.path))
     try:
-        state = torch.load(path, weights_only=True)  # never executes code: refuses anything but tensors and plain data
+        with warnings.catch_warnings():  # torch's note on a pickle protocol: the refusal below says what matters
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, weights_only=True)  # never executes code: only tensors and plain data
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; {_fix(path.parent)}") from None
-    except (EOFError, RuntimeError, pickle.UnpicklingError, OSError, KeyError, TypeError, ValueError) as e:
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path}: refused: it holds Python objects besides tensors and plain data (objects that could run "
+            f"code are never loaded), or it is damaged; {_fix(path.parent)}"
+        ) from None
+    except (EOFError, RuntimeError, OSError, KeyError, TypeError, ValueError) as e:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(
             f"{path}: not a readable optimizer state ({type(e).__name__}{': ' + first if first else ''}): it was "
