@@ -483,6 +483,7 @@ def one_error_line(capsys) -> str:
         ("  base: {}", "  base: {init_from: [two]}", "init_from=['two'] must be a target name"),
         ("seq_len: 32}", "seq_len: 32, eval_tokens: 31}", "train.eval_tokens=31 is less than train.seq_len=32"),
         ("tokenizer: char}", "tokenizer: char, max_tokens: 32}", "data.max_tokens=32 leaves no training window"),
+        ("seq_len: 32}", "seq_len: 32, trainable: [blocks.*.atn.*]}", "'blocks.*.atn.*' matches no parameter"),
     ],
 )
 def test_validate_and_dry_run_refuse_what_run_would(tmp_path, capsys, monkeypatch, old, new, fragment):

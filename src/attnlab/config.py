@@ -486,12 +486,22 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast where the device is fast at it, else fp32) | fp32 | bf16
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    trainable: tuple[str, ...] | None = None  # parameter-name patterns (fnmatch) to train; the rest is frozen
     int_limits: ClassVar[dict[str, int]] = {"seed": MAX_SEED}
 
     def __post_init__(self) -> None:
+        if isinstance(self.trainable, list):  # as YAML and JSON give it; a tuple keeps the config hashable
+            object.__setattr__(self, "trainable", tuple(self.trainable))
         problems = field_problems(self, "train.")
         if problems:
             raise ConfigError(problems)
+        if self.trainable is not None and (
+            not isinstance(self.trainable, tuple)
+            or not self.trainable
+            or not all(isinstance(p, str) and p.strip() for p in self.trainable)
+        ):
+            raise ConfigError(f"train.trainable={brief(list(self.trainable))} must be a non-empty list of parameter "
+                              "name patterns, e.g. ['blocks.*.attn.*'] (or leave it out)")  # fmt: skip
         for key in ("seq_len", "batch_size", "grad_accum", "steps", "eval_every", "log_every", "checkpoint_every",
                     "eval_tokens"):  # fmt: skip
             if getattr(self, key) < 1:

@@ -41,13 +41,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from attnlab.config import MAX_SEED, DataConfig, ModelConfig, TrainConfig, section_from_dict
 from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
+from attnlab.model.transformer import build_model
 from attnlab.paths import brief, name_problem
+from attnlab.train.optim import trainable_problem
 
 TOP_KEYS = ("name", "description", "vars", "seeds", "defaults", "targets")
 SECTION_KEYS = ("model", "data", "train")
@@ -213,6 +216,12 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict)
             f"{where}: train.seq_len={spec['train'].seq_len} exceeds model.max_seq_len={cfg.max_seq_len}{memory} "
             "(lower train.seq_len or raise model.max_seq_len)"
         )
+    if "train" in spec and spec["train"].trainable is not None:
+        with torch.device("meta"):  # the parameters' names, without their memory
+            names = [name for name, _ in build_model(cfg).named_parameters()]
+        problem = trainable_problem(names, spec["train"].trainable)
+        if problem:
+            problems.append(f"{where}: {problem}")
     max_tokens = spec["data"].max_tokens if "data" in spec else None
     if "train" in spec and max_tokens is not None and max_tokens <= spec["train"].seq_len:
         problems.append(

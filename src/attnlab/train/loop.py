@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from dataclasses import asdict
@@ -30,7 +31,7 @@ from attnlab.train.checkpoint import (
 from attnlab.train.distributed import DistInfo, all_reduce_mean, barrier, init_distributed, prepare_rank0_first
 from attnlab.train.evaluate import evaluate_loss
 from attnlab.train.logging import MetricsLog
-from attnlab.train.optim import build_optimizer, lr_at
+from attnlab.train.optim import build_optimizer, freeze, lr_at
 
 
 def pick_device(name: str) -> torch.device:
@@ -63,7 +64,8 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 def full_config(model: ModelConfig, data: DataConfig, train: TrainConfig) -> dict:
-    return {"model": model.to_dict(), "data": asdict(data), "train": asdict(train)}
+    """The run's config as it is saved (JSON's types: lists, not tuples, so a resumed run compares equal)."""
+    return json.loads(json.dumps({"model": model.to_dict(), "data": asdict(data), "train": asdict(train)}))
 
 
 def _config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
@@ -141,6 +143,7 @@ def train(
 
     torch.manual_seed(train_cfg.seed)
     model = build_model(model_cfg).to(device)
+    freeze(model, train_cfg.trainable)
     optimizer = build_optimizer(model, train_cfg)
     sampler = BatchSampler(
         prepared.split("train"), train_cfg.seq_len, train_cfg.batch_size // dist_info.world_size, train_cfg.seed,

@@ -6,12 +6,40 @@ tokens or gate logits (a tied LM head shares the embedding, so it is not decayed
 
 from __future__ import annotations
 
+import fnmatch
 import math
 
 import torch
 from torch import nn
 
 from attnlab.config import TrainConfig
+from attnlab.errors import ConfigError
+
+
+def trainable_problem(names: list[str], patterns: tuple[str, ...]) -> str | None:
+    """Why `patterns` (train.trainable) cannot select from parameter `names`: the patterns that match none."""
+    unmatched = [p for p in patterns if not fnmatch.filter(names, p)]
+    if not unmatched:
+        return None
+    examples = ", ".join(names[:2] + [n for n in names if ".attn." in n][:2])
+    patterns_text = ", ".join(map(repr, unmatched))
+    return f"train.trainable {patterns_text} matches no parameter of the model (its names look like {examples})"
+
+
+def freeze(model: nn.Module, patterns: tuple[str, ...] | None) -> list[str]:
+    """Train only the parameters whose names match one of `patterns` (fnmatch, e.g. "blocks.*.attn.*"); the others
+    are frozen: no gradient, no optimizer state. Returns the trained names (all of them when patterns is None).
+    ConfigError naming each pattern that matches no parameter."""
+    names = [name for name, _ in model.named_parameters()]
+    if patterns is None:
+        return names
+    problem = trainable_problem(names, patterns)
+    if problem:
+        raise ConfigError(problem)
+    trained = [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in trained)
+    return trained
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
