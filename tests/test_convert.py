@@ -102,12 +102,80 @@ def test_a_memory_that_holds_everything_is_the_source():
     assert cached_logits(bounded.model).isfinite().all()
 
 
+def test_joint_low_rank_is_the_truncated_svd_of_the_product():
+    from attnlab.interop.convert import joint_low_rank
+
+    gen = torch.Generator().manual_seed(0)
+    left, right = torch.randn(12, 5, generator=gen), torch.randn(5, 9, generator=gen)
+    a, b = joint_low_rank(left, right, 8)  # above the rank: exact, zero-padded
+    torch.testing.assert_close(a @ b, left @ right, rtol=0, atol=1e-5)
+    a, b = joint_low_rank(left, right, 2)
+    u, s, vh = torch.linalg.svd((left @ right).double())
+    torch.testing.assert_close((a @ b).double(), u[:, :2] @ torch.diag(s[:2]) @ vh[:2], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(
+    "attention", [{"kind": "bottleneck", "d_attn": 64}, {"kind": "decoupled", "d_sem": 4, "d_geo": 64, "d_v": 64}]
+)
+def test_full_rank_factorisations_are_the_source(attention, interleaved):
+    """Every RoPE pair kept and V/output at full rank: the bottleneck and decoupled conversions are the source
+    (the semantic path, with nothing left to carry, starts at zero)."""
+    model = tiny_model({"kind": "mha", "n_kv_heads": 2}, perturb=True, seed=1, rope_interleaved=interleaved)
+    conversion = convert_model(model.cfg, model, attention)
+    assert conversion.fresh == [] and conversion.cfg.rope_scaling.type == "freq_factors"
+    torch.testing.assert_close(logits(conversion.model), logits(model), rtol=0, atol=1e-4)
+    torch.testing.assert_close(cached_logits(conversion.model), logits(conversion.model), rtol=0, atol=1e-4)
+
+
+def test_kept_pairs_turn_at_the_source_frequencies_and_the_rest_is_read_without_rotation():
+    """A bottleneck of 2 of the source's 8 pairs: its attention scores are the source's over those pairs (at
+    their own frequencies); a decoupled model adds the other pairs' q.k without rotation: exact for a source
+    whose other pairs do not rotate (their frequencies are ~0: RoPE base huge)."""
+    from attnlab.interop.convert import kept_pairs, pair_energy
+
+    model = tiny_model({"kind": "mha", "n_kv_heads": 4}, perturb=True, seed=2)
+    with torch.no_grad():  # pairs 1 and 6 (and their halves, 9 and 14) carry the most energy in every layer
+        for block in model.blocks:
+            rows = block.attn.qkv.weight.view(12, 16, -1)
+            rows[:8, [1, 9, 6, 14]] *= 4
+    assert kept_pairs(model, model.cfg, 2).tolist() == [1, 6] and pair_energy(model, model.cfg).argmax() in (1, 6)
+    bottleneck = convert_model(model.cfg, model, {"kind": "bottleneck", "d_attn": 16})
+    assert "RoPE pairs kept (of 8, rule energy): [1, 6]" in bottleneck.notes
+    assert kept_pairs(model, model.cfg, 2, "high").tolist() == [0, 1] and kept_pairs(
+        model, model.cfg, 3, "low"
+    ).tolist() == [5, 6, 7]
+    assert kept_pairs(model, model.cfg, 3, "uniform").tolist() == [0, 4, 7]
+    src_attn, dst_attn = model.blocks[0].attn, bottleneck.model.blocks[0].attn
+    x, positions = torch.randn(1, 20, 64), torch.arange(20)
+    with torch.no_grad():
+        q, k, _ = src_attn.project(x, positions)
+        q2, k2, _ = dst_attn.project(x, positions)
+    rows = torch.tensor([1, 6, 9, 14])
+    want = q[..., rows] @ k[..., rows].transpose(-1, -2) / 4  # the source's 1/sqrt(16)
+    got = q2 @ k2.transpose(-1, -2) / 2  # the bottleneck's 1/sqrt(4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # Decoupled: the geometric path as above, the semantic path the other pairs' q.k read without rotation, which
+    # at equal positions (no rotation anywhere) makes the scores the source's when its rank suffices.
+    source_model = tiny_model({"kind": "mha", "n_kv_heads": 2}, perturb=True, seed=3)
+    for d_sem, exact in ((48, True), (8, False)):
+        decoupled = convert_model(source_model.cfg, source_model, {"kind": "decoupled", "d_sem": d_sem, "d_geo": 16})
+        with torch.no_grad():
+            q, k, _ = source_model.blocks[1].attn.project(x, torch.zeros(20, dtype=torch.long))
+            q2, k2, _ = decoupled.model.blocks[1].attn.queries_keys(x, torch.zeros(20, dtype=torch.long))
+        want = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / 4
+        got = q2 @ k2.repeat_interleave(2, dim=1).transpose(-1, -2)  # the queries come scaled
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4) == exact
+
+
 def test_a_conversion_the_source_cannot_initialise_is_refused_in_one_line():
     cfg, model = source(n_kv_heads=4)
     for attention, words in (
         ({"n_kv_heads": 3}, "n_kv_heads"),
         ({"kind": "coda", "head_dim": 8}, "head_dim=8 cannot be initialised from the source's head_dim 16"),
-        ({"kind": "bottleneck", "d_attn": 32}, "cannot be converted to yet"),
+        ({"kind": "mla", "d_latent": 32}, "cannot be converted to yet"),
+        ({"kind": "bottleneck", "d_attn": 128}, "d_attn / n_heads = 32 is more than the source's head_dim 16"),
+        ({"kind": "decoupled", "d_sem": 16, "d_geo": 32, "tie_qk": True}, "separate semantic W_Q, W_K"),
     ):
         with pytest.raises(ConfigError, match=words) as error:
             convert_model(cfg, model, attention)

@@ -71,7 +71,7 @@ class DecoupledConfig(AttentionConfig):
         return CacheLayout.of(
             {"k": [sem, geo], "v": [Field("v", self.value_dim // heads)]}, kv_heads=self.n_kv_heads or heads,
             route="v", read=Read("k", "v"), null_key=self.null_attn, rope_interleaved=model.rope_interleaved,
-            rope_base=model.rope_base,
+            rope_base=model.rope_base, rope_scaling=model.rope_scaling,
         )  # fmt: skip
 
 
@@ -93,7 +93,7 @@ class Decoupled(Attention):
         ]
         self.proj = nn.Linear(model.d_model, sum(self.widths), bias=False)
         self.out = nn.Linear(h * self.v_dim, model.d_model, bias=False)
-        rope_args = (model.rope_base, model.max_seq_len, model.rope_interleaved)
+        rope_args = (model.rope_base, model.max_seq_len, model.rope_interleaved, model.rope_scaling)
         self.rotary_geo = Rotary(self.geo_dim, *rope_args) if cfg.rope else None
         self.rotary_sem = Rotary(self.sem_dim, *rope_args) if cfg.rope and cfg.rope_semantic else None
         self.gate_logit = nn.Parameter(torch.zeros(h)) if cfg.gate else None  # gamma_h = 0: g_h = 0.5

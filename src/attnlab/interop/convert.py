@@ -33,14 +33,15 @@ from pathlib import Path
 
 import torch
 
-from attnlab.config import ModelConfig
+from attnlab.config import ModelConfig, RopeScaling
 from attnlab.config_io import model_config_from_dict
 from attnlab.errors import ConfigError
 from attnlab.model.transformer import Transformer, build_model
 from attnlab.train.checkpoint import save_model_folder
 
 SOURCE_KINDS = ("mha", "sliding")
-TARGET_KINDS = ("mha", "sliding", "coda", "diff")
+TARGET_KINDS = ("mha", "sliding", "coda", "diff", "bottleneck", "decoupled")
+LOW_RANK = ("bottleneck", "decoupled")  # fewer channels than the source: RoPE pairs chosen, the rest factorised
 DEFAULTS = {"coda": {"head_norm": False}, "diff": {"head_norm": False}}  # transparent unless asked otherwise
 
 
@@ -67,10 +68,9 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
     data = source.to_dict()
     old = data["attention"]
     head_dim = source.attention.dim(source)
-    inherited = {
-        "n_kv_heads": old.get("n_kv_heads"),
-        "head_dim": old.get("head_dim") if kind != "diff" else 2 * head_dim,
-    }
+    inherited = {"n_kv_heads": old.get("n_kv_heads")}
+    if kind not in LOW_RANK:
+        inherited["head_dim"] = old.get("head_dim") if kind != "diff" else 2 * head_dim
     if kind in ("mha", "sliding") and old.get("qkv_bias"):
         inherited["qkv_bias"] = True
     if kind == "sliding" and "window" in old:
@@ -80,11 +80,12 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
     if memory is not None:
         data["memory"] = dict(memory)
     cfg = model_config_from_dict(data, source="convert")
-    want = 2 * head_dim if kind == "diff" else head_dim
-    if cfg.attention.dim(cfg) != want:
+    if kind in LOW_RANK:
+        low_rank_problem(source, cfg)
+    elif cfg.attention.dim(cfg) != (want := 2 * head_dim if kind == "diff" else head_dim):
         raise ConfigError(f"convert: attention.head_dim={cfg.attention.dim(cfg)} cannot be initialised from the "
                           f"source's head_dim {head_dim} (a {kind} conversion keeps head_dim={want})")  # fmt: skip
-    n_src, n_new = source.attention.kv_heads(source), cfg.attention.kv_heads(cfg)
+    n_src, n_new = kv_heads(source), kv_heads(cfg)
     if n_src % n_new and n_new % n_src:
         raise ConfigError(f"convert: attention.n_kv_heads={n_new} cannot be pooled from the source's {n_src} KV heads "
                           f"(use a divisor or a multiple of {n_src})")  # fmt: skip
@@ -92,6 +93,151 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
         raise ConfigError(f"convert: the source has q/k/v biases and attention.kind {kind} has none (use mha or "
                           "sliding with qkv_bias: true)")  # fmt: skip
     return cfg
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    """Key/value heads of any per-head attention (its cache layout's)."""
+    return cfg.attention.cache_layout(cfg).heads
+
+
+def rotated_width(cfg: ModelConfig) -> int:
+    """Channels per head a low-rank target rotates: a bottleneck's whole head, a decoupled model's k_geo."""
+    a = cfg.attention
+    return a.d_attn // cfg.n_heads if a.kind == "bottleneck" else a.d_geo // cfg.n_heads
+
+
+def low_rank_problem(source: ModelConfig, cfg: ModelConfig) -> None:
+    """ConfigError (one line) for a bottleneck or decoupled target the source cannot initialise."""
+    a, head_dim, kind = cfg.attention, source.attention.dim(source), cfg.attention.kind
+    width = rotated_width(cfg)
+    what = "d_attn / n_heads" if kind == "bottleneck" else "d_geo / n_heads"
+    if width > head_dim:
+        raise ConfigError(f"convert: attention.{what} = {width} is more than the source's head_dim {head_dim} (its "
+                          f"RoPE pairs are chosen among the source's {head_dim // 2}: at most {head_dim})")  # fmt: skip
+    if source.rope_scaling is not None:
+        raise ConfigError(f"convert: the source's rope_scaling ({source.rope_scaling.type}) cannot be kept when "
+                          f"choosing RoPE pairs for attention.kind {kind} (convert to mha, coda, diff)")  # fmt: skip
+    if getattr(source.attention, "qkv_bias", False):
+        raise ConfigError(f"convert: the source's q/k/v biases cannot be factorised into attention.kind {kind} yet")
+    if kind == "decoupled" and (a.tie_qk or not a.rope or a.rope_semantic):
+        raise ConfigError("convert: a decoupled conversion keeps RoPE on the geometric path only (rope: true, "
+                          "rope_semantic: false) and separate semantic W_Q, W_K (tie_qk: false)")  # fmt: skip
+
+
+def pair_rows(pairs: torch.Tensor, dim: int, interleaved: bool) -> torch.Tensor:
+    """The channels of a head of width `dim` that make up RoPE pairs `pairs`, in the order a head of width
+    2 len(pairs) pairs them: (i, i + w/2) half-split, (2i, 2i + 1) interleaved."""
+    if interleaved:
+        return torch.stack((2 * pairs, 2 * pairs + 1), dim=1).flatten()
+    return torch.cat((pairs, pairs + dim // 2))
+
+
+@torch.no_grad()
+def pair_energy(model: Transformer, cfg: ModelConfig) -> torch.Tensor:
+    """(head_dim / 2,) the query-key weight energy of each RoPE pair, summed over layers and query heads:
+    |W_q rows of the pair| |W_k rows of the pair| (Frobenius norms; the key of the query head's KV head), which
+    bounds the pair's share of q . k for inputs of unit norm (MHA2MLA's 2-norm criterion, on the weights)."""
+    h, hk, d = cfg.n_heads, kv_heads(cfg), cfg.attention.dim(cfg)
+    first = pair_rows(torch.arange(d // 2), d, cfg.rope_interleaved).unflatten(0, (-1, 2) if cfg.rope_interleaved
+                                                                                else (2, -1))  # fmt: skip
+    first, second = (first[:, 0], first[:, 1]) if cfg.rope_interleaved else (first[0], first[1])
+    energy = torch.zeros(d // 2, dtype=torch.float64)
+    for block in model.blocks:
+        (q, k, _), _ = _qkv(block.attn, cfg)
+        q2, k2 = (w.double().unflatten(0, (-1, d)).pow(2).sum(-1) for w in (q, k))  # (heads, D) squared row norms
+        qe, ke = (q2[:, first] + q2[:, second]).sqrt(), (k2[:, first] + k2[:, second]).sqrt()  # (heads, D/2)
+        energy += (qe * ke.repeat_interleave(h // hk, dim=0)).sum(0)
+    return energy
+
+
+PAIR_RULES = ("energy", "high", "low", "uniform")  # MHA2MLA's S_2-norm (on the weights), S_high, S_low, S_uniform
+
+
+def kept_pairs(model: Transformer, cfg: ModelConfig, n: int, rule: str = "energy") -> torch.Tensor:
+    """The n RoPE pairs of the source the geometric path keeps, in ascending order (highest frequency first),
+    the same for every layer and head (the model's RoPE is one table): those with the most query-key weight
+    energy (pair_energy), the n highest or lowest frequencies, or n spread evenly."""
+    half = cfg.attention.dim(cfg) // 2
+    if rule == "energy":
+        return pair_energy(model, cfg).topk(n).indices.sort().values
+    if rule == "high":
+        return torch.arange(n)
+    if rule == "low":
+        return torch.arange(half - n, half)
+    if rule == "uniform":
+        return torch.linspace(0, half - 1, n).round().long().unique()
+    raise ConfigError(f"convert: rope_pairs={rule!r} is not known (use {', '.join(PAIR_RULES)})")
+
+
+def pair_factors(pairs: torch.Tensor, source: ModelConfig, width: int) -> tuple[float, ...]:
+    """rope_scaling.freq_factors that make pair i of a head of `width` channels turn at the source's pair
+    pairs[i]: base^(-2i/width) / factor_i = base^(-2 pairs[i] / head_dim)."""
+    d, base = source.attention.dim(source), source.rope_base
+    i = torch.arange(len(pairs), dtype=torch.float64)
+    return tuple((base ** (2 * pairs.double() / d - 2 * i / width)).tolist())
+
+
+def joint_low_rank(left: torch.Tensor, right: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """left (n, m) @ right (m, k) ~= a (n, rank) @ b (rank, k), the best approximation of that rank in the Frobenius
+    norm (truncated SVD of the product, computed through two QRs), the singular values split evenly between a
+    and b; a rank above the product's is padded with zeros (exact)."""
+    ql, rl = torch.linalg.qr(left.double())  # (n, m), (m, m)
+    qr, rr = torch.linalg.qr(right.double().T)  # (k, m), (m, m)
+    u, s, vh = torch.linalg.svd(rl @ rr.T)
+    r = min(rank, s.numel())
+    root = s[:r].sqrt()
+    a = torch.zeros(left.shape[0], rank, dtype=torch.float64)
+    b = torch.zeros(rank, right.shape[1], dtype=torch.float64)
+    a[:, :r], b[:r] = (ql @ u[:, :r]) * root, root[:, None] * (vh[:r] @ qr.T)
+    return a.to(left.dtype), b.to(right.dtype)
+
+
+def factorised_values(src, v: torch.Tensor, source: ModelConfig, n_kv: int, width: int):
+    """V rows (n_kv * width, d_model) and output columns (d_model, H * width) of a value width `width` per head:
+    per KV head, the best rank-`width` approximation of its query heads' W_o,h W_v stacked (joint_low_rank)."""
+    h, d = source.n_heads, source.attention.dim(source)
+    group = h // n_kv
+    out = src.out.weight.detach().unflatten(1, (h, d))  # (d_model, H, D)
+    values, outs = [], []
+    for g in range(n_kv):
+        heads = out[:, g * group : (g + 1) * group].permute(1, 0, 2).flatten(0, 1)  # (group * d_model, D)
+        a, b = joint_low_rank(heads, v.unflatten(0, (n_kv, d))[g], width)
+        values.append(b)
+        outs.append(a.unflatten(0, (group, -1)))  # (group, d_model, width)
+    return torch.cat(values), torch.cat(outs).permute(1, 0, 2).flatten(1, 2)
+
+
+@torch.no_grad()
+def convert_low_rank(src, dst, source: ModelConfig, cfg: ModelConfig, pairs: torch.Tensor) -> None:
+    """A bottleneck or decoupled layer from a per-head layer: the kept RoPE pairs' rows of q and k (the
+    geometric path), the rest's q-k bilinear form factorised per KV head into the semantic path (decoupled),
+    V and the output factorised jointly; q scaled so every path keeps the source's 1/sqrt(head_dim)."""
+    (q, k, v), _ = _qkv(src, source)
+    n_src, n_kv = kv_heads(source), kv_heads(cfg)
+    k, v = pool_heads(k, n_src, n_kv), pool_heads(v, n_src, n_kv)
+    h, d, interleaved = cfg.n_heads, source.attention.dim(source), cfg.rope_interleaved
+    width, rows = rotated_width(cfg), pair_rows(pairs, d, interleaved)
+    q_geo = q.unflatten(0, (h, d))[:, rows].flatten(0, 1) * math.sqrt(width / d)
+    k_geo = k.unflatten(0, (n_kv, d))[:, rows].flatten(0, 1)
+    if cfg.attention.kind == "bottleneck":
+        values, out = factorised_values(src, v, source, n_kv, width)
+        dst.qkv.weight.copy_(torch.cat((q_geo, k_geo, values)))
+        dst.out.weight.copy_(out)
+        return
+    sem, v_width, group = cfg.attention.d_sem // h, cfg.attention.value_dim // h, h // n_kv
+    rest = pair_rows(torch.tensor([p for p in range(d // 2) if p not in set(pairs.tolist())], dtype=torch.long),
+                     d, interleaved)  # fmt: skip
+    q_rest, k_rest = q.unflatten(0, (h, d))[:, rest], k.unflatten(0, (n_kv, d))[:, rest]  # (H, m, dm), (H_kv, m, dm)
+    q_sem, k_sem = [], []
+    for g in range(n_kv):  # q_h . k_g over the remaining pairs, read without rotation, for the group's query heads
+        left = q_rest[g * group : (g + 1) * group].transpose(1, 2).flatten(0, 1)  # (group * d_model, m)
+        a, b = joint_low_rank(left, k_rest[g], sem)
+        q_sem.append(a.unflatten(0, (group, -1)).transpose(1, 2))  # (group, sem, d_model)
+        k_sem.append(b)
+    q_sem = torch.cat(q_sem).flatten(0, 1) * math.sqrt(sem / d)
+    values, out = factorised_values(src, v, source, n_kv, v_width)
+    dst.proj.weight.copy_(torch.cat((q_sem, q_geo, torch.cat(k_sem), k_geo, values)))
+    dst.out.weight.copy_(out)
 
 
 def pool_heads(weight: torch.Tensor, n_src: int, n_new: int) -> torch.Tensor:
@@ -105,7 +251,7 @@ def pool_heads(weight: torch.Tensor, n_src: int, n_new: int) -> torch.Tensor:
 
 def _qkv(attn, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
     """The source layer's q, k, v rows (weight, and bias or None each)."""
-    h, hk, d = cfg.n_heads, cfg.attention.kv_heads(cfg), cfg.attention.dim(cfg)
+    h, hk, d = cfg.n_heads, kv_heads(cfg), cfg.attention.dim(cfg)
     weights = attn.qkv.weight.detach().split((h * d, hk * d, hk * d), dim=0)
     bias = attn.qkv.bias
     biases = bias.detach().split((h * d, hk * d, hk * d)) if bias is not None else (None, None, None)
@@ -116,7 +262,7 @@ def _qkv(attn, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
 def convert_layer(src, dst, source: ModelConfig, cfg: ModelConfig) -> None:
     """Initialises layer `dst` (the target's attention) from `src` (a HeadAttention of the source)."""
     (q, k, v), (qb, kb, vb) = _qkv(src, source)
-    n_src, n_new = source.attention.kv_heads(source), cfg.attention.kv_heads(cfg)
+    n_src, n_new = kv_heads(source), kv_heads(cfg)
     k, v = pool_heads(k, n_src, n_new), pool_heads(v, n_src, n_new)
     kind, h, d = cfg.attention.kind, cfg.n_heads, source.attention.dim(source)
     if kind == "diff":
@@ -137,11 +283,16 @@ def convert_layer(src, dst, source: ModelConfig, cfg: ModelConfig) -> None:
         dst.gate.weight.zero_()  # lambda = sigmoid(gate_bias) for every token (init_parameters set the bias)
 
 
-def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None = None,
-                  memory: dict | None = None) -> Conversion:  # fmt: skip
+def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None = None, memory: dict | None = None,
+                  rope_pairs: str = "energy") -> Conversion:  # fmt: skip
     """`model` (config `cfg`) with another attention and/or memory, initialised from its weights (module
     docstring). ConfigError (one line each) for a target the source cannot initialise."""
     new_cfg = target_config(cfg, attention, memory)
+    low_rank = new_cfg.attention.kind in LOW_RANK
+    if low_rank:  # the kept RoPE pairs turn at the source's frequencies
+        pairs = kept_pairs(model, cfg, rotated_width(new_cfg) // 2, rope_pairs)
+        factors = pair_factors(pairs, cfg, rotated_width(new_cfg))
+        new_cfg = new_cfg.replace(rope_scaling=RopeScaling(type="freq_factors", freq_factors=factors))
     new = build_model(new_cfg, device=next(model.parameters()).device, dtype=next(model.parameters()).dtype)
     source_state = model.state_dict()
     taken = set()
@@ -155,17 +306,23 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
             tensor.copy_(source_state[name])
             taken.add(name)
         for src_block, dst_block in zip(model.blocks, new.blocks, strict=True):
-            convert_layer(src_block.attn, dst_block.attn, cfg, new_cfg)
+            if low_rank:
+                convert_low_rank(src_block.attn, dst_block.attn, cfg, new_cfg, pairs)
+            else:
+                convert_layer(src_block.attn, dst_block.attn, cfg, new_cfg)
     for i in range(new_cfg.n_layers):
-        taken |= {f"blocks.{i}.attn.{name}" for name in ("qkv.weight", "qkv.bias", "out.weight")}
+        taken |= {f"blocks.{i}.attn.{name}" for name in ("qkv.weight", "qkv.bias", "proj.weight", "out.weight")}
         if new_cfg.attention.kind == "diff":
             taken |= {f"blocks.{i}.attn.lambda_{n}" for n in ("q1", "k1", "q2", "k2")}
     fresh = [name for name, _ in new.named_parameters() if name not in taken]
     notes = []
-    n_src, n_new = cfg.attention.kv_heads(cfg), new_cfg.attention.kv_heads(new_cfg)
+    n_src, n_new = kv_heads(cfg), kv_heads(new_cfg)
     if n_new != n_src:
         how = f"mean-pooled in groups of {n_src // n_new}" if n_new < n_src else f"repeated {n_new // n_src}x"
         notes.append(f"keys and values: {n_src} -> {n_new} KV heads, {how}")
+    if low_rank:
+        d = cfg.attention.dim(cfg)
+        notes.append(f"RoPE pairs kept (of {d // 2}, rule {rope_pairs}): {pairs.tolist()}")
     if new_cfg.attention.kind == "diff":
         notes.append(f"diff: head_dim {cfg.attention.dim(cfg)} -> {new_cfg.attention.dim(new_cfg)} (q2, k2 and v's "
                      "second half zero, lambda 0)")  # fmt: skip
