@@ -34,7 +34,7 @@ from attnlab.eval.probes import comparison_record, load_suite, probe_records, ru
 from attnlab.eval.report import build_report
 from attnlab.eval.stats import paired_comparison
 from attnlab.generate import generate
-from attnlab.interop.convert import PAIR_RULES, convert_model, save_conversion
+from attnlab.interop.convert import LOW_RANK, PAIR_RULES, convert_model, save_conversion
 from attnlab.interop.export import export
 from attnlab.interop.references import model_config_of
 from attnlab.manifest import file_kind, load_manifest
@@ -315,7 +315,13 @@ def cmd_convert(args) -> int:
     attention = key_values("--attention", args.attention, "kind=mha,n_kv_heads=1") if args.attention else None
     memory = key_values("--memory", args.memory, "kind=streaming,recent_window=252") if args.memory else None
     source = load_for_eval(args.ref, data_dir=args.data_dir)
-    conversion = convert_model(source.cfg, source.model, attention, memory, rope_pairs=args.rope_pairs)
+    calibration = None
+    if args.calibration_tokens and (attention or {}).get("kind") in LOW_RANK:  # activation-aware factorisations
+        calibration = dataset_tokens(source.tokenizer, args.calibrate_on, "train", args.data_dir)[
+            : args.calibration_tokens
+        ]
+    conversion = convert_model(source.cfg, source.model, attention, memory, rope_pairs=args.rope_pairs,
+                               calibration=None if calibration is None else torch.from_numpy(calibration))  # fmt: skip
     folder = save_conversion(args.out, conversion, source.tokenizer, source=str(args.ref))
     seq_len = min(args.seq_len, source.cfg.max_seq_len)
     rows = []
@@ -513,10 +519,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default=None, help="a memory, e.g. kind=streaming,recent_window=252")
     p.add_argument("--rope-pairs", default="energy", choices=PAIR_RULES, help="bottleneck/decoupled: the source's "
                    "RoPE pairs kept: most q-k weight energy (default), high or low frequencies, uniform")  # fmt: skip
+    p.add_argument("--calibration-tokens", type=int, default=4096, help="bottleneck/decoupled: tokens the "
+                   "factorisations are fitted on (default 4096; 0: the weights alone)")  # fmt: skip
+    p.add_argument("--calibrate-on", default="wikitext2-nounk", help="the text whose train split they come from "
+                   "(default wikitext2-nounk: WikiText-2 train, <unk> removed)")  # fmt: skip
     p.add_argument("--out", required=True, metavar="DIR", help="the checkpoint folder to write (must not exist)")
     p.add_argument("--eval-tokens", type=int, default=8192, help="held-out tokens on which to print the original's "
                    "and the cold conversion's perplexity (default 8192; 0 skips it)")  # fmt: skip
-    p.add_argument("--dataset", default="wikitext2-raw", help="the held-out text (default wikitext2-raw, test split)")
+    p.add_argument("--dataset", default="wikitext2-raw", help="the held-out text (its test split; default "
+                   "wikitext2-raw)")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=512, help="the context of that perplexity (default 512)")
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_convert)

@@ -27,7 +27,7 @@ DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
 MAX_WIDTH = 2**24
 MAX_SEED = 2**32 - 1  # a seed is 0 .. 2^32 - 1 (what every random generator here accepts)
 # Data sources: these named datasets, or a local file with one of these suffixes (.xz/.gz compressed allowed).
-DATA_SOURCES = ("wikitext2", "wikitext2-raw", "tinyshakespeare", "fineweb-edu")
+DATA_SOURCES = ("wikitext2", "wikitext2-raw", "wikitext2-nounk", "tinyshakespeare", "fineweb-edu")
 DATA_FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 

@@ -113,3 +113,24 @@ def test_unknown_source_is_a_clear_error(tmp_path):
     (tmp_path / "table.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unknown file kind '.csv'"):
         open_source(str(tmp_path / "table.csv"))
+
+
+def test_wikitext2_nounk_is_v1_without_unk_which_is_the_raw_form(data_dir):
+    """v1 and raw share their spacing: every v1 test line without <unk> is the raw line; wikitext2-nounk removes each
+    <unk> and the space after it, and keeps the splits and their articles."""
+    import lzma
+
+    from attnlab.data.sources import open_source
+
+    def lines(name):
+        with lzma.open(data_dir / "wikitext-2" / name, "rt", encoding="utf-8") as f:
+            return f.read().split("\n")
+
+    v1, raw = lines("wiki.test.tokens.xz"), lines("wiki.test.raw.xz")
+    kept = [(a, b) for a, b in zip(v1, raw, strict=True) if "<unk>" not in a]
+    assert len(kept) > 2000 and all(a == b for a, b in kept)
+    docs = [text for split, text in open_source("wikitext2-nounk", data_dir, splits=("test",)).documents()]
+    plain = [text for split, text in open_source("wikitext2", data_dir, splits=("test",)).documents()]
+    assert len(docs) == len(plain) == 60 and not any("<unk>" in d for d in docs)
+    assert docs[0] == plain[0].replace("<unk> ", "").replace("<unk>", "")
+    assert "Robert is an English film" in docs[0] and "Robert Boulter is" in "\n".join(raw[:5])

@@ -1,6 +1,7 @@
 """Text sources as documents with their split: `open_source(name) -> Source`, `Source.documents()`.
 
-Named sources: `wikitext2` (the tokenized v1 files), `wikitext2-raw`, `tinyshakespeare`, `fineweb-edu`; any
+Named sources: `wikitext2` (the tokenized v1 files), `wikitext2-raw`, `wikitext2-nounk`, `tinyshakespeare`,
+`fineweb-edu`; any
 other name is a path to a local `.txt` (documents separated by blank lines), `.jsonl` (a `text` field per
 line) or `.parquet` (a `text` column) file, optionally compressed (`.xz`, `.gz`; not parquet).
 
@@ -344,6 +345,22 @@ def source_key(source: str, data_dir: str | Path | None = None) -> str:
     return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
+UNK = re.compile(r"<unk> ?")
+
+
+def _without_unk(source: Source) -> Source:
+    """wikitext2-nounk: the v1 files with every `<unk>` (and the space after it) removed. The raw version keeps v1's
+    spacing (" , ", " @-@ ") and differs from it only where v1 has <unk>, so this is the raw text's form minus the
+    rare words; raw train is not in the data directory (only raw test is), and a literal "<unk>" would teach a
+    pretrained model a string the raw test split never contains."""
+
+    def read() -> Iterator[tuple[str, str]]:
+        for split, text in source.documents():
+            yield split, UNK.sub("", text)
+
+    return Source("wikitext2-nounk", True, read, source.files, source.streamed_from)
+
+
 def open_source(
     source: str,
     data_dir: str | Path | None = None,
@@ -361,6 +378,8 @@ def open_source(
     """
     if source in WIKITEXT:
         return _wikitext(source, data_dir, download, splits)
+    if source == "wikitext2-nounk":
+        return _without_unk(_wikitext("wikitext2", data_dir, download, splits))
     if source == "tinyshakespeare":
         return _tinyshakespeare(data_dir, download, val_fraction, test_fraction)
     if source == "fineweb-edu":

@@ -133,33 +133,70 @@ def pair_rows(pairs: torch.Tensor, dim: int, interleaved: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def pair_energy(model: Transformer, cfg: ModelConfig) -> torch.Tensor:
-    """(head_dim / 2,) the query-key weight energy of each RoPE pair, summed over layers and query heads:
-    |W_q rows of the pair| |W_k rows of the pair| (Frobenius norms; the key of the query head's KV head), which
-    bounds the pair's share of q . k for inputs of unit norm (MHA2MLA's 2-norm criterion, on the weights)."""
+def pair_energy(model: Transformer, cfg: ModelConfig, whitening: list | None = None) -> torch.Tensor:
+    """(head_dim / 2,) the query-key energy of each RoPE pair, summed over layers and query heads: |q of the pair|
+    |k of the pair| (the key of the query head's KV head), as RMS over the calibration inputs when `whitening`
+    (per layer (C^1/2, C^-1/2) of the inputs' second moment C) is given, else the rows' Frobenius norms (inputs of
+    unit norm): MHA2MLA's 2-norm criterion."""
     h, hk, d = cfg.n_heads, kv_heads(cfg), cfg.attention.dim(cfg)
     first = pair_rows(torch.arange(d // 2), d, cfg.rope_interleaved).unflatten(0, (-1, 2) if cfg.rope_interleaved
                                                                                 else (2, -1))  # fmt: skip
     first, second = (first[:, 0], first[:, 1]) if cfg.rope_interleaved else (first[0], first[1])
     energy = torch.zeros(d // 2, dtype=torch.float64)
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
         (q, k, _), _ = _qkv(block.attn, cfg)
-        q2, k2 = (w.double().unflatten(0, (-1, d)).pow(2).sum(-1) for w in (q, k))  # (heads, D) squared row norms
+        root = whitening[i][0] if whitening else None
+        q2, k2 = ((w.double() if root is None else w.double() @ root).unflatten(0, (-1, d)).pow(2).sum(-1)
+                  for w in (q, k))  # (heads, D): squared row norms  # fmt: skip
         qe, ke = (q2[:, first] + q2[:, second]).sqrt(), (k2[:, first] + k2[:, second]).sqrt()  # (heads, D/2)
         energy += (qe * ke.repeat_interleave(h // hk, dim=0)).sum(0)
     return energy
 
 
+@torch.no_grad()
+def input_whitening(model: Transformer, tokens: torch.Tensor, seq_len: int, floor: float = 1e-6) -> list:
+    """Per layer (C^1/2, C^-1/2) (float64) of C = E[x x^T], the second moment of the attention's input x (after
+    the block's norm) over calibration `tokens` (1-D ids) read in windows of seq_len; eigenvalues below floor *
+    the largest are raised to it. Factorising W C^1/2 minimises the error on these inputs, not on the weights
+    (activation-aware SVD)."""
+    sums = [torch.zeros(model.cfg.d_model, model.cfg.d_model, dtype=torch.float64) for _ in model.blocks]
+    count = 0
+
+    def hook(i):
+        def record(module, args):
+            x = args[0].detach().double().flatten(0, 1)  # (B * T, d_model)
+            sums[i].add_(x.T @ x)
+
+        return record
+
+    seq_len = min(seq_len, model.cfg.max_seq_len)
+    handles = [block.attn.register_forward_pre_hook(hook(i)) for i, block in enumerate(model.blocks)]
+    try:
+        for start in range(0, len(tokens) - 1, seq_len):
+            window = tokens[start : start + seq_len][None]
+            model(window.to(next(model.parameters()).device), use_cache=False)
+            count += window.shape[1]
+    finally:
+        for handle in handles:
+            handle.remove()
+    roots = []
+    for total in sums:
+        values, vectors = torch.linalg.eigh(total / count)
+        values = values.clamp_min(floor * values.max()).sqrt()
+        roots.append(((vectors * values) @ vectors.T, (vectors / values) @ vectors.T))
+    return roots
+
+
 PAIR_RULES = ("energy", "high", "low", "uniform")  # MHA2MLA's S_2-norm (on the weights), S_high, S_low, S_uniform
 
 
-def kept_pairs(model: Transformer, cfg: ModelConfig, n: int, rule: str = "energy") -> torch.Tensor:
+def kept_pairs(model: Transformer, cfg: ModelConfig, n: int, rule: str = "energy", whitening=None) -> torch.Tensor:
     """The n RoPE pairs of the source the geometric path keeps, in ascending order (highest frequency first),
     the same for every layer and head (the model's RoPE is one table): those with the most query-key weight
     energy (pair_energy), the n highest or lowest frequencies, or n spread evenly."""
     half = cfg.attention.dim(cfg) // 2
     if rule == "energy":
-        return pair_energy(model, cfg).topk(n).indices.sort().values
+        return pair_energy(model, cfg, whitening).topk(n).indices.sort().values
     if rule == "high":
         return torch.arange(n)
     if rule == "low":
@@ -192,23 +229,26 @@ def joint_low_rank(left: torch.Tensor, right: torch.Tensor, rank: int) -> tuple[
     return a.to(left.dtype), b.to(right.dtype)
 
 
-def factorised_values(src, v: torch.Tensor, source: ModelConfig, n_kv: int, width: int):
+def factorised_values(src, v: torch.Tensor, source: ModelConfig, n_kv: int, width: int, whitening=None):
     """V rows (n_kv * width, d_model) and output columns (d_model, H * width) of a value width `width` per head:
-    per KV head, the best rank-`width` approximation of its query heads' W_o,h W_v stacked (joint_low_rank)."""
+    per KV head, the best rank-`width` approximation of its query heads' W_o,h W_v stacked (joint_low_rank), on
+    the calibration inputs when `whitening` (C^1/2, C^-1/2) is given: W_v C^1/2 is factorised, then C^-1/2 undone."""
     h, d = source.n_heads, source.attention.dim(source)
     group = h // n_kv
     out = src.out.weight.detach().unflatten(1, (h, d))  # (d_model, H, D)
+    root, inverse = whitening if whitening else (None, None)
     values, outs = [], []
     for g in range(n_kv):
         heads = out[:, g * group : (g + 1) * group].permute(1, 0, 2).flatten(0, 1)  # (group * d_model, D)
-        a, b = joint_low_rank(heads, v.unflatten(0, (n_kv, d))[g], width)
-        values.append(b)
-        outs.append(a.unflatten(0, (group, -1)))  # (group, d_model, width)
+        right = v.unflatten(0, (n_kv, d))[g]
+        a, b = joint_low_rank(heads, right if root is None else (right.double() @ root), width)
+        values.append(b if inverse is None else (b.double() @ inverse).to(v.dtype))
+        outs.append(a.unflatten(0, (group, -1)).to(v.dtype))  # (group, d_model, width)
     return torch.cat(values), torch.cat(outs).permute(1, 0, 2).flatten(1, 2)
 
 
 @torch.no_grad()
-def convert_low_rank(src, dst, source: ModelConfig, cfg: ModelConfig, pairs: torch.Tensor) -> None:
+def convert_low_rank(src, dst, source: ModelConfig, cfg: ModelConfig, pairs: torch.Tensor, whitening=None) -> None:
     """A bottleneck or decoupled layer from a per-head layer: the kept RoPE pairs' rows of q and k (the
     geometric path), the rest's q-k bilinear form factorised per KV head into the semantic path (decoupled),
     V and the output factorised jointly; q scaled so every path keeps the source's 1/sqrt(head_dim)."""
@@ -220,7 +260,7 @@ def convert_low_rank(src, dst, source: ModelConfig, cfg: ModelConfig, pairs: tor
     q_geo = q.unflatten(0, (h, d))[:, rows].flatten(0, 1) * math.sqrt(width / d)
     k_geo = k.unflatten(0, (n_kv, d))[:, rows].flatten(0, 1)
     if cfg.attention.kind == "bottleneck":
-        values, out = factorised_values(src, v, source, n_kv, width)
+        values, out = factorised_values(src, v, source, n_kv, width, whitening)
         dst.qkv.weight.copy_(torch.cat((q_geo, k_geo, values)))
         dst.out.weight.copy_(out)
         return
@@ -228,15 +268,21 @@ def convert_low_rank(src, dst, source: ModelConfig, cfg: ModelConfig, pairs: tor
     rest = pair_rows(torch.tensor([p for p in range(d // 2) if p not in set(pairs.tolist())], dtype=torch.long),
                      d, interleaved)  # fmt: skip
     q_rest, k_rest = q.unflatten(0, (h, d))[:, rest], k.unflatten(0, (n_kv, d))[:, rest]  # (H, m, dm), (H_kv, m, dm)
+    root, inverse = whitening if whitening else (None, None)
+    if root is not None:  # the bilinear form on the calibration inputs: C^1/2 W_q^T W_k C^1/2
+        q_rest, k_rest = q_rest.double() @ root, k_rest.double() @ root
     q_sem, k_sem = [], []
     for g in range(n_kv):  # q_h . k_g over the remaining pairs, read without rotation, for the group's query heads
         left = q_rest[g * group : (g + 1) * group].transpose(1, 2).flatten(0, 1)  # (group * d_model, m)
         a, b = joint_low_rank(left, k_rest[g], sem)
         q_sem.append(a.unflatten(0, (group, -1)).transpose(1, 2))  # (group, sem, d_model)
         k_sem.append(b)
-    q_sem = torch.cat(q_sem).flatten(0, 1) * math.sqrt(sem / d)
-    values, out = factorised_values(src, v, source, n_kv, v_width)
-    dst.proj.weight.copy_(torch.cat((q_sem, q_geo, torch.cat(k_sem), k_geo, values)))
+    q_sem, k_sem = torch.cat(q_sem).flatten(0, 1), torch.cat(k_sem)
+    if inverse is not None:
+        q_sem, k_sem = q_sem.double() @ inverse, k_sem.double() @ inverse
+    q_sem, k_sem = q_sem.to(q.dtype) * math.sqrt(sem / d), k_sem.to(q.dtype)
+    values, out = factorised_values(src, v, source, n_kv, v_width, whitening)
+    dst.proj.weight.copy_(torch.cat((q_sem, q_geo, k_sem, k_geo, values)))
     dst.out.weight.copy_(out)
 
 
@@ -284,13 +330,17 @@ def convert_layer(src, dst, source: ModelConfig, cfg: ModelConfig) -> None:
 
 
 def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None = None, memory: dict | None = None,
-                  rope_pairs: str = "energy") -> Conversion:  # fmt: skip
+                  rope_pairs: str = "energy", calibration: torch.Tensor | None = None,
+                  calibration_seq_len: int = 512) -> Conversion:  # fmt: skip
     """`model` (config `cfg`) with another attention and/or memory, initialised from its weights (module
     docstring). ConfigError (one line each) for a target the source cannot initialise."""
     new_cfg = target_config(cfg, attention, memory)
     low_rank = new_cfg.attention.kind in LOW_RANK
+    whitening = None
+    if low_rank and calibration is not None:  # activation-aware: the factorisations fit the calibration inputs
+        whitening = input_whitening(model, torch.as_tensor(calibration).long().flatten(), calibration_seq_len)
     if low_rank:  # the kept RoPE pairs turn at the source's frequencies
-        pairs = kept_pairs(model, cfg, rotated_width(new_cfg) // 2, rope_pairs)
+        pairs = kept_pairs(model, cfg, rotated_width(new_cfg) // 2, rope_pairs, whitening)
         factors = pair_factors(pairs, cfg, rotated_width(new_cfg))
         new_cfg = new_cfg.replace(rope_scaling=RopeScaling(type="freq_factors", freq_factors=factors))
     new = build_model(new_cfg, device=next(model.parameters()).device, dtype=next(model.parameters()).dtype)
@@ -305,9 +355,9 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
                                   f"{tuple(tensor.shape)} in the target")  # fmt: skip
             tensor.copy_(source_state[name])
             taken.add(name)
-        for src_block, dst_block in zip(model.blocks, new.blocks, strict=True):
+        for i, (src_block, dst_block) in enumerate(zip(model.blocks, new.blocks, strict=True)):
             if low_rank:
-                convert_low_rank(src_block.attn, dst_block.attn, cfg, new_cfg, pairs)
+                convert_low_rank(src_block.attn, dst_block.attn, cfg, new_cfg, pairs, whitening and whitening[i])
             else:
                 convert_layer(src_block.attn, dst_block.attn, cfg, new_cfg)
     for i in range(new_cfg.n_layers):
@@ -323,6 +373,10 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
     if low_rank:
         d = cfg.attention.dim(cfg)
         notes.append(f"RoPE pairs kept (of {d // 2}, rule {rope_pairs}): {pairs.tolist()}")
+        fitted = (
+            f"on {len(torch.as_tensor(calibration).flatten()):,} calibration tokens" if whitening else "weights only"
+        )
+        notes.append(f"factorisations fitted {fitted}")
     if new_cfg.attention.kind == "diff":
         notes.append(f"diff: head_dim {cfg.attention.dim(cfg)} -> {new_cfg.attention.dim(new_cfg)} (q2, k2 and v's "
                      "second half zero, lambda 0)")  # fmt: skip
