@@ -128,6 +128,17 @@ def append_rows(name: str, rows: list[dict]) -> Path:
     return append_records(RESULTS_DIR / f"{name}.jsonl", rows)
 
 
+def finish(name: str, records: list[dict], other: float | None, record: bool = True) -> None:
+    """The end of a benchmark script: a WARNING when other processes used more than 10% of the CPU during the run
+    (`other`, from OtherLoad.fraction()), each record stamped with it, and the records appended to
+    bench/results/<name>.jsonl unless `record` is False."""
+    if other is not None and other > 0.1:
+        print(f"\nWARNING: other processes used {other:.0%} of the machine's CPU during the run")
+    records = [{**r, "other_load": other} for r in records]
+    if records and record:
+        print(f"recorded {len(records)} rows in {append_rows(name, records)}")
+
+
 def row(benchmark: str, config_hash: str, env: dict, **figures) -> dict:
     """One result record: the environment, the config hash and the figures."""
     return {"benchmark": benchmark, **env, "config_hash": config_hash, **figures}

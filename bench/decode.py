@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import OtherLoad, append_rows, environment, matmul_gflops, median, print_table, row, spread  # noqa: E402
+from common import OtherLoad, environment, finish, matmul_gflops, median, print_table, row, spread  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab import ModelConfig, build_model  # noqa: E402
@@ -336,12 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         records += part_a(argparse.Namespace(**{**vars(args), "repeats": args.repeats or 5}), env)
     if "b" in parts:
         records += part_b(argparse.Namespace(**{**vars(args), "repeats": args.repeats or 3}), env)
-    other = load.fraction()
-    if other is not None and other > 0.1:
-        print(f"\nWARNING: other processes used {other:.0%} of the machine's CPU during the run")
-    records = [{**r, "other_load": other} for r in records]
-    if records and not args.no_record:
-        print(f"recorded {len(records)} rows in {append_rows('decode', records)}")
+    finish("decode", records, load.fraction(), not args.no_record)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import OtherLoad, append_rows, environment, median, print_table, row  # noqa: E402
+from common import OtherLoad, environment, finish, median, print_table, row  # noqa: E402
 
 from attnlab import build_model, model_config_from_dict  # noqa: E402
 from attnlab.generate import decode_step, prefill  # noqa: E402
@@ -122,12 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             table.append([length, name, f"{tok_s:,.0f}", f"{kv / 2**20:.2f}", f"{grown / 2**20:.0f}"])
     print(f"\n(b) decode {args.steps} steps after a context of L tokens")
     print_table(["L", "memory", "tok/s", "KV MiB", "peak RSS growth MiB"], table)
-    other = load.fraction()
-    if other is not None and other > 0.1:
-        print(f"WARNING: other processes used {other:.0%} of the machine's CPU during the run")
-    records = [{**r, "other_load": other} for r in records]
-    if not args.no_record:
-        print(f"recorded {len(records)} rows in {append_rows('memory', records)}")
+    finish("memory", records, load.fraction(), not args.no_record)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import OtherLoad, append_rows, environment, matmul_gflops, median, print_table, row, spread  # noqa: E402
+from common import OtherLoad, environment, finish, matmul_gflops, median, print_table, row, spread  # noqa: E402
 from decode import generate_rounds  # noqa: E402
 
 from attnlab.paths import find_data_file  # noqa: E402
@@ -177,12 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             records += prefill_part(evaluated.model, hf, text, lengths, args.repeats, env)
         if "decode" in parts:
             records += decode_part(evaluated.model, hf, text, args.prompt, args.new_tokens, args.repeats, env)
-    other = load.fraction()
-    if other is not None and other > 0.1:
-        print(f"\nWARNING: other processes used {other:.0%} of the machine's CPU during the run")
-    records = [{**r, "other_load": other} for r in records]
-    if records and not args.no_record:
-        print(f"recorded {len(records)} rows in {append_rows('pretrained', records)}")
+    finish("pretrained", records, load.fraction(), not args.no_record)
 
 
 if __name__ == "__main__":
