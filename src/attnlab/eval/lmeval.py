@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from attnlab.cache.codecs import as_policy
 from attnlab.data.files import atomic_write_text
@@ -309,17 +310,73 @@ class AttnlabLM(TemplateLM):
 # ----------------------------------------------------------------------------- tasks and runs
 
 
-def _resolved_files(files: Any, data_dir: str | Path | None) -> Any:
+def _resolved_files(files: Any, data_dir: str | Path | None, source: str = "") -> Any:
     """data_files with every relative path looked up in the data directory (find_data_file); absolute paths,
-    URLs and glob patterns as they are."""
+    URLs and glob patterns as they are. A relative path that leaves the data directory (`../x`): ConfigError
+    naming the task file `source`."""
     if isinstance(files, str):
         plain = not (Path(files).is_absolute() or "://" in files or any(c in files for c in "*?["))
+        if plain and ".." in Path(files).parts:
+            why = "leaves the data directory (a relative data file is looked up inside --data-dir)"
+            raise ConfigError(f"data file {files!r} {why}: give a path inside it, or an absolute path", source=source)
+        if Path(files).is_absolute() and not any(c in files for c in "*?[") and not Path(files).is_file():
+            raise DataError(f"{source}: data file {files} is not a file (give the path of the task's data file)")
         return str(find_data_file(files, data_dir)) if plain else files
     if isinstance(files, list):
-        return [_resolved_files(f, data_dir) for f in files]
+        return [_resolved_files(f, data_dir, source) for f in files]
     if isinstance(files, dict):
-        return {split: _resolved_files(f, data_dir) for split, f in files.items()}
+        return {split: _resolved_files(f, data_dir, source) for split, f in files.items()}
     return files
+
+
+class _TaskFileLoader(yaml.SafeLoader):
+    """Reads a task YAML without running anything: every tag (`!function module.name`) is read as plain data
+    and recorded in `tags`."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.tags: list[str] = []
+
+
+def _any_tag(loader: _TaskFileLoader, suffix: str, node):
+    loader.tags.append("!" + suffix)
+    if isinstance(node, yaml.ScalarNode):
+        return loader.construct_scalar(node)
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node)
+    return loader.construct_mapping(node)
+
+
+_TaskFileLoader.add_multi_constructor("!", _any_tag)
+
+
+def check_task_files(folders: list[str]) -> dict[Path, str]:
+    """Every task YAML file of the include_path folders (and the files they `include`), read without running
+    anything: a file using the `!function` tag (lm-eval would import and run Python code next to it) is refused
+    (ConfigError naming it); {file: why} for files that are not valid YAML (named when a task is not found)."""
+    broken: dict[Path, str] = {}
+    todo = [f for folder in folders for f in sorted(Path(folder).rglob("*")) if f.suffix in (".yaml", ".yml")]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop(0)
+        if path.resolve() in seen or not path.is_file():
+            continue
+        seen.add(path.resolve())
+        loader = _TaskFileLoader(path.read_text(encoding="utf-8", errors="replace"))
+        try:
+            data = loader.get_single_data()
+        except yaml.YAMLError as e:
+            broken[path] = " ".join(str(e).split())
+            continue
+        finally:
+            loader.dispose()
+        if any(tag == "!function" for tag in loader.tags):
+            raise ConfigError(f"{path}: uses the !function tag, which would import and run Python code: attnlab "
+                              f"does not run code from task files (remove it, or run lm-eval itself)")  # fmt: skip
+        include = data.get("include") if isinstance(data, dict) else None
+        if isinstance(include, str) and not Path(include).is_absolute():
+            todo.append(path.parent / include)
+    return broken
 
 
 def task_manager(include_path: list[str], tasks: list[str]) -> TaskManager:
@@ -332,7 +389,8 @@ def task_manager(include_path: list[str], tasks: list[str]) -> TaskManager:
     return TaskManager(include_path=include_path or None)
 
 
-def task_specs(manager: TaskManager, tasks: list[str], data_dir: str | Path | None = None) -> list[str | dict]:
+def task_specs(manager: TaskManager, tasks: list[str], data_dir: str | Path | None = None,
+               broken: dict[Path, str] | None = None) -> list[str | dict]:  # fmt: skip
     """What simple_evaluate loads per task name: the name, or for a YAML task whose dataset_kwargs.data_files
     holds relative paths, its whole config with those paths found in the data directory (so a task file can
     name `eval/arc_easy/ARC-Easy-validation.json`, as attnlab's own tasks do). Unknown names: ConfigError."""
@@ -344,6 +402,9 @@ def task_specs(manager: TaskManager, tasks: list[str], data_dir: str | Path | No
             close = difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.6)
             hint = f"did you mean {', '.join(map(repr, close))}?" if close else "a task of an include_path folder?"
             problems.append(f"unknown lm-eval task {name!r} ({hint})")
+    if problems and broken:  # the task may be in a file lm-eval could not read
+        files = "; ".join(f"{path}: not valid YAML ({why})" for path, why in broken.items())
+        problems.append(f"{files} (fix the task file)")
     if problems:
         raise ConfigError(problems)
     specs: list[str | dict] = []
@@ -355,7 +416,7 @@ def task_specs(manager: TaskManager, tasks: list[str], data_dir: str | Path | No
         cfg = load_yaml(entry.yaml_path, resolve_func=True)
         dataset_kwargs = cfg.get("dataset_kwargs") or {}
         files = dataset_kwargs.get("data_files")
-        resolved = _resolved_files(files, data_dir)
+        resolved = _resolved_files(files, data_dir, str(entry.yaml_path))
         if resolved == files:
             specs.append(name)
         else:
@@ -406,14 +467,35 @@ def run_lm_eval(
     for path in paths:
         if not Path(path).is_dir():
             raise ConfigError(f"include_path {path} is not a folder (give a folder of lm-eval task YAML files)")
+    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():  # before the evaluation
+        raise ConfigError(f"--out {out_dir}: exists and is not a folder (give a folder for lm_eval.json)")
+    broken = check_task_files([str(p) for p in paths])  # before lm-eval reads them (and imports !function code)
     manager = task_manager([str(p) for p in paths], list(tasks))
-    specs = task_specs(manager, list(tasks), data_dir)  # checks the names before the model is loaded
+    specs = task_specs(manager, list(tasks), data_dir, broken)  # checks the names before the model is loaded
     model = ref if isinstance(ref, EvalModel) else load_for_eval(ref, data_dir=data_dir)
     lm = AttnlabLM(model, kv_policy=kv_policy, batch_size=batch_size)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=True,
-        bootstrap_iters=bootstrap_iters, batch_size=batch_size,
-    )  # fmt: skip
+    import datasets  # lm-eval's own dependency
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # "Generating validation split" bars would hide an error's one line
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=True,
+            bootstrap_iters=bootstrap_iters, batch_size=batch_size,
+        )  # fmt: skip
+    except Exception as e:  # a task's data files `datasets` could not load: one line naming them, not its traceback
+        if type(e).__module__.split(".")[0] not in ("datasets", "pyarrow", "fsspec"):
+            raise
+        cause = e.__cause__ or e
+        sources = [f"{manager.task_index[s['task']].yaml_path} (data files {s['dataset_kwargs']['data_files']})"
+                   for s in specs if isinstance(s, dict)] or [", ".join(map(str, tasks))]  # fmt: skip
+        raise DataError(
+            f"{'; '.join(sources)}: the task data could not be loaded "
+            f"({type(cause).__name__}: {' '.join(str(cause).split())}): fix the data file"
+        ) from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     results["config"]["model"] = str(model.path) if not isinstance(ref, EvalModel) else model.name
     if out_dir is not None:
         write_results(out_dir, results)

@@ -11,6 +11,7 @@ import torch
 
 import attnlab
 from attnlab.data.files import atomic_write_text, read_json_lines
+from attnlab.errors import InputError
 
 
 def make_record(benchmark: str, model=None, **figures) -> dict:
@@ -33,10 +34,23 @@ def make_record(benchmark: str, model=None, **figures) -> dict:
     return row
 
 
+def records_target(path: str | Path) -> Path:
+    """The file rows appended to `path` go to, refused (InputError, one line) unless it is a regular file or
+    does not exist yet: a device (/dev/full), fifo or folder would be read without end or replaced by a file.
+    A symlink is written through: the rows go to the file it points at and the link stays a link."""
+    given = Path(path)
+    target = given.resolve()
+    if target.exists() and not target.is_file():
+        what = "a folder" if target.is_dir() else "not a regular file (a device, fifo or socket)"
+        via = f" (via the link {given})" if target != given.absolute() else ""
+        raise InputError(f"{target}{via}: {what}: records are appended to a regular .jsonl file; give a file path")
+    return target
+
+
 def append_records(path: str | Path, rows: list[dict]) -> Path:
     """Appends rows to a JSONL file atomically (old content + new rows to a temporary file, flushed to the disk,
-    then renamed over it)."""
-    path = Path(path)
+    then renamed over it); see records_target for the paths refused."""
+    path = records_target(path)
     old = path.read_text() if path.exists() else ""
     if old and not old.endswith("\n"):
         old += "\n"

@@ -410,6 +410,9 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     if out_dir.is_file() or (out_dir.is_symlink() and not out_dir.is_dir()):
         raise InputError(f"{out_dir}: is a file, where the export's folder belongs (give a folder's path)")
+    if Path.cwd().resolve().is_relative_to(out_dir.resolve()):  # it cannot be renamed (EBUSY) nor replaced
+        raise InputError(f"{out_dir}: is the current folder or one of its parents, which cannot be replaced "
+                         f"(give a new folder's path, e.g. {out_dir / 'hf'})")  # fmt: skip
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise InputError(f"{out_dir}: not empty (give an empty or new folder, or overwrite=True / --overwrite)")
 

@@ -176,6 +176,9 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
         raise InputError("give at least one document")
     texts = []
     for doc in map(Path, documents):
+        if doc.exists() and not doc.is_file():  # a device (/dev/zero) or fifo would be read without end
+            what = "a folder" if doc.is_dir() else "not a regular file (a device, fifo or socket)"
+            raise InputError(f"{doc}: {what}: documents are read from regular text files; give a file path")
         try:
             raw = doc.read_bytes()
             texts.append((doc, raw, raw.decode("utf-8")))
@@ -191,7 +194,8 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
         ids += ([tokenizer.eot_id] if i else []) + encoded
         records.append({"path": str(doc.resolve()), "sha256": hashlib.sha256(raw).hexdigest(), "tokens": len(encoded)})
     if not ids:
-        raise InputError("the documents hold no text to ingest")
+        names = ", ".join(str(doc) for doc, _, _ in texts)
+        raise InputError(f"the documents hold no text to ingest ({names}): give files with text in them")
     model_path = str(Path(model_path).resolve())
     cache = model.new_cache(1)
     prefill(model, torch.tensor([ids], device=loaded.device), cache, chunk)
