@@ -21,7 +21,7 @@ import yaml
 from attnlab.accounting import info, kv_report
 from attnlab.attention.registry import REGISTRY
 from attnlab.cache.codecs import FORMATS
-from attnlab.cli_errors import Parser, fail, one_line, os_error_line, warning_printer
+from attnlab.cli_errors import Parser, fail, interrupted, one_line, os_error_line, warning_printer
 from attnlab.compare import compare
 from attnlab.config_io import load_config, memory_from_dict, parse_yaml
 from attnlab.errors import AttnlabError, ConfigError, DataError, InputError, LengthWarning
@@ -215,7 +215,7 @@ def cmd_bench(args) -> int:
         return 0
     if not args.targets:
         raise ConfigError("give a benchmark manifest or checkpoint folders (or --list)")
-    benchmarks = args.benchmarks.split(",") if args.benchmarks else None
+    benchmarks = args.benchmarks.split(",") if args.benchmarks is not None else None
     plan = load_plan(args.targets, benchmarks, args.set, args.data_dir)
     out = Path(args.out or Path("results") / plan.name)
     records = run_plan(plan, out)
@@ -635,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
         except AttnlabError as e:
             return fail(args.command, str(e))
+        except KeyboardInterrupt:  # Ctrl-C: one line (a run resumes from its last checkpoint), exit code 130
+            return interrupted(args.command)
         except BrokenPipeError:  # output piped into `head` and the like
             sys.stderr.close()
             return 0

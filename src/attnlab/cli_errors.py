@@ -135,6 +135,11 @@ def os_error_line(e: OSError, args) -> str | None:
     temporary = path and TEMPORARY.fullmatch(path.name)
     if temporary:  # a file written under a temporary name, then renamed: name the file it becomes
         path = path.with_name(temporary["name"])
+    cache = os.environ.get(CACHE)
+    if code == errno.ENOENT and path is not None and cache and not os.path.isdir(cache):
+        if any(p.is_relative_to(root) for p in _absolute(path) for root in _absolute(cache)):
+            return (f"{path}: cannot be created: the cache folder {cache} (${CACHE}) does not exist and cannot be "
+                    f"made there; set {CACHE} to a writable folder")  # fmt: skip
     if code not in ANY_PATH and not (code in GIVEN_PATH and path is not None and _origin(path, args)):
         return None
     if path is None:  # e.g. a write() on a full disk: no path to name
@@ -166,6 +171,18 @@ def os_error_line(e: OSError, args) -> str | None:
 def fail(command: str, message: str) -> int:
     print(f"attnlab {command}: error: {one_line(message)}", file=sys.stderr)
     return 2
+
+
+INTERRUPTED = 130  # the shell's exit code of a command stopped by SIGINT (128 + 2)
+RESUMABLE = {"run": "run the same command again to resume from the last checkpoint"}  # what an interrupted one does
+
+
+def interrupted(command: str) -> int:
+    """One line for a command stopped with Ctrl-C (KeyboardInterrupt), no traceback; exit code 130.
+    `attnlab run: interrupted; run the same command again to resume from the last checkpoint`."""
+    how = f"; {RESUMABLE[command]}" if command in RESUMABLE else ""
+    print(f"attnlab {command}: interrupted{how}", file=sys.stderr)
+    return INTERRUPTED
 
 
 def warning_printer(command: str, show):

@@ -70,8 +70,35 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+MAX_DEPTH = 100  # levels of nesting a config may have (its deepest is a handful): deeper is a mistake or an attack
+
+
+class TooDeep(yaml.YAMLError):
+    """YAML nested more than MAX_DEPTH levels (or too deeply for PyYAML's recursion)."""
+
+    def __str__(self) -> str:
+        return f"nested too deeply to be a config (more than {MAX_DEPTH} levels of lists or mappings)"
+
+
+def _depth_exceeds(data: Any, limit: int) -> bool:
+    """Whether lists/mappings nest more than `limit` levels in `data` (iteratively: no recursion)."""
+    stack = [(data, 1)]
+    seen: set[int] = set()
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, (list, dict)) or id(node) in seen:
+            continue
+        if depth > limit:
+            return True
+        seen.add(id(node))  # an alias is one object: walked once
+        stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
 def yaml_problem(e: yaml.YAMLError, text: str = "") -> str:
     """A PyYAML error as one line: `not valid YAML at line L, column C: what`."""
+    if isinstance(e, TooDeep):
+        return str(e)
     mark = getattr(e, "problem_mark", None)
     at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
     if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow (a control character)
@@ -83,8 +110,15 @@ def yaml_problem(e: yaml.YAMLError, text: str = "") -> str:
 
 
 def parse_yaml(text: str) -> Any:
-    """YAML text -> data, strictly (StrictLoader); raises yaml.YAMLError."""
-    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader)
+    """YAML text -> data, strictly (StrictLoader); raises yaml.YAMLError (TooDeep for data nested more than
+    MAX_DEPTH levels, which would exhaust the recursion of whatever reads it)."""
+    try:
+        data = yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader)
+    except RecursionError:
+        raise TooDeep() from None
+    if _depth_exceeds(data, MAX_DEPTH):
+        raise TooDeep()
+    return data
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -106,8 +140,6 @@ def read_yaml(path: str | Path) -> Any:
         data = parse_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(yaml_problem(e, text), source=str(path)) from None
-    except RecursionError:
-        raise ConfigError("nested too deeply to be a config (thousands of levels)", source=str(path)) from None
     return data if data is not None else {}
 
 

@@ -46,7 +46,7 @@ import yaml
 
 from attnlab.config import MAX_SEED, DataConfig, ModelConfig, TrainConfig, section_from_dict
 from attnlab.config_checks import unknown_key_problem
-from attnlab.config_io import model_config_from_dict, parse_yaml, read_yaml, yaml_problem
+from attnlab.config_io import TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
 from attnlab.model.transformer import build_model
 from attnlab.paths import brief, name_problem
@@ -135,6 +135,21 @@ def substitute(value: Any, variables: dict, where: str, problems: list[str]) -> 
     return VAR.sub(lambda m: str(variables.get(m.group(1), m.group(0))), value)
 
 
+def _undefined_keys(value: Any, variables: dict, where: str = "") -> list[str]:
+    """The keys (`train.lr`) whose value still holds an undefined ${variable} (after substitute)."""
+    if isinstance(value, dict):
+        return [
+            k
+            for key, v in value.items()
+            for k in _undefined_keys(v, variables, f"{where}.{key}" if where else str(key))
+        ]
+    if isinstance(value, list):
+        return [k for v in value for k in _undefined_keys(v, variables, where)]
+    if isinstance(value, str) and any(name not in variables for name in VAR.findall(value)):
+        return [where]
+    return []
+
+
 def parse_set(assignments: list[str] | tuple[str, ...]) -> dict:
     """['train.lr=3e-4', 'model.attention.d_sem=64'] -> nested dict; values parsed as YAML scalars."""
     out: dict = {}
@@ -146,10 +161,8 @@ def parse_set(assignments: list[str] | tuple[str, ...]) -> dict:
         try:
             value = parse_yaml(raw) if raw.strip() else None
         except yaml.YAMLError as e:
-            raise ConfigError(
-                f"--set {brief(item)}: the value {brief(raw)} is {yaml_problem(e)} (quote the whole value, or drop a "
-                "stray quote or bracket)"
-            ) from None
+            fix = "" if isinstance(e, TooDeep) else " (quote the whole value, or drop a stray quote or bracket)"
+            raise ConfigError(f"--set {brief(item)}: the value {brief(raw)} is {yaml_problem(e)}{fix}") from None
         node = out
         for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
@@ -215,6 +228,13 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict)
         problems.append(
             f"{where}: train.seq_len={spec['train'].seq_len} exceeds model.max_seq_len={cfg.max_seq_len}{memory} "
             "(lower train.seq_len or raise model.max_seq_len)"
+        )
+    given_train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    if "train" in spec and "warmup_steps" in given_train and spec["train"].warmup_steps > spec["train"].steps:
+        # (the default warmup of 100 steps is not refused: a short run warms up for all its steps)
+        problems.append(
+            f"{where}: train.warmup_steps={spec['train'].warmup_steps} exceeds train.steps={spec['train'].steps}: "
+            "the learning rate would never reach train.lr (lower warmup_steps or raise steps)"
         )
     if "train" in spec and spec["train"].trainable is not None:
         with torch.device("meta"):  # the parameters' names, without their memory
@@ -342,7 +362,10 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
             phase_names.append(phase_name)
             merged = deep_merge(deep_merge(base, {k: v for k, v in phase.items() if k in SECTION_KEYS}), overrides)
             spec: dict = {}
-            _resolve_sections(merged, phase_where if len(phases) > 1 else where, problems, spec)
+            found: list[str] = []
+            _resolve_sections(merged, phase_where if len(phases) > 1 else where, found, spec)
+            undefined = _undefined_keys(merged, variables)  # each said once (undefined variable), not again
+            problems += [p for p in found if not any(f" {key}=" in p or f".{key}=" in p for key in undefined)]
             if len(spec) == 3:
                 for seed in seeds:
                     runs.append(RunSpec(name_, seed, phase_name, spec["model"], spec["data"],

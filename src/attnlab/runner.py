@@ -15,14 +15,15 @@ from pathlib import Path
 import yaml
 
 from attnlab.config_checks import unknown_key_problem
-from attnlab.data.files import atomic_write_text, read_json_object
-from attnlab.data.sources import NAMED_SOURCES, local_path
+from attnlab.data.files import atomic_write_text, downloads_allowed, read_json_object
+from attnlab.data.prepared import cache_key, default_cache_dir, folder_name
+from attnlab.data.sources import NAMED_SOURCES, local_path, open_source
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
 from attnlab.paths import inside
 from attnlab.train.checkpoint import write_json_atomic
 from attnlab.train.distributed import init_distributed, prepare_rank0_first
-from attnlab.train.loop import full_config, pick_device, train
+from attnlab.train.loop import _config_differences, full_config, pick_device, train
 
 
 def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
@@ -52,12 +53,27 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
     if problems:
         raise ConfigError(problems, source=str(manifest.path))
     missing = []
+    if data_dir and not Path(data_dir).exists():  # a typo would fall back to the cache (or a download) silently
+        missing.append(f"--data-dir {data_dir}: no such folder (name the folder that holds the data files)")
     for source in dict.fromkeys(spec.data.source for spec in runs):
         if source not in NAMED_SOURCES:
             try:
                 local_path(source, data_dir)
             except DataError as e:
                 missing.append(str(e))
+    if not downloads_allowed():  # a named dataset must then be prepared already, or its files found here
+        for data in dict.fromkeys(spec.data for spec in runs):
+            if data.source not in NAMED_SOURCES:
+                continue
+            if (default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json").exists():
+                continue
+            try:
+                open_source(data.source, data_dir, download=False)  # finds the files; reads nothing
+            except DataError as e:
+                if str(e) not in missing:
+                    missing.append(
+                        f"{e} (downloads are off: $HF_HUB_OFFLINE, $HF_DATASETS_OFFLINE or $ATTNLAB_OFFLINE)"
+                    )
     if missing:
         raise DataError("; ".join(missing))
 
@@ -115,9 +131,11 @@ def run_manifest(
         if summary_path.exists():
             fix = "delete the run's folder to train it again"
             saved, summary = read_json_object(run_dir / "config.json", fix), read_json_object(summary_path, fix)
-            if saved != config:
+            differences = _config_differences(saved, config, saved_as="saved")
+            if differences:
+                more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
                 raise ConfigError(
-                    f"{run_dir} holds a finished run made with another config; "
+                    f"{run_dir} holds a finished run made with another config ({differences[0]}{more}); "
                     "use another --out directory or delete that folder", source=str(manifest.path)
                 )  # fmt: skip
             log(f"{label}: done already (val loss {summary.get('val_loss', float('nan')):.4f}), skipped")

@@ -410,6 +410,9 @@ def _build(data_cfg: DataConfig, folder: Path, data_dir, download) -> Prepared:
     except (FileExistsError, NotADirectoryError):  # a file where the cache expects a folder
         raise DataError(f"{folder}: a file stands where the prepared data's folder goes (or one of its parents); "
                         "remove it, or set XDG_CACHE_HOME to another cache") from None  # fmt: skip
+    except FileNotFoundError as e:  # a cache under a folder that cannot hold folders (e.g. /proc)
+        raise DataError(f"{folder}: cannot create the prepared data's folder ({e.strerror or e}); set "
+                        "XDG_CACHE_HOME to a writable folder") from None  # fmt: skip
     (folder / "meta.json").unlink(missing_ok=True)
     remove_stale_temporaries(folder)  # .bin files of a prepare that was killed mid-write (possibly large)
     name = data_cfg.tokenizer

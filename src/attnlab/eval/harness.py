@@ -168,6 +168,26 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
                 problem = parameter_problem(signature[key], value)
                 if problem:
                     problems.append(f"{where}.{name}.{key}={brief(value)} {problem}")
+        if name == "needle" and isinstance(params, dict):
+            problems += needle_problems(params, f"{where}.{name}")
+    return problems
+
+
+def needle_problems(params: dict, where: str) -> list[str]:
+    """What the needle benchmark's parameters cannot mean together: a dataset the filler does not read (only
+    filler=heldout reads `dataset`), lengths that cannot hold a prompt and its answer (< 2 tokens)."""
+    problems = []
+    filler = params.get("filler", "sentences")
+    if params.get("dataset") is not None and filler != "heldout":
+        problems.append(
+            f"{where}.dataset={brief(params['dataset'])} is read only with filler=heldout (filler is {brief(filler)}):"
+            " set filler: heldout, or leave the dataset out"
+        )
+    lengths = params.get("lengths")
+    if isinstance(lengths, list):
+        bad = next((x for x in lengths if isinstance(x, bool) or not isinstance(x, int) or x < 2), None)
+        if bad is not None or any(isinstance(x, bool) for x in lengths):
+            problems.append(f"{where}.lengths={brief(lengths)} holds {brief(bad)}, which must be a whole number >= 2")
     return problems
 
 
@@ -254,7 +274,13 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         check_name(name, "benchmark manifest name")
     else:
         name, checkpoints, spec = "bench", paths, {b: {} for b in DEFAULT_SET}
+    if benchmarks is not None and not any(b.strip() for b in benchmarks):
+        raise ConfigError(
+            "--benchmarks names no benchmark: give a comma-separated list (e.g. perplexity,needle), or leave "
+            "--benchmarks out for the default set"
+        )
     if benchmarks:
+        benchmarks = [b.strip() for b in benchmarks if b.strip()]
         unknown = [b for b in benchmarks if b not in BENCHMARKS]
         if unknown:
             raise ConfigError([unknown_key_problem(b, list(BENCHMARKS), "", what="benchmark") for b in unknown])

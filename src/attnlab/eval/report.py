@@ -281,6 +281,8 @@ def build_report(out_dir: str | Path) -> dict:
     if not records_path.exists():
         raise DataError(f"{records_path} not found: run `attnlab bench ... --out {out_dir}` first")
     records = read_records(records_path)
+    if not records:
+        raise DataError(f"{records_path}: holds no records (empty): run `attnlab bench ... --out {out_dir}` first")
     for number, record in enumerate(records, 1):
         if not isinstance(record.get("benchmark"), str) or not isinstance(record.get("model"), str):
             raise DataError(f"{records_path}: record {number} names no benchmark or model (the file was changed); "

@@ -24,6 +24,7 @@ becomes rope_scaling freq_factors.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from attnlab.errors import ConfigError, DataError
 from attnlab.interop.hf import WeightFiller
 from attnlab.interop.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
 from attnlab.model.transformer import Transformer, build_model
+from attnlab.paths import brief
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 REFUSED_ARCHITECTURES: dict[str, str] = {}
@@ -139,6 +141,7 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
 
     required = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
     problems = [f"metadata {arch}.{name} is missing" for name in required if key(name) is None]
+    problems += metadata_type_problems(meta, arch)
     if problems:
         raise ConfigError(problems, source=source)
     d_model, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
@@ -182,6 +185,44 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
         )
     except ConfigError as e:
         raise e.with_source(source) from None
+
+
+# Metadata config_from_gguf reads, with what each must be: a whole number >= the least, or a number > 0.
+WHOLE_KEYS = {
+    "block_count": 1,
+    "embedding_length": 1,
+    "feed_forward_length": 1,
+    "attention.head_count": 1,
+    "attention.head_count_kv": 1,
+    "attention.key_length": 1,
+    "attention.value_length": 1,
+    "rope.dimension_count": 1,
+    "context_length": 1,
+    "vocab_size": 1,
+    "expert_count": 0,
+}
+POSITIVE_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def metadata_type_problems(meta: dict, arch: str) -> list[str]:
+    """A problem for each `<arch>.*` key config_from_gguf reads whose value has the wrong type or range (a head
+    count of 0, a base stored as a string); head_count_kv may be a list (one per layer)."""
+    problems = []
+    for name, least in WHOLE_KEYS.items():
+        value = meta.get(f"{arch}.{name}")
+        values = value if isinstance(value, list) and name == "attention.head_count_kv" else [value]
+        if value is not None and not all(_is_whole(v) and v >= least for v in values) or values == []:
+            problems.append(f"metadata {arch}.{name}={brief(value)} must be a whole number >= {least}")
+    for name in POSITIVE_KEYS:
+        value = meta.get(f"{arch}.{name}")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is not None and not (number and math.isfinite(value) and value > 0):
+            problems.append(f"metadata {arch}.{name}={brief(value)} must be a number > 0")
+    return problems
 
 
 def rope_scaling_of(file: GGUFFile, arch: str) -> tuple[RopeScaling | None, list[str]]:

@@ -69,6 +69,20 @@ def rope_settings(hf: dict, default: float) -> tuple[float, RopeScaling | None, 
     scaling = {**older, **params}  # the options, whichever spelling holds them
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     problems = []
+    if params and older:  # both spellings: they must agree, or one would silently override the other
+        kinds = [d.get("rope_type") or d.get("type") or "default" for d in (params, older)]
+        clashes = [f"rope_type {kinds[0]!r} vs {kinds[1]!r}"] if kinds[0] != kinds[1] else []
+        clashes += [
+            f"{key} {params[key]!r} vs {older[key]!r}"
+            for key in sorted(set(params) & set(older) - {"rope_type", "type"})
+            if params[key] != older[key]
+        ]
+        if clashes:
+            problems.append(
+                f"rope_parameters and rope_scaling disagree ({'; '.join(clashes)}): keep one of them, or make "
+                "them say the same"
+            )
+            return 10000.0, None, problems
     if rope_type not in ROPE_TYPES:
         problems.append(
             f"rope_type={rope_type!r} is not supported (attnlab applies plain RoPE and the linear and llama3 "
@@ -262,10 +276,12 @@ def read_json(path: Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise DataError(f"{path}: not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e}); is it damaged or cut short?") from None
+    except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: unreadable JSON ({e})") from None
     if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise DataError(f"{path}: not a JSON object (got a JSON {type(data).__name__}); it must hold an object {{...}}")
     return data
 
 

@@ -101,6 +101,8 @@ def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, P
         return "run", path
     if is_hf_folder(path):
         return "hf", path
+    if (path / "config.json").is_file():
+        read_json(path / "config.json")  # broken JSON, or not an object: says so (naming the file)
     raise DataError(f"{path}: no config.json naming a model here (a model reference is {KINDS})")
 
 
@@ -158,6 +160,13 @@ def _load_run(path: Path, dtype, data_dir, tag: str) -> LoadedModel:
             tokenizer = prepare(DataConfig(**data), data_dir=data_dir).tokenizer
     elif (loaded.folder / "tokenizer" / "tokenizer.json").is_file():  # a converted pretrained model's (attnlab convert)
         tokenizer = tokenizer_from_folder(loaded.folder / "tokenizer", name=loaded.config.get("tokenizer"))
+    folder = loaded.run_dir / "tokenizer"
+    if data and folder.is_dir() and tokenizer.vocab_size > loaded.cfg.vocab_size:
+        raise DataError(  # another run's tokenizer copied in: its ids would run past the model's embedding
+            f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{loaded.cfg.vocab_size}: it is not the tokenizer this model was trained with (copy the run's own "
+            "tokenizer/ folder back, or delete it to use the prepared data's)"
+        )
     return LoadedModel(loaded.cfg, model, tokenizer, loaded.config, _label(loaded.run_dir), loaded.folder)
 
 

@@ -114,7 +114,10 @@ class PretrainedTokenizer(Tokenizer):
                 bos_token="" if self.bos_id is None else token(self.bos_id),
                 eos_token="" if self.eos_id is None else token(self.eos_id),
             )  # fmt: skip
-        except jinja2.TemplateError as e:
+        except InputError:
+            raise
+        except (jinja2.TemplateError, ArithmeticError, TypeError, ValueError, RecursionError) as e:
+            # ArithmeticError: range(10**12) overflows; the sandbox raises the Python errors a template causes
             raise DataError(f"{self.name}: its chat template does not render ({' '.join(str(e).split())})") from None
         return self.prompt_tokenizer.encode(rendered, add_special_tokens=False).ids
 

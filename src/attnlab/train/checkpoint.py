@@ -34,7 +34,7 @@ from safetensors.torch import load_model, save_model
 from attnlab.config import ModelConfig
 from attnlab.config_io import model_config_from_dict
 from attnlab.data.files import atomic_path, atomic_write_text, remove_stale_temporaries, sha256_file
-from attnlab.errors import DataError
+from attnlab.errors import AttnlabWarning, DataError
 from attnlab.model.transformer import Transformer, build_model
 
 WEIGHTS, OPTIMIZER, TRAINER, CONFIG = "model.safetensors", "optimizer.pt", "trainer.json", "config.json"
@@ -203,7 +203,11 @@ def recorded_checksums(folder: Path) -> dict | None:
             ) from None
         if folder not in _unchecked_warned:
             _unchecked_warned.add(folder)
-            log.warning("%s: no %s (written by an older attnlab): its files cannot be checked", folder, CHECKSUMS)
+            warnings.warn(
+                f"{folder}: no {CHECKSUMS} (written by an older attnlab): its files cannot be checked",
+                AttnlabWarning,
+                stacklevel=2,
+            )
         return None
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable ({_why(e)}); {_fix(folder)}") from None

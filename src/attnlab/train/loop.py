@@ -68,14 +68,16 @@ def full_config(model: ModelConfig, data: DataConfig, train: TrainConfig) -> dic
     return json.loads(json.dumps({"model": model.to_dict(), "data": asdict(data), "train": asdict(train)}))
 
 
-def _config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+def _config_differences(saved: dict, current: dict, prefix: str = "", saved_as: str = "checkpoint") -> list[str]:
+    """Every key whose value differs (`key: <saved_as> <saved value>, now <value>`). A key missing on one side
+    counts as None: a config saved before a field (default None) existed equals today's."""
     out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_differences(a, b, f"{prefix}{key}.")
+            out += _config_differences(a, b, f"{prefix}{key}.", saved_as)
         elif a != b:
-            out.append(f"{prefix}{key}: checkpoint {a!r}, now {b!r}")
+            out.append(f"{prefix}{key}: {saved_as} {a!r}, now {b!r}")
     return out
 
 
