@@ -4,6 +4,7 @@ file, key or value and the fix (no traceback), or is accepted where it was wrong
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -260,3 +261,14 @@ def test_any_folder_under_a_cache_that_cannot_exist_is_one_line(monkeypatch):
     error = FileNotFoundError(errno.ENOENT, "No such file or directory", "/proc/xdg/attnlab/tinyshakespeare")
     line = os_error_line(error, argparse.Namespace(command="run"))
     assert line is not None and "/proc/xdg" in line and "set XDG_CACHE_HOME to a writable folder" in line
+
+
+def test_a_benchmark_kv_policy_is_checked_before_anything_runs_and_info_refuses_an_empty_one(tmp_path, capsys):
+    """memory.kv_policy=k=q3_0 used to be recorded with exit 0 when no length fit a cache; `info --kv-policy ''`
+    was accepted."""
+    assert main(["bench", str(tmp_path), "--benchmarks", "memory", "--set", "memory.kv_policy=k=q3_0"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "memory.kv_policy='k=q3_0' is not a KV policy" in err
+    config = Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny-mha.yaml"
+    assert main(["info", str(config), "--kv-policy", ""]) == 2
+    assert "--kv-policy is empty" in capsys.readouterr().err

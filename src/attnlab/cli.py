@@ -139,6 +139,8 @@ def cmd_info(args) -> int:
     cfg = load_config(args.config) if is_yaml else model_config_of(args.config, args.data_dir)
     if args.memory is not None:
         cfg = cfg.replace(memory=memory_option(args.memory))
+    if args.kv_policy is not None and not args.kv_policy.strip():
+        raise InputError("--kv-policy is empty (give a policy, e.g. k=q8_0,v=q4_0, or leave the flag out)")
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
     if args.json:
         print(json.dumps(report))

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from attnlab.cache.codecs import KVPolicy
 from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
@@ -165,12 +166,24 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
             if key not in signature or key in ("model", "out_dir", "data_dir"):
                 problems.append(unknown_key_problem(str(key), list(parameters(name)), f"{where}.{name}."))
             else:
-                problem = parameter_problem(signature[key], value)
+                problem = parameter_problem(signature[key], value) or policy_problem(key, value)
                 if problem:
                     problems.append(f"{where}.{name}.{key}={brief(value)} {problem}")
         if name == "needle" and isinstance(params, dict):
             problems += needle_problems(params, f"{where}.{name}")
     return problems
+
+
+def policy_problem(key: str, value) -> str | None:
+    """A KV policy parameter that does not parse, checked before any benchmark runs (a run whose lengths all fit
+    no cache would otherwise never read it)."""
+    if key != "kv_policy" or not isinstance(value, str):
+        return None
+    try:
+        KVPolicy.parse(value)
+    except ConfigError as e:
+        return f"is not a KV policy: {e}"
+    return None if value.strip() else "is empty (leave kv_policy out for the full-precision cache)"
 
 
 def needle_problems(params: dict, where: str) -> list[str]:
