@@ -65,3 +65,18 @@ def kv_layout(kv_heads: int, head_dim: int, interleaved: bool = False):
     """The cache layout of a per-head variant (mha): k (rotated by RoPE) and v, head_dim each per KV head."""
     fields = {"k": [Field("k", head_dim, rope=True)], "v": [Field("v", head_dim)]}
     return CacheLayout.of(fields, kv_heads=kv_heads, route="v", read=Read("k", "v"), rope_interleaved=interleaved)
+
+
+def fails(capsys, argv, *fragments) -> str:
+    """main(argv) exits 2 with one stderr line `attnlab <command>: error: ...` holding every fragment and no
+    traceback; that line (truthy, so a test can `assert fails(...)`)."""
+    from attnlab.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attnlab {argv[0]}: error: "), lines
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]

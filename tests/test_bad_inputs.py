@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import train_tiny_run
+from helpers import fails, train_tiny_run
 
 from attnlab.cli import main
 from attnlab.errors import DataError
@@ -23,16 +23,6 @@ MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     return train_tiny_run(tmp_path_factory.mktemp("bad"), MODEL, steps=6)
-
-
-def fails(capsys, argv, *fragments) -> str:
-    """main(argv) exits 2 with one stderr line holding every fragment; that line."""
-    assert main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"attnlab {argv[0]}: error: "), lines
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 def copy_run(run, tmp_path):
@@ -96,8 +86,10 @@ def test_odd_values_and_files_are_one_line(tmp_path, capsys):
     deep.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
     assert fails(capsys, ["info", str(deep)], "nested too deeply")
     config = tmp_path / "m.yaml"
-    config.write_text("vocab_size: 97\nd_model: 64\nn_layers: 2\nn_heads: 4\nmax_seq_len: 64\n"
-                      "attention: {kind: coda, gate_bias: 1.0e+308}\n")  # fmt: skip
+    config.write_text(
+        "vocab_size: 97\nd_model: 64\nn_layers: 2\nn_heads: 4\nmax_seq_len: 64\n"
+        "attention: {kind: coda, gate_bias: 1.0e+308}\n"
+    )
     assert fails(capsys, ["info", str(config)], "gate_bias", "too large")
     assert fails(capsys, ["kv-tune", "x", "--budget", "10", "--formats", "q8_0,zz"], "'zz' is not a format")
     assert fails(capsys, ["kv-tune", "x", "--budget", "10", "--resids", "a,b"], "--resids")
@@ -106,8 +98,11 @@ def test_odd_values_and_files_are_one_line(tmp_path, capsys):
 def test_memory_names_must_be_utf8(run, tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text("hello")
-    assert fails(capsys, ["memory", "ingest", str(run), str(doc), "--name", "\udcff", "--store", str(tmp_path / "s")],
-          "not valid UTF-8")  # fmt: skip
+    assert fails(
+        capsys,
+        ["memory", "ingest", str(run), str(doc), "--name", "\udcff", "--store", str(tmp_path / "s")],
+        "not valid UTF-8",
+    )
 
 
 def test_sampling_at_extreme_settings_stays_a_distribution():
@@ -144,7 +139,7 @@ def test_the_probes_smaller_findings(run, tmp_path, capsys):
     bench = tmp_path / "b.yml"
     bench.write_text("name: b\ncheckpoints: []\n")
     assert fails(capsys, ["bench", str(bench), "--out", str(tmp_path / "o")], "no benchmarks named")
-    fails(
+    assert fails(
         capsys,
         ["probes", "configs/probes/core.yml", str(run), "--seed", "-1", "--out", str(tmp_path / "p")],
         "--seed -1",
@@ -198,8 +193,12 @@ def test_a_damaged_run_tokenizer_is_refused_never_replaced(run, tmp_path, capsys
     vocab = copied / "tokenizer" / "vocab.json"
     vocab.unlink() if damage is None else vocab.write_bytes(damage)
     phrase = "missing" if damage is None else "not a valid char tokenizer file"
-    fails(capsys, ["generate", str(copied), "the", "--max-new-tokens", "2"], f"{vocab}: {phrase}",
-          f"delete {copied / 'tokenizer'} to make it again")  # fmt: skip
+    assert fails(
+        capsys,
+        ["generate", str(copied), "the", "--max-new-tokens", "2"],
+        f"{vocab}: {phrase}",
+        f"delete {copied / 'tokenizer'} to make it again",
+    )
 
 
 def test_compare_shows_a_diverged_run_as_nan_not_as_missing(run, tmp_path, capsys):
@@ -216,9 +215,9 @@ def test_a_data_folder_that_is_a_file_is_named(run, tmp_path, capsys, monkeypatc
     afile = tmp_path / "notes.txt"
     afile.write_text("x")
     fix = "a file, not a folder (name the folder that holds the data files)"
-    fails(capsys, ["generate", str(run), "the", "--data-dir", str(afile)], f"--data-dir {afile}: {fix}")
+    assert fails(capsys, ["generate", str(run), "the", "--data-dir", str(afile)], f"--data-dir {afile}: {fix}")
     monkeypatch.setenv("ATTNLAB_DATA", str(afile))
-    fails(capsys, ["mc", "piqa", str(run), "--limit", "1"], f"$ATTNLAB_DATA={afile}: {fix}")
+    assert fails(capsys, ["mc", "piqa", str(run), "--limit", "1"], f"$ATTNLAB_DATA={afile}: {fix}")
 
 
 def test_a_damaged_or_read_only_memory_index_says_what_to_do(tmp_path, capsys, monkeypatch):
@@ -230,12 +229,20 @@ def test_a_damaged_or_read_only_memory_index_says_what_to_do(tmp_path, capsys, m
     store.put(Entry("notes", "states/notes.safetensors", [], 1, 1, "hash", "model", "now", "sha"))
     connect = sqlite3.connect  # a read-only index: every connection opened read-only, as the OS would allow
     monkeypatch.setattr(sqlite3, "connect", lambda name, **kw: connect(name.replace("mode=rwc", "mode=ro"), **kw))
-    fails(capsys, ["memory", "rm", "notes", "--store", str(store.root)], f"{store.index}: read-only (attempt to write "
-          f"a readonly database): make {store.root} and its index writable, or choose another store")  # fmt: skip
+    assert fails(
+        capsys,
+        ["memory", "rm", "notes", "--store", str(store.root)],
+        f"{store.index}: read-only (attempt to write "
+        f"a readonly database): make {store.root} and its index writable, or choose another store",
+    )
     monkeypatch.undo()
     store.index.write_bytes(b"not a database" * 100)
-    fails(capsys, ["memory", "ls", "--store", str(store.root)],
-          f"{store.index}: not a readable memory index (file is not a database)", "restore it from a copy")  # fmt: skip
+    assert fails(
+        capsys,
+        ["memory", "ls", "--store", str(store.root)],
+        f"{store.index}: not a readable memory index (file is not a database)",
+        "restore it from a copy",
+    )
 
 
 def test_usage_errors_name_the_subcommand(capsys):

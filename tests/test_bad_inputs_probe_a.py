@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import train_tiny_run
+from helpers import fails, train_tiny_run
 
 from attnlab.cli import main
 from attnlab.errors import InputError
@@ -29,18 +29,6 @@ def memory_run(tmp_path_factory):
     return train_tiny_run(tmp_path_factory.mktemp("probe_a_memory"), model, steps=6)
 
 
-def fails(capsys, argv, *fragments) -> str:
-    """main(argv) exits 2 with one stderr line holding every fragment and no traceback; that line."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"attnlab {argv[0]}: error: "), lines
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
-
-
 # 1. records targets and memory documents that are not regular files
 
 
@@ -60,7 +48,9 @@ def test_records_refuse_a_folder_and_write_through_a_symlink(tmp_path):
 def test_kv_out_a_device_is_refused_before_evaluating(tmp_path, capsys, command):
     extra = ["--budget", "100"] if command == "kv-tune" else ["--policies", "k=q8_0"]
     # the checkpoint does not exist: --out is refused before the model is loaded (or /dev/full read)
-    fails(capsys, [command, str(tmp_path / "absent"), *extra, "--out", "/dev/full"], "/dev/full", "not a regular file")
+    assert fails(
+        capsys, [command, str(tmp_path / "absent"), *extra, "--out", "/dev/full"], "/dev/full", "not a regular file"
+    )
 
 
 def test_kv_eval_out_through_a_symlink_keeps_the_link(run, tmp_path, capsys):
@@ -74,12 +64,20 @@ def test_kv_eval_out_through_a_symlink_keeps_the_link(run, tmp_path, capsys):
 def test_memory_ingest_refuses_a_device_and_names_empty_documents(memory_run, tmp_path, capsys):
     run = memory_run
     store = str(tmp_path / "st")
-    fails(capsys, ["memory", "ingest", str(run), "/dev/zero", "--name", "n", "--store", store], "/dev/zero",
-          "not a regular file")  # fmt: skip
+    assert fails(
+        capsys,
+        ["memory", "ingest", str(run), "/dev/zero", "--name", "n", "--store", store],
+        "/dev/zero",
+        "not a regular file",
+    )
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    fails(capsys, ["memory", "ingest", str(run), str(empty), "--name", "n", "--store", store], "no text to ingest",
-          "empty.txt")  # fmt: skip
+    assert fails(
+        capsys,
+        ["memory", "ingest", str(run), str(empty), "--name", "n", "--store", store],
+        "no text to ingest",
+        "empty.txt",
+    )
 
 
 # 5. kv-eval / kv-tune flags
@@ -89,12 +87,16 @@ def test_memory_ingest_refuses_a_device_and_names_empty_documents(memory_run, tm
 @pytest.mark.parametrize("command", ["kv-eval", "kv-tune"])
 def test_kv_tokens_and_seq_len_must_be_positive(run, capsys, command, flag, value):
     extra = ["--budget", "100"] if command == "kv-tune" else ["--policies", "k=q8_0"]
-    fails(capsys, [command, str(run), *extra, flag, value], f"{flag}={value} must be >= 1")
+    assert fails(capsys, [command, str(run), *extra, flag, value], f"{flag}={value} must be >= 1")
 
 
 def test_kv_eval_refuses_an_empty_policy(run, capsys):
-    fails(capsys, ["kv-eval", str(run), "--policies", "", "--seq-len", "16", "--tokens", "32"], "--policies",
-          "empty policy")  # fmt: skip
+    assert fails(
+        capsys,
+        ["kv-eval", str(run), "--policies", "", "--seq-len", "16", "--tokens", "32"],
+        "--policies",
+        "empty policy",
+    )
 
 
 # 2. lm-eval task files
@@ -139,19 +141,23 @@ def test_lm_eval_refuses_a_function_tag_and_runs_no_code(run, lm_tasks, tmp_path
     (tasks / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef process(docs):\n    return docs\n")
     with open(tasks / "mytask.yaml", "a") as f:
         f.write("process_docs: !function evil.process\n")
-    fails(capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "!function", "does not run code from task files")
+    assert fails(
+        capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "!function", "does not run code from task files"
+    )
     assert not marker.exists()
 
 
 def test_lm_eval_data_file_leaving_the_data_dir_or_unreadable(run, lm_tasks, capsys):
     tasks, data = lm_tasks
     (tasks / "mytask.yaml").write_text(TASK.format(name="mytask", data="../../../../etc/hostname"))
-    fails(capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "../../../../etc/hostname", "leaves the data dir")
+    assert fails(
+        capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "../../../../etc/hostname", "leaves the data dir"
+    )
     (tasks / "mytask.yaml").write_text(TASK.format(name="mytask", data=str(data / "absent.jsonl")))
-    fails(capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "absent.jsonl", "is not a file")
+    assert fails(capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "absent.jsonl", "is not a file")
     (tasks / "mytask.yaml").write_text(TASK.format(name="mytask", data="x/data.jsonl"))
     (data / "x" / "data.jsonl").write_text('{"q": "a", broken\n')
-    fails(capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "data.jsonl", "could not be loaded")
+    assert fails(capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "data.jsonl", "could not be loaded")
 
 
 def test_lm_eval_names_a_task_file_that_is_not_yaml(run, lm_tasks, capsys):
@@ -159,14 +165,16 @@ def test_lm_eval_names_a_task_file_that_is_not_yaml(run, lm_tasks, capsys):
     (tasks / "bad_task.yaml").write_text("task: bad_task\ndoc_to_text: [unclosed\n")
     argv = lm_eval_argv(run, tasks, data)
     argv[3] = "bad_task"
-    fails(capsys, argv, "bad_task.yaml", "not valid YAML")
+    assert fails(capsys, argv, "bad_task.yaml", "not valid YAML")
 
 
 def test_lm_eval_out_is_checked_before_evaluating(lm_tasks, tmp_path, capsys):
     tasks, data = lm_tasks
     (tmp_path / "f").write_text("keep")
     # the checkpoint does not exist: --out is refused before the model is loaded
-    fails(capsys, lm_eval_argv(tmp_path / "absent", tasks, data, "--out", str(tmp_path / "f")), str(tmp_path / "f"))
+    assert fails(
+        capsys, lm_eval_argv(tmp_path / "absent", tasks, data, "--out", str(tmp_path / "f")), str(tmp_path / "f")
+    )
     assert (tmp_path / "f").read_text() == "keep"
 
 
@@ -179,7 +187,9 @@ def test_export_refuses_the_current_folder_or_a_parent(run, tmp_path, monkeypatc
     work.mkdir(parents=True)
     (work / "keep.txt").write_text("keep")
     monkeypatch.chdir(work)
-    fails(capsys, ["export", str(run), "--hf", hf, "--overwrite"], f"{hf.rstrip('/') or '.'}: is the current folder")
+    assert fails(
+        capsys, ["export", str(run), "--hf", hf, "--overwrite"], f"{hf.rstrip('/') or '.'}: is the current folder"
+    )
     assert (work / "keep.txt").read_text() == "keep"
 
 
@@ -188,16 +198,31 @@ def test_export_refuses_the_current_folder_or_a_parent(run, tmp_path, monkeypatc
 
 def test_convert_bad_dataset_leaves_no_out_behind(run, tmp_path, capsys):
     out = tmp_path / "conv"
-    argv = ["convert", str(run), "--attention", "kind=mha,n_kv_heads=1", "--out", str(out), "--seq-len", "16",
-            "--eval-tokens", "32", "--dataset", str(tmp_path / "missing.txt")]  # fmt: skip
-    fails(capsys, argv, "missing.txt")
+    argv = [
+        "convert",
+        str(run),
+        "--attention",
+        "kind=mha,n_kv_heads=1",
+        "--out",
+        str(out),
+        "--seq-len",
+        "16",
+        "--eval-tokens",
+        "32",
+        "--dataset",
+        str(tmp_path / "missing.txt"),
+    ]
+    assert fails(capsys, argv, "missing.txt")
     assert not out.exists()
 
 
 def test_convert_refuses_negative_eval_tokens(run, tmp_path, capsys):
     out = tmp_path / "conv"
-    fails(capsys, ["convert", str(run), "--attention", "kind=mha,n_kv_heads=1", "--out", str(out), "--eval-tokens",
-                   "-5"], "--eval-tokens=-5 must be >= 0")  # fmt: skip
+    assert fails(
+        capsys,
+        ["convert", str(run), "--attention", "kind=mha,n_kv_heads=1", "--out", str(out), "--eval-tokens", "-5"],
+        "--eval-tokens=-5 must be >= 0",
+    )
     assert not out.exists()
 
 
@@ -205,15 +230,23 @@ def test_convert_refuses_negative_eval_tokens(run, tmp_path, capsys):
 def test_convert_with_nothing_to_convert_is_refused(run, tmp_path, capsys, attention):
     out = tmp_path / "conv"
     argv = ["convert", str(run), "--out", str(out)] + ([] if attention is None else ["--attention", attention])
-    fails(capsys, argv, "nothing to convert", "--attention", "--memory")
+    assert fails(capsys, argv, "nothing to convert", "--attention", "--memory")
     assert not out.exists()
 
 
 def test_duplicate_keys_are_refused(run, tmp_path, capsys):
-    fails(capsys, ["convert", str(run), "--attention", "kind=mha,kind=diff", "--out", str(tmp_path / "conv")],
-          "--attention", "kind is given twice")  # fmt: skip
-    fails(capsys, ["info", str(run), "--memory", "kind=window,recent_window=8,recent_window=16"], "--memory",
-          "recent_window is given twice")  # fmt: skip
+    assert fails(
+        capsys,
+        ["convert", str(run), "--attention", "kind=mha,kind=diff", "--out", str(tmp_path / "conv")],
+        "--attention",
+        "kind is given twice",
+    )
+    assert fails(
+        capsys,
+        ["info", str(run), "--memory", "kind=window,recent_window=8,recent_window=16"],
+        "--memory",
+        "recent_window is given twice",
+    )
 
 
 def test_convert_says_why_calibration_text_is_needed(run, tmp_path, monkeypatch, capsys):
@@ -221,7 +254,11 @@ def test_convert_says_why_calibration_text_is_needed(run, tmp_path, monkeypatch,
     monkeypatch.setenv("ATTNLAB_OFFLINE", "1")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "conv"
-    fails(capsys, ["convert", str(run), "--attention", "kind=decoupled", "--out", str(out)],
-          "calibration text for the factorisations (--calibrate-on wikitext2-nounk, train split) was not found",
-          "--data-dir", "--calibration-tokens 0")  # fmt: skip
+    assert fails(
+        capsys,
+        ["convert", str(run), "--attention", "kind=decoupled", "--out", str(out)],
+        "calibration text for the factorisations (--calibrate-on wikitext2-nounk, train split) was not found",
+        "--data-dir",
+        "--calibration-tokens 0",
+    )
     assert not out.exists()

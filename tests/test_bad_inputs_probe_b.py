@@ -7,20 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import fails
 
 from attnlab.cli import main
-
-
-def fails(capsys, argv, *fragments) -> str:
-    """main(argv) exits 2 with one stderr line holding every fragment; that line."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"attnlab {argv[0]}: error: "), lines
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 def write_manifest(tmp_path, train="{seq_len: 16, batch_size: 2, steps: 2, eval_every: 2, eval_tokens: 64}",
@@ -52,21 +41,25 @@ def test_a_finished_run_saved_before_a_new_field_is_not_refused(tmp_path, capsys
     assert "done already" in capsys.readouterr().out
     saved["train"]["lr"] = 0.5
     saved_path.write_text(json.dumps(saved))
-    fails(capsys, ["run", str(manifest), "--out", str(out)], "another config", "train.lr: saved 0.5, now")
+    assert fails(capsys, ["run", str(manifest), "--out", str(out)], "another config", "train.lr: saved 0.5, now")
 
 
 def test_a_set_value_nested_thousands_deep_is_refused(tmp_path, capsys):
     manifest = write_manifest(tmp_path)
     deep = "[" * 3000 + "]" * 3000
-    fails(capsys, ["run", str(manifest), "--dry-run", "--set", f"model.attention={deep}"], "--set", "nested too deeply")
+    assert fails(
+        capsys, ["run", str(manifest), "--dry-run", "--set", f"model.attention={deep}"], "--set", "nested too deeply"
+    )
     deep = "[" * 500 + "]" * 500  # parsed by PyYAML, too deep for what reads it
-    fails(capsys, ["run", str(manifest), "--dry-run", "--set", f"model.attention={deep}"], "--set", "nested too deeply")
+    assert fails(
+        capsys, ["run", str(manifest), "--dry-run", "--set", f"model.attention={deep}"], "--set", "nested too deeply"
+    )
 
 
 def test_a_cache_that_cannot_be_created_is_named(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", "/proc/xdg")
     manifest = write_manifest(tmp_path)
-    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "runs")], "/proc/xdg", "set XDG_CACHE_HOME")
+    assert fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "runs")], "/proc/xdg", "set XDG_CACHE_HOME")
 
 
 def write_metadata_gguf(path, **metadata):
@@ -98,7 +91,7 @@ def write_metadata_gguf(path, **metadata):
 )
 def test_gguf_metadata_of_the_wrong_type_or_value_is_named(tmp_path, capsys, metadata, named):
     path = write_metadata_gguf(tmp_path / "bad.gguf", **metadata)
-    fails(capsys, ["info", str(path)], "bad.gguf", named)
+    assert fails(capsys, ["info", str(path)], "bad.gguf", named)
 
 
 def test_a_chat_template_that_overflows_is_refused(tmp_path, capsys):
@@ -110,7 +103,9 @@ def test_a_chat_template_that_overflows_is_refused(tmp_path, capsys):
     config["chat_template"] = "{% for i in range(10**12) %}x{% endfor %}"
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     capsys.readouterr()
-    fails(capsys, ["generate", str(folder), "hi", "--chat", "--max-new-tokens", "1"], "chat template does not render")
+    assert fails(
+        capsys, ["generate", str(folder), "hi", "--chat", "--max-new-tokens", "1"], "chat template does not render"
+    )
 
 
 @pytest.mark.parametrize(
@@ -147,8 +142,9 @@ def test_a_checkpoint_from_before_checksums_is_one_warning_line(tmp_path, capsys
 
     from attnlab.train.checkpoint import CHECKSUMS
 
-    run = train_tiny_run(tmp_path, {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64},
-                         steps=2)  # fmt: skip
+    run = train_tiny_run(
+        tmp_path, {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}, steps=2
+    )
     for checksums in run.rglob(CHECKSUMS):
         make_legacy(checksums.parent)
     capsys.readouterr()
@@ -174,7 +170,7 @@ def test_a_broken_hf_config_json_is_named(tmp_path, capsys, text, named):
     folder = tmp_path / "h"
     folder.mkdir()
     (folder / "config.json").write_text(text)
-    fails(capsys, ["info", str(folder)], named)
+    assert fails(capsys, ["info", str(folder)], named)
 
 
 def test_a_run_holding_another_runs_tokenizer_is_refused(tmp_path, capsys):
@@ -185,22 +181,28 @@ def test_a_run_holding_another_runs_tokenizer_is_refused(tmp_path, capsys):
 
     from attnlab.data.tokenizers import train_tokenizer
 
-    run = train_tiny_run(tmp_path, {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64},
-                         steps=2)  # fmt: skip
+    run = train_tiny_run(
+        tmp_path, {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}, steps=2
+    )
     shutil.rmtree(run / "tokenizer")
     (run / "tokenizer").mkdir()
     train_tokenizer("char", [string.printable]).save(run / "tokenizer")  # another run's: 100 characters
     capsys.readouterr()
-    fails(capsys, ["generate", str(run), "a cat", "--max-new-tokens", "1"], "tokenizer", "vocab_size is 40")
+    assert fails(capsys, ["generate", str(run), "a cat", "--max-new-tokens", "1"], "tokenizer", "vocab_size is 40")
 
 
 def test_a_dry_run_checks_that_a_named_dataset_can_be_found(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # empty: nothing prepared or downloaded
     manifest = write_manifest(tmp_path, source="fineweb-edu")
-    fails(capsys, ["run", str(manifest), "--dry-run", "--data-dir", str(tmp_path / "nonexistent")],
-          "--data-dir", "nonexistent", "no such folder")  # fmt: skip
+    assert fails(
+        capsys,
+        ["run", str(manifest), "--dry-run", "--data-dir", str(tmp_path / "nonexistent")],
+        "--data-dir",
+        "nonexistent",
+        "no such folder",
+    )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    fails(capsys, ["run", str(manifest), "--dry-run"], "fineweb-edu", "downloads are off")
+    assert fails(capsys, ["run", str(manifest), "--dry-run"], "fineweb-edu", "downloads are off")
 
 
 def test_rope_parameters_and_rope_scaling_that_disagree_are_refused(tmp_path, capsys):
@@ -213,7 +215,7 @@ def test_rope_parameters_and_rope_scaling_that_disagree_are_refused(tmp_path, ca
     config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (folder / "config.json").write_text(json.dumps(config))
     capsys.readouterr()
-    fails(capsys, ["info", str(folder)], "config.json", "rope_parameters and rope_scaling disagree", "'yarn'")
+    assert fails(capsys, ["info", str(folder)], "config.json", "rope_parameters and rope_scaling disagree", "'yarn'")
 
 
 @pytest.mark.parametrize(
@@ -230,7 +232,7 @@ def test_needle_parameters_that_would_be_ignored_or_meaningless_are_refused(tmp_
     argv = ["bench", str(bench), "--out", str(tmp_path / "o")]
     for item in sets:
         argv += ["--set", item]
-    fails(capsys, argv, named)
+    assert fails(capsys, argv, named)
 
 
 def test_an_empty_benchmark_list_is_refused(tmp_path, capsys):
@@ -241,13 +243,13 @@ def test_an_empty_benchmark_list_is_refused(tmp_path, capsys):
 
 def test_a_report_of_an_empty_records_file_is_refused(tmp_path, capsys):
     (tmp_path / "records.jsonl").write_text("")
-    fails(capsys, ["report", str(tmp_path)], "records.jsonl", "no records")
+    assert fails(capsys, ["report", str(tmp_path)], "records.jsonl", "no records")
     assert not (tmp_path / "report.md").exists()
 
 
 def test_warmup_longer_than_the_run_is_refused(tmp_path, capsys):
     manifest = write_manifest(tmp_path, train="{seq_len: 16, batch_size: 2, steps: 20, warmup_steps: 500}")
-    fails(capsys, ["run", str(manifest), "--dry-run"], "train.warmup_steps=500 exceeds train.steps=20")
+    assert fails(capsys, ["run", str(manifest), "--dry-run"], "train.warmup_steps=500 exceeds train.steps=20")
 
 
 def test_any_folder_under_a_cache_that_cannot_exist_is_one_line(monkeypatch):
