@@ -357,7 +357,11 @@ def edit(text: str, old: str, new: str) -> str:
         # types where a name goes
         ("name: demo", "name: [demo]", "name=['demo'] must be a string (a name), got list"),
         ("name: demo", "name: 7", "name=7 must be a string"),
-        ("  base: {}", "  base: {init_from: [two]}", "targets.base.init_from=['two'] must be a target name, got list"),
+        (
+            "  base: {}",
+            "  base: {init_from: [two]}",
+            "targets.base.init_from=['two'] must be a target name or a model reference, got list",
+        ),
         ("  base: {}", "  1: {}", "targets: target name=1 must be a string"),
         ("{name: short,", "{name: [short],", "targets.two.phases[0]: phase name=['short'] must be a string"),
         ("{name: short,", "{name: {a: 1},", "phase name={'a': 1} must be a string"),

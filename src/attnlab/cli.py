@@ -41,6 +41,7 @@ from attnlab.interop.references import model_config_of
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.memory import MemoryStore, ingest, query
 from attnlab.paths import data_dirs
+from attnlab.retrofit import check_pretrained
 from attnlab.runner import run_manifest
 
 
@@ -60,6 +61,9 @@ def cmd_validate(args) -> int:
             kind = file_kind(path)
             if kind == "manifest":
                 manifest = load_manifest(path, args.set)
+                problems = check_pretrained(list(manifest.runs), list(manifest.runs), args.data_dir)
+                if problems:
+                    raise ConfigError(problems, source=str(path))
                 print(f"{path}: ok (manifest {manifest.name}: {len(manifest.targets)} targets, "
                       f"{len(manifest.seeds)} seeds, {len(manifest.runs)} runs)")  # fmt: skip
                 continue
@@ -435,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("files", nargs="+")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="manifest override")
+    p.add_argument("--data-dir", help="where data files and models are (else $ATTNLAB_DATA): a manifest target's "
+                   "init_from model is looked up there and checked")  # fmt: skip
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("run", help="train a manifest's targets x seeds, then compare them")
     p.add_argument("manifest")

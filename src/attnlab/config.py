@@ -415,6 +415,12 @@ def _default_attention() -> AttentionConfig:
 # ----------------------------------------------------------------------------- data and training
 
 
+def names_model(tokenizer: str) -> bool:
+    """Whether a data.tokenizer value names a model whose tokenizer is used (a pretrained model's): a .gguf file,
+    a path with a folder separator, or hf:ORG/NAME, rather than one of the built-in kinds."""
+    return tokenizer.startswith("hf:") or tokenizer.lower().endswith(".gguf") or "/" in tokenizer or "\\" in tokenizer
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Which text, tokenized how. Sources: wikitext2 (tokenized v1 files), wikitext2-raw, tinyshakespeare,
@@ -448,8 +454,11 @@ class DataConfig:
             )
         tok = self.tokenizer
         bpe = tok.startswith("bpe:") and tok[4:].isascii() and tok[4:].isdigit()
-        if tok not in ("gpt2", "word", "byte", "char") and not bpe:
-            problems.append(f"data.tokenizer={tok!r} is not known (use gpt2, bpe:<vocab size>, word, byte or char)")
+        if tok not in ("gpt2", "word", "byte", "char") and not bpe and not names_model(tok):
+            problems.append(
+                f"data.tokenizer={tok!r} is not known (use gpt2, bpe:<vocab size>, word, byte, char, or a model "
+                "reference: a .gguf file, a model folder path with a /, or hf:ORG/NAME)"
+            )
         elif bpe and not 257 <= int(tok[4:]) <= MAX_WIDTH:
             problems.append(
                 f"data.tokenizer={tok!r}: a byte-level BPE needs 257 to {MAX_WIDTH:,} ids (256 bytes + end-of-text)"

@@ -14,6 +14,18 @@
       dba_bounded:
         init_from: dba                 # optional: start from another (earlier) target's last phase
         model: {memory: {kind: bounded}}   # a phase may add a bounded memory (its gates start fresh)
+      smollm_mqa:
+        init_from: models/SmolLM2-135M-Instruct.Q4_1.gguf   # or a pretrained model (any model reference)
+        model: {attention: {kind: mha, n_kv_heads: 1}}      # converted first (attnlab convert); data.tokenizer
+                                                            # defaults to the model's
+
+`init_from` may name a model reference instead of a target (a .gguf file, a model folder, an attnlab
+checkpoint, hf:ORG/NAME; a relative path is looked up in the working directory, then in the data
+directories), or be a mapping {model: REF, rope_pairs: energy, calibration_tokens: 4096, calibrate_on:
+wikitext2-nounk} with `attnlab convert`'s options. Such a target's `model` section holds changes to the
+pretrained model's config, and only those a conversion can initialise from its weights (attention, memory,
+max_seq_len, name); its runs start from the converted model, saved once per target in <target>/converted (a
+checkpoint folder: the cold model, which every command takes as a reference).
 
 A target's config is the defaults deep-merged with its own sections (an `attention` block whose `kind`
 differs from the default's replaces it whole); a phase merges on top of its target; `--set a.b=v`
@@ -44,10 +56,11 @@ from typing import Any
 import torch
 import yaml
 
-from attnlab.config import MAX_SEED, DataConfig, ModelConfig, TrainConfig, section_from_dict
-from attnlab.config_checks import unknown_key_problem
+from attnlab.config import MAX_SEED, DataConfig, ModelConfig, TrainConfig, names_model, section_from_dict
+from attnlab.config_checks import MAX_INT, unknown_key_problem
 from attnlab.config_io import TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
+from attnlab.interop.convert import PAIR_RULES
 from attnlab.model.transformer import build_model
 from attnlab.paths import brief, name_problem
 from attnlab.train.optim import trainable_problem
@@ -59,6 +72,9 @@ PHASE_KEYS = ("name", *SECTION_KEYS)
 VAR = re.compile(r"\$\{([^}]*)\}")
 PLACEHOLDER_VOCAB = {"gpt2": 50257, "byte": 260, "word": 33280, "char": 256}
 FIXED_VOCAB = {"gpt2": 50257, "byte": 257}  # tokenizers whose vocabulary does not depend on the data
+# init_from a pretrained model: the conversion's options (attnlab convert's) and what `model` may change
+SOURCE_DEFAULTS = {"model": None, "rope_pairs": "energy", "calibration_tokens": 4096, "calibrate_on": "wikitext2-nounk"}
+PRETRAINED_CHANGES = ("attention", "memory", "max_seq_len", "name")
 
 
 @dataclass(frozen=True)
@@ -72,8 +88,14 @@ class RunSpec:
     data: DataConfig
     train: TrainConfig
     init_from: str | None = None  # first phase only: start from this target's last phase (same seed)
+    # A pretrained model the target is converted from ({model: REF, rope_pairs, calibration_tokens, calibrate_on}),
+    # on every phase: `model` then holds changes to that model's config (PRETRAINED_CHANGES), not a whole config.
+    source: dict | None = None
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        if self.source is not None:
+            raise ConfigError(f"target {self.target}: its model is {self.source['model']}, converted (the runner "
+                              "builds its config: attnlab.runner.pretrained_config)")  # fmt: skip
         model = dict(self.model)
         if "vocab_size" not in model:
             model["vocab_size"] = vocab_size if vocab_size is not None else placeholder_vocab(self.data.tokenizer)
@@ -196,8 +218,9 @@ def _check_keys(data: Any, allowed: tuple[str, ...], where: str, problems: list[
     return out
 
 
-def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict) -> None:
-    """Validates one fully merged {model, data, train} config; records problems; fills spec."""
+def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict, pretrained: bool = False) -> None:
+    """Validates one fully merged {model, data, train} config; records problems; fills spec. `pretrained`: the
+    model section holds changes to a pretrained model's config (checked against that model by the runner)."""
     if isinstance(config.get("train"), dict) and "seed" in config["train"]:
         problems.append(
             f"{where}: train.seed={brief(config['train']['seed'])} would be ignored: each run's seed comes from the "
@@ -216,6 +239,18 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict)
         problems.append(f"{where}: model must be a mapping")
         return
     tokenizer = spec["data"].tokenizer if "data" in spec else "gpt2"
+    if pretrained:  # the whole config is the model's with these changes: checked once the model is read
+        for key in model:
+            if key not in PRETRAINED_CHANGES:
+                problems.append(
+                    f"{where}.model.{key}: a pretrained model's {key} is fixed by its weights (a target with "
+                    f"init_from a model may change {', '.join(PRETRAINED_CHANGES)})"
+                )
+        for key in ("attention", "memory"):
+            if key in model and not isinstance(model[key], dict):
+                problems.append(f"{where}.model.{key} must be a mapping, got {brief(model[key])}")
+        spec["model"] = model
+        return
     try:
         cfg = model_config_from_dict({"vocab_size": placeholder_vocab(tokenizer), **model})
     except ConfigError as e:
@@ -253,6 +288,32 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict)
             f"{where}: model.vocab_size={cfg.vocab_size} is smaller than tokenizer {tokenizer}'s "
             f"{FIXED_VOCAB[tokenizer]} (leave vocab_size out to take the tokenizer's)"
         )
+
+
+def _pretrained_source(value: Any, where: str, problems: list[str]) -> dict:
+    """init_from a pretrained model: REF, or {model: REF, rope_pairs, calibration_tokens, calibrate_on}, checked and
+    completed with SOURCE_DEFAULTS (source["model"] is None after a problem)."""
+    raw = {"model": value} if isinstance(value, str) else value
+    source = dict(SOURCE_DEFAULTS)
+    for key, item in raw.items():
+        if key not in SOURCE_DEFAULTS:
+            problems.append(unknown_key_problem(str(key), list(SOURCE_DEFAULTS), f"{where}."))
+        else:
+            source[key] = item
+    model, rule, tokens, text = (source[k] for k in SOURCE_DEFAULTS)
+    if not isinstance(model, str) or not model.strip():
+        problems.append(f"{where}.model={brief(model)} must be a model reference (a .gguf file, a model folder, an "
+                        "attnlab checkpoint, hf:ORG/NAME)")  # fmt: skip
+        source["model"] = None
+    if rule not in PAIR_RULES:
+        problems.append(f"{where}.rope_pairs={brief(rule)} is not known (use {', '.join(PAIR_RULES)})")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= MAX_INT:
+        problems.append(
+            f"{where}.calibration_tokens={brief(tokens)} must be an integer >= 0 (0: fit the weights alone)"
+        )
+    if not isinstance(text, str) or not text:
+        problems.append(f"{where}.calibrate_on={brief(text)} must be a dataset name or a text file")
+    return source
 
 
 def _check_seeds(seeds: Any, problems: list[str]) -> list[int]:
@@ -331,15 +392,22 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                 f"{where}.phases must be a non-empty list (or leave it out: one phase), got {brief(phases)}"
             )
             continue
-        start_from = target.get("init_from")
-        if start_from is not None and not isinstance(start_from, str):
+        start_from, source = target.get("init_from"), None
+        if isinstance(start_from, dict) or (isinstance(start_from, str) and start_from not in targets
+                                            and (names_model(start_from) or start_from.startswith("."))):  # fmt: skip
+            source, start_from = _pretrained_source(start_from, f"{where}.init_from", problems), None
+        elif start_from is not None and not isinstance(start_from, str):
             problems.append(
-                f"{where}.init_from={brief(start_from)} must be a target name, got {type(start_from).__name__}"
+                f"{where}.init_from={brief(start_from)} must be a target name or a model reference, got "
+                f"{type(start_from).__name__}"
             )
             start_from = None
         elif start_from is not None and (start_from not in targets or order.index(start_from) >= order.index(name_)):
             earlier = ", ".join(map(str, order[: order.index(name_)])) or "none"
-            problems.append(f"{where}.init_from={start_from!r} must name an earlier target ({earlier})")
+            problems.append(
+                f"{where}.init_from={start_from!r} must name an earlier target ({earlier}) or a model (a .gguf "
+                "file, a path with a /, hf:ORG/NAME)"
+            )
             start_from = None
         phase_names = []
         for i, phase in enumerate(phases):
@@ -361,15 +429,18 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                 problems.append(f"{where}.phases: the name {phase_name!r} is given twice (names must be unique)")
             phase_names.append(phase_name)
             merged = deep_merge(deep_merge(base, {k: v for k, v in phase.items() if k in SECTION_KEYS}), overrides)
+            if source is not None and source["model"] is not None and "tokenizer" not in merged.get("data", {}):
+                merged.setdefault("data", {})["tokenizer"] = source["model"]  # the pretrained model's own
             spec: dict = {}
             found: list[str] = []
-            _resolve_sections(merged, phase_where if len(phases) > 1 else where, found, spec)
+            _resolve_sections(merged, phase_where if len(phases) > 1 else where, found, spec, source is not None)
             undefined = _undefined_keys(merged, variables)  # each said once (undefined variable), not again
             problems += [p for p in found if not any(f" {key}=" in p or f".{key}=" in p for key in undefined)]
             if len(spec) == 3:
                 for seed in seeds:
                     runs.append(RunSpec(name_, seed, phase_name, spec["model"], spec["data"],
-                                        replace(spec["train"], seed=seed), start_from if i == 0 else None))  # fmt: skip
+                                        replace(spec["train"], seed=seed), start_from if i == 0 else None,
+                                        source))  # fmt: skip
     if problems:
         raise ConfigError(problems, source=str(path))
     runs.sort(key=lambda r: (order.index(r.target), seeds.index(r.seed)))  # stable: phases keep order

@@ -14,15 +14,18 @@ from pathlib import Path
 
 import yaml
 
+from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import atomic_write_text, downloads_allowed, read_json_object
 from attnlab.data.prepared import cache_key, default_cache_dir, folder_name
+from attnlab.data.pretrained import tokenizer_from_folder
 from attnlab.data.sources import NAMED_SOURCES, local_path, open_source
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
 from attnlab.paths import inside
+from attnlab.retrofit import CONVERTED, check_pretrained, converted_model, first_phases, model_tokenizer, run_config
 from attnlab.train.checkpoint import write_json_atomic
-from attnlab.train.distributed import init_distributed, prepare_rank0_first
+from attnlab.train.distributed import barrier, init_distributed, prepare_rank0_first
 from attnlab.train.loop import _config_differences, full_config, pick_device, train
 
 
@@ -65,7 +68,12 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
         for data in dict.fromkeys(spec.data for spec in runs):
             if data.source not in NAMED_SOURCES:
                 continue
-            if (default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json").exists():
+            if (
+                not names_model(data.tokenizer)
+                and (  # (a model's tokenizer is keyed by its contents: not read yet)
+                    default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json"
+                ).exists()
+            ):
                 continue
             try:
                 open_source(data.source, data_dir, download=False)  # finds the files; reads nothing
@@ -76,6 +84,9 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
                     )
     if missing:
         raise DataError("; ".join(missing))
+    problems = check_pretrained(runs, list(manifest.runs), data_dir)  # reads the models' metadata, not weights
+    if problems:
+        raise ConfigError(problems, source=str(manifest.path))
 
 
 def run_manifest(
@@ -115,17 +126,33 @@ def run_manifest(
                     f"{spec.init_from} first, or run the whole manifest)", source=str(manifest.path)
                 )  # fmt: skip
         previous_dir[(spec.target, spec.seed)] = run_dir
+        converted = root / spec.target / CONVERTED if spec.source is not None else None
+        if converted is not None and init_from is None:
+            init_from = converted
         if dry_run:
+            made = "" if converted is None or converted.exists() else f" (converted from {spec.source['model']} first)"
             log(
                 f"{label}: would train {spec.train.steps} steps into {run_dir}"
                 + (f" from {init_from}" if init_from else "")
+                + made
             )
             summaries.append(None)
             continue
+        tokenizer = None
+        if converted is not None:  # the target's conversion, made once (by its first run)
+            if dist_info.is_main:
+                converted_model(first_phases(list(manifest.runs))[spec.target], root, data_dir, log)
+            barrier(dist_info)
+            tokenizer = tokenizer_from_folder(converted / "tokenizer", name=spec.data.tokenizer)
+        elif names_model(spec.data.tokenizer) and spec.data not in prepared_by_data:  # a model's tokenizer alone
+            tokenizer = model_tokenizer(spec.data.tokenizer, data_dir)
         if spec.data not in prepared_by_data:
-            prepared_by_data[spec.data] = prepare_rank0_first(spec.data, data_dir, dist_info)
+            prepared_by_data[spec.data] = prepare_rank0_first(spec.data, data_dir, dist_info, tokenizer)
         prepared = prepared_by_data[spec.data]
-        model_cfg = spec.model_config(prepared.vocab_size)
+        if converted is not None:
+            model_cfg = run_config(spec, converted)
+        else:
+            model_cfg = spec.model_config(prepared.vocab_size)
         config = full_config(model_cfg, spec.data, spec.train)
         summary_path = run_dir / "summary.json"
         if summary_path.exists():

@@ -21,6 +21,7 @@ a cold disk) here, so a few hundred MB of tokens cost a fraction of a second on 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -34,11 +35,11 @@ from typing import IO
 
 import numpy as np
 
-from attnlab.config import DataConfig
+from attnlab.config import DataConfig, names_model
 from attnlab.data.files import atomic_path, atomic_write_text, remove_stale_temporaries, sha256_file
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
 from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
-from attnlab.errors import DataError
+from attnlab.errors import ConfigError, DataError
 from attnlab.paths import cache_dir
 
 FORMAT_VERSION = 1
@@ -59,13 +60,16 @@ def default_cache_dir() -> Path:
     return cache_dir() / "prepared"
 
 
-def cache_key(data_cfg: DataConfig, data_dir: str | Path | None = None) -> str:
-    """16 hex digits of sha256 over everything that determines the prepared files."""
+def cache_key(data_cfg: DataConfig, data_dir: str | Path | None = None, tokenizer: Tokenizer | None = None) -> str:
+    """16 hex digits of sha256 over everything that determines the prepared files. A model's tokenizer
+    (data.tokenizer a model reference) counts by its fingerprint, not by the name it was reached by."""
     own_splits = data_cfg.source in WIKITEXT  # the split fractions do not apply to WikiText
     blob = {
         "format_version": FORMAT_VERSION,
         "source": source_key(data_cfg.source, data_dir),
-        "tokenizer": data_cfg.tokenizer,
+        "tokenizer": _model_tokenizer(data_cfg, tokenizer).fingerprint
+        if names_model(data_cfg.tokenizer)
+        else data_cfg.tokenizer,
         "val_fraction": None if own_splits else data_cfg.val_fraction,
         "test_fraction": None if own_splits else data_cfg.test_fraction,
         "max_tokens": data_cfg.max_tokens,
@@ -74,9 +78,12 @@ def cache_key(data_cfg: DataConfig, data_dir: str | Path | None = None) -> str:
 
 
 def folder_name(data_cfg: DataConfig, key: str) -> str:
-    """A readable folder name: `wikitext2-word-<key>`, `input-bpe4096-<key>`."""
+    """A readable folder name: `wikitext2-word-<key>`, `input-bpe4096-<key>`, `wikitext2-SmolLM2-135M-<key>`."""
     source = data_cfg.source if data_cfg.source in NAMED_SOURCES else Path(data_cfg.source).name.split(".")[0]
-    slug = re.sub(r"[^A-Za-z0-9_-]+", "", f"{source}-{data_cfg.tokenizer}")
+    tokenizer = data_cfg.tokenizer
+    if names_model(tokenizer):  # a model's: its file or folder name, without the .gguf
+        tokenizer = re.sub(r"\.gguf$", "", tokenizer.rstrip("/\\").replace("\\", "/").split("/")[-1], flags=re.I)
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "", f"{source}-{tokenizer}")
     return f"{slug}-{key}"
 
 
@@ -267,6 +274,7 @@ def prepare(
     cache_dir: str | Path | None = None,
     *,
     download: bool | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Prepared:
     """Token files for `data_cfg`, prepared once under `cache_dir` (default `default_cache_dir()`) and reused.
 
@@ -274,12 +282,25 @@ def prepare(
     (default: unless $ATTNLAB_OFFLINE is set) allows fetching missing files. A reused folder whose .bin
     sizes disagree with its meta.json is a DataError naming the file; so is one whose sha256 or token ids
     disagree, when its split is first read.
+
+    `tokenizer`: the model's tokenizer, needed when data.tokenizer names a model, ignored otherwise (attnlab.interop
+    loads it with the model; the data pipeline does not read model files). It is saved in the folder, under that
+    name.
     """
     check_tokenizer_name(data_cfg.tokenizer)
-    folder = Path(cache_dir or default_cache_dir()) / folder_name(data_cfg, cache_key(data_cfg, data_dir))
+    key = cache_key(data_cfg, data_dir, tokenizer)
+    folder = Path(cache_dir or default_cache_dir()) / folder_name(data_cfg, key)
     if (folder / "meta.json").exists():
         return open_prepared(folder)
-    return _build(data_cfg, folder, data_dir, download)
+    return _build(data_cfg, folder, data_dir, download, tokenizer)
+
+
+def _model_tokenizer(data_cfg: DataConfig, tokenizer: Tokenizer | None) -> Tokenizer:
+    """The tokenizer passed for a data.tokenizer that names a model; ConfigError when none (or another kind) was."""
+    if tokenizer is None or not hasattr(tokenizer, "fingerprint"):
+        raise ConfigError(f"data.tokenizer={data_cfg.tokenizer!r} names a model: its tokenizer is read from the model "
+                          "(pass prepare(..., tokenizer=) the model's, e.g. attnlab.load_model(ref)[2])")  # fmt: skip
+    return tokenizer
 
 
 # ----------------------------------------------------------------------------- building
@@ -394,7 +415,7 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _build(data_cfg: DataConfig, folder: Path, data_dir, download) -> Prepared:
+def _build(data_cfg: DataConfig, folder: Path, data_dir, download, model_tokenizer=None) -> Prepared:
     started = time.perf_counter()
     source = open_source(
         data_cfg.source,
@@ -416,7 +437,10 @@ def _build(data_cfg: DataConfig, folder: Path, data_dir, download) -> Prepared:
     (folder / "meta.json").unlink(missing_ok=True)
     remove_stale_temporaries(folder)  # .bin files of a prepare that was killed mid-write (possibly large)
     name = data_cfg.tokenizer
-    if needs_training(name):
+    if names_model(name):  # saved under the name data.tokenizer gives, so that Prepared.tokenizer reloads it
+        tokenizer = copy.copy(_model_tokenizer(data_cfg, model_tokenizer))
+        tokenizer.name = name
+    elif needs_training(name):
         tokenizer = train_tokenizer(name, _training_texts(source, data_cfg.max_tokens))
     else:
         tokenizer = load_tokenizer(name, data_dir=data_dir, download=download)

@@ -25,6 +25,7 @@ from tiktoken.load import load_tiktoken_bpe
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from attnlab.config import names_model
 from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed
 from attnlab.errors import ConfigError, DataError
 from attnlab.paths import data_dirs
@@ -267,14 +268,15 @@ def _by_rank(ranks: dict[bytes, int]) -> list[tuple[bytes, int]]:
 
 
 def check_tokenizer_name(name: str) -> None:
-    """ConfigError unless `name` is gpt2, byte, word, char or bpe:<N> with N >= 257 (256 bytes + end-of-text)."""
-    if name in ("gpt2", "byte", "word", "char"):
+    """ConfigError unless `name` is gpt2, byte, word, char, bpe:<N> with N >= 257 (256 bytes + end-of-text), or a
+    model reference (config.names_model: that model's tokenizer)."""
+    if name in ("gpt2", "byte", "word", "char") or names_model(name):
         return
     if name.startswith("bpe:") and name[4:].isdigit():
         if int(name[4:]) < 257:
             raise ConfigError(f"tokenizer={name!r}: a byte-level BPE needs at least 257 ids (256 bytes + {EOT})")
         return
-    raise ConfigError(f"tokenizer={name!r} is not known (use {', '.join(KINDS)})")
+    raise ConfigError(f"tokenizer={name!r} is not known (use {', '.join(KINDS)}, or a model reference)")
 
 
 def bpe_vocab_size(name: str) -> int:
@@ -303,7 +305,8 @@ def train_tokenizer(name: str, texts: Iterable[str]) -> Tokenizer:
 def load_tokenizer(
     name: str, folder: str | Path | None = None, *, data_dir: str | Path | None = None, download: bool | None = None
 ) -> Tokenizer:
-    """The tokenizer `name`, from a prepared folder when given (fitted kinds need one).
+    """The tokenizer `name`, from a prepared folder when given (fitted kinds and model references need one: a
+    model's tokenizer is read from the model by attnlab.interop, then saved in the folders made with it).
 
     gpt2 comes from `folder/gpt2.tiktoken`, else the GPT-2 BPE files in a data directory
     (`gpt2-bpe/encoder.json` + `vocab.bpe`, or `gpt2-bpe/r50k_base.tiktoken`), else tiktoken's download
@@ -317,6 +320,13 @@ def load_tokenizer(
         if saved is not None and saved.exists():
             return TiktokenTokenizer(_read_tiktoken_file(saved))
         return TiktokenTokenizer(_gpt2_ranks(data_dir, download))
+    if names_model(name):
+        if folder is None:
+            raise DataError(f"tokenizer {name!r} is a model's: load the model (attnlab.interop.load_model), or read "
+                            "it from a folder made with it")  # fmt: skip
+        from attnlab.data.pretrained import tokenizer_from_folder  # imports this module
+
+        return tokenizer_from_folder(folder, name=name)
     if folder is None:
         raise DataError(f"tokenizer {name!r} is fitted to a dataset: load it from its prepared folder (prepare())")
     cls = {"word": WordTokenizer, "char": CharTokenizer}.get(name, BPETokenizer)

@@ -154,7 +154,7 @@ def run_effective_rank(eval_model, split: str = "val", n_tokens: int = 4096, seq
         raise DataError(f"{eval_model.path}: no data config saved with this checkpoint: cannot find its tokens")
     seq_len = seq_len or eval_model.config.get("train", {}).get("seq_len") or eval_model.cfg.max_seq_len
     seq_len = min(seq_len, n_tokens, eval_model.cfg.max_seq_len)
-    stream = prepare(DataConfig(**data), data_dir=data_dir).split(split)
+    stream = prepare(DataConfig(**data), data_dir=data_dir, tokenizer=eval_model.tokenizer).split(split)
     rows = (min(n_tokens, len(stream) - offset)) // seq_len
     if rows < 1:
         raise DataError(f"split {split!r} has {len(stream)} tokens: too few for offset={offset}, seq_len={seq_len}")

@@ -44,10 +44,10 @@ import yaml
 
 from attnlab.cache.codecs import as_policy
 from attnlab.data.files import atomic_write_text
+from attnlab.data.pretrained import PretrainedTokenizer
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.loading import EvalModel, load_for_eval
 from attnlab.generate import check_sampling, decode_step, prefill, sample
-from attnlab.interop.tokenizer import PretrainedTokenizer
 from attnlab.paths import find_data_file
 
 try:

@@ -79,7 +79,7 @@ def heldout_tokens(model, text=None, split: str | None = None, data_dir=None, ca
             f"{model.path}: no data config saved with this model: name a dataset (e.g. dataset=wikitext2-raw), a "
             "text file or token ids"
         )
-    prepared = prepare(DataConfig(**data), data_dir=data_dir, cache_dir=cache_dir)
+    prepared = prepare(DataConfig(**data), data_dir=data_dir, cache_dir=cache_dir, tokenizer=model.tokenizer)
     split = split or ("test" if prepared.meta["splits"].get("test", {}).get("tokens") else "val")
     tokens = prepared.split(split)
     if len(tokens) < 2:

@@ -75,7 +75,7 @@ def heldout_split(eval_model, split: str, data_dir: str | None = None) -> np.nda
             f"{eval_model.path}: no data config saved with this model: cannot find its held-out split (for a "
             "pretrained model name a dataset: perplexity.dataset=wikitext2-raw)"
         )
-    prepared = prepare(DataConfig(**data), data_dir=data_dir)
+    prepared = prepare(DataConfig(**data), data_dir=data_dir, tokenizer=eval_model.tokenizer)  # (a model's: needed)
     if split not in prepared.splits:
         raise DataError(f"split {split!r} is not in {prepared.path} (it has {', '.join(prepared.splits)})")
     return prepared.split(split)

@@ -8,11 +8,12 @@ pretrained model's tokenizer, from tokenizer.json or GGUF metadata), `llama2c` (
 `references` (load_model).
 """
 
+from attnlab.data.pretrained import PretrainedTokenizer, tokenizer_from_folder
 from attnlab.interop.gguf import config_from_gguf, load_gguf, open_gguf
 from attnlab.interop.hf import config_from_hf, config_from_hf_llama, from_hf_llama, load_hf_folder
 from attnlab.interop.llama2c import decode_llama2c, from_llama2c, load_llama2c_vocab
 from attnlab.interop.references import load_model
-from attnlab.interop.tokenizer import PretrainedTokenizer, tokenizer_from_folder, tokenizer_from_gguf
+from attnlab.interop.tokenizer import tokenizer_from_gguf
 
 __all__ = [
     "PretrainedTokenizer",

@@ -343,7 +343,9 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
         pairs = kept_pairs(model, cfg, rotated_width(new_cfg) // 2, rope_pairs, whitening)
         factors = pair_factors(pairs, cfg, rotated_width(new_cfg))
         new_cfg = new_cfg.replace(rope_scaling=RopeScaling(type="freq_factors", freq_factors=factors))
-    new = build_model(new_cfg, device=next(model.parameters()).device, dtype=next(model.parameters()).dtype)
+    with torch.random.fork_rng(devices=[]):  # the fresh parameters (a memory's gate) start the same every time
+        torch.manual_seed(0)
+        new = build_model(new_cfg, device=next(model.parameters()).device, dtype=next(model.parameters()).dtype)
     source_state = model.state_dict()
     taken = set()
     with torch.no_grad():
@@ -383,9 +385,11 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
     return Conversion(new_cfg, new.eval(), cfg, fresh, notes)
 
 
-def save_conversion(folder: str | Path, conversion: Conversion, tokenizer=None, source: str | None = None) -> Path:
+def save_conversion(folder: str | Path, conversion: Conversion, tokenizer=None, source: str | None = None,
+                    recipe: dict | None = None) -> Path:  # fmt: skip
     """The converted model as a checkpoint folder that every command takes as a model reference: its weights,
-    config.json ({"model", "source", "conversion"}) and the source's tokenizer in tokenizer/ (tokenizer.json)."""
+    config.json ({"model", "source", "conversion", and `recipe`: what asked for it, when given}) and the source's
+    tokenizer in tokenizer/ (tokenizer.json)."""
     from attnlab.interop.export import write_tokenizer  # export imports much of interop: only when saving
 
     config = {
@@ -394,6 +398,8 @@ def save_conversion(folder: str | Path, conversion: Conversion, tokenizer=None, 
         "tokenizer": None if tokenizer is None else tokenizer.name,
         "conversion": {"from": conversion.source.to_dict(), "fresh": conversion.fresh, "notes": conversion.notes},
     }
+    if recipe is not None:
+        config["recipe"] = recipe
     extra = (
         None
         if tokenizer is None

@@ -41,6 +41,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from attnlab.data.files import atomic_write_text, temp_path_beside
+from attnlab.data.pretrained import PretrainedTokenizer
 from attnlab.data.tokenizers import (
     EOS,
     EOT,
@@ -55,7 +56,7 @@ from attnlab.data.tokenizers import (
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.interop.hf import hf_targets
 from attnlab.interop.references import load_model, model_config_of
-from attnlab.interop.tokenizer import PretrainedTokenizer, _byte_alphabet
+from attnlab.interop.tokenizer import _byte_alphabet
 from attnlab.model.transformer import Transformer
 
 # A folder's weights go to shards above this size, as save_pretrained's max_shard_size does.

@@ -7,7 +7,8 @@
 
 `hf:ORG/NAME[@REVISION]` is looked for as a folder `<data dir>/models/ORG/NAME` (in each data directory:
 --data-dir, $ATTNLAB_DATA, the user cache), then in the Hugging Face cache, then downloaded with
-huggingface_hub (an optional dependency) unless downloads are off ($ATTNLAB_OFFLINE / $HF_HUB_OFFLINE).
+huggingface_hub (an optional dependency) unless downloads are off ($ATTNLAB_OFFLINE / $HF_HUB_OFFLINE). A relative
+path that is not found from the working directory is looked for in the data directories (`models/X.gguf`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from attnlab.config import DataConfig, ModelConfig
 from attnlab.config_io import model_config_from_dict
 from attnlab.data import load_tokenizer, prepare
 from attnlab.data.files import downloads_allowed
+from attnlab.data.pretrained import tokenizer_from_folder
 from attnlab.data.tokenizers import Tokenizer
 from attnlab.errors import DataError, InputError
 from attnlab.interop.gguf import config_from_gguf, load_gguf, open_gguf
 from attnlab.interop.hf import config_from_hf, is_hf_folder, load_hf_folder, read_json
-from attnlab.interop.tokenizer import tokenizer_from_folder
+from attnlab.interop.tokenizer import tokenizer_from_gguf
 from attnlab.model.transformer import Transformer
 from attnlab.paths import data_dirs
 from attnlab.train.checkpoint import find_checkpoint, load_checkpoint
@@ -89,6 +91,8 @@ def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, P
     if isinstance(ref, str) and ref.startswith(HUB_PREFIX):
         return "hub", hub_folder(ref, data_dir)
     path = Path(ref)
+    if not path.exists() and not path.is_absolute():  # models/X.gguf: in a data directory, as data files are
+        path = next((d / path for d in data_dirs(data_dir) if (d / path).exists()), path)
     if path.is_file():
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -96,7 +100,9 @@ def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, P
             raise DataError(f"{path}: not a GGUF file (a model reference is {KINDS})")
         return "gguf", path
     if not path.is_dir():
-        raise DataError(f"{ref}: no such file or folder (a model reference is {KINDS})")
+        where = ", ".join(str(d) for d in data_dirs(data_dir)) if not path.is_absolute() else ""
+        raise DataError(f"{ref}: no such file or folder" + (f" (nor in {where})" if where else "")
+                        + f" (a model reference is {KINDS})")  # fmt: skip
     if (path / "checkpoints").is_dir() or _is_attnlab_checkpoint(path):
         return "run", path
     if is_hf_folder(path):
@@ -124,6 +130,17 @@ def model_config_of(ref: str | Path, data_dir: str | Path | None = None) -> Mode
     return config_from_hf(
         read_json(config_path), source=str(config_path), name=str(ref) if kind == "hub" else where.name
     )
+
+
+def tokenizer_of(ref: str | Path, data_dir: str | Path | None = None) -> Tokenizer | None:
+    """The tokenizer of the model `ref` names, without loading its weights (but an attnlab checkpoint's, which come
+    with them; None for one saved without a tokenizer)."""
+    kind, where = resolve(ref, data_dir)
+    if kind == "gguf":
+        return tokenizer_from_gguf(open_gguf(where).metadata, source=str(where))
+    if kind == "run":
+        return _load_run(where, torch.float32, data_dir, "best").tokenizer
+    return tokenizer_from_folder(where, name=str(ref) if kind == "hub" else None)
 
 
 def _is_attnlab_checkpoint(folder: Path) -> bool:

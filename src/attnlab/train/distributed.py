@@ -50,8 +50,9 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def prepare_rank0_first(data_cfg, data_dir, info: DistInfo):
-    """Prepares data on rank 0 while the other ranks wait, then they reuse its cached files."""
-    prepared = prepare(data_cfg, data_dir=data_dir) if info.is_main else None
+def prepare_rank0_first(data_cfg, data_dir, info: DistInfo, tokenizer=None):
+    """Prepares data on rank 0 while the other ranks wait, then they reuse its cached files. tokenizer: a model's,
+    when data_cfg.tokenizer names one (prepare's)."""
+    prepared = prepare(data_cfg, data_dir=data_dir, tokenizer=tokenizer) if info.is_main else None
     barrier(info)
-    return prepared or prepare(data_cfg, data_dir=data_dir)
+    return prepared or prepare(data_cfg, data_dir=data_dir, tokenizer=tokenizer)

@@ -1,0 +1,197 @@
+"""A pretrained model's tokenizer (tokenizer.json, via the `tokenizers` library) as an attnlab Tokenizer.
+
+    tokenizer = tokenizer_from_folder("path/to/hf-folder")     # tokenizer.json (+ tokenizer_config.json)
+    tokenizer.save(folder)                                    # the same two files, which tokenizer_from_folder reads
+    tokenizer.fingerprint                                     # sha256 of what decides its ids (prepared data's key)
+
+It lives with the data pipeline so that prepared token files can be made with, and reloaded with, a pretrained
+model's tokenizer (`data.tokenizer: <model reference>`); attnlab.interop builds it from GGUF metadata too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from attnlab.data.files import atomic_write_text
+from attnlab.data.tokenizers import Tokenizer
+from attnlab.errors import DataError, InputError
+
+# The ids a document ends with in pretraining, when the vocabulary has one (GPT-2 family, SmolLM, Llama 3);
+# otherwise end-of-text is the end-of-sequence id.
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
+
+
+class PretrainedTokenizer(Tokenizer):
+    """A pretrained model's tokenizer (`tokenizers.Tokenizer`) with the model's special ids.
+
+    bos_id / eos_id: the model's begin- and end-of-sequence ids (None when it has none); add_bos: whether a
+    prompt starts with BOS; eot_id: the id between documents (`<|endoftext|>` or `<|end_of_text|>` when
+    the vocabulary has one, else eos_id); stop_ids: every id that ends a generation; chat_template: the
+    model's Jinja chat template, or None."""
+
+    def __init__(
+        self,
+        name: str,
+        tokenizer: HFTokenizer,
+        *,
+        bos_id: int | None,
+        eos_ids: Sequence[int],
+        add_bos: bool,
+        chat_template: str | None = None,
+    ):
+        self.name = name
+        self.tokenizer = tokenizer
+        self.tokenizer.encode_special_tokens = True  # ordinary text: "<|endoftext|>" inside it is plain text
+        self._prompt_tokenizer: HFTokenizer | None = None
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_id = bos_id
+        self.eos_id = eos_ids[0] if eos_ids else None
+        end_of_text = [tokenizer.token_to_id(t) for t in END_OF_TEXT_TOKENS if tokenizer.token_to_id(t) is not None]
+        eot_id = end_of_text[0] if end_of_text else self.eos_id
+        if eot_id is None:
+            raise DataError(f"{name}: the tokenizer has no end-of-sequence token (needed between documents)")
+        self.eot_id = eot_id
+        self._stop_ids = tuple(dict.fromkeys([*eos_ids, eot_id]))
+        self.add_bos = bool(add_bos and bos_id is not None)
+        self.chat_template = chat_template
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text, prompt=True)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of `text` as one user turn of the model's chat template, ready for the assistant's answer: the
+        Jinja template rendered and tokenized as transformers' apply_chat_template does (special tokens in it
+        recognised, no BOS added beyond what the template writes). InputError without a template."""
+        if not self.chat_template:
+            raise InputError(f"{self.name}: the model has no chat template (leave out --chat)")
+        import jinja2  # a dependency of torch; imported here only: chat prompts alone need it
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise InputError(f"{self.name}: the chat template refuses the prompt: {message}")
+
+        environment.globals["raise_exception"] = raise_exception
+        token = self.tokenizer.id_to_token
+        try:
+            rendered = environment.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": text}], add_generation_prompt=True,
+                bos_token="" if self.bos_id is None else token(self.bos_id),
+                eos_token="" if self.eos_id is None else token(self.eos_id),
+            )  # fmt: skip
+        except InputError:
+            raise
+        except (jinja2.TemplateError, ArithmeticError, TypeError, ValueError, RecursionError) as e:
+            # ArithmeticError: range(10**12) overflows; the sandbox raises the Python errors a template causes
+            raise DataError(f"{self.name}: its chat template does not render ({' '.join(str(e).split())})") from None
+        return self.prompt_tokenizer.encode(rendered, add_special_tokens=False).ids
+
+    @property
+    def prompt_tokenizer(self) -> HFTokenizer:
+        """A copy that recognises special tokens written in the text (chat templates write them)."""
+        if self._prompt_tokenizer is None:
+            self._prompt_tokenizer = HFTokenizer.from_str(self.tokenizer.to_str())
+            self._prompt_tokenizer.encode_special_tokens = False
+        return self._prompt_tokenizer
+
+    def encode(self, text: str, *, prompt: bool = False) -> list[int]:
+        """Token ids of `text`. prompt=True: as the model reads a prompt (BOS first when add_bos, special
+        tokens in the text recognised), like transformers' `tokenizer(text).input_ids`."""
+        if not prompt:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self.prompt_tokenizer.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if self.add_bos else ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits of sha256 over what decides the ids of a prepared token file: tokenizer.json and the id put
+        between documents."""
+        blob = self.tokenizer.to_str() + json.dumps({"eot_id": self.eot_id})
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def save(self, folder: str | Path) -> None:
+        """tokenizer.json and tokenizer_config.json, as a Hugging Face folder holds them (tokenizer_from_folder)."""
+        folder = Path(folder)
+        token = self.tokenizer.id_to_token
+        config = {
+            "bos_token": None if self.bos_id is None else token(self.bos_id),
+            "eos_token": None if self.eos_id is None else token(self.eos_id),
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        }
+        atomic_write_text(folder / "tokenizer.json", self.tokenizer.to_str())
+        atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=1, ensure_ascii=False))
+
+
+# ----------------------------------------------------------------------------- Hugging Face folders
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: unreadable JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_id(tokenizer: HFTokenizer, token: Any) -> int | None:
+    """The id of a tokenizer_config.json special token: a string, or {"content": string}."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    return [value] if isinstance(value, int) else [v for v in value if isinstance(v, int)] if value else []
+
+
+def tokenizer_from_folder(folder: str | Path, name: str | None = None) -> PretrainedTokenizer:
+    """The tokenizer of a Hugging Face model folder: tokenizer.json, with the special tokens, add_bos_token and
+    chat template of tokenizer_config.json (else config.json's ids, and whether tokenizer.json adds BOS)."""
+    folder = Path(folder)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"{path}: not found (the model folder needs its tokenizer.json)")
+    try:
+        tokenizer = HFTokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise DataError(f"{path}: not a valid tokenizer.json ({' '.join(str(e).split())})") from None
+    settings = _read_json(folder / "tokenizer_config.json")
+    config = {**_read_json(folder / "config.json"), **_read_json(folder / "generation_config.json")}
+    bos_id = _token_id(tokenizer, settings.get("bos_token"))
+    bos_id = bos_id if bos_id is not None else next(iter(_ids(config.get("bos_token_id"))), None)
+    eos = _token_id(tokenizer, settings.get("eos_token"))
+    eos_ids = list(dict.fromkeys(([eos] if eos is not None else []) + _ids(config.get("eos_token_id"))))
+    add_bos = settings.get("add_bos_token")
+    if add_bos is None:  # does tokenizer.json's post-processor put BOS first?
+        with_specials = tokenizer.encode("a", add_special_tokens=True).ids
+        add_bos = bos_id is not None and with_specials[:1] == [bos_id]
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    jinja = folder / "chat_template.jinja"
+    if template is None and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    return PretrainedTokenizer(
+        name or f"hf:{folder.name}", tokenizer, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
+        chat_template=template,
+    )  # fmt: skip

@@ -1,0 +1,222 @@
+"""Manifest targets that start from a pretrained model (`init_from: <model reference>`): checked, converted once,
+then trained as any run (recovery fine-tuning).
+
+    targets:
+      mqa:
+        init_from: models/SmolLM2-135M-Instruct.Q4_1.gguf      # or {model: REF, rope_pairs: high, ...}
+        model: {attention: {kind: mha, n_kv_heads: 1}}          # the changes; `attnlab convert` makes them
+        train: {trainable: ["blocks.*.attn.*"], steps: 200}
+
+The target's conversion is saved once in <out>/<manifest>/<target>/converted: a checkpoint folder (weights,
+config.json, the source's tokenizer/) that every command takes as a model reference, i.e. the cold model. Its
+config.json records the recipe (the source, the conversion's options and the changes); a folder made with another
+recipe is refused rather than reused. Every seed and the first phase start from it; a later phase starts from the
+previous one's weights and may change the memory (the attention stays the first phase's). The data is read with
+the model's own tokenizer (data.tokenizer defaults to the init_from reference); another tokenizer is refused unless
+it is the same one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from attnlab.config import ModelConfig, names_model
+from attnlab.config_io import model_config_from_dict
+from attnlab.data.files import read_json_object
+from attnlab.errors import ConfigError, DataError
+from attnlab.manifest import PRETRAINED_CHANGES, RunSpec
+from attnlab.model.transformer import build_model
+from attnlab.train.optim import trainable_problem
+
+CONVERTED = "converted"
+
+
+def changes(spec: RunSpec) -> tuple[dict | None, dict | None, dict]:
+    """(attention, memory, the other changes) a pretrained target's phase makes to its model's config."""
+    model = spec.model
+    others = {key: model[key] for key in PRETRAINED_CHANGES if key in model and key not in ("attention", "memory")}
+    return model.get("attention"), model.get("memory"), others
+
+
+def recipe(spec: RunSpec) -> dict:
+    """What decides a target's conversion (saved in the converted folder, compared on reuse): its first phase's."""
+    attention, memory, others = changes(spec)
+    return {"init_from": dict(spec.source), "attention": attention, "memory": memory, **others}
+
+
+def first_phases(runs: list[RunSpec]) -> dict[str, RunSpec]:
+    """Each pretrained target's first phase (of its first seed), by target name."""
+    out: dict[str, RunSpec] = {}
+    for spec in runs:
+        if spec.source is not None and spec.target not in out:
+            out[spec.target] = spec
+    return out
+
+
+def target_config_of(spec: RunSpec, source_cfg: ModelConfig) -> ModelConfig:
+    """The config a conversion of `source_cfg` with the phase's changes has (before a low-rank conversion picks its
+    RoPE pairs); ConfigError (one line) when the weights cannot initialise it."""
+    from attnlab.interop.convert import target_config
+
+    attention, memory, others = changes(spec)
+    return target_config(source_cfg.replace(**others), attention, memory)
+
+
+def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> list[str]:
+    """What would stop a pretrained target once it runs, found from the model's metadata alone: a reference that
+    names nothing, changes the weights cannot initialise, a tokenizer other than the model's, train.trainable
+    patterns that match nothing, train.seq_len above the model's context."""
+    from attnlab.interop.references import model_config_of, tokenizer_of
+
+    problems: list[str] = []
+    firsts = first_phases(all_runs)
+    tokenizers: dict[str, object] = {}
+
+    def fingerprint(ref: str):
+        if ref not in tokenizers:
+            tokenizer = tokenizer_of(ref, data_dir)
+            tokenizers[ref] = getattr(tokenizer, "fingerprint", None)
+        return tokenizers[ref]
+
+    phases = {(s.target, s.phase): s for s in runs if s.source is not None}  # the seeds share one check
+    for ref in dict.fromkeys(s.data.tokenizer for s in runs if s.source is None and names_model(s.data.tokenizer)):
+        try:  # a model's tokenizer for a model trained from scratch
+            model_tokenizer(ref, data_dir)
+        except (DataError, ConfigError) as e:
+            problems.append(f"data.tokenizer: {_one_line(e)}")
+    for spec in phases.values():
+        where = f"targets.{spec.target}" + (f".phases[{spec.phase}]" if spec.phase else "")
+        ref = spec.source["model"]
+        try:
+            source_cfg = model_config_of(ref, data_dir)
+        except (DataError, ConfigError) as e:
+            problems.append(f"targets.{spec.target}.init_from: {_one_line(e)}")
+            continue
+        first = firsts[spec.target]
+        if spec is not first and changes(spec)[0] != changes(first)[0]:
+            problems.append(
+                f"{where}.model.attention: a later phase keeps the attention its first phase converted to "
+                "(a phase may change the memory)"
+            )
+            continue
+        try:
+            cfg = target_config_of(spec, source_cfg)
+        except ConfigError as e:
+            problems.append(f"{where}: {_one_line(e)} (from init_from {ref})")
+            continue
+        if spec.train.seq_len > cfg.max_seq_len:
+            problems.append(
+                f"{where}: train.seq_len={spec.train.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len} "
+                "(lower train.seq_len, or raise model.max_seq_len)"
+            )
+        if spec.train.trainable is not None:
+            with torch.device("meta"):
+                names = [name for name, _ in build_model(cfg).named_parameters()]
+            problem = trainable_problem(names, spec.train.trainable)
+            if problem:
+                problems.append(f"{where}: {problem}")
+        tokenizer = spec.data.tokenizer
+        if tokenizer == ref:
+            continue
+        if not names_model(tokenizer):
+            problems.append(
+                f"{where}: data.tokenizer={tokenizer!r} is not the tokenizer of init_from {ref} (its "
+                f"{source_cfg.vocab_size:,} embeddings read that model's ids): leave data.tokenizer out"
+            )
+            continue
+        try:
+            same = fingerprint(tokenizer) == fingerprint(ref) and fingerprint(ref) is not None
+        except (DataError, ConfigError) as e:
+            problems.append(f"{where}: data.tokenizer: {_one_line(e)}")
+            continue
+        if not same:
+            problems.append(
+                f"{where}: data.tokenizer={tokenizer!r} is another vocabulary than init_from {ref}'s "
+                "(its embeddings read that model's ids): leave data.tokenizer out"
+            )
+    return problems
+
+
+def model_tokenizer(ref: str, data_dir):
+    """The tokenizer of the model `ref` names (data.tokenizer: <model reference>), read without its weights."""
+    from attnlab.interop.references import tokenizer_of
+
+    tokenizer = tokenizer_of(ref, data_dir)
+    if tokenizer is None:
+        raise DataError(f"data.tokenizer={ref}: that model was saved without a tokenizer (name another)")
+    return tokenizer
+
+
+def converted_model(spec: RunSpec, root: Path, data_dir, log: Callable = print) -> Path:
+    """The folder of the target's conversion (<root>/<target>/converted), made now unless it exists with the same
+    recipe. Low-rank conversions fit on calibration tokens of the source's `calibrate_on` text (train split)."""
+    from attnlab.eval.perplexity import dataset_tokens
+    from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion
+    from attnlab.interop.references import load_reference
+
+    folder = Path(root) / spec.target / CONVERTED
+    wanted = _json_normal(recipe(spec))
+    if folder.exists():
+        saved = read_json_object(folder / "config.json", f"delete {folder} to convert again").get("recipe")
+        if saved != wanted:
+            raise ConfigError(
+                f"{folder} holds a conversion made with another recipe ({_first_difference(saved, wanted)}); "
+                "delete it to convert again, or use another --out"
+            )
+        return folder
+    source = spec.source
+    attention, memory, others = changes(spec)
+    log(f"converting {source['model']} for target {spec.target} into {folder}")
+    loaded = load_reference(source["model"], data_dir=data_dir)
+    calibration = None
+    if source["calibration_tokens"] and (attention or {}).get("kind") in LOW_RANK:
+        try:
+            tokens = dataset_tokens(loaded.tokenizer, source["calibrate_on"], "train", data_dir)
+        except DataError as e:
+            raise DataError(
+                f"targets.{spec.target}.init_from.calibrate_on={source['calibrate_on']}: {_one_line(e)} (give "
+                "--data-dir, or calibration_tokens: 0 to fit the weights alone)"
+            ) from None
+        calibration = torch.from_numpy(tokens[: source["calibration_tokens"]])
+    conversion = convert_model(
+        loaded.cfg.replace(**others), loaded.model, attention, memory, rope_pairs=source["rope_pairs"],
+        calibration=calibration,
+    )  # fmt: skip
+    save_conversion(folder, conversion, loaded.tokenizer, source=source["model"], recipe=wanted)
+    for note in conversion.notes:
+        log(f"  {note}")
+    return folder
+
+
+def run_config(spec: RunSpec, converted: Path) -> ModelConfig:
+    """A phase's model config: that of the conversion in folder `converted`, with the phase's memory and other
+    changes (a later phase may add or change the memory)."""
+    from attnlab.interop.references import model_config_of
+
+    _, memory, others = changes(spec)
+    data = model_config_of(converted).to_dict()
+    if memory is not None:
+        data["memory"] = memory
+    return model_config_from_dict({**data, **others}, source=f"target {spec.target}")
+
+
+def _json_normal(value):
+    import json
+
+    return json.loads(json.dumps(value))
+
+
+def _first_difference(saved, wanted) -> str:
+    if not isinstance(saved, dict):
+        return "no recipe saved"
+    for key in sorted(set(saved) | set(wanted)):
+        if saved.get(key) != wanted.get(key):
+            return f"{key}: saved {saved.get(key)!r}, now {wanted.get(key)!r}"
+    return "none"
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())

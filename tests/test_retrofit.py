@@ -1,0 +1,186 @@
+"""Recovery fine-tuning from a pretrained model (issue 15 item 2): a manifest target with `init_from: <model
+reference>` is converted once, reads its data with the model's own tokenizer and trains from the conversion."""
+
+import json
+import random
+
+import pytest
+import torch
+from helpers import fails
+from test_pretrained import random_model, save
+
+import attnlab
+from attnlab.cli import main
+from attnlab.config import DataConfig
+from attnlab.data import prepare
+from attnlab.errors import ConfigError
+from attnlab.manifest import load_manifest
+from attnlab.runner import run_manifest
+from attnlab.train.checkpoint import load_model_from_checkpoint
+
+MANIFEST = """
+name: retro
+defaults:
+  data: {{source: {corpus}, val_fraction: 0.2}}
+  train: {{steps: 3, seq_len: 16, batch_size: 2, eval_every: 3, eval_tokens: 32, lr: 0.001, warmup_steps: 1}}
+targets:
+  mqa:
+    init_from: {source}
+    model: {{attention: {{kind: mha, n_kv_heads: 1}}}}
+    train: {{trainable: ["blocks.*.attn.*"]}}
+"""
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny Llama folder (2 KV heads, a byte-level BPE tokenizer) and a text corpus to fine-tune on."""
+    folder = tmp_path_factory.mktemp("retro")
+    source = save(random_model("llama", n_kv_heads=2), folder / "llama")
+    rng = random.Random(0)
+    words = "the cat is on the mat and this is the hat".split()
+    corpus = folder / "text.txt"
+    corpus.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(30)) for _ in range(60)))
+    return source, corpus
+
+
+def write(tmp_path, pretrained, text=MANIFEST, replace=()):
+    source, corpus = pretrained
+    text = text.format(corpus=corpus, source=source)
+    for old, new in replace:
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path / "m.yml"
+    path.write_text(text)
+    return path
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def test_a_pretrained_target_trains_from_its_conversion_with_the_models_tokenizer(tmp_path, pretrained, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source, corpus = pretrained
+    manifest = load_manifest(write(tmp_path, pretrained))
+    (spec,) = manifest.runs
+    assert spec.source["model"] == str(source) and spec.data.tokenizer == str(source)  # the model's own tokenizer
+    run_manifest(manifest, tmp_path / "runs", progress=False, log=quiet)
+    converted = tmp_path / "runs/retro/mqa/converted"
+    recipe = json.loads((converted / "config.json").read_text())["recipe"]
+    assert recipe["attention"] == {"kind": "mha", "n_kv_heads": 1} and recipe["init_from"]["model"] == str(source)
+    _, original, tokenizer = attnlab.load_model(source)
+    _, cold = load_model_from_checkpoint(converted)
+    cfg, tuned = load_model_from_checkpoint(tmp_path / "runs/retro/mqa/seed0", tag="last")
+    assert cfg.attention.n_kv_heads == 1
+    start, end, first = dict(cold.named_parameters()), dict(tuned.named_parameters()), dict(original.named_parameters())
+    for name, p in end.items():
+        if ".attn." in name:
+            assert not torch.equal(p, start[name]), name  # trained, from the conversion
+        else:
+            assert torch.equal(p, start[name]) and torch.equal(p, first[name]), name  # frozen: the pretrained weights
+    # the data and the run read the model's own tokenizer; the fine-tuned run loads with it
+    text = "the cat is on the hat"
+    prepared = prepare(DataConfig(source=str(corpus), tokenizer=str(source), val_fraction=0.2), tokenizer=tokenizer)
+    assert prepared.tokenizer.encode(text) == tokenizer.encode(text) and prepared.vocab_size == tokenizer.vocab_size
+    assert prepared.eot_id == tokenizer.eot_id
+    _, _, run_tokenizer = attnlab.load_model(tmp_path / "runs/retro/mqa/seed0")
+    assert run_tokenizer.encode(text) == tokenizer.encode(text) and run_tokenizer.add_bos == tokenizer.add_bos
+    # its held-out split is scored as any run's (the prepared data found again by the tokenizer's fingerprint)
+    assert main(["bench", str(tmp_path / "runs/retro/mqa/seed0"), "--benchmarks", "perplexity",
+                 "--set", "perplexity.split=val", "--out", str(tmp_path / "bench")]) == 0  # fmt: skip
+    # a second run: done already, and the conversion is reused (not made again)
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    summaries = run_manifest(manifest, tmp_path / "runs", progress=False, log=quiet)
+    assert summaries[0]["steps"] == 3 and (converted / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_phases_of_a_pretrained_target_continue_and_a_later_phase_adds_a_memory(tmp_path, pretrained, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    text = MANIFEST.replace(
+        '    train: {{trainable: ["blocks.*.attn.*"]}}',
+        "    phases:\n      - {{name: full}}\n"
+        "      - {{name: bounded, model: {{memory: {{kind: bounded, recent_window: 8, exact_slots: 4, "
+        "summary_slots: 4}}}}, train: {{steps: 2}}}}",
+    )
+    manifest = load_manifest(write(tmp_path, pretrained, text))
+    run_manifest(manifest, tmp_path / "runs", progress=False, log=quiet)
+    _, full = load_model_from_checkpoint(tmp_path / "runs/retro/mqa/seed0/full", tag="last")
+    cfg, bounded = load_model_from_checkpoint(tmp_path / "runs/retro/mqa/seed0/bounded", tag="last")
+    assert cfg.memory.kind == "bounded" and cfg.attention.n_kv_heads == 1
+    before = dict(full.named_parameters())
+    assert {n for n, _ in bounded.named_parameters()} - set(before) == {
+        f"blocks.{i}.memory.{p}" for i in range(2) for p in ("write", "eta_logit")
+    }
+    assert any(not torch.equal(p, before[n]) for n, p in bounded.named_parameters() if n in before)
+
+
+def test_a_changed_recipe_is_refused_rather_than_reusing_the_conversion(tmp_path, pretrained, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    run_manifest(load_manifest(write(tmp_path, pretrained)), tmp_path / "runs", progress=False, log=quiet)
+    changed = load_manifest(write(tmp_path, pretrained, replace=[("n_kv_heads: 1", "n_kv_heads: 2")]))
+    with pytest.raises(ConfigError, match="holds a conversion made with another recipe \\(attention: saved"):
+        run_manifest(changed, tmp_path / "runs", progress=False, log=quiet)
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("n_kv_heads: 1", "n_kv_heads: 3", "convert: attention.n_kv_heads=3 must divide n_heads=4"),
+        ("blocks.*.attn.*", "blocks.*.attn.gate.*", "'blocks.*.attn.gate.*' matches no parameter"),
+        ("val_fraction: 0.2", "val_fraction: 0.2, tokenizer: gpt2", "data.tokenizer='gpt2' is not the tokenizer of"),
+        ("{kind: mha, n_kv_heads: 1}}", "{kind: mha}, d_model: 32}", "model.d_model: a pretrained model's d_model"),
+        (
+            "seq_len: 16, batch_size: 2, eval_every: 3, eval_tokens: 32",
+            "seq_len: 128, batch_size: 2, eval_tokens: 256",
+            "train.seq_len=128 exceeds the model's max_seq_len=64",
+        ),
+    ],
+)
+def test_what_a_pretrained_target_cannot_do_is_refused_by_validate_and_dry_run(tmp_path, pretrained, old, new,
+                                                                              message, capsys):  # fmt: skip
+    path = write(tmp_path, pretrained, replace=[(old, new)])
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    fails(capsys, ["run", str(path), "--dry-run", "--out", str(tmp_path / "runs")], message)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_init_from_model_that_is_not_there_is_one_line(tmp_path, pretrained, capsys):
+    path = write(tmp_path, pretrained, replace=[(str(pretrained[0]), str(tmp_path / "nowhere/model.gguf"))])
+    fails(capsys, ["run", str(path), "--out", str(tmp_path / "runs")], "targets.mqa.init_from:",
+          "nowhere/model.gguf: no such file or folder")  # fmt: skip
+
+
+def test_a_models_tokenizer_keys_prepared_data_by_its_contents(tmp_path, pretrained, monkeypatch):
+    """Two names for one tokenizer share the prepared files; without the tokenizer object prepare says what it needs."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source, corpus = pretrained
+    tokenizer = attnlab.load_model(source)[2]
+    one = prepare(DataConfig(source=str(corpus), tokenizer=str(source)), tokenizer=tokenizer)
+    other = prepare(DataConfig(source=str(corpus), tokenizer=str(source) + "/"), tokenizer=tokenizer)
+    assert one.path == other.path and one.path.name.startswith("text-llama-")
+    with pytest.raises(ConfigError, match="names a model: its tokenizer is read from the model"):
+        prepare(DataConfig(source=str(corpus), tokenizer=str(source)))
+
+
+def test_a_model_trained_from_scratch_can_read_a_pretrained_models_tokenizer(tmp_path, pretrained, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source, corpus = pretrained
+    path = tmp_path / "m.yml"
+    path.write_text(f"""
+name: scratch
+defaults:
+  model: {{d_model: 32, n_layers: 1, n_heads: 2, max_seq_len: 32}}
+  data: {{source: {corpus}, tokenizer: {source}, val_fraction: 0.2}}
+  train: {{steps: 2, seq_len: 16, batch_size: 2, eval_every: 2, eval_tokens: 32, warmup_steps: 1}}
+targets:
+  small: {{}}
+""")
+    run_manifest(load_manifest(path), tmp_path / "runs", progress=False, log=quiet)
+    tokenizer = attnlab.load_model(source)[2]
+    cfg, _, run_tokenizer = attnlab.load_model(tmp_path / "runs/scratch/small/seed0")
+    assert cfg.vocab_size >= tokenizer.vocab_size and run_tokenizer.encode("the hat") == tokenizer.encode("the hat")
+    path.write_text(path.read_text().replace(str(source), str(tmp_path / "missing") + "/"))
+    with pytest.raises(ConfigError, match="data.tokenizer: .*missing/: no such file or folder"):
+        run_manifest(load_manifest(path), tmp_path / "runs2", dry_run=True, log=quiet)
