@@ -70,6 +70,10 @@ CASES = {
     "mla-naive": model_config(MLAConfig(d_latent=32, absorb=False)),
     "mla-d-rope": model_config(MLAConfig(d_latent=32, d_rope=4)),
     "mla-v-head-dim": model_config(MLAConfig(d_latent=32, v_head_dim=8)),
+    "mla-no-latent-norm-freq-factors": model_config(  # as a conversion from a pretrained model makes it
+        {"kind": "mla", "d_latent": 32, "d_rope": 4, "latent_norm": False},
+        rope_scaling={"type": "freq_factors", "freq_factors": [1.0, 7.5]},
+    ),
     "diff": model_config(DiffConfig()),
     "diff-gqa": model_config(DiffConfig(n_kv_heads=2)),
     "diff-mqa-rope-interleaved": model_config(DiffConfig(n_kv_heads=1), rope_interleaved=True),

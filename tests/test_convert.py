@@ -1,5 +1,7 @@
 """Attention conversions (attnlab.interop.convert): each against the source model's own logits or an exact identity."""
 
+import math
+
 import pytest
 import torch
 from helpers import tiny_model
@@ -128,6 +130,35 @@ def test_full_rank_factorisations_are_the_source(attention, interleaved):
     torch.testing.assert_close(cached_logits(conversion.model), logits(conversion.model), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mla_keeps_every_kv_heads_pairs_in_the_shared_rope_key_and_a_full_rank_latent_is_exact(interleaved):
+    """MLA from a GQA source: k_rope holds r = 2 kept pairs of each of the 2 KV heads (d_rope 8), turning at the
+    source's frequencies, and each query head's q_rope is zero outside its KV head's block, so q_rope . k_rope is
+    the source's score over the kept pairs at any positions. The other channels lose RoPE (partial RoPE, as in
+    MHA2MLA): with no rotation anywhere (equal positions) a full-rank latent (2 x 12 + 2 x 16 = 56) is the source
+    layer, a smaller one is not; cached (absorbed) decoding equals the full forward either way."""
+    model = tiny_model({"kind": "mha", "n_kv_heads": 2}, perturb=True, seed=1, rope_interleaved=interleaved)
+    full = convert_model(model.cfg, model, {"kind": "mla", "d_latent": 56, "d_rope": 8}, rope_pairs="low")
+    a = full.cfg.attention
+    assert (a.d_rope, a.head_dim, a.v_head_dim, a.latent_norm, full.fresh) == (8, 12, 16, False, [])
+    assert len(full.cfg.rope_scaling.freq_factors) == 4 and "rule low): [6, 7]" in " ".join(full.notes)
+    x, positions, still = torch.randn(1, 20, 64), torch.arange(20), torch.zeros(20, dtype=torch.long)
+    src, dst = model.blocks[0].attn, full.model.blocks[0].attn
+    with torch.no_grad():
+        q, k, _ = src.project(x, positions)
+        _, q_rope, row = dst.project(x, positions)
+        rows = torch.tensor([12, 13, 14, 15] if interleaved else [6, 7, 14, 15])
+        want = q[..., rows] @ k.repeat_interleave(2, dim=1)[..., rows].transpose(-1, -2)
+        got = q_rope @ row[:, None, :, 56:].transpose(-1, -2) / math.sqrt((12 + 8) / 16)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dst(x, still)[0], src(x, still)[0], rtol=0, atol=1e-5)
+        small = convert_model(model.cfg, model, {"kind": "mla", "d_latent": 24})  # default d_rope: r = 1 per head
+        assert small.cfg.attention.d_rope == 4
+        assert (small.model.blocks[0].attn(x, still)[0] - src(x, still)[0]).abs().max() > 1e-3
+    for conversion in (full, small):
+        torch.testing.assert_close(cached_logits(conversion.model), logits(conversion.model), rtol=0, atol=1e-4)
+
+
 def test_kept_pairs_turn_at_the_source_frequencies_and_the_rest_is_read_without_rotation():
     """A bottleneck of 2 of the source's 8 pairs: its attention scores are the source's over those pairs (at
     their own frequencies); a decoupled model adds the other pairs' q.k without rotation: exact for a source
@@ -194,7 +225,9 @@ def test_a_conversion_the_source_cannot_initialise_is_refused_in_one_line():
     for attention, words in (
         ({"n_kv_heads": 3}, "n_kv_heads"),
         ({"kind": "coda", "head_dim": 8}, "head_dim=8 cannot be initialised from the source's head_dim 16"),
-        ({"kind": "mla", "d_latent": 32}, "cannot be converted to yet"),
+        ({"kind": "mla", "d_latent": 32, "d_rope": 6}, "d_rope=6 must be a multiple of 2 x the source's 4 KV heads"),
+        ({"kind": "mla", "d_latent": 32, "head_dim": 16}, "head_dim=16 cannot be initialised from the source .an MLA"),
+        ({"kind": "mla", "d_latent": 32, "latent_norm": True}, "no norm on the latent .latent_norm: false."),
         ({"kind": "bottleneck", "d_attn": 128}, "d_attn / n_heads = 32 is more than the source's head_dim 16"),
         ({"kind": "decoupled", "d_sem": 16, "d_geo": 32, "tie_qk": True}, "separate semantic W_Q, W_K"),
     ):

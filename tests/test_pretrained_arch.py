@@ -173,7 +173,7 @@ def test_what_stays_refused(tmp_path):
     # Configs: scaled RoPE only where the variant rotates with it, q/k/v biases only where the variant applies them.
     base = {"vocab_size": 97, "d_model": 64, "n_layers": 2, "n_heads": 4}
     llama3 = LLAMA3_SCALING.to_dict()
-    for attention in ({"kind": "coda"}, {"kind": "diff"}, {"kind": "mla", "d_latent": 32}):
+    for attention in ({"kind": "coda"}, {"kind": "diff"}):
         with pytest.raises(
             attnlab.ConfigError, match=f"rope_scaling is not applied by attention.kind='{attention['kind']}'"
         ):
@@ -181,6 +181,8 @@ def test_what_stays_refused(tmp_path):
     decoupled = model_config_from_dict({**base, "attention": {"kind": "decoupled", "d_sem": 16, "d_geo": 32},
                                         "rope_scaling": llama3})  # fmt: skip
     assert decoupled.attention.cache_layout(decoupled).rope_scaling == decoupled.rope_scaling  # its k_geo turns so
+    mla = model_config_from_dict({**base, "attention": {"kind": "mla", "d_latent": 32}, "rope_scaling": llama3})
+    assert mla.attention.cache_layout(mla).rope_scaling == mla.rope_scaling  # its k_rope turns so
     with pytest.raises(attnlab.ConfigError, match="attention.qkv_bias is not supported by attention.kind coda"):
         model_config_from_dict({**base, "attention": {"kind": "coda", "qkv_bias": True}})
     with pytest.raises(attnlab.ConfigError, match="freq_factors has 3 factors, the rotated width 16 has 8"):

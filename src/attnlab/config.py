@@ -395,7 +395,7 @@ def rope_scaling_problems(scaling: RopeScaling, layout, kind: str) -> list[str]:
     if layout.rope_scaling != scaling:
         return [
             f"rope_scaling is not applied by attention.kind={kind!r} (its RoPE is unscaled): use attention.kind "
-            "mha, sliding, bottleneck or decoupled, or remove rope_scaling"
+            "mha, sliding, bottleneck, decoupled or mla, or remove rope_scaling"
         ]
     widths = sorted({f.width for f in layout.fields if f.rope})
     if scaling.freq_factors is not None and any(len(scaling.freq_factors) != w // 2 for w in widths):

@@ -1,6 +1,7 @@
 """Multi-head latent attention (DeepSeek-V2, section 2.1).
 
-K and V are compressed to a shared latent c = RMSNorm(W_dkv x) of width d_latent; a small decoupled
+K and V are compressed to a shared latent c = RMSNorm(W_dkv x) of width d_latent (latent_norm: false drops the
+norm, as a conversion from a pretrained model needs); a small decoupled
 key k_rope = RoPE(W_kr x) of width d_rope, shared by all heads, carries position. The cache holds only
 [c | k_rope] per token. Per head h:
 
@@ -40,6 +41,7 @@ class MLAConfig(AttentionConfig):
     head_dim: int | None = None  # per-head width of the non-rotated q/k part; None = d_model / n_heads
     v_head_dim: int | None = None  # None = head_dim
     absorb: bool = True  # decode through the absorbed path
+    latent_norm: bool = True  # RMSNorm on the latent (DeepSeek-V2's); off, the model is linear in it (conversions)
 
     def dims(self, model: ModelConfig) -> tuple[int, int, int]:
         head_dim = self.head_dim if self.head_dim is not None else model.d_model // model.n_heads
@@ -65,7 +67,8 @@ class MLAConfig(AttentionConfig):
         fields = [Field("latent", self.d_latent), Field("k_rope", self.dims(model)[1], rope=True)]
         read = Read("latent", "latent", self.d_latent) if self.absorb else None
         return CacheLayout.of({"latent": fields}, kv_heads=None, route="latent", read=read,
-                              rope_interleaved=model.rope_interleaved, rope_base=model.rope_base)  # fmt: skip
+                              rope_interleaved=model.rope_interleaved, rope_base=model.rope_base,
+                              rope_scaling=model.rope_scaling)  # fmt: skip
 
 
 class MLA(Attention):
@@ -78,11 +81,12 @@ class MLA(Attention):
         h = self.n_heads
         self.q_proj = nn.Linear(model.d_model, h * (self.head_dim + self.rope_dim), bias=False)
         self.kv_down = nn.Linear(model.d_model, self.d_latent + self.rope_dim, bias=False)
-        self.kv_norm = RMSNorm(self.d_latent, model.norm_eps)
+        self.kv_norm = RMSNorm(self.d_latent, model.norm_eps) if cfg.latent_norm else nn.Identity()
         self.k_up = nn.Linear(self.d_latent, h * self.head_dim, bias=False)
         self.v_up = nn.Linear(self.d_latent, h * self.v_dim, bias=False)
         self.out = nn.Linear(h * self.v_dim, model.d_model, bias=False)
-        self.rotary = Rotary(self.rope_dim, model.rope_base, model.max_seq_len, model.rope_interleaved)
+        self.rotary = Rotary(self.rope_dim, model.rope_base, model.max_seq_len, model.rope_interleaved,
+                             model.rope_scaling)  # fmt: skip
         self.scale = 1 / math.sqrt(self.head_dim + self.rope_dim)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):

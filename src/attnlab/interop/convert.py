@@ -19,8 +19,11 @@ weight outside the attention is copied; inside it:
   zeros; lambda is made exactly 0 (lambda_q1 = lambda_k1 = 0, lambda_q2 . lambda_k2 = ln(1 + lambda_init)); the
   output projection takes 1 / (1 - lambda_init) to undo eq. 3's scale; the head norm defaults to off. The
   cache then holds twice the source's bytes per token (k1, k2 of head_dim / 2 and v of head_dim).
+- bottleneck, decoupled (convert_low_rank) and mla (convert_mla): RoPE pairs kept (kept_pairs) at the source's
+  frequencies (rope_scaling freq_factors), the rest factorised (truncated SVDs, activation-aware with calibration
+  tokens); see those functions.
 - any of them with a memory (`memory=`): the memory's own parameters (the bounded memory's write gate) start
-  as a freshly built model's; nothing else does.
+  as a freshly built model's (seed 0); nothing else does.
 
 `Conversion.fresh` names every parameter not taken from the source.
 """
@@ -40,9 +43,10 @@ from attnlab.model.transformer import Transformer, build_model
 from attnlab.train.checkpoint import save_model_folder
 
 SOURCE_KINDS = ("mha", "sliding")
-TARGET_KINDS = ("mha", "sliding", "coda", "diff", "bottleneck", "decoupled")
-LOW_RANK = ("bottleneck", "decoupled")  # fewer channels than the source: RoPE pairs chosen, the rest factorised
-DEFAULTS = {"coda": {"head_norm": False}, "diff": {"head_norm": False}}  # transparent unless asked otherwise
+TARGET_KINDS = ("mha", "sliding", "coda", "diff", "bottleneck", "decoupled", "mla")
+LOW_RANK = ("bottleneck", "decoupled", "mla")  # fewer channels than the source: RoPE pairs chosen, the rest factorised
+# transparent unless asked otherwise (MLA: no norm on the latent, so a full-rank latent is the source)
+DEFAULTS = {"coda": {"head_norm": False}, "diff": {"head_norm": False}, "mla": {"latent_norm": False}}
 
 
 @dataclass
@@ -68,7 +72,7 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
     data = source.to_dict()
     old = data["attention"]
     head_dim = source.attention.dim(source)
-    inherited = {"n_kv_heads": old.get("n_kv_heads")}
+    inherited = {"n_kv_heads": old.get("n_kv_heads")} if kind != "mla" else mla_dims(source, attention)
     if kind not in LOW_RANK:
         inherited["head_dim"] = old.get("head_dim") if kind != "diff" else 2 * head_dim
     if kind in ("mha", "sliding") and old.get("qkv_bias"):
@@ -101,13 +105,38 @@ def kv_heads(cfg: ModelConfig) -> int:
 
 
 def rotated_width(cfg: ModelConfig) -> int:
-    """Channels per head a low-rank target rotates: a bottleneck's whole head, a decoupled model's k_geo."""
+    """Channels per head a low-rank target rotates (of each source head): a bottleneck's whole head, a decoupled
+    model's k_geo, an MLA conversion's 2r (its k_rope holds r pairs of each source KV head: v_head_dim, the
+    source's head_dim, minus the unrotated head_dim)."""
     a = cfg.attention
+    if a.kind == "mla":
+        head_dim, _, v_dim = a.dims(cfg)
+        return v_dim - head_dim
     return a.d_attn // cfg.n_heads if a.kind == "bottleneck" else a.d_geo // cfg.n_heads
 
 
+def mla_dims(source: ModelConfig, attention: dict) -> dict:
+    """An MLA conversion's widths: d_rope = n_kv * 2r (r kept pairs of each source KV head, side by side in the
+    shared k_rope; default r = head_dim / 16, at least 1), head_dim = the source's minus 2r (the unrotated rest of
+    each query and key head), v_head_dim = the source's. ConfigError when the given ones do not fit."""
+    d, n_kv = source.attention.dim(source), kv_heads(source)
+    usual = n_kv * 2 * max(1, d // 16)
+    d_rope = attention.get("d_rope", usual)
+    if not isinstance(d_rope, int) or d_rope < 2 * n_kv or d_rope % (2 * n_kv) or d_rope // n_kv > d - 2:
+        raise ConfigError(
+            f"convert: attention.d_rope={d_rope} must be a multiple of 2 x the source's {n_kv} KV heads (k_rope "
+            f"holds r RoPE pairs of each), at most {n_kv * (d - 2)} (e.g. {usual})"
+        )
+    want = {"d_rope": d_rope, "head_dim": d - d_rope // n_kv, "v_head_dim": d}
+    for key, value in want.items():
+        if key in attention and attention[key] != value:
+            raise ConfigError(f"convert: attention.{key}={attention[key]} cannot be initialised from the source "
+                              f"(an MLA conversion with d_rope={d_rope} has {key}={value}: leave it out)")  # fmt: skip
+    return want
+
+
 def low_rank_problem(source: ModelConfig, cfg: ModelConfig) -> None:
-    """ConfigError (one line) for a bottleneck or decoupled target the source cannot initialise."""
+    """ConfigError (one line) for a bottleneck, decoupled or MLA target the source cannot initialise."""
     a, head_dim, kind = cfg.attention, source.attention.dim(source), cfg.attention.kind
     width = rotated_width(cfg)
     what = "d_attn / n_heads" if kind == "bottleneck" else "d_geo / n_heads"
@@ -119,6 +148,9 @@ def low_rank_problem(source: ModelConfig, cfg: ModelConfig) -> None:
                           f"choosing RoPE pairs for attention.kind {kind} (convert to mha, coda, diff)")  # fmt: skip
     if getattr(source.attention, "qkv_bias", False):
         raise ConfigError(f"convert: the source's q/k/v biases cannot be factorised into attention.kind {kind} yet")
+    if kind == "mla" and a.latent_norm:
+        raise ConfigError("convert: an MLA conversion has no norm on the latent (latent_norm: false): the source's "
+                          "keys and values are linear in the input")  # fmt: skip
     if kind == "decoupled" and (a.tie_qk or not a.rope or a.rope_semantic):
         raise ConfigError("convert: a decoupled conversion keeps RoPE on the geometric path only (rope: true, "
                           "rope_semantic: false) and separate semantic W_Q, W_K (tie_qk: false)")  # fmt: skip
@@ -286,6 +318,52 @@ def convert_low_rank(src, dst, source: ModelConfig, cfg: ModelConfig, pairs: tor
     dst.out.weight.copy_(out)
 
 
+def low_rank(weight: torch.Tensor, rank: int, whitening=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (n, m) ~= up (n, rank) @ down (rank, m): its truncated SVD (the singular values split evenly), of
+    W C^1/2 when `whitening` (C^1/2, C^-1/2) is given (then C^-1/2 undone on `down`); zero-padded beyond W's rank."""
+    root, inverse = whitening if whitening else (None, None)
+    w = weight.double() if root is None else weight.double() @ root
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    r = min(rank, s.numel())
+    up = torch.zeros(w.shape[0], rank, dtype=torch.float64)
+    down = torch.zeros(rank, w.shape[1], dtype=torch.float64)
+    up[:, :r], down[:r] = u[:, :r] * s[:r].sqrt(), s[:r].sqrt()[:, None] * vh[:r]
+    if inverse is not None:
+        down = down @ inverse
+    return up.to(weight.dtype), down.to(weight.dtype)
+
+
+@torch.no_grad()
+def convert_mla(src, dst, source: ModelConfig, cfg: ModelConfig, pairs: torch.Tensor, whitening=None) -> None:
+    """An MLA layer from a per-head layer (MHA2MLA's partial RoPE plus a joint low-rank latent, made exact where it
+    can be): the shared k_rope holds the kept pairs of every source KV head side by side, and each query head's
+    q_rope is zero outside its KV head's block, so q_rope . k_rope is the source's kept-pair score; the latent is
+    the joint truncated SVD of the other channels' keys and the values of all KV heads (activation-aware with
+    `whitening`); k_up and v_up give each query head its KV head's rows; queries scaled to keep 1/sqrt(head_dim)."""
+    (q, k, v), _ = _qkv(src, source)
+    h, n_kv, d, interleaved = cfg.n_heads, kv_heads(source), source.attention.dim(source), cfg.rope_interleaved
+    head_dim, d_rope, _ = cfg.attention.dims(cfg)
+    r, group = len(pairs), h // n_kv
+    kept = pair_rows(pairs, d, interleaved)
+    rest = pair_rows(torch.tensor([p for p in range(d // 2) if p not in set(pairs.tolist())], dtype=torch.long),
+                     d, interleaved)  # fmt: skip
+    qh, kh, vh = q.unflatten(0, (h, d)), k.unflatten(0, (n_kv, d)), v.unflatten(0, (n_kv, d))
+    q_rope = q.new_zeros(h, d_rope, q.shape[1])
+    k_rope = k.new_zeros(d_rope, k.shape[1])
+    for g in range(n_kv):
+        block = pair_rows(torch.arange(g * r, (g + 1) * r), d_rope, interleaved)  # the channels of its r pairs
+        k_rope[block] = kh[g, kept]
+        q_rope[g * group : (g + 1) * group, block] = qh[g * group : (g + 1) * group][:, kept]
+    scale = math.sqrt((head_dim + d_rope) / d)
+    dst.q_proj.weight.copy_(torch.cat((qh[:, rest], q_rope), dim=1).flatten(0, 1) * scale)
+    up, down = low_rank(torch.cat((kh[:, rest].flatten(0, 1), vh.flatten(0, 1))), cfg.attention.d_latent, whitening)
+    up_k, up_v = up.split((n_kv * head_dim, n_kv * d))
+    dst.kv_down.weight.copy_(torch.cat((down, k_rope)))
+    dst.k_up.weight.copy_(up_k.unflatten(0, (n_kv, head_dim)).repeat_interleave(group, dim=0).flatten(0, 1))
+    dst.v_up.weight.copy_(up_v.unflatten(0, (n_kv, d)).repeat_interleave(group, dim=0).flatten(0, 1))
+    dst.out.weight.copy_(src.out.weight)
+
+
 def pool_heads(weight: torch.Tensor, n_src: int, n_new: int) -> torch.Tensor:
     """Rows of n_src heads (n_src * D, ...) -> n_new heads: the mean of each group of n_src / n_new consecutive
     heads, or each head repeated n_new / n_src times."""
@@ -341,7 +419,10 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
         whitening = input_whitening(model, torch.as_tensor(calibration).long().flatten(), calibration_seq_len)
     if low_rank:  # the kept RoPE pairs turn at the source's frequencies
         pairs = kept_pairs(model, cfg, rotated_width(new_cfg) // 2, rope_pairs, whitening)
-        factors = pair_factors(pairs, cfg, rotated_width(new_cfg))
+        if new_cfg.attention.kind == "mla":  # k_rope: the kept pairs of each source KV head, side by side
+            factors = pair_factors(pairs.repeat(kv_heads(cfg)), cfg, new_cfg.attention.dims(new_cfg)[1])
+        else:
+            factors = pair_factors(pairs, cfg, rotated_width(new_cfg))
         new_cfg = new_cfg.replace(rope_scaling=RopeScaling(type="freq_factors", freq_factors=factors))
     with torch.random.fork_rng(devices=[]):  # the fresh parameters (a memory's gate) start the same every time
         torch.manual_seed(0)
@@ -358,12 +439,16 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
             tensor.copy_(source_state[name])
             taken.add(name)
         for i, (src_block, dst_block) in enumerate(zip(model.blocks, new.blocks, strict=True)):
-            if low_rank:
+            if new_cfg.attention.kind == "mla":
+                convert_mla(src_block.attn, dst_block.attn, cfg, new_cfg, pairs, whitening and whitening[i])
+            elif low_rank:
                 convert_low_rank(src_block.attn, dst_block.attn, cfg, new_cfg, pairs, whitening and whitening[i])
             else:
                 convert_layer(src_block.attn, dst_block.attn, cfg, new_cfg)
     for i in range(new_cfg.n_layers):
-        taken |= {f"blocks.{i}.attn.{name}" for name in ("qkv.weight", "qkv.bias", "proj.weight", "out.weight")}
+        taken |= {f"blocks.{i}.attn.{name}" for name in ("qkv.weight", "qkv.bias", "proj.weight", "out.weight",
+                                                           "q_proj.weight", "kv_down.weight", "k_up.weight",
+                                                           "v_up.weight")}  # fmt: skip
         if new_cfg.attention.kind == "diff":
             taken |= {f"blocks.{i}.attn.lambda_{n}" for n in ("q1", "k1", "q2", "k2")}
     fresh = [name for name, _ in new.named_parameters() if name not in taken]
