@@ -43,10 +43,11 @@ def test_bench_records_resume_and_report(tmp_path, checkpoint):
         f"name: tiny\ncheckpoints: ['{checkpoint.parent}/seed*']\nbenchmarks:\n"
         "  perplexity: {split: val, max_tokens: 200}\n  memory: {lengths: [16, 32]}\n"
         "  latency: {prompt_lengths: [8], new_tokens: 4, repeats: 2}\n"
+        "  stream_loss: {length: 32, streams: 2, bucket: 8, split: val}\n"
     )
     assert main(["bench", str(manifest), "--out", str(out)]) == 0
     records = read_records(out / "records.jsonl")
-    assert {r["benchmark"] for r in records} == {"perplexity", "memory", "latency"}
+    assert {r["benchmark"] for r in records} == {"perplexity", "memory", "latency", "stream_loss"}
     ppl = next(r for r in records if r["benchmark"] == "perplexity")
     assert ppl["model"] == "tiny/seed0" and ppl["split"] == "val" and ppl["tokens"] == 200
     assert ppl["params"] == {"split": "val", "seq_len": None, "stride": None, "max_tokens": 200, "dataset": None}
@@ -55,7 +56,10 @@ def test_bench_records_resume_and_report(tmp_path, checkpoint):
     assert len(read_records(out / "records.jsonl")) == len(records)
 
     result = build_report(out)
-    assert set(result["tables"]) >= {"perplexity", "memory", "latency"}
+    assert set(result["tables"]) >= {"perplexity", "memory", "latency", "stream_loss"}
+    assert (out / "stream_loss.png").exists() and "## Loss by position over long streams" in (
+        out / "report.md"
+    ).read_text()
     markdown = (out / "report.md").read_text()
     assert "## Held-out perplexity" in markdown and "tiny/seed0" in markdown
     page = (out / "report.html").read_text()

@@ -307,3 +307,41 @@ def test_extrapolation_marks_too_long_and_matches_held_out_perplexity(tmp_path):
     assert rows[0]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     short = run_extrapolation(model, factors=(1, 4), text=text[:40])
     assert [r["status"] for r in short] == ["ok", "not_enough_text"]
+
+
+# ----------------------------------------------------------------------------- loss by position over streams
+
+
+def test_stream_loss_buckets_are_the_per_position_losses_and_a_window_memory_forgets_past_its_window(tmp_path):
+    """Full cache: each bucket is the mean of a direct forward's per-position losses and the buckets average to the
+    streams' loss. A window memory of 12 tokens, same weights: the same losses where the window holds the whole
+    context (the first 12 positions), others later; it reads streams past max_seq_len, the plain model cannot."""
+    from attnlab.eval.longctx import run_stream_loss
+
+    text = np.random.default_rng(2).integers(0, 50, 400)
+    full = tiny()
+    rows = run_stream_loss(eval_model(full, tmp_path), length=48, streams=3, bucket=12, text=text)
+    (row,) = rows
+    assert (row["status"], row["streams"], row["positions"], row["memory"]) == ("ok", 3, [0, 12, 24, 36], "none")
+    windows = torch.from_numpy(text[: 3 * 48 + 1].astype(np.int64))
+    with torch.no_grad():
+        direct = torch.stack([
+            torch.nn.functional.cross_entropy(full(windows[w * 48 : (w + 1) * 48][None], use_cache=False)[0][0],
+                                              windows[w * 48 + 1 : (w + 1) * 48 + 1], reduction="none")
+            for w in range(3)
+        ])  # fmt: skip
+    want = direct.unflatten(1, (4, 12)).mean(dim=(0, 2))
+    assert row["bucket_loss"] == pytest.approx(want.tolist(), rel=1e-5)
+    assert np.mean(row["bucket_loss"]) == pytest.approx(row["loss"], rel=1e-5)
+    assert all(low <= mean <= high for mean, (low, high) in zip(row["bucket_loss"], row["bucket_ci"], strict=True))
+    windowed = tiny_model(None, {"kind": "window", "recent_window": 12, "block": 4}, vocab_size=50, d_model=32,
+                          init_std=0.2)  # fmt: skip
+    (memory_row,) = run_stream_loss(eval_model(windowed, tmp_path), length=48, streams=3, bucket=12, text=text)
+    assert (memory_row["memory"], memory_row["memory_slots"]) == ("window", 12)
+    assert memory_row["bucket_loss"][0] == pytest.approx(row["bucket_loss"][0], rel=1e-5)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(memory_row["bucket_loss"][1:], row["bucket_loss"][1:], strict=True))
+    long = full.cfg.max_seq_len * 2
+    assert run_stream_loss(eval_model(full, tmp_path), length=long, streams=1, text=text)[0]["status"] == "too_long"
+    longer = np.random.default_rng(3).integers(0, 50, long + 1)
+    ok = run_stream_loss(eval_model(windowed, tmp_path), length=long, streams=1, bucket=long // 2, text=longer)[0]
+    assert ok["status"] == "ok" and len(ok["bucket_loss"]) == 2

@@ -36,7 +36,7 @@ from attnlab.eval.analysis import run_attention_maps, run_effective_rank
 from attnlab.eval.kvquant import run_kv_eval
 from attnlab.eval.loading import load_for_eval
 from attnlab.eval.longctx import context_sweep as sweep
-from attnlab.eval.longctx import run_extrapolation, run_needle
+from attnlab.eval.longctx import run_extrapolation, run_needle, run_stream_loss
 from attnlab.eval.multiple_choice import run_multiple_choice
 from attnlab.eval.perplexity import run_perplexity
 from attnlab.eval.probes import load_suite, probe_records, run_probes
@@ -107,6 +107,13 @@ def rope_extrapolation(model, out_dir, data_dir, factors: list = (1, 2, 4), max_
     return run_extrapolation(model, factors=tuple(factors), max_tokens=max_tokens, data_dir=data_dir, dataset=dataset)
 
 
+def stream_loss(model, out_dir, data_dir, length: int = 8192, streams: int = 8, bucket: int = 256,
+                split: str | None = None, dataset: str | None = None) -> list[dict]:  # fmt: skip
+    """Loss by position over long held-out streams read whole (a memory model: through its memory), in buckets."""
+    return run_stream_loss(model, length=length, streams=streams, bucket=bucket, split=split, data_dir=data_dir,
+                           dataset=dataset)  # fmt: skip
+
+
 def latency(model, out_dir, data_dir, prompt_lengths: list = (128, 512), batch_sizes: list = (1,),
             new_tokens: int = 32, repeats: int = 5, kv_policy: str | None = None) -> list[dict]:  # fmt: skip
     """Cached decode tokens/s and time to first token against prompt length and batch size (kv_policy: a
@@ -134,6 +141,7 @@ BENCHMARKS: dict[str, Callable[..., list[dict]]] = {
     "needle": needle,
     "context_sweep": context_sweep,
     "rope_extrapolation": rope_extrapolation,
+    "stream_loss": stream_loss,
     "latency": latency,
     "memory": memory,
     "kv_quant": kv_quant,

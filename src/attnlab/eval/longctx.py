@@ -13,6 +13,9 @@ context_sweep Chunked prefill to each length, then a few greedy decode steps at 
 extrapolation Loss on held-out text at 1x, 2x, 4x the training context, in non-overlapping windows, with
               the loss of each training-context-wide segment of positions, so a RoPE failure beyond the
               trained positions shows up as a jump in the later segments.
+stream_loss   Loss by position over long streams read whole (a memory model reads them through its memory,
+              block by block): StreamingLLM's perplexity-by-position comparison of full cache, window, sinks
+              and bounded memories (Xiao et al. 2024, figure 3), in buckets with intervals over streams.
 
 Held-out text for every benchmark comes from `heldout_tokens`: the model's own dataset's test (else val)
 split, a text file, or given token ids.
@@ -385,3 +388,61 @@ def run_extrapolation(
         summary = summarize_losses([(row.sum().item(), seq_len) for row in losses])  # bootstrap over windows
         rows.append(record(status="ok", **summary, segment_loss=segments))
     return rows
+
+
+# ----------------------------------------------------------------------------- loss by position over streams
+
+
+def bucket_means(losses: torch.Tensor, bucket: int, n_boot: int = 2000, seed: int = 0, level: float = 0.95):
+    """losses (streams, length) -> (start of each bucket, mean loss per bucket, [low, high] per bucket): each
+    bucket's mean over its positions and the streams, with a percentile-bootstrap interval over streams."""
+    streams, length = losses.shape
+    starts = list(range(0, length, bucket))
+    per_stream = np.stack([losses[:, s : s + bucket].double().mean(dim=1).numpy() for s in starts], axis=1)  # (W, B)
+    picks = np.random.default_rng(seed).integers(0, streams, size=(n_boot, streams))
+    boot = per_stream[picks].mean(axis=1)  # (n_boot, B)
+    low, high = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2], axis=0)
+    return starts, per_stream.mean(axis=0).tolist(), [[float(a), float(b)] for a, b in zip(low, high, strict=True)]
+
+
+def run_stream_loss(
+    model,
+    length: int = 8192,
+    streams: int = 8,
+    bucket: int = 256,
+    text=None,
+    split: str | None = None,
+    data_dir=None,
+    dataset: str | None = None,
+) -> list[dict]:
+    """One `stream_loss` record: the loss at every position of `streams` non-overlapping streams of `length`
+    held-out tokens, each read whole in one forward pass (a model with a memory reads it through the memory, block
+    by block, so its later positions see only what the memory kept), as the mean over each `bucket` positions with
+    a bootstrap interval over streams, and the streams' perplexity (bootstrap over streams). A length beyond
+    max_seq_len without a memory is too_long; text shorter than one stream is not_enough_text."""
+    if length < 2 or streams < 1 or bucket < 1:
+        raise InputError(f"length={length} must be >= 2, streams={streams} and bucket={bucket} >= 1")
+    tokens, origin = heldout_tokens(model, text, split, data_dir, dataset=dataset)
+    memory = model.cfg.memory
+    common = {"length": length, "bucket": bucket, "text": origin, "max_seq_len": model.cfg.max_seq_len,
+              "memory": memory.kind, "memory_slots": memory_slots(memory)}  # fmt: skip
+    record = partial(make_record, "stream_loss", model, **common)
+    if length > model.cfg.max_seq_len and memory.kind == "none":
+        return [record(status="too_long")]
+    windows = min(streams, (len(tokens) - 1) // length)
+    if windows < 1:
+        return [record(status="not_enough_text", text_tokens=len(tokens))]
+    losses, error = run_guarded(lambda: position_losses(model.model, tokens, length, windows))
+    if error is not None:
+        return [record(status="oom", error=error)]
+    starts, means, intervals = bucket_means(losses, bucket)
+    summary = summarize_losses([(row.sum().item(), length) for row in losses])
+    return [record(status="ok", streams=windows, **summary, positions=starts, bucket_loss=means,
+                   bucket_ci=intervals)]  # fmt: skip
+
+
+def memory_slots(memory) -> int | None:
+    """Tokens a memory holds per layer (its budget), None without one."""
+    extra = {"window": 0, "streaming": memory.sink_tokens, "h2o": memory.heavy_slots,
+             "bounded": memory.exact_slots + memory.summary_slots}  # fmt: skip
+    return None if memory.kind == "none" else memory.recent_window + extra[memory.kind]

@@ -165,6 +165,41 @@ def extrapolation_table(records: list[dict]) -> Table | None:
                  ["model", "factor", "tokens", "status", "loss", "ppl"], body)  # fmt: skip
 
 
+def stream_loss_table(records: list[dict]) -> Table | None:
+    rows = [r for r in records if r["benchmark"] == "stream_loss"]
+    if not rows:
+        return None
+    body = [[r["model"], r.get("memory"), r.get("memory_slots"), r.get("length"), r.get("streams"), r.get("status"),
+             r.get("ppl"), (r.get("bucket_loss") or [None])[0], (r.get("bucket_loss") or [None])[-1]]
+            for r in rows]  # fmt: skip
+    return Table("stream_loss", "Loss by position over long streams (first and last bucket)",
+                 ["model", "memory", "slots", "tokens", "streams", "status", "ppl", "first loss", "last loss"],
+                 body)  # fmt: skip
+
+
+def stream_loss_plot(records: list[dict], path: Path) -> Path | None:
+    """Loss against position, one line per model (bucket means, shaded bootstrap interval over streams)."""
+    rows = _ok([r for r in records if r["benchmark"] == "stream_loss" and r.get("bucket_loss")])
+    if not rows:
+        return None
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in rows:
+        x = [start + r["bucket"] / 2 for start in r["positions"]]
+        slots = f", {r['memory']} {r['memory_slots']}" if r.get("memory_slots") else ""
+        (line,) = ax.plot(x, r["bucket_loss"], label=f"{r['model']}{slots}")
+        ax.fill_between(x, [c[0] for c in r["bucket_ci"]], [c[1] for c in r["bucket_ci"]], alpha=0.15,
+                        color=line.get_color())  # fmt: skip
+    ax.set_xlabel("position in the stream (tokens)")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def sweep_table(records: list[dict]) -> Table | None:
     rows = [r for r in records if r["benchmark"] == "context_sweep"]
     if not rows:
@@ -289,7 +324,8 @@ def build_report(out_dir: str | Path) -> dict:
                             "remove that line, or run the benchmark again")  # fmt: skip
     tables = [t for t in (perplexity_table(records), memory_table(records), latency_table(records),
                           multiple_choice_table(records), needle_table(records), sweep_table(records),
-                          extrapolation_table(records)) if t] + probes_tables(records)  # fmt: skip
+                          extrapolation_table(records), stream_loss_table(records)) if t]  # fmt: skip
+    tables += probes_tables(records)
     (out_dir / "tables").mkdir(exist_ok=True)
     for t in tables:
         for suffix, text in ((".md", t.markdown()), (".csv", t.csv()), (".tex", t.latex())):
@@ -319,6 +355,7 @@ def build_report(out_dir: str | Path) -> dict:
             out_dir / "context_sweep.png",
         ),  # fmt: skip
         "Probe accuracy by category": probe_bars(records, out_dir / "probes.png"),
+        "Loss by position over long streams": stream_loss_plot(records, out_dir / "stream_loss.png"),
     }
     plots.update(_analysis_plots(records, out_dir))
     plots = {title: p for title, p in plots.items() if p}
