@@ -31,7 +31,7 @@ from attnlab.eval.kvquant import held_out_windows, run_kv_eval, table, tune
 from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
 from attnlab.eval.perplexity import dataset_tokens, summarize_losses, window_losses
 from attnlab.eval.probes import comparison_record, load_suite, probe_records, run_probes, summarize, summary_table
-from attnlab.eval.records import records_target
+from attnlab.eval.records import records_folder, records_target
 from attnlab.eval.report import build_report
 from attnlab.eval.stats import paired_comparison
 from attnlab.generate import generate
@@ -181,6 +181,8 @@ def _pm(value, stderr) -> str:
 
 
 def cmd_mc(args) -> int:
+    if args.out:  # before minutes of scoring
+        records_folder(args.out, "multiple_choice.jsonl", "multiple_choice_items.jsonl")
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
     rows, s = run_multiple_choice(model, args.task, path=args.file, limit=args.limit, data_dir=args.data_dir)
     print(
@@ -196,6 +198,7 @@ def cmd_mc(args) -> int:
 def cmd_probes(args) -> int:
     if not 0 <= args.seed < 2**32:
         raise InputError(f"--seed {args.seed} must be from 0 to 2**32 - 1 (the bootstrap's seed)")
+    records_folder(args.out, "probes.jsonl")  # before the models are loaded and probed
     suite, out, runs = load_suite(args.suite), Path(args.out), []
     for path in [args.checkpoint] + ([args.checkpoint_b] if args.checkpoint_b else []):
         model = load_for_eval(path, data_dir=args.data_dir)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 import attnlab
 from attnlab.accounting import kv_report, param_counts
+from attnlab.cli_errors import Parser
 from attnlab.errors import DataError
 from attnlab.eval import load_for_eval
 from attnlab.eval.multiple_choice import run_multiple_choice
@@ -118,7 +118,7 @@ def pretrained(data_dir: str | None, tokens: int = 2048, items: int = 40) -> Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="the attnlab demo")
+    parser = Parser(prog="python -m attnlab.demo", description="the attnlab demo")  # a usage error: one line, exit 2
     parser.add_argument("--data-dir", default=None, help="directory with llama2c-stories260K/ (or $ATTNLAB_DATA)")
     args = parser.parse_args(argv)
     seed_figures()

@@ -2,7 +2,9 @@
 
 Finished runs (summary.json) are skipped, interrupted ones resume from their last checkpoint, and a run
 folder made with another config is an error rather than silently reused. Before the first run starts (dry runs
-too) every folder a run would write is checked to lie inside --out, and every local data file to exist.
+too) every folder a run would write is checked to lie inside --out, every local data file to exist, and every
+named dataset to be prepared, found or (downloads allowed) downloadable; a dry run says what the runs would
+download first, and downloads nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import atomic_write_text, downloads_allowed, read_json_object
 from attnlab.data.prepared import cache_key, default_cache_dir, folder_name
 from attnlab.data.pretrained import tokenizer_from_folder
-from attnlab.data.sources import NAMED_SOURCES, local_path, open_source
+from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
 from attnlab.paths import inside
@@ -43,9 +45,11 @@ def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
     return [r for r in manifest.runs if (not targets or r.target in targets) and (not seeds or r.seed in seeds)]
 
 
-def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, data_dir: str | None) -> None:
+def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, data_dir: str | None) -> list[str]:
     """What would fail once the runs start, checked before the first: a folder the runs write (or read a previous
-    phase from) outside `out_root` (ConfigError), a local data file that is not there (DataError)."""
+    phase from) outside `out_root` (ConfigError), a local data file that is not there, a named dataset that is
+    neither prepared nor found (offline) or cannot be downloaded (DataError). Downloads nothing: returns what the
+    runs would download first, one line per dataset (`attnlab run --dry-run` prints them)."""
     root = Path(out_root) / manifest.name
     problems = []
     for path in [root, *(spec.run_dir(root) for spec in manifest.runs)]:
@@ -55,7 +59,7 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
             problems.extend(e.problems)
     if problems:
         raise ConfigError(problems, source=str(manifest.path))
-    missing = []
+    missing, downloads = [], []
     if data_dir and not Path(data_dir).exists():  # a typo would fall back to the cache (or a download) silently
         missing.append(f"--data-dir {data_dir}: no such folder (name the folder that holds the data files)")
     for source in dict.fromkeys(spec.data.source for spec in runs):
@@ -64,29 +68,36 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
                 local_path(source, data_dir)
             except DataError as e:
                 missing.append(str(e))
-    if not downloads_allowed():  # a named dataset must then be prepared already, or its files found here
-        for data in dict.fromkeys(spec.data for spec in runs):
-            if data.source not in NAMED_SOURCES:
-                continue
-            if (
-                not names_model(data.tokenizer)
-                and (  # (a model's tokenizer is keyed by its contents: not read yet)
-                    default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json"
-                ).exists()
-            ):
-                continue
-            try:
+    online = downloads_allowed()
+    for data in dict.fromkeys(spec.data for spec in runs):  # a named dataset: prepared already, or its files here
+        if data.source not in NAMED_SOURCES:
+            continue
+        if (
+            not names_model(data.tokenizer)
+            and (  # (a model's tokenizer is keyed by its contents: not read yet)
+                default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json"
+            ).exists()
+        ):
+            continue
+        try:
+            if online:  # what the run would download (or why it could not), said before it starts
+                plan = download_plan(data.source, data_dir, data.max_tokens)
+                if plan is not None and plan not in downloads:
+                    downloads.append(plan)
+            else:
                 open_source(data.source, data_dir, download=False)  # finds the files; reads nothing
-            except DataError as e:
-                if str(e) not in missing:
-                    missing.append(
-                        f"{e} (downloads are off: $HF_HUB_OFFLINE, $HF_DATASETS_OFFLINE or $ATTNLAB_OFFLINE)"
-                    )
+        except DataError as e:
+            offline = (
+                "" if online else " (downloads are off: $HF_HUB_OFFLINE, $HF_DATASETS_OFFLINE or $ATTNLAB_OFFLINE)"
+            )
+            if f"{e}{offline}" not in missing:
+                missing.append(f"{e}{offline}")
     if missing:
         raise DataError("; ".join(missing))
     problems = check_pretrained(runs, list(manifest.runs), data_dir)  # reads the models' metadata, not weights
     if problems:
         raise ConfigError(problems, source=str(manifest.path))
+    return downloads
 
 
 def run_manifest(
@@ -105,7 +116,10 @@ def run_manifest(
         raise ConfigError(f"--out {out_root}: a file, not a folder (runs are written into a folder)")
     root = Path(out_root) / manifest.name
     runs = select_runs(manifest, targets, seeds)
-    check_runs(manifest, runs, out_root, data_dir)
+    downloads = check_runs(manifest, runs, out_root, data_dir)
+    if dry_run:
+        for plan in downloads:
+            log(f"data: {plan} first")
     # Under torchrun every rank runs this loop; rank 0 alone writes files and prints.
     dist_info = init_distributed(pick_device(runs[0].train.device).type) if runs else None
     if dist_info is not None and not dist_info.is_main:

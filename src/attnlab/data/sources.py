@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.util
 import json
 import lzma
 import re
@@ -230,19 +231,24 @@ def parquet_texts_raw(path: Path) -> Iterator[str]:
     yield from pq.read_table(path, columns=["text"]).column(0).to_pylist()
 
 
+def _wikitext_files(extension: str, dirs: list[Path]) -> dict[str, Path]:
+    """split -> the first of the folders `dirs` that holds its WikiText file (plain, .xz or .txt)."""
+    found = {}
+    for split, file_split in WIKITEXT_SPLITS.items():
+        names = [f"wiki.{file_split}.{extension}{suffix}" for suffix in ("", ".xz", ".txt")]
+        names += [f"{file_split}.txt"] if extension == "tokens" else []  # pytorch/examples' names
+        hits = [folder / n for folder in dirs for n in names if (folder / n).is_file()]
+        if hits:
+            found[split] = hits[0]
+    return found
+
+
 def _wikitext(name: str, data_dir: str | Path | None, download: bool | None, splits=None) -> Source:
     extension, config = WIKITEXT[name]
     dirs = [d / "wikitext-2" for d in data_dirs(data_dir)]
 
     def find() -> dict[str, Path]:
-        found = {}
-        for split, file_split in WIKITEXT_SPLITS.items():
-            names = [f"wiki.{file_split}.{extension}{suffix}" for suffix in ("", ".xz", ".txt")]
-            names += [f"{file_split}.txt"] if extension == "tokens" else []  # pytorch/examples' names
-            hits = [folder / n for folder in dirs for n in names if (folder / n).is_file()]
-            if hits:
-                found[split] = hits[0]
-        return found
+        return _wikitext_files(extension, dirs)
 
     wanted = [s for s in WIKITEXT_SPLITS if splits is None or s in splits]
     found = {split: path for split, path in find().items() if split in wanted}
@@ -387,3 +393,44 @@ def open_source(
     path = local_path(source, data_dir)
     read = _hash_split(lambda: file_texts(path), val_fraction, test_fraction)
     return Source(name=str(path), own_splits=False, read=read, files=[path])
+
+
+def download_plan(source: str, data_dir: str | Path | None = None, max_tokens: int | None = None) -> str | None:
+    """What opening the named dataset `source` would download, where downloads are allowed, without downloading
+    anything (`attnlab run --dry-run` says it): None when its files are all in the data directories, else one line
+    ("<source>: <files> not in <folders>: the run would download them from <where> into <folder>"). DataError when that
+    download could not happen: a module it needs is not installed, fineweb-edu without data.max_tokens."""
+    dirs = data_dirs(data_dir)
+    if source == "tinyshakespeare":
+        if any((d / "tinyshakespeare" / "input.txt").exists() for d in dirs):
+            return None
+        looked = ", ".join(str(d / "tinyshakespeare") for d in dirs)
+        return (f"tinyshakespeare: input.txt not in {looked}: the run would download it from {TINYSHAKESPEARE_URL} "
+                f"into {cache_dir() / 'tinyshakespeare'}")  # fmt: skip
+    if source == "fineweb-edu":
+        folders = [d / "fineweb-edu" for d in dirs]
+        if any(p.is_file() and base_suffix(p) in (".parquet", ".jsonl") for f in folders for p in f.glob("*")):
+            return None
+        looked = ", ".join(map(str, folders))
+        if importlib.util.find_spec("datasets") is None:
+            raise DataError(f"fineweb-edu: no local files (looked for *.parquet / *.jsonl in: {looked}) and streaming "
+                            "it from the HF Hub needs `pip install datasets`; "
+                            f"{_how_to_provide('the files')}")  # fmt: skip
+        if max_tokens is None:
+            raise DataError(f"fineweb-edu: no local files (looked in: {looked}): it would be streamed from the HF Hub, "
+                            "which needs data.max_tokens (set e.g. data.max_tokens: 100000000, or put *.parquet / "
+                            "*.jsonl files in one of those folders)")  # fmt: skip
+        return (f"fineweb-edu: no local files in {looked}: the run would stream data.max_tokens={max_tokens:,} tokens "
+                f"from the HF Hub ({'/'.join(FINEWEB_EDU)})")  # fmt: skip
+    extension, config = WIKITEXT["wikitext2" if source == "wikitext2-nounk" else source]
+    folders = [d / "wikitext-2" for d in dirs]
+    missing = [s for s in WIKITEXT_SPLITS if s not in _wikitext_files(extension, folders)]
+    if not missing:
+        return None
+    names = ", ".join(f"wiki.{WIKITEXT_SPLITS[s]}.{extension}" for s in missing)
+    looked = ", ".join(map(str, folders))
+    if importlib.util.find_spec("pyarrow") is None:
+        raise DataError(f"{source}: {names} not found (looked in: {looked}) and downloading them from the HF Hub "
+                        f"needs pyarrow (pip install pyarrow); {_how_to_provide('the files')}")  # fmt: skip
+    return (f"{source}: {names} not in {looked}: the run would download them from the HF Hub (Salesforce/wikitext, "
+            f"{config}) into {cache_dir() / 'wikitext-2'}")  # fmt: skip

@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from attnlab.config import names_model
-from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed
+from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed, sha256_file
 from attnlab.errors import ConfigError, DataError
 from attnlab.paths import data_dirs
 
@@ -300,6 +300,32 @@ def train_tokenizer(name: str, texts: Iterable[str]) -> Tokenizer:
     if name == "char":
         return CharTokenizer.fit(texts)
     raise ConfigError(f"tokenizer={name!r} is fixed, not trained (use load_tokenizer)")
+
+
+def tokenizer_record(tokenizer: Tokenizer, folder: str | Path) -> dict:
+    """What a run records of the tokenizer it saved into `folder` (in each checkpoint's trainer.json), so that a
+    tokenizer/ folder swapped for another one is recognised when the run is loaded: name, vocab_size, eot_id and
+    the sha256 of every file in the folder (tokenizer_problem checks them)."""
+    files = {p.name: sha256_file(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name[0] != "."}
+    return {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id, "files": files}
+
+
+def tokenizer_problem(record: dict, tokenizer: Tokenizer, folder: str | Path) -> str | None:
+    """Why `tokenizer`, loaded from `folder`, is not the one `record` (tokenizer_record, when the run was trained)
+    describes, or None. Files added to the folder since are not looked at; a recorded file changed or gone is."""
+    for key in ("vocab_size", "eot_id"):
+        if key in record and getattr(tokenizer, key) != record[key]:
+            return f"the tokenizer's {key} is {getattr(tokenizer, key)}, the run was trained with {record[key]!r}"
+    files = record.get("files")
+    for name, digest in files.items() if isinstance(files, dict) else ():
+        path = Path(folder) / str(name)
+        if not path.is_file():
+            return f"{name} is missing (the run was trained with one)"
+        found = sha256_file(path)
+        if found != digest:
+            return (f"{name} is not the file the run was trained with (sha256 {found[:12]}..., recorded "
+                    f"{str(digest)[:12]}...)")  # fmt: skip
+    return None
 
 
 def load_tokenizer(

@@ -34,8 +34,11 @@ generate_until decodes through the same cache. Without a policy, a batch is one 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +55,9 @@ from attnlab.paths import find_data_file
 
 try:
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.api.model import TemplateLM
+    from lm_eval.loggers.utils import get_commit_from_path
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._index import Kind
@@ -443,6 +448,27 @@ def write_results(out_dir: str | Path, results: dict) -> tuple[Path, Path]:
     return summary_path, samples_path
 
 
+def _git_commit_hash() -> str | None:
+    """lm-eval's get_git_commit_hash (the working folder's git commit, which it records as results["git_hash"]) with
+    git's own stderr dropped: outside a git repository `git describe` prints "fatal: not a git repository ..." to the
+    terminal, a stray line that is no error of the evaluation (lm-eval then reads .git by hand, as this does)."""
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):  # not a repository, or no git on this machine
+        return get_commit_from_path(os.getcwd())
+
+
+@contextlib.contextmanager
+def _quiet_git():
+    """simple_evaluate with _git_commit_hash in place of lm-eval's own (restored on the way out)."""
+    own = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = _git_commit_hash
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = own
+
+
 def run_lm_eval(
     ref: str | Path | EvalModel,
     tasks: list[str],
@@ -479,10 +505,11 @@ def run_lm_eval(
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # "Generating validation split" bars would hide an error's one line
     try:
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=True,
-            bootstrap_iters=bootstrap_iters, batch_size=batch_size,
-        )  # fmt: skip
+        with _quiet_git():  # no "fatal: not a git repository" line from lm-eval's version record
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=True,
+                bootstrap_iters=bootstrap_iters, batch_size=batch_size,
+            )  # fmt: skip
     except Exception as e:  # a task's data files `datasets` could not load: one line naming them, not its traceback
         if type(e).__module__.split(".")[0] not in ("datasets", "pyarrow", "fsspec"):
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -45,6 +46,26 @@ def records_target(path: str | Path) -> Path:
         via = f" (via the link {given})" if target != given.absolute() else ""
         raise InputError(f"{target}{via}: {what}: records are appended to a regular .jsonl file; give a file path")
     return target
+
+
+def records_folder(folder: str | Path, *names: str, flag: str = "--out") -> list[Path]:
+    """The records files `names` a command appends to in `folder` when it is done, checked before it starts, so that
+    minutes of work are not lost to a path it cannot write: InputError (one line naming `flag`) when `folder` or one
+    of its parents is not a folder, a records file is not a regular file (records_target), or the folder that would
+    hold one may not be written (permissions, a read-only file system). Creates nothing."""
+    folder = Path(folder)
+    existing = next(p for p in [folder, *folder.parents] if os.path.lexists(p))  # "." or "/" at the latest
+    if not existing.is_dir():
+        what = "a file" if existing == folder else f"cannot be made: {existing} is a file"
+        raise InputError(f"{flag} {folder}: {what}, not a folder (the records go to {folder / names[0]}; give a "
+                         "folder's path)")  # fmt: skip
+    targets = [records_target(folder / name) for name in names]
+    for target in targets:
+        holder = next(p for p in [target.parent, *target.parent.parents] if p.exists())
+        if not os.access(holder, os.W_OK | os.X_OK):  # the file is written beside itself, then renamed
+            raise InputError(f"{flag} {folder}: {target.name} cannot be written in {holder} (permission denied or a "
+                             "read-only file system): make it writable, or give another folder")  # fmt: skip
+    return targets
 
 
 def append_records(path: str | Path, rows: list[dict]) -> Path:

@@ -24,7 +24,7 @@ from attnlab.config_io import model_config_from_dict
 from attnlab.data import load_tokenizer, prepare
 from attnlab.data.files import downloads_allowed
 from attnlab.data.pretrained import tokenizer_from_folder
-from attnlab.data.tokenizers import Tokenizer
+from attnlab.data.tokenizers import Tokenizer, tokenizer_problem
 from attnlab.errors import DataError, InputError
 from attnlab.interop.gguf import config_from_gguf, load_gguf, open_gguf
 from attnlab.interop.hf import config_from_hf, is_hf_folder, load_hf_folder, read_json
@@ -178,12 +178,15 @@ def _load_run(path: Path, dtype, data_dir, tag: str) -> LoadedModel:
     elif (loaded.folder / "tokenizer" / "tokenizer.json").is_file():  # a converted pretrained model's (attnlab convert)
         tokenizer = tokenizer_from_folder(loaded.folder / "tokenizer", name=loaded.config.get("tokenizer"))
     folder = loaded.run_dir / "tokenizer"
-    if data and folder.is_dir() and tokenizer.vocab_size > loaded.cfg.vocab_size:
-        raise DataError(  # another run's tokenizer copied in: its ids would run past the model's embedding
-            f"{folder}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-            f"{loaded.cfg.vocab_size}: it is not the tokenizer this model was trained with (copy the run's own "
-            "tokenizer/ folder back, or delete it to use the prepared data's)"
-        )
+    if data and folder.is_dir():  # another run's tokenizer copied in: other ids (or ids past the embedding)
+        record = (loaded.trainer or {}).get("tokenizer")  # what training saved there (runs since it was recorded)
+        problem = tokenizer_problem(record, tokenizer, folder) if isinstance(record, dict) else None
+        if tokenizer.vocab_size > loaded.cfg.vocab_size:  # (the one check a run from before the record gets)
+            size = loaded.cfg.vocab_size
+            problem = f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {size}"
+        if problem is not None:
+            raise DataError(f"{folder}: {problem}: it is not the tokenizer this model was trained with (copy the run's "
+                            "own tokenizer/ folder back, or delete it to use the prepared data's)")  # fmt: skip
     return LoadedModel(loaded.cfg, model, tokenizer, loaded.config, _label(loaded.run_dir), loaded.folder)
 
 

@@ -377,6 +377,7 @@ class LoadedCheckpoint:
     config: dict  # the full resolved config saved with it (model; data and train for a run's checkpoint)
     cfg: ModelConfig
     model: Transformer  # eval mode
+    trainer: dict | None = None  # the trainer state saved with a run's checkpoint (None for a model folder)
 
     @property
     def run_dir(self) -> Path:
@@ -398,19 +399,21 @@ def load_checkpoint(path: str | Path, tag: str = "best") -> LoadedCheckpoint:
         )
     config_path = folder / CONFIG
     if checkpoint is not None:
-        config = checkpoint.config
+        config, trainer = checkpoint.config, checkpoint.trainer
     else:
         recorded = recorded_checksums(folder)
         if not config_path.exists():
             missing = "unreadable (No such file or directory); the checkpoint is incomplete"
             raise CheckpointError(f"{config_path}: {missing}")
         config = _read_json(folder, CONFIG, recorded)
+        # a run's step-N folder: its trainer state (what it recorded of the run's tokenizer), checked like the rest
+        trainer = _read_json(folder, TRAINER, recorded) if recorded is not None and TRAINER in recorded else None
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"{config_path}: no model config in it (expected an object with a 'model' key)")
     cfg = model_config_from_dict(config["model"], source=str(config_path))
     model = build_model(cfg)
     load_weights(model, folder)
-    return LoadedCheckpoint(folder, config, cfg, model.eval())
+    return LoadedCheckpoint(folder, config, cfg, model.eval(), trainer if isinstance(trainer, dict) else None)
 
 
 def load_model_from_checkpoint(path: str | Path, tag: str = "best") -> tuple[ModelConfig, Transformer]:

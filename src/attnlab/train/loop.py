@@ -16,6 +16,7 @@ from attnlab.accounting import kv_report, param_counts
 from attnlab.config import DataConfig, ModelConfig, TrainConfig
 from attnlab.config_checks import value_problem
 from attnlab.data import BatchSampler, eval_batches
+from attnlab.data.tokenizers import tokenizer_record
 from attnlab.errors import ConfigError, DivergedError, InputError
 from attnlab.model.transformer import build_model
 from attnlab.train.checkpoint import (
@@ -185,10 +186,12 @@ def train(
             )
 
     log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"])
+    saved_tokenizer = None  # what the checkpoints record of the tokenizer saved with the run (rank 0 writes them)
     if dist_info.is_main:
         write_json_atomic(run_dir / "config.json", config)
         (run_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
         prepared.tokenizer.save(run_dir / "tokenizer")  # so the run can be evaluated without its data
+        saved_tokenizer = tokenizer_record(prepared.tokenizer, run_dir / "tokenizer")  # a swapped one is refused
     train_model = model
     if train_cfg.compile:
         train_model = torch.compile(train_model)
@@ -202,7 +205,7 @@ def train(
         return evaluate_loss(unwrap(model), batches, device, amp_dtype)
 
     def save(tags) -> None:
-        trainer = {**state, "sampler": sampler.state_dict()}
+        trainer = {**state, "sampler": sampler.state_dict(), "tokenizer": saved_tokenizer}
         if dist_info.is_main:
             save_checkpoint(run_dir, model, optimizer, trainer, config, tags)
         barrier(dist_info)
