@@ -124,3 +124,28 @@ def test_shipped_bench_manifests_name_real_benchmarks(path):
     from attnlab.eval.harness import check_benchmarks
 
     assert check_benchmarks(yaml.safe_load(path.read_text())["benchmarks"]) == []
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "retrofit").glob("*.yml")), ids=lambda p: p.name)
+def test_shipped_retrofit_manifests_start_every_target_from_smollm2_with_one_budget(path):
+    """The SmolLM2 experiments: every target converted from (or continuing) the GGUF, with the model's own
+    tokenizer, and the same training budget within each phase."""
+    manifest = load_manifest(path)
+    assert all(
+        r.source is not None and r.source["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") for r in manifest.runs
+    )
+    assert {r.data.tokenizer for r in manifest.runs} == {manifest.runs[0].source["model"]}
+    first, later = [r for r in manifest.runs if not r.init_from], [r for r in manifest.runs if r.init_from]
+    for group in (first, later):
+        assert len({(r.train.steps, r.train.lr, r.train.seq_len, r.train.batch_size) for r in group}) <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", sorted((CONFIGS / "retrofit").glob("*.yml")), ids=lambda p: p.name)
+def test_shipped_retrofit_manifests_pass_every_check_run_makes_up_front(path, data_dir):
+    """Conversions SmolLM2's weights can initialise, its tokenizer, trainable patterns that match, contexts that
+    fit (what `run` checks before it starts, from the GGUF's metadata)."""
+    from attnlab.retrofit import check_pretrained
+
+    manifest = load_manifest(path)
+    assert check_pretrained(list(manifest.runs), list(manifest.runs), data_dir) == []

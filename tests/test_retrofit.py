@@ -184,3 +184,61 @@ targets:
     path.write_text(path.read_text().replace(str(source), str(tmp_path / "missing") + "/"))
     with pytest.raises(ConfigError, match="data.tokenizer: .*missing/: no such file or folder"):
         run_manifest(load_manifest(path), tmp_path / "runs2", dry_run=True, log=quiet)
+
+
+FACTORIAL = """
+name: fact
+vars:
+  bounded: {{kind: bounded, recent_window: 8, exact_slots: 4, summary_slots: 4}}
+defaults:
+  data: {{source: {corpus}, val_fraction: 0.2}}
+  train: {{steps: 2, seq_len: 16, batch_size: 2, eval_every: 2, eval_tokens: 32, lr: 0.001, warmup_steps: 1,
+          trainable: ["blocks.*.attn.*"]}}
+targets:
+  gqa: {{init_from: {source}}}
+  coda: {{init_from: {source}, model: {{attention: {{kind: coda, gate_bias: -6.0}}}}}}
+  gqa_bounded:
+    init_from: gqa
+    model: {{memory: "${{bounded}}"}}
+    train: {{trainable: ["blocks.*.attn.*", "blocks.*.memory.*"]}}
+  coda_bounded:
+    init_from: coda
+    model: {{attention: {{kind: coda, gate_bias: -6.0}}, memory: "${{bounded}}"}}
+"""
+
+
+def test_the_factorial_converts_each_attention_once_and_its_phase_two_arms_continue_them(
+    tmp_path, pretrained, monkeypatch, capsys
+):
+    """{gqa, coda} x {full, bounded}: `--convert-only` makes the two cold models (nothing trained); the run trains
+    gqa and coda from them, and gqa_bounded / coda_bounded from those runs' weights with a fresh memory (the
+    attention their origin converted to, the memory their own)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = write(tmp_path, pretrained, FACTORIAL)
+    manifest = load_manifest(path)
+    assert {s.target: s.source["target"] for s in manifest.runs} == {
+        "gqa": "gqa", "coda": "coda", "gqa_bounded": "gqa", "coda_bounded": "coda"
+    }  # fmt: skip
+    assert main(["run", str(path), "--out", str(tmp_path / "runs"), "--convert-only", "--no-progress"]) == 0
+    root = tmp_path / "runs/fact"
+    assert sorted(p.name for p in root.iterdir()) == ["coda", "gqa"]  # the two conversions, no run
+    assert sorted(p.name for p in (root / "coda").iterdir()) == ["converted"]
+    run_manifest(manifest, tmp_path / "runs", progress=False, log=quiet)
+    _, coda = load_model_from_checkpoint(root / "coda/seed0", tag="last")
+    cfg, bounded = load_model_from_checkpoint(root / "coda_bounded/seed0", tag="last")
+    assert (cfg.attention.kind, cfg.memory.kind) == ("coda", "bounded")
+    before = dict(coda.named_parameters())
+    assert {n for n, _ in bounded.named_parameters()} - set(before) == {
+        f"blocks.{i}.memory.{p}" for i in range(2) for p in ("write", "eta_logit")
+    }
+    # frozen outside the attention: still the pretrained weights, two runs later
+    _, original, _ = attnlab.load_model(pretrained[0])
+    first = dict(original.named_parameters())
+    assert all(torch.equal(p, first[n]) for n, p in bounded.named_parameters() if ".attn." not in n and n in first)
+    assert not (root / "coda_bounded/converted").exists() and not (root / "gqa_bounded/converted").exists()
+    changed = path.read_text().replace(
+        'model: {memory: "${bounded}"}', "model: {attention: {kind: mha, n_kv_heads: 1}}"
+    )
+    path.write_text(changed)
+    fails(capsys, ["run", str(path), "--dry-run", "--out", str(tmp_path / "r")],
+          "targets.gqa_bounded.model.attention: gqa's conversion fixes the attention")  # fmt: skip

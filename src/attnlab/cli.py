@@ -90,9 +90,9 @@ def cmd_run(args) -> int:
     manifest = load_manifest(args.manifest, args.set)
     run_manifest(
         manifest, args.out, targets=args.target, seeds=args.seed, data_dir=args.data_dir, dry_run=args.dry_run,
-        resume=not args.no_resume, progress=not args.no_progress,
+        resume=not args.no_resume, progress=not args.no_progress, convert_only=args.convert_only,
     )  # fmt: skip
-    if not args.dry_run and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
+    if not args.dry_run and not args.convert_only and os.environ.get("RANK", "0") == "0":  # rank 0 reports
         result = compare(Path(args.out) / manifest.name)
         print("\n" + result["text"])
         print(f"table: {result['markdown']}  csv: {result['csv']}  plot: {result['plot']}")
@@ -454,6 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA, then the user cache)")
     p.add_argument("--out", default="runs", help="output root (default runs/); runs go to OUT/<manifest>/...")
     p.add_argument("--dry-run", action="store_true", help="print what would run")
+    p.add_argument("--convert-only", action="store_true", help="only make the conversions of the targets that "
+                   "start from a pretrained model (<target>/converted: the cold models), train nothing")  # fmt: skip
     p.add_argument("--no-resume", action="store_true",
                    help="ignore existing checkpoints (by default interrupted runs continue from them)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

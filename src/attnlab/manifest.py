@@ -25,7 +25,8 @@ directories), or be a mapping {model: REF, rope_pairs: energy, calibration_token
 wikitext2-nounk} with `attnlab convert`'s options. Such a target's `model` section holds changes to the
 pretrained model's config, and only those a conversion can initialise from its weights (attention, memory,
 max_seq_len, name); its runs start from the converted model, saved once per target in <target>/converted (a
-checkpoint folder: the cold model, which every command takes as a reference).
+checkpoint folder: the cold model, which every command takes as a reference). A target whose init_from names such
+a target continues from its weights and lists its changes the same way (a memory, say; the attention stays).
 
 A target's config is the defaults deep-merged with its own sections (an `attention` block whose `kind`
 differs from the default's replaces it whole); a phase merges on top of its target; `--set a.b=v`
@@ -88,8 +89,9 @@ class RunSpec:
     data: DataConfig
     train: TrainConfig
     init_from: str | None = None  # first phase only: start from this target's last phase (same seed)
-    # A pretrained model the target is converted from ({model: REF, rope_pairs, calibration_tokens, calibrate_on}),
-    # on every phase: `model` then holds changes to that model's config (PRETRAINED_CHANGES), not a whole config.
+    # A pretrained model the target is converted from ({model: REF, rope_pairs, calibration_tokens, calibrate_on,
+    # target: the target whose conversion it is, this one's or the one it continues through init_from}), on every
+    # phase: `model` then holds changes to that model's config (PRETRAINED_CHANGES), not a whole config.
     source: dict | None = None
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
@@ -235,6 +237,8 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
     except ConfigError as e:
         problems.extend(f"{where}: {p}" for p in e.problems)
     model = config.get("model")
+    if model is None and pretrained:  # the pretrained model as it is
+        model = {}
     if not isinstance(model, dict):
         problems.append(f"{where}: model must be a mapping")
         return
@@ -373,6 +377,7 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
     overrides = parse_set(sets)
     order = list(targets)
     runs = []
+    sources: dict[str, dict | None] = {}  # each target's pretrained source (RunSpec.source)
     for name_, target in targets.items():
         problem = name_problem(name_, "target name")
         if problem is None and name_ in RESERVED_NAMES:
@@ -396,6 +401,7 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
         if isinstance(start_from, dict) or (isinstance(start_from, str) and start_from not in targets
                                             and (names_model(start_from) or start_from.startswith("."))):  # fmt: skip
             source, start_from = _pretrained_source(start_from, f"{where}.init_from", problems), None
+            source["target"] = name_  # whose conversion (<target>/converted) the target's runs start from
         elif start_from is not None and not isinstance(start_from, str):
             problems.append(
                 f"{where}.init_from={brief(start_from)} must be a target name or a model reference, got "
@@ -409,6 +415,9 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                 "file, a path with a /, hf:ORG/NAME)"
             )
             start_from = None
+        if start_from is not None and sources.get(start_from) is not None:  # continues a pretrained model's target:
+            source = sources[start_from]  # its `model` holds changes to that model's config too
+        sources[name_] = source
         phase_names = []
         for i, phase in enumerate(phases):
             phase_where = f"{where}.phases[{i}]"

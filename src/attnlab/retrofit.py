@@ -11,7 +11,8 @@ The target's conversion is saved once in <out>/<manifest>/<target>/converted: a 
 config.json, the source's tokenizer/) that every command takes as a model reference, i.e. the cold model. Its
 config.json records the recipe (the source, the conversion's options and the changes); a folder made with another
 recipe is refused rather than reused. Every seed and the first phase start from it; a later phase starts from the
-previous one's weights and may change the memory (the attention stays the first phase's). The data is read with
+previous one's weights and may change the memory (the attention stays the first phase's), and so may a target whose
+init_from names a converted target (the factorial's phase 2 arms). The data is read with
 the model's own tokenizer (data.tokenizer defaults to the init_from reference); another tokenizer is refused unless
 it is the same one.
 """
@@ -48,12 +49,18 @@ def recipe(spec: RunSpec) -> dict:
 
 
 def first_phases(runs: list[RunSpec]) -> dict[str, RunSpec]:
-    """Each pretrained target's first phase (of its first seed), by target name."""
+    """The first phase (of the first seed) of each target converted from a pretrained model, by target name (not
+    the targets that continue one of them)."""
     out: dict[str, RunSpec] = {}
     for spec in runs:
-        if spec.source is not None and spec.target not in out:
+        if spec.source is not None and spec.source["target"] == spec.target and spec.target not in out:
             out[spec.target] = spec
     return out
+
+
+def converted_folder(root: Path, spec: RunSpec) -> Path:
+    """Where the conversion a pretrained target's runs derive from is saved: <root>/<converted target>/converted."""
+    return Path(root) / spec.source["target"] / CONVERTED
 
 
 def target_config_of(spec: RunSpec, source_cfg: ModelConfig) -> ModelConfig:
@@ -74,6 +81,8 @@ def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> 
     problems: list[str] = []
     firsts = first_phases(all_runs)
     tokenizers: dict[str, object] = {}
+    configs: dict[str, ModelConfig] = {}  # by reference: reading a GGUF's metadata takes seconds
+    names: dict[ModelConfig, list[str]] = {}
 
     def fingerprint(ref: str):
         if ref not in tokenizers:
@@ -91,15 +100,17 @@ def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> 
         where = f"targets.{spec.target}" + (f".phases[{spec.phase}]" if spec.phase else "")
         ref = spec.source["model"]
         try:
-            source_cfg = model_config_of(ref, data_dir)
+            source_cfg = configs[ref] if ref in configs else configs.setdefault(ref, model_config_of(ref, data_dir))
         except (DataError, ConfigError) as e:
             problems.append(f"targets.{spec.target}.init_from: {_one_line(e)}")
             continue
-        first = firsts[spec.target]
+        first = firsts.get(spec.source["target"])
+        if first is None:  # continues a target that was not selected: its conversion is made by its own runs
+            first = next(s for s in all_runs if s.target == spec.source["target"])
         if spec is not first and changes(spec)[0] != changes(first)[0]:
             problems.append(
-                f"{where}.model.attention: a later phase keeps the attention its first phase converted to "
-                "(a phase may change the memory)"
+                f"{where}.model.attention: {first.target}'s conversion fixes the attention (a later phase, or a "
+                "target continuing it, may change the memory)"
             )
             continue
         try:
@@ -113,9 +124,10 @@ def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> 
                 "(lower train.seq_len, or raise model.max_seq_len)"
             )
         if spec.train.trainable is not None:
-            with torch.device("meta"):
-                names = [name for name, _ in build_model(cfg).named_parameters()]
-            problem = trainable_problem(names, spec.train.trainable)
+            if cfg not in names:
+                with torch.device("meta"):
+                    names[cfg] = [name for name, _ in build_model(cfg).named_parameters()]
+            problem = trainable_problem(names[cfg], spec.train.trainable)
             if problem:
                 problems.append(f"{where}: {problem}")
         tokenizer = spec.data.tokenizer
@@ -157,7 +169,7 @@ def converted_model(spec: RunSpec, root: Path, data_dir, log: Callable = print) 
     from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion
     from attnlab.interop.references import load_reference
 
-    folder = Path(root) / spec.target / CONVERTED
+    folder = converted_folder(root, spec)
     wanted = _json_normal(recipe(spec))
     if folder.exists():
         saved = read_json_object(folder / "config.json", f"delete {folder} to convert again").get("recipe")

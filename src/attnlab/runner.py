@@ -25,7 +25,14 @@ from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
 from attnlab.paths import inside
-from attnlab.retrofit import CONVERTED, check_pretrained, converted_model, first_phases, model_tokenizer, run_config
+from attnlab.retrofit import (
+    check_pretrained,
+    converted_folder,
+    converted_model,
+    first_phases,
+    model_tokenizer,
+    run_config,
+)
 from attnlab.train.checkpoint import write_json_atomic
 from attnlab.train.distributed import barrier, init_distributed, prepare_rank0_first
 from attnlab.train.loop import _config_differences, full_config, pick_device, train
@@ -110,8 +117,10 @@ def run_manifest(
     resume: bool = True,
     progress: bool = True,
     log=print,
+    convert_only: bool = False,
 ) -> list[dict]:
-    """Runs the selected runs in order; returns one summary per run (None for dry runs)."""
+    """Runs the selected runs in order; returns one summary per run (None for dry runs). convert_only: make the
+    selected pretrained targets' conversions (<target>/converted, the cold models) and train nothing."""
     if Path(out_root).exists() and not Path(out_root).is_dir():
         raise ConfigError(f"--out {out_root}: a file, not a folder (runs are written into a folder)")
     root = Path(out_root) / manifest.name
@@ -127,6 +136,17 @@ def run_manifest(
     prepared_by_data: dict = {}
     previous_dir: dict[tuple[str, int], Path] = {}
     summaries = []
+    if convert_only:
+        firsts = first_phases(list(manifest.runs))
+        for name in dict.fromkeys(spec.target for spec in runs if spec.target in firsts):
+            folder = converted_folder(root, firsts[name])
+            if dry_run:
+                log(f"{name}: would convert {firsts[name].source['model']} into {folder}"
+                    + (" (made already)" if folder.exists() else ""))  # fmt: skip
+            elif dist_info.is_main:
+                folder = converted_model(firsts[name], root, data_dir, log)
+                log(f"{name}: {folder}")
+        return []
     for index, spec in enumerate(runs, 1):
         run_dir = spec.run_dir(root)
         label = f"[{index}/{len(runs)}] {spec.target} seed{spec.seed}" + (f" {spec.phase}" if spec.phase else "")
@@ -140,11 +160,12 @@ def run_manifest(
                     f"{spec.init_from} first, or run the whole manifest)", source=str(manifest.path)
                 )  # fmt: skip
         previous_dir[(spec.target, spec.seed)] = run_dir
-        converted = root / spec.target / CONVERTED if spec.source is not None else None
+        converted = converted_folder(root, spec) if spec.source is not None else None
         if converted is not None and init_from is None:
             init_from = converted
         if dry_run:
-            made = "" if converted is None or converted.exists() else f" (converted from {spec.source['model']} first)"
+            fresh = converted is not None and init_from == converted and not converted.exists()
+            made = f" (converted from {spec.source['model']} first)" if fresh else ""
             log(
                 f"{label}: would train {spec.train.steps} steps into {run_dir}"
                 + (f" from {init_from}" if init_from else "")
@@ -153,8 +174,8 @@ def run_manifest(
             summaries.append(None)
             continue
         tokenizer = None
-        if converted is not None:  # the target's conversion, made once (by its first run)
-            if dist_info.is_main:
+        if converted is not None:  # the conversion, made once (by its target's first run)
+            if dist_info.is_main and spec.source["target"] == spec.target:
                 converted_model(first_phases(list(manifest.runs))[spec.target], root, data_dir, log)
             barrier(dist_info)
             tokenizer = tokenizer_from_folder(converted / "tokenizer", name=spec.data.tokenizer)

@@ -154,10 +154,13 @@ def _is_attnlab_checkpoint(folder: Path) -> bool:
 
 
 def _label(path: Path) -> str:
-    """<target>/seed<S> for a run's folder (or a checkpoint inside it), else the folder's name."""
+    """<target>/seed<S> for a run's folder (or a checkpoint inside it), <target>/converted for a manifest target's
+    conversion (its cold model), else the folder's name."""
     parts = path.resolve().parts
     seed = next((i for i in range(len(parts) - 1, -1, -1) if parts[i].startswith("seed")), None)
-    return f"{parts[seed - 1]}/{parts[seed]}" if seed else path.name
+    if seed:
+        return f"{parts[seed - 1]}/{parts[seed]}"
+    return f"{parts[-2]}/{parts[-1]}" if parts[-1] == "converted" and len(parts) > 1 else path.name
 
 
 def _load_run(path: Path, dtype, data_dir, tag: str) -> LoadedModel:
