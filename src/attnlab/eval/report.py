@@ -190,14 +190,7 @@ def stream_loss_plot(records: list[dict], path: Path) -> Path | None:
         (line,) = ax.plot(x, r["bucket_loss"], label=f"{r['model']}{slots}")
         ax.fill_between(x, [c[0] for c in r["bucket_ci"]], [c[1] for c in r["bucket_ci"]], alpha=0.15,
                         color=line.get_color())  # fmt: skip
-    ax.set_xlabel("position in the stream (tokens)")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_lines(plt, fig, ax, "position in the stream (tokens)", "loss (nats/token)", path)
 
 
 def sweep_table(records: list[dict]) -> Table | None:
@@ -260,6 +253,11 @@ def lines_plot(
     for model, group in _by_model(rows).items():
         group = sorted(group, key=lambda r: r[x])
         ax.plot([r[x] for r in group], [r[y] for r in group], marker="o", label=model)
+    return _save_lines(plt, fig, ax, xlabel, ylabel, path)
+
+
+def _save_lines(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> Path:
+    """Labels, grid and legend on a line plot's axes; the figure saved to `path` and closed."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
