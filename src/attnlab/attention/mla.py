@@ -43,6 +43,12 @@ class MLAConfig(AttentionConfig):
     absorb: bool = True  # decode through the absorbed path
     latent_norm: bool = True  # RMSNorm on the latent (DeepSeek-V2's); off, the model is linear in it (conversions)
 
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        if self.latent_norm:
+            del out["latent_norm"]  # the default: configs (and their hashes) read as before the option
+        return out
+
     def dims(self, model: ModelConfig) -> tuple[int, int, int]:
         head_dim = self.head_dim if self.head_dim is not None else model.d_model // model.n_heads
         d_rope = self.d_rope if self.d_rope is not None else head_dim // 2
