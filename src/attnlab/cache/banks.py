@@ -6,6 +6,8 @@ The window and the slot bookkeeping are cache/memories.py's; this file decides w
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +56,31 @@ def exact_routing(unit, bank_unit, positions, passed, slot_positions, last_used,
     return source, slot_positions, last_used, taken
 
 
+def offered(gate: torch.Tensor, tau: float, limit: int | None) -> torch.Tensor:
+    """(B, E) the tokens of a block offered to a bank: gate (B, E) >= tau and, with a limit, among the `limit`
+    largest gates of the block (ties: the older token), as the authors' code takes its top-k candidates."""
+    passed = gate >= tau
+    if limit is not None and limit < gate.shape[1]:
+        top = torch.sort(gate, dim=1, descending=True, stable=True).indices[:, :limit]
+        passed &= torch.zeros_like(passed).scatter_(1, top, True)
+    return passed
+
+
+def summary_slot(similarity: torch.Tensor, used: torch.Tensor, routing: str, tau_novel: float):
+    """Where a summary candidate goes. similarity (..., M_s): its LF-K cosines summed over heads (whatever an
+    empty slot holds); used (..., M_s). Returns (slot (...), opens (...): the slot is empty, eta = 1).
+
+    novelty (attnlab): the best held prototype, or the first free slot when the best is below tau_novel;
+    argmax (the authors' code): the best of every slot, an empty one (a zero prototype) scoring 0."""
+    if routing == "argmax":
+        slot = similarity.masked_fill(~used, 0.0).argmax(dim=-1)
+        return slot, ~used.gather(-1, slot[..., None]).squeeze(-1)
+    best, best_slot = similarity.masked_fill(~used, float("-inf")).max(dim=-1)
+    free = ~used
+    opens = (best < tau_novel) & free.any(dim=-1)  # a copy in the first free slot
+    return torch.where(opens, free.long().argmax(dim=-1), best_slot), opens
+
+
 def reigns(claims: torch.Tensor, steps: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """When each claim on a slot ends. claims: (B, E) the slot each of E events claims in turn (-1: none);
     steps: (E,) when each happens. Returns (until (B, E): the step of the next claim on the same slot, NEVER if
@@ -100,6 +127,16 @@ class BoundedCache(MemoryCache):
 
     detach_evicted (default) stops gradients at the bank writes; false lets them flow through the bank
     updates into the projections, the write gate and eta_logit (phase-2 training, §3.6).
+
+    The options on which the authors' code departs from the paper's text (MemoryConfig; `preset: reference`
+    sets the code's values): per-bank gate thresholds (tau_gate, tau_gate_summary) and at most
+    exact_candidates / summary_candidates tokens of a block offered to each bank (the largest gates; ties go to
+    the older token); exact_refresh tau_novel (every token that is not new refreshes its best slot);
+    summary_routing argmax (the best of all M_s slots, an empty one scoring 0: landing on it opens it);
+    summary_energy_scale (the low-frequency channels of RoPE fields stored x sqrt(width / low-frequency
+    width)); summary_update block (a chunk's candidates routed against the bank before the chunk, their
+    gate-weighted mean per slot blended once with eta = sigmoid(eta_logit), seen from the next chunk on; a
+    decoding step stays sequential, eta = sigmoid(eta_logit) * g, as the code's decode path).
     """
 
     ring_value_init = 1.0  # the write gate; overwritten by the chunk's Write
@@ -110,24 +147,35 @@ class BoundedCache(MemoryCache):
         self.memory, self.cache_positions = memory, memory.positions == "cache"
         self.exact_slots, self.summary_slots = memory.exact_slots, memory.summary_slots
         # Per buffer, (width,) masks: `blend` keeps what a summary prototype holds (1 = blended, 0 = kept at
-        # zero: the high-frequency channels of RoPE fields); `lf` marks the channels LF-K routing reads.
-        self.blend, self.lf = {}, {}
+        # zero: the high-frequency channels of RoPE fields); `stored` is blend times the energy scale of RoPE
+        # fields' low-frequency channels (summary_energy_scale; else blend); `lf` marks the channels LF-K
+        # routing reads.
+        self.blend, self.stored, self.lf = {}, {}, {}
         has_rope = any(f.rope for f in layout.fields)
         route_buffer = layout.slices[layout.route][0]
         for buffer, fields in layout.buffers:
-            blend, lf = [], []
+            blend, stored, lf = [], [], []
             for f in fields:
                 low = low_frequency_channels(f.width, layout.rope_interleaved).float()
                 blend.append(low if f.rope else torch.ones(f.width))
+                # The code's energy calibration: sqrt(D / D_lf) keeps a key's norm with half its channels zero.
+                scale = math.sqrt(f.width / low.sum().item()) if f.rope and memory.summary_energy_scale else 1.0
+                stored.append(blend[-1] * scale)
                 # Without any RoPE field, summaries route on the key buffers in full.
                 lf.append(low if f.rope else torch.full((f.width,), float(not has_rope and buffer != route_buffer)))
             self.blend[buffer] = torch.cat(blend).to(device)
+            self.stored[buffer] = torch.cat(stored).to(device)
             self.lf[buffer] = torch.cat(lf).to(device)
         if not any(bool(m.any()) for m in self.lf.values()):  # one buffer holding everything, no RoPE
             self.lf = {name: torch.ones_like(m) for name, m in self.lf.items()}
         # LRU recency of each exact slot: the position of the token that last inserted or refreshed it.
         self.exact_last_used = torch.full((batch, memory.exact_slots), -1, dtype=torch.long, device=device)
         self._eta: torch.Tensor | None = None
+        self._decoding = False  # this update is one token (summary_update block keeps decoding sequential)
+
+    def update(self, new, positions, write=None):
+        self._decoding = positions.shape[0] == 1
+        return super().update(new, positions, write)
 
     def bookkeeping(self):
         return {**super().bookkeeping(), "exact_last_used": self.exact_last_used}
@@ -152,19 +200,25 @@ class BoundedCache(MemoryCache):
         memory_hidden = torch.full_like(self.memory_positions, NEVER)
         extra = {name: t[:, :, :0] for name, t in tensors.items()}
         extra_positions = extra_shown = extra_hidden = torch.empty(batch, 0, dtype=torch.long, device=gate.device)
-        passed = gate >= self.memory.tau_gate  # (B, E)
-        candidates = passed.any(dim=0).nonzero().squeeze(1)  # tokens some sequence writes
+        memory = self.memory
+        # (B, E) each: the tokens offered to each bank (a bank of no slots is offered none)
+        to_exact = offered(gate, memory.tau_gate, memory.exact_candidates) & (self.exact_slots > 0)
+        to_summary = offered(gate, memory.summary_gate, memory.summary_candidates) & (self.summary_slots > 0)
+        candidates = (to_exact | to_summary).any(dim=0).nonzero().squeeze(1)  # tokens some sequence writes
         if candidates.numel():
             tensors = {name: t[:, :, candidates].float() for name, t in tensors.items()}
-            positions, gate, passed = positions[candidates], gate[:, candidates], passed[:, candidates]
+            positions, gate = positions[candidates], gate[:, candidates]
+            to_exact, to_summary = to_exact[:, candidates], to_summary[:, candidates]
             steps = positions + window  # a candidate is routed when the query at p + W arrives
             if self.exact_slots:
-                taken = self._update_exact(tensors, positions, passed)
+                taken = self._update_exact(tensors, positions, to_exact)
                 until, first = reigns(taken, steps, self.exact_slots)
                 hidden[:, candidates] = torch.where(taken >= 0, until, steps)
                 memory_hidden[:, : self.exact_slots] = first
-            if self.summary_slots:
-                extra, changed, extra_positions = self._update_summary(tensors, positions, gate, passed)
+            if self.summary_slots and memory.summary_update == "block" and not self._decoding:
+                self._update_summary_block(tensors, positions, gate, to_summary)  # seen from the next chunk
+            elif self.summary_slots:
+                extra, changed, extra_positions = self._update_summary(tensors, positions, gate, to_summary)
                 extra_hidden, first = reigns(changed, steps, self.summary_slots)
                 memory_hidden[:, self.exact_slots :] = first
                 extra_shown = torch.where(changed >= 0, steps, NEVER)
@@ -177,9 +231,12 @@ class BoundedCache(MemoryCache):
         buffer, lo, hi = self.layout.slices[self.layout.route]
         route, bank_route = tensors[buffer][..., lo:hi], self._memory(buffer, torch.float32, 0, slots)[..., lo:hi]
         # Cosines in fp32 (ties in bf16 would make routing order-dependent), from unit vectors per head.
+        # exact_refresh tau_novel (the code): every token that is not new refreshes its match, as if tau_match
+        # were tau_novel.
+        tau_match = self.memory.tau_novel if self.memory.exact_refresh == "tau_novel" else self.memory.tau_match
         routing = (F.normalize(route, dim=-1), F.normalize(bank_route, dim=-1), positions, passed,
                    self.memory_positions[:, :slots], self.exact_last_used, self.memory.tau_novel,
-                   self.memory.tau_match)  # fmt: skip
+                   tau_match)  # fmt: skip
         if kernel_usable(route, bank_route):  # CUDA without autograd: the whole loop in one launch (§3.4)
             from attnlab.kernels.bank_routing import bank_routing  # optional: needs triton
 
@@ -204,7 +261,7 @@ class BoundedCache(MemoryCache):
         (-1: none); the position that prototype then carries (the newest blended into it), (B, E)."""
         slots, first = self.summary_slots, self.exact_slots
         heads = next(iter(tensors.values())).shape[1]
-        tensors = {name: t * self.blend[name].to(t.dtype) for name, t in tensors.items()}  # HF channels stay 0
+        tensors = {name: t * self.stored[name].to(t.dtype) for name, t in tensors.items()}  # HF channels stay 0
         bank = {name: self._memory(name, torch.float32, first, slots) for name in tensors}
         slot_positions = self.memory_positions[:, first:]
         lf = {name: m.to(torch.float32) for name, m in self.lf.items()}
@@ -224,12 +281,10 @@ class BoundedCache(MemoryCache):
         changed, version_positions = [], []
         for j, position in enumerate(positions.tolist()):  # sequential: each change moves the next one's match
             acts = passed[:, j]  # every candidate that passed its gate opens a prototype or moves one
-            similarity = torch.einsum("bhd,bhmd->bm", units[j], prototypes).masked_fill(~used, float("-inf"))
-            best, best_slot = similarity.max(dim=1)  # (B,)
-            free = ~used
-            opens = acts & (best < tau_novel) & free.any(dim=1)  # a copy in the first free slot (eta = 1)
-            slot = torch.where(opens, free.long().argmax(dim=1), best_slot)  # else the best match moves
-            eta = torch.where(opens[:, None], 1.0, rates[j])  # (B, H)
+            similarity = torch.einsum("bhd,bhmd->bm", units[j], prototypes)
+            slot, opens = summary_slot(similarity, used, self.memory.summary_routing, tau_novel)  # (B,) each
+            opens = opens & acts
+            eta = torch.where(opens[:, None], 1.0, rates[j])  # (B, H): a copy into an empty slot
             hit = (index == slot[:, None]) & acts[:, None]  # (B, M_s): the slot this candidate changes
             weight = hit[:, None, :, None] * eta[:, :, None, None]  # (B, H, M_s, 1)
             made = {}
@@ -248,24 +303,68 @@ class BoundedCache(MemoryCache):
         versions = {name: torch.stack(v, dim=2) for name, v in versions.items()}
         return versions, torch.stack(changed, dim=1), torch.stack(version_positions, dim=1)
 
+    def _update_summary_block(self, tensors, positions, gate, passed) -> None:
+        """summary_update block (the authors' _summary_update_block_hard): a chunk's candidates are routed
+        against the prototypes as they were before the chunk; each slot that receives some moves once, by
+        eta = sigmoid(eta_logit) (1 into an empty slot), towards their mean weighted by their gates. tensors:
+        (B, H, E, width) fp32; gate, passed (B, E)."""
+        slots, first = self.summary_slots, self.exact_slots
+        heads = next(iter(tensors.values())).shape[1]
+        tensors = {name: t * self.stored[name].to(t.dtype) for name, t in tensors.items()}  # HF channels stay 0
+        bank = {name: self._memory(name, torch.float32, first, slots) for name in tensors}
+        slot_positions = self.memory_positions[:, first:]
+        used = slot_positions >= 0  # (B, M_s)
+        lf = {name: m.to(torch.float32) for name, m in self.lf.items()}
+
+        def routing_keys(buffers):  # (B, H, n, sum of routed channels): the LF-K vectors
+            return torch.cat([t * lf[name] for name, t in buffers.items()], dim=-1)
+
+        units, prototypes = F.normalize(routing_keys(tensors), dim=-1), F.normalize(routing_keys(bank), dim=-1)
+        similarity = torch.einsum("bhed,bhmd->bem", units, prototypes)  # (B, E, M_s), summed over heads
+        slot, _ = summary_slot(similarity, used[:, None].expand_as(similarity), self.memory.summary_routing,
+                               self.memory.tau_novel * heads)  # fmt: skip
+        weight = torch.where(passed, gate, 0.0)  # (B, E): the code weighs each candidate by its gate
+        member = F.one_hot(slot, slots).to(weight.dtype) * passed[..., None]  # (B, E, M_s)
+        count = torch.einsum("be,bem->bm", weight, member)  # (B, M_s)
+        moved = count > 0
+        eta = self._eta.float().reshape(1, -1, 1, 1).expand(1, heads, 1, 1)  # (1, H, 1, 1), not times g
+        eta = torch.where((moved & ~used)[:, None, :, None], 1.0, eta)  # (B, H, M_s, 1)
+        for name, t in tensors.items():
+            mean = torch.einsum("bhew,be,bem->bhmw", t, weight, member) / count.clamp(min=1e-6)[:, None, :, None]
+            bank[name] = torch.where(moved[:, None, :, None], bank[name] + eta * (mean - bank[name]), bank[name])
+        newest = torch.where(member.bool(), positions[None, :, None], -1).amax(dim=1)  # (B, M_s)
+        self._write_memory(first, bank)
+        slot_positions = torch.where(moved, slot_positions.maximum(newest), slot_positions)
+        self.memory_positions = torch.cat((self.memory_positions[:, :first], slot_positions), dim=1)
+
 
 class MemoryWrite(nn.Module):
     """The learned parts of the bounded memory, held by the Block (the cache stays a value, §3.6 trains them):
 
-    write     W_write (d_model,): g = sigmoid(W_write x), one gate per token shared by its KV heads (a
-              bank slot holds the whole token), as in §3.2; None for write_policy none (g = 1)
-    eta_logit the summary bank's EMA rate, one per KV head: eta = sigmoid(eta_logit) * g (Eq. 9)
+    write      W_write (d_model,): g = sigmoid(W_write x), one gate per token shared by its KV heads (a
+               bank slot holds the whole token), as in §3.2; None for write_policy none (g = 1)
+    write_bias b_write (1,), with memory.write_bias only: g = sigmoid(W_write x + b_write), b_write starting at
+               memory.write_bias (the authors' code: -2, g = 0.12 for every token at init)
+    eta_logit  the summary bank's EMA rate, one per KV head: eta = sigmoid(eta_logit) * g (Eq. 9), starting at
+               memory.eta_logit_init (0: eta = 0.5 * g; the authors' code: -3)
 
-    Both are vectors, left at zero by the model's init (g = 0.5 for every token, eta = 0.25), and draw no
-    random numbers, so a model with a memory has the same other weights as one without at the same seed.
+    All are vectors the model's init leaves as built here (W_write = 0: g = 0.5 for every token without a bias),
+    and draw no random numbers, so a model with a memory has the same other weights as one without at the
+    same seed.
     """
 
     def __init__(self, d_model: int, n_kv_heads: int, memory: MemoryConfig):
         super().__init__()
-        self.write = nn.Parameter(torch.zeros(d_model)) if memory.write_policy == "gated" else None
-        self.eta_logit = nn.Parameter(torch.zeros(n_kv_heads))
+        gated = memory.write_policy == "gated"
+        self.write = nn.Parameter(torch.zeros(d_model)) if gated else None
+        biased = gated and memory.write_bias is not None
+        self.write_bias = nn.Parameter(torch.full((1,), float(memory.write_bias))) if biased else None
+        self.eta_logit = nn.Parameter(torch.full((n_kv_heads,), float(memory.eta_logit_init)))
 
     def forward(self, x: torch.Tensor) -> Write:
         """x: (B, T, d_model), the attention's input -> its Write: gate (B, T) or None, eta rate (H_kv,)."""
-        gate = torch.sigmoid(x @ self.write.to(x.dtype)) if self.write is not None else None
+        gate = None
+        if self.write is not None:
+            logit = x @ self.write.to(x.dtype)  # (B, T)
+            gate = torch.sigmoid(logit if self.write_bias is None else logit + self.write_bias.to(x.dtype))
         return Write(gate, torch.sigmoid(self.eta_logit))
