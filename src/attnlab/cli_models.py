@@ -1,0 +1,158 @@
+"""The `attnlab` commands that make or measure one model: convert, export, kv-eval and kv-tune (cli.py builds the
+parser and dispatches to them)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import yaml
+
+from attnlab.accounting import kv_report
+from attnlab.cache.codecs import FORMATS
+from attnlab.cli_errors import one_line
+from attnlab.config_io import parse_yaml
+from attnlab.errors import ConfigError, DataError, InputError
+from attnlab.eval import append_records, load_for_eval, make_record
+from attnlab.eval.kvquant import held_out_windows, run_kv_eval, table, tune
+from attnlab.eval.perplexity import dataset_tokens, summarize_losses, window_losses
+from attnlab.eval.records import records_target
+from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion
+from attnlab.interop.export import export
+
+
+def key_values(flag: str, text: str, example: str) -> dict:
+    """'kind=bounded,recent_window=256,...' -> {key: value} (values read as YAML scalars), one-line errors."""
+    data = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} {text!r}: {item!r} must look like KEY=VALUE (e.g. {example})")
+        if key.strip() in data:
+            raise ConfigError(f"{flag} {text!r}: {key.strip()} is given twice (give each key once)")
+        try:
+            data[key.strip()] = parse_yaml(value) if value.strip() else None
+        except yaml.YAMLError:  # a value such as an unbalanced quote
+            raise ConfigError(f"{flag} {text!r}: the value of {key.strip()} is not a plain value") from None
+    return data
+
+
+def check_kv_arguments(args) -> None:
+    """kv-eval/kv-tune flags checked before a model is loaded: one line naming the flag."""
+    for flag, value in (("--tokens", args.tokens), ("--seq-len", args.seq_len), ("--chunk", args.chunk)):
+        if value < 1:
+            raise InputError(f"{flag}={value} must be >= 1")
+    for policy in getattr(args, "policies", None) or ():
+        if not policy.strip():
+            raise InputError(f"--policies: {policy!r} is an empty policy (give e.g. 'k=q8_0,v=q4_0,resid=128', "
+                             f"or 'none' for the full-precision cache)")  # fmt: skip
+    if args.out:
+        records_target(args.out)
+
+
+def cmd_kv_eval(args) -> int:
+    check_kv_arguments(args)
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
+    rows = run_kv_eval(model, args.policies, split=args.split, seq_len=args.seq_len, max_tokens=args.tokens,
+                       chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir, dataset=args.dataset)  # fmt: skip
+    print(f"{model.name}: KV policies on {rows[0]['tokens']:,} held-out tokens ({rows[0]['dataset']}:{args.split}), "
+          f"seq_len {args.seq_len}, "
+          f"fed {args.chunk} token(s) at a time; NLL with the full cache {rows[0]['nll_full']:.4f}")  # fmt: skip
+    print(table(rows))
+    if args.out:
+        print(f"records: {append_records(Path(args.out), rows)}")
+    return 0
+
+
+def cmd_kv_tune(args) -> int:
+    formats = tuple(f.strip() for f in args.formats.split(","))
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise InputError(f"--formats {args.formats!r}: {', '.join(map(repr, unknown)) or 'nothing'} is not a format "
+                         f"(use some of {', '.join(FORMATS)}, comma-separated)")  # fmt: skip
+    try:
+        resids = tuple(int(r) for r in args.resids.split(","))
+    except ValueError:
+        raise InputError(
+            f"--resids {args.resids!r} must be whole numbers of tokens, comma-separated (e.g. 0,64)"
+        ) from None
+    if any(r < 0 for r in resids):
+        raise InputError(f"--resids {args.resids!r} must be >= 0")
+    if not (math.isfinite(args.budget) and args.budget > 0):
+        raise InputError(f"--budget={args.budget!r} must be a finite number of bytes per token > 0")
+    if args.max_dnll is not None and not math.isfinite(args.max_dnll):
+        raise InputError(f"--max-dnll={args.max_dnll!r} must be a finite number (nats per token)")
+    check_kv_arguments(args)
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
+    windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir, args.dataset)
+    result = tune(model.model, windows, args.budget, args.max_dnll, formats=formats, resids=resids, chunk=args.chunk,
+                  dtype=args.dtype)  # fmt: skip
+    print(table(result["verified"]))
+    best = result["best"]
+    verdict = "meets" if result["meets_max_dnll"] else "EXCEEDS"
+    limit = f" (--max-dnll {args.max_dnll:g}: {verdict})" if args.max_dnll is not None else ""
+    print(f"best under {args.budget:g} bytes/token: {best['policy']}  dNLL {best['dnll']:+.5f}{limit}")
+    if args.out:
+        rows = [make_record("kv_tune", model, budget=args.budget, max_dnll=args.max_dnll, role=role, **row)
+                for role, group in (("sensitivity", result["sensitivity"]), ("verified", result["verified"]))
+                for row in group]  # fmt: skip
+        print(f"records: {append_records(Path(args.out), rows)}")
+    return 0 if result["meets_max_dnll"] else 1
+
+
+def cmd_export(args) -> int:
+    exported = export(args.ref, args.hf, data_dir=args.data_dir, dtype=args.dtype, overwrite=args.overwrite)
+    print(exported.summary())
+    return 0
+
+
+def cmd_convert(args) -> int:
+    if Path(args.out).exists():  # before minutes of loading and scoring
+        raise InputError(f"--out {args.out}: already exists (choose another folder, or delete it first)")
+    for flag, value, least in (("--eval-tokens", args.eval_tokens, 0), ("--calibration-tokens",
+                               args.calibration_tokens, 0), ("--seq-len", args.seq_len, 1)):  # fmt: skip
+        if value < least:
+            raise InputError(f"{flag}={value} must be >= {least}" + (" (0 = skip)" if least == 0 else ""))
+    attention = key_values("--attention", args.attention, "kind=mha,n_kv_heads=1") if args.attention else None
+    memory = key_values("--memory", args.memory, "kind=streaming,recent_window=252") if args.memory else None
+    if not attention and not memory:
+        raise InputError(
+            "nothing to convert: give --attention and/or --memory (e.g. --attention kind=mha,n_kv_heads=1)"
+        )
+    source = load_for_eval(args.ref, data_dir=args.data_dir)
+    calibration = None
+    if args.calibration_tokens and (attention or {}).get("kind") in LOW_RANK:  # activation-aware factorisations
+        try:
+            calibration = dataset_tokens(source.tokenizer, args.calibrate_on, "train", args.data_dir)
+        except DataError as e:
+            raise DataError(f"calibration text for the factorisations (--calibrate-on {args.calibrate_on}, train "
+                            f"split) was not found: give --data-dir, or --calibration-tokens 0 to fit the weights "
+                            f"alone ({one_line(e)})") from None  # fmt: skip
+        calibration = calibration[: args.calibration_tokens]
+    # the held-out text is read before the conversion and --out is written last: a mistake leaves no --out behind
+    tokens = dataset_tokens(source.tokenizer, args.dataset, "test", args.data_dir) if args.eval_tokens else None
+    conversion = convert_model(source.cfg, source.model, attention, memory, rope_pairs=args.rope_pairs,
+                               calibration=None if calibration is None else torch.from_numpy(calibration))  # fmt: skip
+    seq_len = min(args.seq_len, source.cfg.max_seq_len)
+    scores = []
+    if tokens is not None:
+        for name, model in (("original", source.model), ("converted, cold", conversion.model)):
+            s = summarize_losses(window_losses(model, tokens, seq_len, max_tokens=args.eval_tokens))
+            scores.append(f"  {name}: perplexity {s['ppl']:.2f} [{s['ppl_ci'][0]:.2f}, {s['ppl_ci'][1]:.2f}] on the "
+                          f"first {s['tokens']:,} tokens of {args.dataset} test, context {seq_len}")  # fmt: skip
+    folder = save_conversion(args.out, conversion, source.tokenizer, source=str(args.ref))
+    rows = []
+    for name, cfg in (("original", source.cfg), ("converted", conversion.cfg)):
+        what = ", ".join(f"{k}={v}" for k, v in cfg.attention.to_dict().items())
+        what += "" if cfg.memory.kind == "none" else f"; memory {cfg.memory.kind}"
+        rows.append(f"  {name}: {what}; KV {kv_report(cfg, 'fp16', seq_len)['kv_bytes'] / seq_len:,.0f} bytes/token "
+                    f"at {seq_len} (fp16)")  # fmt: skip
+    print(f"{source.name} -> {folder}\n" + "\n".join(rows + [f"  {note}" for note in conversion.notes]))
+    print(
+        f"  {len(conversion.fresh)} parameter tensors start as built (the source has nothing for them)"
+        + (f": {', '.join(sorted({n.split('.', 2)[-1] for n in conversion.fresh}))}" if conversion.fresh else "")
+    )
+    if scores:
+        print("\n".join(scores))
+    return 0
