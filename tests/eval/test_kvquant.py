@@ -65,6 +65,22 @@ def test_kl_and_dnll_against_a_direct_computation(run, windows):
     nll = lambda logp: -logp.gather(-1, ids[:, 1:, None]).mean().item()  # noqa: E731
     assert row["kl"] == pytest.approx(kl, rel=1e-3, abs=1e-7)
     assert row["dnll"] == pytest.approx(nll(quant) - nll(full), abs=1e-5)
+    # the interval: a paired bootstrap over the window's 64-position block, here one block (no spread)
+    diff = (-quant.gather(-1, ids[:, 1:, None]) + full.gather(-1, ids[:, 1:, None])).sum().item() / 64
+    assert row["dnll_ci"] == pytest.approx([diff, diff], abs=1e-5)
+
+
+def test_the_dnll_interval_resamples_blocks_of_positions(run, windows):
+    from attnlab.eval.kvquant import block_sums
+
+    diff = torch.arange(2 * 130, dtype=torch.float64).view(2, 130)
+    assert block_sums(diff, 64) == [sum(range(0, 64)), sum(range(64, 128)), sum(range(130, 194)),
+                                    sum(range(194, 258))]  # fmt: skip
+    model = load_for_eval(run).model
+    lossy, lossless = evaluate_policies(model, windows, ["k=q4_0,v=q4_0", "k=fp32,v=fp32"], greedy_prompts=0)
+    assert lossless["dnll_ci"] == pytest.approx([0, 0], abs=1e-6)
+    low, high = lossy["dnll_ci"]
+    assert low < lossy["dnll"] < high and high - low > 1e-6  # three windows: three blocks, some spread
 
 
 def test_tune_picks_a_policy_within_the_budget(run, windows):

@@ -4,7 +4,9 @@ Each window of held-out tokens is fed through the model's cache `chunk` tokens a
 token-by-token decoding: every query sees the earlier tokens exactly as the cache stores them), once
 with the full-precision cache and once per policy. Per policy, against the full-precision pass:
 
-    dnll        mean NLL(quantized) - mean NLL(full), nats/token (ppl_ratio = exp(dnll))
+    dnll        mean NLL(quantized) - mean NLL(full), nats/token (ppl_ratio = exp(dnll)); dnll_ci: a 95% paired
+                bootstrap interval over blocks of BLOCK consecutive positions (neighbouring tokens' losses are
+                correlated; the blocks are resampled, the same blocks for both caches)
     kl          mean KL(p_full || p_quant) per token, nats
     top1        fraction of positions whose argmax agrees
     greedy      mean fraction of a greedy continuation that matches the full-precision one, token for
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ from attnlab.cache.codecs import SHORT, Codec, KVPolicy, as_policy
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.perplexity import eval_tokens
 from attnlab.eval.records import make_record
+from attnlab.eval.stats import bootstrap_ci
 from attnlab.generate import generate
 
 
@@ -36,6 +39,17 @@ class Totals:
     kl: float = 0.0
     top1: float = 0.0
     tokens: int = 0
+    blocks: list = field(default_factory=list)  # per window: NLL(quantized) - NLL(full) summed over each block
+
+
+BLOCK = 64  # positions per block of the dNLL interval
+
+
+def block_sums(diff: torch.Tensor, block: int = BLOCK) -> list[float]:
+    """(B, T) per-position differences -> the sums over each whole block of `block` positions of each row (a row's
+    last partial block is left out of the interval, not of dnll)."""
+    whole = diff.shape[1] // block * block
+    return diff[:, :whole].reshape(diff.shape[0], -1, block).sum(dim=-1).flatten().tolist()
 
 
 @torch.no_grad()
@@ -89,11 +103,14 @@ def evaluate_policies(
         ids = windows[start : start + batch]
         inputs, targets = ids[:, :-1], ids[:, 1:]
         logp_full = chunked_logits(model, inputs, None, chunk).log_softmax(dim=-1)  # (B, L-1, V)
-        full_nll += -logp_full.gather(-1, targets[..., None]).sum().item()
+        nll_full = -logp_full.gather(-1, targets[..., None])[..., 0]  # (B, L-1)
+        full_nll += nll_full.sum().item()
         top_full = logp_full.argmax(dim=-1)
         for policy, total in zip(policies, totals, strict=True):
             logp = chunked_logits(model, inputs, policy, chunk).log_softmax(dim=-1)
-            total.nll += -logp.gather(-1, targets[..., None]).sum().item()
+            nll = -logp.gather(-1, targets[..., None])[..., 0]
+            total.nll += nll.sum().item()
+            total.blocks += block_sums(nll.double() - nll_full.double())
             total.kl += (logp_full.exp() * (logp_full - logp)).sum().item()
             total.top1 += (logp.argmax(dim=-1) == top_full).sum().item()
             total.tokens += targets.numel()
@@ -113,6 +130,7 @@ def evaluate_policies(
             "vs_full": report["kv_bytes"] / full_bytes["kv_bytes"],
             "nll_full": full_nll / total.tokens,
             "dnll": dnll,
+            "dnll_ci": [v / BLOCK for v in bootstrap_ci(total.blocks, n=2000)] if total.blocks else None,
             "ppl_ratio": math.exp(dnll),
             "kl": total.kl / total.tokens,
             "top1": total.top1 / total.tokens,
@@ -127,13 +145,16 @@ def evaluate_policies(
 
 def table(rows: list[dict]) -> str:
     """A plain-text table of evaluate_policies rows."""
-    head = f"{'policy':<40} {'B/token':>9} {'vs full':>8} {'dNLL':>9} {'ppl x':>7} {'KL':>9} {'top-1':>6} {'greedy':>6}"
+    head = (f"{'policy':<40} {'B/token':>9} {'vs full':>8} {'dNLL':>9} {'95% interval':>21} {'ppl x':>7} {'KL':>9} "
+            f"{'top-1':>6} {'greedy':>6}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         greedy = "n/a" if r["greedy"] is None else f"{r['greedy']:.3f}"
+        ci = r.get("dnll_ci")
+        interval = "n/a" if ci is None else f"[{ci[0]:+.5f}, {ci[1]:+.5f}]"
         lines.append(
             f"{r['policy']:<40} {r['bytes_per_token']:>9,.0f} {r['vs_full']:>8.3f} {r['dnll']:>+9.5f} "
-            f"{r['ppl_ratio']:>7.4f} {r['kl']:>9.6f} {r['top1']:>6.3f} {greedy:>6}"
+            f"{interval:>21} {r['ppl_ratio']:>7.4f} {r['kl']:>9.6f} {r['top1']:>6.3f} {greedy:>6}"
         )
     return "\n".join(lines)
 
