@@ -222,6 +222,9 @@ def test_the_factorial_converts_each_attention_once_and_its_phase_two_arms_conti
     assert main(["run", str(path), "--out", str(tmp_path / "runs"), "--convert-only", "--no-progress"]) == 0
     root = tmp_path / "runs/fact"
     assert sorted(p.name for p in root.iterdir()) == ["coda", "gqa"]  # the two conversions, no run
+    from attnlab.eval import load_for_eval
+
+    assert load_for_eval(root / "coda/converted").name == "coda/converted"  # a table's label for the cold model
     assert sorted(p.name for p in (root / "coda").iterdir()) == ["converted"]
     run_manifest(manifest, tmp_path / "runs", progress=False, log=quiet)
     _, coda = load_model_from_checkpoint(root / "coda/seed0", tag="last")

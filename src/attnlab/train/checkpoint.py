@@ -381,8 +381,10 @@ class LoadedCheckpoint:
 
     @property
     def run_dir(self) -> Path:
-        """The run the checkpoint belongs to (its folder's grandparent): where its tokenizer/ folder is."""
-        return self.folder.parent.parent
+        """The run the checkpoint belongs to (<run>/checkpoints/step-N: its folder's grandparent), where its
+        tokenizer/ folder is; a model folder outside a run (attnlab convert's, a manifest's <target>/converted) is
+        its own."""
+        return self.folder.parent.parent if self.folder.parent.name == "checkpoints" else self.folder
 
 
 def load_checkpoint(path: str | Path, tag: str = "best") -> LoadedCheckpoint:
