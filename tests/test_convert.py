@@ -227,6 +227,7 @@ def test_a_conversion_the_source_cannot_initialise_is_refused_in_one_line():
         ({"kind": "coda", "head_dim": 8}, "head_dim=8 cannot be initialised from the source's head_dim 16"),
         ({"kind": "mla", "d_latent": 32, "d_rope": 6}, "d_rope=6 must be a multiple of 2 x the source's 4 KV heads"),
         ({"kind": "mla", "d_latent": 32, "head_dim": 16}, "head_dim=16 cannot be initialised from the source .an MLA"),
+        ({"kind": "mla", "d_latent": 200}, "d_latent=200 is more than the source's 120 unrotated key and value"),
         ({"kind": "mla", "d_latent": 32, "latent_norm": True}, "no norm on the latent .latent_norm: false."),
         ({"kind": "bottleneck", "d_attn": 128}, "d_attn / n_heads = 32 is more than the source's head_dim 16"),
         ({"kind": "decoupled", "d_sem": 16, "d_geo": 32, "tie_qk": True}, "separate semantic W_Q, W_K"),

@@ -146,6 +146,26 @@ def test_what_a_pretrained_target_cannot_do_is_refused_by_validate_and_dry_run(t
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_conversion_of_since_changed_source_files_is_refused_and_convert_only_needs_a_pretrained_target(
+    tmp_path, pretrained, monkeypatch, capsys
+):
+    import shutil
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source = shutil.copytree(pretrained[0], tmp_path / "source")
+    path = write(tmp_path, (source, pretrained[1]))
+    assert main(["run", str(path), "--out", str(tmp_path / "runs"), "--convert-only"]) == 0
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    fails(capsys, ["run", str(path), "--out", str(tmp_path / "runs"), "--no-progress"],
+          "conversion made with another recipe (the source's config.json changed since the conversion)")  # fmt: skip
+    plain = tmp_path / "plain.yml"
+    plain.write_text(f"name: p\ndefaults: {{model: {{d_model: 32, n_layers: 1, n_heads: 2}}, data: {{source: "
+                     f"{pretrained[1]}, tokenizer: char}}}}\ntargets: {{a: {{}}}}\n")  # fmt: skip
+    fails(capsys, ["run", str(plain), "--convert-only", "--out", str(tmp_path / "runs")],
+          "--convert-only: no selected target starts from a pretrained model")  # fmt: skip
+
+
 def test_an_init_from_model_that_is_not_there_is_one_line(tmp_path, pretrained, capsys):
     path = write(tmp_path, pretrained, replace=[(str(pretrained[0]), str(tmp_path / "nowhere/model.gguf"))])
     fails(capsys, ["run", str(path), "--out", str(tmp_path / "runs")], "targets.mqa.init_from:",
@@ -203,7 +223,7 @@ targets:
     train: {{trainable: ["blocks.*.attn.*", "blocks.*.memory.*"]}}
   coda_bounded:
     init_from: coda
-    model: {{attention: {{kind: coda, gate_bias: -6.0}}, memory: "${{bounded}}"}}
+    model: {{memory: "${{bounded}}"}}
 """
 
 
@@ -219,6 +239,7 @@ def test_the_factorial_converts_each_attention_once_and_its_phase_two_arms_conti
     assert {s.target: s.source["target"] for s in manifest.runs} == {
         "gqa": "gqa", "coda": "coda", "gqa_bounded": "gqa", "coda_bounded": "coda"
     }  # fmt: skip
+    assert manifest.runs[3].model["attention"] == {"kind": "coda", "gate_bias": -6.0}  # left out: coda's, inherited
     assert main(["run", str(path), "--out", str(tmp_path / "runs"), "--convert-only", "--no-progress"]) == 0
     root = tmp_path / "runs/fact"
     assert sorted(p.name for p in root.iterdir()) == ["coda", "gqa"]  # the two conversions, no run

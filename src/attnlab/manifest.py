@@ -26,7 +26,8 @@ wikitext2-nounk} with `attnlab convert`'s options. Such a target's `model` secti
 pretrained model's config, and only those a conversion can initialise from its weights (attention, memory,
 max_seq_len, name); its runs start from the converted model, saved once per target in <target>/converted (a
 checkpoint folder: the cold model, which every command takes as a reference). A target whose init_from names such
-a target continues from its weights and lists its changes the same way (a memory, say; the attention stays).
+a target continues from its weights and lists its changes the same way (a memory, say); it keeps that target's
+attention (left out, it is taken from there).
 
 A target's config is the defaults deep-merged with its own sections (an `attention` block whose `kind`
 differs from the default's replaces it whole); a phase merges on top of its target; `--set a.b=v`
@@ -378,6 +379,7 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
     order = list(targets)
     runs = []
     sources: dict[str, dict | None] = {}  # each target's pretrained source (RunSpec.source)
+    attentions: dict[str, dict | None] = {}  # the attention changes of a pretrained target's first phase
     for name_, target in targets.items():
         problem = name_problem(name_, "target name")
         if problem is None and name_ in RESERVED_NAMES:
@@ -415,8 +417,10 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                 "file, a path with a /, hf:ORG/NAME)"
             )
             start_from = None
+        inherited = None  # the attention a continued conversion fixed, when this target does not repeat it
         if start_from is not None and sources.get(start_from) is not None:  # continues a pretrained model's target:
             source = sources[start_from]  # its `model` holds changes to that model's config too
+            inherited = attentions.get(start_from)
         sources[name_] = source
         phase_names = []
         for i, phase in enumerate(phases):
@@ -440,6 +444,11 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
             merged = deep_merge(deep_merge(base, {k: v for k, v in phase.items() if k in SECTION_KEYS}), overrides)
             if source is not None and source["model"] is not None and "tokenizer" not in merged.get("data", {}):
                 merged.setdefault("data", {})["tokenizer"] = source["model"]  # the pretrained model's own
+            model_section = merged.get("model")
+            if inherited is not None and isinstance(model_section, dict) and "attention" not in model_section:
+                merged["model"] = {**model_section, "attention": copy.deepcopy(inherited)}
+            if i == 0 and source is not None and isinstance(merged.get("model"), dict):
+                attentions[name_] = merged["model"].get("attention")
             spec: dict = {}
             found: list[str] = []
             _resolve_sections(merged, phase_where if len(phases) > 1 else where, found, spec, source is not None)

@@ -42,10 +42,43 @@ def changes(spec: RunSpec) -> tuple[dict | None, dict | None, dict]:
     return model.get("attention"), model.get("memory"), others
 
 
-def recipe(spec: RunSpec) -> dict:
-    """What decides a target's conversion (saved in the converted folder, compared on reuse): its first phase's."""
+def recipe(spec: RunSpec, data_dir=None) -> dict:
+    """What decides a target's conversion (saved in the converted folder, compared on reuse): its first phase's
+    changes, the conversion's options and the source's files as they are now (source_files)."""
     attention, memory, others = changes(spec)
-    return {"init_from": dict(spec.source), "attention": attention, "memory": memory, **others}
+    return {"init_from": dict(spec.source), "attention": attention, "memory": memory, **others,
+            "source_files": source_files(spec.source["model"], data_dir)}  # fmt: skip
+
+
+HASHED_BELOW = 1 << 28  # files under 256 MB are identified by their sha256, larger ones by size and mtime
+
+
+def source_files(ref: str, data_dir=None) -> dict[str, str]:
+    """The files a model reference reads, by name: "sha256:<hex>" (or "size:mtime" for files of 256 MB and more),
+    so that a conversion made from since-changed files is refused rather than reused."""
+    import hashlib
+
+    from attnlab.interop.references import resolve
+
+    kind, where = resolve(ref, data_dir)
+    if kind == "gguf":
+        files = [where]
+    elif kind == "run":  # the pointers name the checkpoint in use; its checksums.json fingerprints its weights
+        files = [p for p in (*where.glob("*.json"), *where.glob("checkpoints/*.json")) if p.is_file()]
+    else:
+        files = [p for p in where.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".jinja")]
+    out = {}
+    for path in sorted(files):
+        stat = path.stat()
+        if stat.st_size >= HASHED_BELOW:
+            out[path.name if kind != "run" else str(path.relative_to(where))] = f"{stat.st_size}:{stat.st_mtime_ns}"
+            continue
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        out[path.name if kind != "run" else str(path.relative_to(where))] = "sha256:" + digest.hexdigest()
+    return out
 
 
 def first_phases(runs: list[RunSpec]) -> dict[str, RunSpec]:
@@ -170,7 +203,7 @@ def converted_model(spec: RunSpec, root: Path, data_dir, log: Callable = print) 
     from attnlab.interop.references import load_reference
 
     folder = converted_folder(root, spec)
-    wanted = _json_normal(recipe(spec))
+    wanted = _json_normal(recipe(spec, data_dir))
     if folder.exists():
         saved = read_json_object(folder / "config.json", f"delete {folder} to convert again").get("recipe")
         if saved != wanted:
@@ -226,6 +259,11 @@ def _first_difference(saved, wanted) -> str:
         return "no recipe saved"
     for key in sorted(set(saved) | set(wanted)):
         if saved.get(key) != wanted.get(key):
+            if key == "source_files" and isinstance(saved.get(key), dict):
+                old, new = saved[key], wanted[key]
+                name = next(n for n in sorted(set(old) | set(new)) if old.get(n) != new.get(n))
+                what = "is new" if name not in old else "is gone" if name not in new else "changed"
+                return f"the source's {name} {what} since the conversion"
             return f"{key}: saved {saved.get(key)!r}, now {wanted.get(key)!r}"
     return "none"
 

@@ -138,6 +138,11 @@ def run_manifest(
     summaries = []
     if convert_only:
         firsts = first_phases(list(manifest.runs))
+        if not any(spec.target in firsts for spec in runs):
+            raise ConfigError(
+                "--convert-only: no selected target starts from a pretrained model (init_from: <model reference>): "
+                "there is nothing to convert", source=str(manifest.path)
+            )  # fmt: skip
         for name in dict.fromkeys(spec.target for spec in runs if spec.target in firsts):
             folder = converted_folder(root, firsts[name])
             if dry_run:

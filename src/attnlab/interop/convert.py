@@ -128,6 +128,11 @@ def mla_dims(source: ModelConfig, attention: dict) -> dict:
             f"holds r RoPE pairs of each), at most {n_kv * (d - 2)} (e.g. {usual})"
         )
     want = {"d_rope": d_rope, "head_dim": d - d_rope // n_kv, "v_head_dim": d}
+    full = n_kv * (2 * d - d_rope // n_kv)  # the unrotated keys and the values of all KV heads
+    latent = attention.get("d_latent")
+    if isinstance(latent, int) and latent > full:
+        raise ConfigError(f"convert: attention.d_latent={latent} is more than the source's {full} unrotated key and "
+                          f"value channels per token (full rank, exact: use at most {full})")  # fmt: skip
     for key, value in want.items():
         if key in attention and attention[key] != value:
             raise ConfigError(f"convert: attention.{key}={attention[key]} cannot be initialised from the source "
