@@ -9,6 +9,7 @@ from attnlab.cache.codecs import Codec, as_policy
 from attnlab.cache.memories import memory_codecs
 from attnlab.cache.quantized import slot_counts
 from attnlab.config import ModelConfig, dtype_bytes
+from attnlab.config_checks import MAX_INT
 from attnlab.errors import InputError
 from attnlab.model.transformer import build_model
 
@@ -51,22 +52,27 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
     With a KV policy (attnlab.cache.quantized) each tensor is counted in its format, per token as
     stored once it left the residual window, at seq_len with the residual window in `dtype`.
     With cfg.memory (cache/memories.py) the cache holds its slots whatever the length: per layer
-    2 * H_kv * slots * head_dim * dtype bytes (CoDA-GQA-L Theorem 1); `memory` then also gives the slots
+    2 * H_kv * slots * head_dim * dtype bytes (CoDA-GQA-L Theorem 1), its recent window cut to seq_len when
+    seq_len is shorter (a cache made for seq_len tokens holds no more); `memory` then also gives the slots
     and what the variant's own cache would hold at seq_len, and is None otherwise.
     """
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise InputError(f"seq_len={seq_len!r} must be a whole number of tokens >= 1")
+    if seq_len > MAX_INT:
+        raise InputError(f"seq_len={seq_len} must be <= {MAX_INT:,} (2**31 - 1) tokens")
     width = dtype_bytes(dtype)
     layout = cfg.attention.cache_layout(cfg)
     fields = layout.values_per_token()  # elements per token per layer, by cached field
     capacity = layout.window
     held = seq_len if capacity is None else min(seq_len, capacity)
     memory = None
-    if cfg.memory.kind != "none":  # preallocated: the same bytes at any length
+    if cfg.memory.kind != "none":  # preallocated: the same bytes at any length from recent_window tokens on
         memory = {**cfg.memory.to_dict(), "slots": cfg.memory.slots,
                   "unbounded_kv_bytes_per_layer": int(sum(fields.values()) * width * held)}  # fmt: skip
-        capacity = held = cfg.memory.slots
+        capacity = cfg.memory.slots
+        # A cache for seq_len tokens cuts a longer recent window to seq_len slots (cache.build_cache).
+        held = capacity - cfg.memory.recent_window + min(cfg.memory.recent_window, seq_len)
     policy = as_policy(policy)
     if policy is None:
         per_field = {name: n * width for name, n in fields.items()}  # bytes per token per layer

@@ -21,6 +21,7 @@ from attnlab.attention.registry import REGISTRY
 from attnlab.cli_errors import Parser, fail, interrupted, os_error_line, warning_printer
 from attnlab.cli_models import cmd_convert, cmd_export, cmd_kv_eval, cmd_kv_tune, key_values
 from attnlab.compare import compare
+from attnlab.config_checks import MAX_INT
 from attnlab.config_io import load_config, memory_from_dict
 from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
@@ -35,9 +36,9 @@ from attnlab.interop.convert import PAIR_RULES
 from attnlab.interop.references import model_config_of
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.memory import MemoryStore, ingest, query
-from attnlab.paths import data_dirs
+from attnlab.paths import check_data_dirs
 from attnlab.retrofit import check_pretrained
-from attnlab.runner import run_manifest
+from attnlab.runner import local_source_problems, run_manifest
 
 
 def cmd_list(args) -> int:
@@ -57,6 +58,8 @@ def cmd_validate(args) -> int:
             if kind == "manifest":
                 manifest = load_manifest(path, args.set)
                 problems = check_pretrained(list(manifest.runs), list(manifest.runs), args.data_dir)
+                if args.data_dir:  # where the data is was said: its local files must be there, as `run` checks
+                    problems += local_source_problems(list(manifest.runs), args.data_dir)
                 if problems:
                     raise ConfigError(problems, source=str(path))
                 print(f"{path}: ok (manifest {manifest.name}: {len(manifest.targets)} targets, "
@@ -124,6 +127,8 @@ def cmd_info(args) -> int:
         cfg = cfg.replace(memory=memory_option(args.memory))
     if args.kv_policy is not None and not args.kv_policy.strip():
         raise InputError("--kv-policy is empty (give a policy, e.g. k=q8_0,v=q4_0, or leave the flag out)")
+    if args.seq_len is not None and not 1 <= args.seq_len <= MAX_INT:
+        raise InputError(f"--seq-len {args.seq_len} must be in 1 .. {MAX_INT:,} (2**31 - 1) tokens")
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
     if args.json:
         print(json.dumps(report))
@@ -236,7 +241,11 @@ def cmd_generate(args) -> int:
 def cmd_lm_eval(args) -> int:
     from attnlab.eval.lmeval import run_lm_eval, table  # lm-eval is an optional extra: pip install 'attnlab[lmeval]'
 
-    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    tasks = [task.strip() for task in args.tasks.split(",")]
+    if any(not task for task in tasks) and any(tasks):
+        raise ConfigError(f"--tasks {args.tasks!r}: holds an empty task name (give names separated by single commas, "
+                          "e.g. arc_easy,piqa)")  # fmt: skip
+    tasks = [task for task in tasks if task]
     results = run_lm_eval(args.checkpoint, tasks, out_dir=args.out, kv_policy=args.kv_policy, limit=args.limit,
                           num_fewshot=args.num_fewshot, data_dir=args.data_dir, include_path=args.include_path,
                           batch_size=args.batch_size)  # fmt: skip
@@ -493,6 +502,9 @@ def add_sampling_arguments(p, streams: bool) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling, 0 .. 2**64 - 1 (default: random)")
 
 
+PATH_OPTIONS = ("out", "hf", "store", "data_dir", "model")  # options that name a file or folder
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one command: its exit code. A user's mistake or a damaged file (an AttnlabError, or an OS error
     the user can act on, see os_error_line) ends in one line on stderr, `attnlab <command>: error: ...`, and
@@ -502,8 +514,11 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("always", LengthWarning)  # every cut request said, not only the first
         warnings.showwarning = warning_printer(args.command, warnings.showwarning)
         try:
+            for dest in PATH_OPTIONS:  # an empty path ('' from an unset shell variable) names no file or folder
+                if getattr(args, dest, None) == "":
+                    raise InputError(f"--{dest.replace('_', '-')} is empty: give a path")
             if hasattr(args, "data_dir"):
-                data_dirs(args.data_dir)  # --data-dir and $ATTNLAB_DATA must name folders: checked before anything
+                check_data_dirs(args.data_dir)  # --data-dir and $ATTNLAB_DATA name folders: checked before anything
             return args.func(args)
         except AttnlabError as e:
             return fail(args.command, str(e))

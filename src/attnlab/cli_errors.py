@@ -55,7 +55,7 @@ class Parser(argparse.ArgumentParser):
 # are never attnlab's bugs. A missing path, or a file where a folder belongs (and the reverse), only on a path
 # the user gave (an argument, $ATTNLAB_DATA, $ATTNLAB_MEMORY), one inside it or one of its folders: elsewhere they
 # are bugs and keep their traceback.
-ANY_PATH = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+ANY_PATH = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 GIVEN_PATH = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
 OPTIONS = {"out": "--out", "store": "--store", "data_dir": "--data-dir"}  # where a user chooses a folder
 ENVIRONMENT = ("ATTNLAB_DATA", "ATTNLAB_MEMORY")  # folders a user names in the environment
@@ -143,7 +143,7 @@ def os_error_line(e: OSError, args) -> str | None:
     if code not in ANY_PATH and not (code in GIVEN_PATH and path is not None and _origin(path, args)):
         return None
     if path is None:  # e.g. a write() on a full disk: no path to name
-        fix = "free some space" if code in (errno.ENOSPC, errno.EDQUOT) else "check the permissions"
+        fix = "free some space" if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "check the permissions"
         out = f" (or write elsewhere with {OPTIONS['out']})" if getattr(args, "out", None) else ""
         return f"{e.strerror or e}: {fix}{out}"
     hint = _elsewhere(_origin(path, args, cache=True))
@@ -154,6 +154,9 @@ def os_error_line(e: OSError, args) -> str | None:
         return f"{path}: permission denied: cannot create it in {folder} (make that folder writable{hint})"
     if code == errno.EROFS:
         return f"{path}: on a read-only file system (write it somewhere else{hint})"
+    if code == errno.EFBIG:
+        return (f"{path}: file too large: the disk is full or a file size limit is reached (see `ulimit -f`; free "
+                f"some space or raise the limit{hint})")  # fmt: skip
     if code in (errno.ENOSPC, errno.EDQUOT):
         what = "no space left on the device" if code == errno.ENOSPC else "disk quota exceeded"
         return f"{path}: {what} (free some space{hint})"

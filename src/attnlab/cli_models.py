@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from attnlab.accounting import kv_report
-from attnlab.cache.codecs import FORMATS
+from attnlab.cache.codecs import FORMATS, KVPolicy
 from attnlab.cli_errors import one_line
 from attnlab.config_io import parse_yaml
 from attnlab.errors import ConfigError, DataError, InputError
@@ -47,13 +47,27 @@ def check_kv_arguments(args) -> None:
         if not policy.strip():
             raise InputError(f"--policies: {policy!r} is an empty policy (give e.g. 'k=q8_0,v=q4_0,resid=128', "
                              f"or 'none' for the full-precision cache)")  # fmt: skip
+        KVPolicy.parse(policy)  # a typo is said before the model is loaded
+    if args.tokens < args.seq_len + 1:
+        raise InputError(f"--tokens {args.tokens} is fewer than one window of --seq-len {args.seq_len} (each window "
+                         f"holds {args.seq_len} inputs and one more target): give --tokens >= {args.seq_len + 1}, or "
+                         "a smaller --seq-len")  # fmt: skip
     if args.out:
         records_target(args.out)
+
+
+def check_kv_model(args, model) -> None:
+    """--seq-len within the model's context (a model with a memory reads any length), before data is read."""
+    cfg = model.model.cfg
+    if cfg.memory.kind == "none" and args.seq_len > cfg.max_seq_len:
+        raise InputError(f"--seq-len {args.seq_len} is more than {model.name}'s max_seq_len={cfg.max_seq_len}: give "
+                         f"--seq-len {cfg.max_seq_len} or less")  # fmt: skip
 
 
 def cmd_kv_eval(args) -> int:
     check_kv_arguments(args)
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
+    check_kv_model(args, model)
     rows = run_kv_eval(model, args.policies, split=args.split, seq_len=args.seq_len, max_tokens=args.tokens,
                        chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir, dataset=args.dataset)  # fmt: skip
     print(f"{model.name}: KV policies on {rows[0]['tokens']:,} held-out tokens ({rows[0]['dataset']}:{args.split}), "
@@ -85,6 +99,7 @@ def cmd_kv_tune(args) -> int:
         raise InputError(f"--max-dnll={args.max_dnll!r} must be a finite number (nats per token)")
     check_kv_arguments(args)
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
+    check_kv_model(args, model)
     windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir, args.dataset)
     result = tune(model.model, windows, args.budget, args.max_dnll, formats=formats, resids=resids, chunk=args.chunk,
                   dtype=args.dtype)  # fmt: skip

@@ -42,6 +42,18 @@ def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
     return [path for path, _ in given] + [cache_dir()]
 
 
+def check_data_dirs(data_dir: str | Path | None = None) -> None:
+    """DataError unless --data-dir and $ATTNLAB_DATA, when given, name existing folders: a typo would otherwise
+    fall back to the user cache (or a download) without a word."""
+    data_dirs(data_dir)
+    if data_dir and not Path(data_dir).exists():
+        raise DataError(f"--data-dir {data_dir}: no such folder (name the folder that holds the data files)")
+    env = os.environ.get("ATTNLAB_DATA")
+    if env and not Path(env).exists():
+        raise DataError(f"$ATTNLAB_DATA={env}: no such folder (name the folder that holds the data files, or unset "
+                        "ATTNLAB_DATA)")  # fmt: skip
+
+
 def find_data_file(relative: str, data_dir: str | Path | None = None) -> Path:
     """The first existing `<dir>/<relative>`; the error says where it looked and how to provide it."""
     tried = [d / relative for d in data_dirs(data_dir)]

@@ -126,9 +126,16 @@ def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> 
     phases = {(s.target, s.phase): s for s in runs if s.source is not None}  # the seeds share one check
     for ref in dict.fromkeys(s.data.tokenizer for s in runs if s.source is None and names_model(s.data.tokenizer)):
         try:  # a model's tokenizer for a model trained from scratch
-            model_tokenizer(ref, data_dir)
+            vocab = model_tokenizer(ref, data_dir).vocab_size
         except (DataError, ConfigError) as e:
             problems.append(f"data.tokenizer: {_one_line(e)}")
+            continue
+        for target, size in dict.fromkeys((s.target, s.model.get("vocab_size")) for s in runs
+                                          if s.source is None and s.data.tokenizer == ref):  # fmt: skip
+            if isinstance(size, int) and not isinstance(size, bool) and size < vocab:
+                problems.append(f"targets.{target}.model.vocab_size={size} is smaller than the {vocab} ids of "
+                                f"data.tokenizer {ref} (give at least {vocab}, or leave it out to take the "
+                                "tokenizer's)")  # fmt: skip
     for spec in phases.values():
         where = f"targets.{spec.target}" + (f".phases[{spec.phase}]" if spec.phase else "")
         ref = spec.source["model"]

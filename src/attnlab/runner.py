@@ -52,6 +52,18 @@ def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
     return [r for r in manifest.runs if (not targets or r.target in targets) and (not seeds or r.seed in seeds)]
 
 
+def local_source_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
+    """One line per local data.source file of the runs that is not found (named datasets are not checked)."""
+    missing = []
+    for source in dict.fromkeys(spec.data.source for spec in runs):
+        if source not in NAMED_SOURCES:
+            try:
+                local_path(source, data_dir)
+            except DataError as e:
+                missing.append(str(e))
+    return missing
+
+
 def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, data_dir: str | None) -> list[str]:
     """What would fail once the runs start, checked before the first: a folder the runs write (or read a previous
     phase from) outside `out_root` (ConfigError), a local data file that is not there, a named dataset that is
@@ -69,12 +81,7 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
     missing, downloads = [], []
     if data_dir and not Path(data_dir).exists():  # a typo would fall back to the cache (or a download) silently
         missing.append(f"--data-dir {data_dir}: no such folder (name the folder that holds the data files)")
-    for source in dict.fromkeys(spec.data.source for spec in runs):
-        if source not in NAMED_SOURCES:
-            try:
-                local_path(source, data_dir)
-            except DataError as e:
-                missing.append(str(e))
+    missing += local_source_problems(runs, data_dir)
     online = downloads_allowed()
     for data in dict.fromkeys(spec.data for spec in runs):  # a named dataset: prepared already, or its files here
         if data.source not in NAMED_SOURCES:

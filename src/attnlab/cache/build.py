@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from attnlab.cache.banks import BoundedCache
@@ -37,15 +39,16 @@ def check_memory_policy(policy: KVPolicy, memory: MemoryConfig) -> None:
 def build_cache(
     layout: CacheLayout,
     batch: int,
-    max_len: int,
+    max_len: int | None,
     dtype: torch.dtype,
     device=None,
     policy: KVPolicy | str | None = None,
     memory: MemoryConfig | None = None,
 ) -> LayerCache:
-    """One layer's cache for `batch` sequences: a memory of fixed size when `memory` has a kind, else a cache for
-    up to max_len tokens (a ring of the layout's window for a sliding-window variant); each field stored in the
-    format `policy` names (None: in `dtype`)."""
+    """One layer's cache for `batch` sequences: a memory of fixed size when `memory` has a kind (its recent window
+    cut to max_len slots when max_len is given and smaller: the cache then takes at most max_len tokens; None:
+    a stream of any length), else a cache for up to max_len tokens (a ring of the layout's window for a
+    sliding-window variant); each field stored in the format `policy` names (None: in `dtype`)."""
     policy = as_policy(policy)
     if memory is not None and memory.kind != "none":
         if layout.window is not None:  # ModelConfig refuses this; a hand-built layout gets the same line
@@ -53,7 +56,15 @@ def build_cache(
                               f"hides every slot memory.kind={memory.kind} keeps beyond it")  # fmt: skip
         if policy is not None:
             check_memory_policy(policy, memory)
-        return MEMORIES[memory.kind](layout, batch, memory, dtype, device, policy)
+        if max_len is None or max_len >= memory.recent_window:
+            return MEMORIES[memory.kind](layout, batch, memory, dtype, device, policy)
+        # A sequence of at most max_len tokens never fills a longer window: a ring of max_len slots holds the same
+        # tokens at the same positions (nothing leaves it, every slot is visible), as a KV cache is sized by
+        # max_len. A window of millions of tokens then costs nothing for a short request.
+        capped = dataclasses.replace(memory, recent_window=max_len)
+        cache = MEMORIES[memory.kind](layout, batch, capped, dtype, device, policy)
+        cache.max_len = max_len
+        return cache
     slots = max_len if layout.window is None else min(layout.window, max_len)
     if policy is not None:
         if layout.window is not None:

@@ -29,6 +29,8 @@ FORMATS = (*FLOAT_FORMATS, *BLOCK_FORMATS, *KIVI_FORMATS)
 KEY_PARTS = ("k_sem", "k_geo", "k1", "k2")  # the key fields a policy's `k` covers (DBA's two paths, DIFF's halves)
 ALIASES = {"ksem": "k_sem", "kgeo": "k_geo", "krope": "k_rope"}  # short policy key -> cached tensor name
 SHORT = {name: short for short, name in ALIASES.items()}
+# Every tensor name a variant's cache layout declares (attention/*.py); a policy key outside them is a typo.
+TENSOR_NAMES = ("k", "v", *KEY_PARTS, "k_rope", "latent")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class KVPolicy:
                     group = int(value)
                 else:
                     flush = int(value)
+            elif value not in FORMATS and ALIASES.get(key, key) not in TENSOR_NAMES:
+                names = ", ".join(SHORT.get(name, name) for name in TENSOR_NAMES)
+                problems.append(f"kv policy {key}={value!r}: {key!r} is not a cached tensor name ({names}, as the "
+                                "model caches them) nor resid, group or flush")  # fmt: skip
             elif value not in FORMATS:
                 problems.append(f"kv policy {key}={value!r}: unknown format (use one of {', '.join(FORMATS)})")
             else:
@@ -73,6 +79,10 @@ class KVPolicy:
         problems += [f"kv policy names {name!r} twice" for name in sorted({n for n in names if names.count(n) > 1})]
         if group is not None and group < 1:
             problems.append(f"kv policy group={group} must be >= 1")
+        elif group is not None and not any(fmt in KIVI_FORMATS for _, fmt in formats):
+            kivi = ", ".join(KIVI_FORMATS)
+            problems.append(f"kv policy group={group} is the group size of the KIVI formats ({kivi}), which no "
+                            "tensor of this policy is stored in (leave group out)")  # fmt: skip
         if flush < 1:
             problems.append(f"kv policy flush={flush} must be >= 1")
         if problems:

@@ -47,7 +47,7 @@ from attnlab.cache.base import LayerCache, Write
 from attnlab.cache.codecs import FORMAT_OF_DTYPE, Codec, KVPolicy
 from attnlab.cache.layout import CacheLayout
 from attnlab.config import MemoryConfig
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, InputError
 from attnlab.ops.attend import attention_logits
 from attnlab.ops.masks import memory_mask, with_null_column
 from attnlab.ops.rope import shift_rotation
@@ -192,6 +192,7 @@ class MemoryCache(LayerCache):
 
     per_sequence = True
     pinned_tokens = 0  # the first tokens that go to memory slots directly, never to the ring (sinks)
+    max_len: int | None = None  # set when the ring was cut to a request's length (build_cache): tokens it takes
     ring_value_init: float | None = None  # one number kept beside each ring token (gate, attention mass)
 
     def __init__(self, layout: CacheLayout, batch: int, recent_window: int, memory_slots: int, dtype: torch.dtype,
@@ -267,6 +268,9 @@ class MemoryCache(LayerCache):
         new = {name: four(t) for name, t in new.items()}
         first = next(iter(new.values()))
         start, length = self.seen, positions.shape[0]
+        if self.max_len is not None and start + length > self.max_len:  # the cut ring would drop visible tokens
+            raise InputError(f"memory cache made for max_len={self.max_len} tokens got {start + length} (make a "
+                             "larger cache, or none: model.new_cache(batch) streams any length)")  # fmt: skip
         ring_values = self._chunk_ring_values(first, length, write)  # (B, T) or None; checks before any change
         self.seen += length
         pinned = max(0, min(self.pinned_tokens - start, length))

@@ -57,10 +57,23 @@ def atomic_path(path: str | Path, durable: bool = False) -> Iterator[Path]:
             tmp.unlink(missing_ok=True)
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, over quota, over a file size limit (ulimit -f)
+
+
+def as_os_error(error: Exception, path: str | Path) -> OSError | None:
+    """The OSError a library's own error wraps (safetensors' "I/O error: File too large (os error 27)"), naming
+    `path`; None when it wraps none."""
+    found = re.search(r"os error (\d+)", str(error))
+    if not found:
+        return None
+    code = int(found[1])
+    return OSError(code, os.strerror(code), str(path))
+
+
 def _name_the_path(error: OSError, tmp: Path, path: Path) -> None:
     """An error of an atomic write names the file the caller asked for, not its temporary: the temporary (or a
     file in it) becomes `path` (or that file in it); a write() on a full disk, which names no file, names `path`."""
-    if error.filename is None and error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if error.filename is None and error.errno in DISK_FULL:
         error.filename = str(path)
     elif isinstance(error.filename, str | os.PathLike) and Path(error.filename).is_relative_to(tmp):
         error.filename = str(path / Path(error.filename).relative_to(tmp))

@@ -186,8 +186,14 @@ def tokenizer_from_folder(folder: str | Path, name: str | None = None) -> Pretra
         with_specials = tokenizer.encode("a", add_special_tokens=True).ids
         add_bos = bos_id is not None and with_specials[:1] == [bos_id]
     template = settings.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    named = isinstance(template, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str)
+                                               for t in template)  # fmt: skip
+    if template is not None and not (isinstance(template, str) or named):
+        raise DataError(f"{folder / 'tokenizer_config.json'}: chat_template={json.dumps(template)[:60]} is neither a "
+                        'Jinja template string nor a list of {"name": ..., "template": "..."} objects (fix it, or '
+                        "remove the key to use the model without a chat template)")  # fmt: skip
+    if named:  # named templates: [{"name": ..., "template": ...}]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
     jinja = folder / "chat_template.jinja"
     if template is None and jinja.is_file():
         template = jinja.read_text(encoding="utf-8")

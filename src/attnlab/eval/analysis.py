@@ -27,8 +27,9 @@ from attnlab.attention.base import Attention, AttentionScores
 from attnlab.config import DataConfig
 from attnlab.data import prepare
 from attnlab.data.files import atomic_write_bytes
-from attnlab.errors import DataError, InputError
+from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.records import make_record
+from attnlab.paths import brief
 
 # ---- capture -------------------------------------------------------------------------------------------
 
@@ -262,10 +263,13 @@ def run_attention_maps(
     lists the layer's maps in that order. regions: name -> (start, end), in characters of the prompt
     (unit="chars") or tokens (unit="tokens"); each gets its mass per layer and head on the first map (see
     region_mass), and `<name>_mass` on each other map (diff, coda: `noise_mass`)."""
+    if unit not in ("chars", "tokens"):
+        raise ConfigError(f"unit={unit!r} must be chars or tokens (the regions' start and end are counted in it)")
     tokenizer = eval_model.tokenizer
     ids = tokenizer.encode(prompt)
     if not ids or len(ids) > eval_model.cfg.max_seq_len:
-        raise InputError(f"the prompt has {len(ids)} tokens: need 1..{eval_model.cfg.max_seq_len}")
+        raise InputError(f"prompt={brief(prompt)} has {len(ids)} tokens: give one of 1..{eval_model.cfg.max_seq_len} "
+                         "tokens (the model's max_seq_len)")  # fmt: skip
     maps = attention_maps(eval_model.model, torch.tensor(ids))
     names = list(maps.maps)
     rows = []

@@ -21,6 +21,8 @@ import hashlib
 import inspect
 import json
 import math
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ import yaml
 from attnlab.cache.codecs import KVPolicy
 from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import parse_yaml, read_yaml, yaml_problem
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, InputError
 from attnlab.eval.analysis import run_attention_maps, run_effective_rank
 from attnlab.eval.kvquant import run_kv_eval
 from attnlab.eval.loading import load_for_eval
@@ -160,6 +162,9 @@ def parameters(name: str) -> dict[str, Any]:
     return {k: p.default for k, p in list(signature.parameters.items())[3:]}
 
 
+CHOICES = {("attention_maps", "unit"): ("chars", "tokens")}  # parameters that take one of a few words
+
+
 def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
     problems = []
     for name, params in spec.items():
@@ -175,6 +180,9 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
                 problems.append(unknown_key_problem(str(key), list(parameters(name)), f"{where}.{name}."))
             else:
                 problem = parameter_problem(signature[key], value) or policy_problem(key, value)
+                choices = CHOICES.get((name, key))
+                if problem is None and choices and value not in choices:
+                    problem = f"is not one of {', '.join(choices)}"
                 if problem:
                     problems.append(f"{where}.{name}.{key}={brief(value)} {problem}")
         if name == "needle" and isinstance(params, dict):
@@ -286,6 +294,9 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         if not isinstance(checkpoints, list) or not all(isinstance(c, str) for c in checkpoints):
             problems.append("checkpoints must be a list of run or checkpoint folders (glob patterns allowed)")
             checkpoints = []
+        elif not checkpoints:
+            problems.append("checkpoints names no checkpoint: list the run or checkpoint folders to benchmark (glob "
+                            "patterns allowed, e.g. checkpoints: [runs/*/seed0])")  # fmt: skip
         for key in ("name", "data_dir"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 problems.append(f"{key}={brief(raw[key])} must be a string")
@@ -331,11 +342,23 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         resolved += [m for m in matches if Path(m).exists()]
     if problems:
         raise ConfigError(problems)
-    return BenchPlan(name, tuple(resolved), spec, data_dir)
+    # A checkpoint listed twice (or matched by two patterns) is benchmarked once: keyed by its real path.
+    unique: dict[str, str] = {}
+    for ref in resolved:
+        unique.setdefault(ref if ref.startswith("hf:") else os.path.realpath(ref), ref)
+    return BenchPlan(name, tuple(unique.values()), spec, data_dir)
 
 
 def _key(record: dict) -> tuple:
     return record.get("benchmark"), record.get("model_path"), json.dumps(record.get("params"), sort_keys=True)
+
+
+def named_parameters(benchmark: str, message: str, params: dict, model: str) -> str:
+    """A benchmark's error with its parameters named as in a manifest (`length=1` -> `benchmarks.stream_loss.length=1`),
+    or, when it names none, said to be the benchmark's."""
+    pattern = r"(?<![\w.])(" + "|".join(map(re.escape, sorted(params, key=len, reverse=True))) + r")(?==)"
+    named, count = re.subn(pattern, lambda m: f"benchmarks.{benchmark}.{m[1]}", message) if params else (message, 0)
+    return named if count else f"benchmarks.{benchmark} on {model}: {message}"
 
 
 def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
@@ -354,7 +377,10 @@ def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
                 log(f"{model.name} {name}: recorded already, skipped")
                 continue
             log(f"{model.name} {name} ...")
-            records = BENCHMARKS[name](model, out_dir, plan.data_dir, **params)
+            try:
+                records = BENCHMARKS[name](model, out_dir, plan.data_dir, **params)
+            except (ConfigError, InputError) as e:  # a parameter the benchmark refused once it ran: name it
+                raise type(e)(named_parameters(name, str(e), full, model.name)) from None
             for record in records:
                 record["params"] = full
                 record["benchmark"] = name  # the harness's name for it (e.g. rope_extrapolation)

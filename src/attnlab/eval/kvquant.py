@@ -74,6 +74,9 @@ def held_out_windows(eval_model, split: str, seq_len: int, max_tokens: int, data
     """(N, seq_len) non-overlapping windows of the checkpoint's own held-out split, or of `split` of `dataset`
     tokenized with the model's tokenizer (a pretrained model: e.g. wikitext2-raw)."""
     tokens = eval_tokens(eval_model, split, data_dir, dataset)[0]
+    if max_tokens < seq_len:  # the budget, not the split, is too small
+        raise InputError(f"max_tokens={max_tokens} is fewer than one window of {seq_len} tokens (seq_len {seq_len - 1} "
+                         f"inputs and the last target): give max_tokens >= {seq_len} or a smaller seq_len")  # fmt: skip
     n = min(max_tokens, len(tokens)) // seq_len
     if n < 1:
         raise DataError(f"split {split!r} has {len(tokens)} tokens, fewer than one window of seq_len={seq_len}")
@@ -117,6 +120,10 @@ def evaluate_policies(
     seq_len = windows.shape[1] - 1  # inputs per window (a window also holds its last target)
     full_bytes = kv_report(model.cfg, dtype, seq_len)
     prompts = windows[:greedy_prompts, : seq_len // 2]
+    if model.cfg.memory.kind == "none":  # the greedy continuation fits the context (else generate cuts it, warning)
+        greedy_tokens = min(greedy_tokens, model.cfg.max_seq_len - prompts.shape[1])
+    if greedy_tokens < 1:  # no room after the prompt: no greedy figure
+        greedy_prompts = 0
     if greedy_prompts:
         want = generate(model, prompts, max_new_tokens=greedy_tokens, compile=False)  # (B, N), full precision
     rows = []

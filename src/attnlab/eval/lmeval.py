@@ -429,6 +429,32 @@ def task_specs(manager: TaskManager, tasks: list[str], data_dir: str | Path | No
     return specs
 
 
+LOCAL_TASKS = "configs/lm_eval"  # attnlab's copies of lm-eval tasks over files of the data directory (`<task>_local`)
+
+
+def _offline_line(tasks: list[str], specs: list, manager: TaskManager, error: Exception) -> str:
+    """One line for tasks whose data `datasets` could not fetch from the Hugging Face Hub (no network, or
+    $HF_HUB_OFFLINE): the tasks and their datasets, and the local task to use instead."""
+    hub = []
+    for name, spec in zip(tasks, specs, strict=True):
+        if isinstance(spec, dict):
+            continue  # its data files are local
+        entry = manager.task_index[name]
+        dataset = load_yaml(entry.yaml_path, resolve_func=True).get("dataset_path") if entry.yaml_path else None
+        hub.append(f"{name!r}" + (f" (Hub dataset {dataset})" if dataset else ""))
+    folder = next((f for f in (Path(LOCAL_TASKS), Path(__file__).resolve().parents[3] / LOCAL_TASKS) if f.is_dir()),
+                  Path(LOCAL_TASKS))  # fmt: skip
+    local = [f"{name}_local" for name in tasks if (folder / f"{name}_local.yaml").is_file()]
+    hint = (
+        f"use the local copy: --include-path {folder} --tasks {','.join(local)} (its files in the data directory)"
+        if local
+        else "connect to the network, or give a task over local files with --include-path"
+    )
+    what = ", ".join(hub) or ", ".join(map(repr, tasks))
+    return (f"lm-eval task {what}: its data is on the Hugging Face Hub and could not be reached "
+            f"({' '.join(str(error).split())}); {hint}")  # fmt: skip
+
+
 def table(results: dict) -> str:
     """lm-eval's own markdown table of the results (and of the groups, when tasks were grouped)."""
     text = make_table(results)
@@ -510,6 +536,8 @@ def run_lm_eval(
                 model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=True,
                 bootstrap_iters=bootstrap_iters, batch_size=batch_size,
             )  # fmt: skip
+    except ConnectionError as e:  # a task whose data is on the Hugging Face Hub, offline: name it and the local task
+        raise DataError(_offline_line(tasks, specs, manager, e)) from None
     except Exception as e:  # a task's data files `datasets` could not load: one line naming them, not its traceback
         if type(e).__module__.split(".")[0] not in ("datasets", "pyarrow", "fsspec"):
             raise

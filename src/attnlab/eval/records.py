@@ -45,7 +45,30 @@ def records_target(path: str | Path) -> Path:
         what = "a folder" if target.is_dir() else "not a regular file (a device, fifo or socket)"
         via = f" (via the link {given})" if target != given.absolute() else ""
         raise InputError(f"{target}{via}: {what}: records are appended to a regular .jsonl file; give a file path")
+    if target.is_file():  # rows are appended only to records: never to a user's YAML, notes or a binary file
+        problem = _not_records(target)
+        if problem:
+            raise InputError(f"{given}: exists and is not a file of attnlab records ({problem}); records are "
+                             "appended only to a .jsonl file of records: give a new file or a records one")  # fmt: skip
     return target
+
+
+def _not_records(path: Path) -> str | None:
+    """Why an existing file is not one records are appended to (one JSON object per line), or None."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
+            return f"line {number} is not a JSON object"
+    return None
 
 
 def records_folder(folder: str | Path, *names: str, flag: str = "--out") -> list[Path]:

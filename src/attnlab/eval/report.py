@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from attnlab.compare import plot_val_loss
+from attnlab.data.files import atomic_write_text
 from attnlab.errors import DataError
 from attnlab.eval.plots import rank_spectra, region_mass_bars
 from attnlab.eval.records import read_records
@@ -304,6 +305,102 @@ def loss_curves(records: list[dict], path: Path) -> Path | None:
     return plot_val_loss(runs, path) if runs else None
 
 
+# ----------------------------------------------------------------------------- the fields read
+
+# The fields the tables and plots read, by benchmark: field -> (kind, when it must be present). "always": in every
+# record of the benchmark; "ok": in those whose status is ok; None: optional (checked when present and not null).
+# A record whose fields do not fit is refused with its number rather than drawn wrong or crashing the report.
+NUM, INT, STR, PAIR, NUMS, PAIRS, DICT = "a number", "an integer", "a string", "a pair of numbers", \
+    "a list of numbers", "a list of number pairs", "an object"  # fmt: skip
+FIELDS: dict[str, dict[str, tuple[str, str | None]]] = {
+    "perplexity": {"kind": (STR, "always"), "split": (STR, "always"), "tokens": (INT, "always"),
+                   "loss": (NUM, "always"), "loss_ci": (PAIR, "always"), "ppl": (NUM, "always"),
+                   "ppl_ci": (PAIR, "always")},
+    "memory": {"kind": (STR, "always"), "length": (INT, "always"), "kv_bytes": (NUM, "ok"),
+               "batch_size": (INT, None), "kv_bytes_analytic": (NUM, None), "peak_rss_bytes": (NUM, None)},
+    "latency": {"kind": (STR, "ok"), "prompt_length": (INT, "ok"), "batch_size": (INT, "ok"),
+                "decode_tokens_per_s_median": (NUM, "ok"), "decode_tokens_per_s_min": (NUM, "ok"),
+                "decode_tokens_per_s_max": (NUM, "ok"), "ttft_ms_median": (NUM, "ok")},
+    "multiple_choice": {"task": (STR, "always"), "n": (INT, "always"), "acc": (NUM, "always"),
+                        "acc_stderr": (NUM, None), "acc_norm": (NUM, None), "acc_norm_stderr": (NUM, None)},
+    "needle": {"length": (INT, None), "depth": (NUM, None), "accuracy": (NUM, None), "gain_mean": (NUM, None),
+               "gain_sem": (NUM, None)},
+    "rope_extrapolation": {"factor": (NUM, None), "length": (INT, None), "loss": (NUM, None), "ppl": (NUM, None)},
+    "context_sweep": {"length": (INT, None), "prefill_ms": (NUM, None), "last_chunk_ms": (NUM, None),
+                      "decode_ms_per_token": (NUM, None), "last_chunk_loss": (NUM, None)},
+    "stream_loss": {"memory_slots": (INT, None), "length": (INT, None), "streams": (INT, None), "ppl": (NUM, None),
+                    "bucket": (NUM, None), "positions": (NUMS, None), "bucket_loss": (NUMS, None),
+                    "bucket_ci": (PAIRS, None)},
+    "effective_rank": {"layers": (list, "always")},
+    "attention_maps": {"regions": (list, None)},
+}  # fmt: skip
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fits(value, kind) -> bool:
+    if kind is list:
+        return isinstance(value, list)
+    if kind == NUM:
+        return _number(value)
+    if kind == INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == STR:
+        return isinstance(value, str)
+    if kind == DICT:
+        return isinstance(value, dict)
+    if kind == PAIR:
+        return isinstance(value, list) and len(value) == 2 and all(_number(v) for v in value)
+    if kind == NUMS:
+        return isinstance(value, list) and all(_number(v) for v in value)
+    return isinstance(value, list) and all(_fits(v, PAIR) for v in value)  # PAIRS
+
+
+def _probes_problem(record: dict) -> str | None:
+    if record.get("record") != "summary":
+        return None
+    counts = (INT, "always")
+    tally = {"correct": counts, "total": counts, "accuracy": (NUM, "always")}
+    categories = record.get("categories")
+    if not isinstance(categories, dict) or not all(isinstance(c, dict) for c in categories.values()):
+        return "field 'categories' is missing or not an object of per-category counts"
+    for where, counts_of in [("overall", record.get("overall")), *((f"categories.{c}", v) for c, v in
+                                                                    categories.items())]:  # fmt: skip
+        if not isinstance(counts_of, dict):
+            return f"field '{where}' is missing or not an object"
+        for key, (kind, _) in tally.items():
+            if not _fits(counts_of.get(key), kind):
+                return f"field '{where}.{key}' is {_shown(counts_of.get(key))}, not {kind}"
+    return None
+
+
+def _shown(value) -> str:
+    return "missing" if value is None else f"{json.dumps(value)[:40]}"
+
+
+def record_problem(record: dict) -> str | None:
+    """What is wrong with a record's fields that the report reads (see FIELDS), or None."""
+    if record["benchmark"] == "probes":
+        return _probes_problem(record)
+    ok = record.get("status", "ok") == "ok"
+    for field, (kind, required) in FIELDS.get(record["benchmark"], {}).items():
+        value = record.get(field)
+        if value is None and (required is None or (required == "ok" and not ok)):
+            continue
+        if not _fits(value, kind):
+            what = "a list" if kind is list else kind
+            return f"field '{field}' is {_shown(value)}, not {what}"
+    if record["benchmark"] == "stream_loss" and record.get("bucket_loss") and ok:
+        lengths = {f: len(record.get(f) or []) for f in ("positions", "bucket_loss", "bucket_ci")}
+        if len(set(lengths.values())) > 1 or not _number(record.get("bucket")):
+            return ("fields 'positions', 'bucket_loss' and 'bucket_ci' must have one entry per bucket and 'bucket' "
+                    f"must be a number (lengths {lengths['positions']}, {lengths['bucket_loss']}, "
+                    f"{lengths['bucket_ci']})")  # fmt: skip
+    return None
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -320,6 +417,11 @@ def build_report(out_dir: str | Path) -> dict:
         if not isinstance(record.get("benchmark"), str) or not isinstance(record.get("model"), str):
             raise DataError(f"{records_path}: record {number} names no benchmark or model (the file was changed); "
                             "remove that line, or run the benchmark again")  # fmt: skip
+        problem = record_problem(record)
+        if problem:
+            which = f"record {number} ({record['benchmark']}, {record['model']})"
+            raise DataError(f"{records_path}: {which}: {problem} (the file was changed); repair or remove that line, "
+                            "or run the benchmark again")  # fmt: skip
     tables = [t for t in (perplexity_table(records), memory_table(records), latency_table(records),
                           multiple_choice_table(records), needle_table(records), sweep_table(records),
                           extrapolation_table(records), stream_loss_table(records)) if t]  # fmt: skip
@@ -327,35 +429,22 @@ def build_report(out_dir: str | Path) -> dict:
     (out_dir / "tables").mkdir(exist_ok=True)
     for t in tables:
         for suffix, text in ((".md", t.markdown()), (".csv", t.csv()), (".tex", t.latex())):
-            (out_dir / "tables" / f"{t.name}{suffix}").write_text(text)
-    plots = {
-        "Validation loss during training": loss_curves(records, out_dir / "loss_curves.png"),
-        "Quality against efficiency": pareto_plot(records, out_dir / "pareto.png"),
-        "Decode speed against prompt length": lines_plot(
-            records,
-            "latency",
-            "prompt_length",
-            "decode_tokens_per_s_median",
-            "prompt tokens",
-            "decode tokens/s",
-            out_dir / "latency.png",
-        ),  # fmt: skip
-        "KV memory against context length": lines_plot(
-            records, "memory", "length", "kv_bytes", "tokens", "KV bytes (measured)", out_dir / "memory.png"
-        ),  # fmt: skip
-        "Decode cost at context": lines_plot(
-            records,
-            "context_sweep",
-            "length",
-            "decode_ms_per_token",
-            "tokens",
-            "decode ms/token",
-            out_dir / "context_sweep.png",
-        ),  # fmt: skip
-        "Probe accuracy by category": probe_bars(records, out_dir / "probes.png"),
-        "Loss by position over long streams": stream_loss_plot(records, out_dir / "stream_loss.png"),
-    }
-    plots.update(_analysis_plots(records, out_dir))
+            atomic_write_text(out_dir / "tables" / f"{t.name}{suffix}", text)
+    drawings = {  # title: (file name, draw(path))
+        "Validation loss during training": ("loss_curves.png", lambda path: loss_curves(records, path)),
+        "Quality against efficiency": ("pareto.png", lambda path: pareto_plot(records, path)),
+        "Decode speed against prompt length": ("latency.png", lambda path: lines_plot(
+            records, "latency", "prompt_length", "decode_tokens_per_s_median", "prompt tokens", "decode tokens/s",
+            path)),
+        "KV memory against context length": ("memory.png", lambda path: lines_plot(
+            records, "memory", "length", "kv_bytes", "tokens", "KV bytes (measured)", path)),
+        "Decode cost at context": ("context_sweep.png", lambda path: lines_plot(
+            records, "context_sweep", "length", "decode_ms_per_token", "tokens", "decode ms/token", path)),
+        "Probe accuracy by category": ("probes.png", lambda path: probe_bars(records, path)),
+        "Loss by position over long streams": ("stream_loss.png", lambda path: stream_loss_plot(records, path)),
+    }  # fmt: skip
+    drawings.update(_analysis_plots(records, out_dir))
+    plots = {title: _drawn(out_dir / name, draw) for title, (name, draw) in drawings.items()}
     plots = {title: p for title, p in plots.items() if p}
     models = list(dict.fromkeys(r["model"] for r in records if "model" in r))
     parts = [f"# Evaluation report: {out_dir.name}", "",
@@ -365,8 +454,8 @@ def build_report(out_dir: str | Path) -> dict:
     for title, p in plots.items():
         parts += [f"## {title}", "", f"![{title}]({Path(p).name})", ""]
     markdown = "\n".join(parts)
-    (out_dir / "report.md").write_text(markdown)
-    (out_dir / "report.html").write_text(to_html(markdown, out_dir))
+    atomic_write_text(out_dir / "report.md", markdown)
+    atomic_write_text(out_dir / "report.html", to_html(markdown, out_dir))
     return {"markdown": out_dir / "report.md", "html": out_dir / "report.html", "tables": [t.name for t in tables],
             "plots": [str(p) for p in plots.values()]}  # fmt: skip
 
@@ -375,11 +464,23 @@ def _analysis_plots(records: list[dict], out_dir: Path) -> dict:
     out = {}
     ranks = [r for r in records if r["benchmark"] == "effective_rank"]
     if ranks:
-        out["Effective rank of the Q/K projections"] = rank_spectra(ranks, out_dir / "rank_spectra.png")
+        out["Effective rank of the Q/K projections"] = ("rank_spectra.png", lambda path: rank_spectra(ranks, path))
     maps = [r for r in records if r["benchmark"] == "attention_maps"]
     if maps:
-        out["Attention mass on marked regions"] = region_mass_bars(maps, out_dir / "region_mass.png")
+        out["Attention mass on marked regions"] = ("region_mass.png", lambda path: region_mass_bars(maps, path))
     return out
+
+
+def _drawn(path: Path, draw) -> Path | None:
+    """draw(path) (a plot function writing a PNG at path, or nothing): its result. A write that fails (a full
+    disk, a file size limit) leaves no half-written PNG and names the file, which the image library does not."""
+    try:
+        return draw(path)
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        if e.filename is None:
+            e.filename = str(path)
+        raise
 
 
 def to_html(markdown: str, base: Path) -> str:

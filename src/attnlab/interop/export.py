@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from attnlab.data.files import atomic_write_text, temp_path_beside
+from attnlab.data.files import as_os_error, atomic_write_text, temp_path_beside
 from attnlab.data.pretrained import PretrainedTokenizer
 from attnlab.data.tokenizers import (
     EOS,
@@ -268,7 +269,10 @@ def write_weights(
     for file, shard in zip(names, shards, strict=True):
         # Copies: safetensors stores no views (q, k, v are slices of one fused weight) and wants contiguous memory.
         copies = {name: tensors[name].detach().to(dtype=dtype, copy=True).contiguous() for name in shard}
-        save_file(copies, str(folder / file), metadata={"format": "pt"})
+        try:
+            save_file(copies, str(folder / file), metadata={"format": "pt"})
+        except SafetensorError as e:  # a full disk or a file size limit: the OSError it wraps, naming the file
+            raise as_os_error(e, folder / file) or e from None
         os.chmod(folder / file, 0o666 & ~umask)  # safetensors creates its files owner-only; the folder's others not
     if len(shards) == 1:
         return names
@@ -489,6 +493,10 @@ def export_hf(
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
             files += ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
         replace_folder(tmp, out_dir)
+    except OSError as e:  # a file of the temporary folder is named as the file of out_dir it would have become
+        if isinstance(e.filename, str) and Path(e.filename).is_relative_to(tmp):
+            e.filename = str(out_dir / Path(e.filename).relative_to(tmp))
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

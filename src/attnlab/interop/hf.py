@@ -127,6 +127,30 @@ def attention_window(hf: dict, arch: str) -> tuple[int | None, list[str]]:
     return None, []
 
 
+# The config.json fields attnlab reads, by JSON type: a string "false" is not a boolean, "1e-5" not a number.
+INTEGER_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "max_position_embeddings", "intermediate_size", "sliding_window",
+                "max_window_layers")  # fmt: skip
+NUMBER_KEYS = ("rms_norm_eps", "rope_theta")
+BOOLEAN_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+
+
+def field_type_problems(hf: dict) -> list[str]:
+    """One problem per config.json field attnlab reads whose JSON type is wrong (a null is an absent field)."""
+    problems = []
+    kinds = [(INTEGER_KEYS, "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+             (NUMBER_KEYS, "a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+             (BOOLEAN_KEYS, "true or false", lambda v: isinstance(v, bool))]  # fmt: skip
+    for keys, what, fits in kinds:
+        for key in keys:
+            if hf.get(key) is not None and not fits(hf[key]):
+                quoted = " (a JSON string: write the value without quotes)" if isinstance(hf[key], str) else ""
+                problems.append(f"{key}={json.dumps(hf[key])} must be {what}{quoted}")
+    if hf.get("hidden_act") is not None and not isinstance(hf["hidden_act"], str):
+        problems.append(f"hidden_act={json.dumps(hf['hidden_act'])} must be a string")
+    return problems
+
+
 def config_from_hf(hf: dict, source: str = "config.json", name: str | None = None) -> ModelConfig:
     """ModelConfig of a Hugging Face config.json (as a dict) for LlamaForCausalLM, MistralForCausalLM or
     Qwen2ForCausalLM.
@@ -138,6 +162,9 @@ def config_from_hf(hf: dict, source: str = "config.json", name: str | None = Non
     arch = architecture_of(hf, source)
     hf = {**DEFAULTS[arch], **{k: v for k, v in hf.items() if v is not None}}
     problems = [f"{key} is missing" for key in REQUIRED_KEYS if key not in hf]
+    problems += field_type_problems(hf)
+    if problems:  # the checks below read these fields
+        raise ConfigError(problems, source=source)
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} is not supported (only SwiGLU with silu)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):

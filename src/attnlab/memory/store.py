@@ -18,13 +18,14 @@ import json
 import os
 import sqlite3
 import uuid
+import warnings
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from attnlab.errors import DataError, InputError
+from attnlab.errors import DataError, InputError, LengthWarning
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
 from attnlab.memory.state import load_state, require_memory, save_state
@@ -99,6 +100,9 @@ class MemoryStore:
             return f"cannot be opened ({error}): check the permissions of {self.root} and its index, {elsewhere}"
         if code.startswith("SQLITE_FULL"):
             return f"no space left on the device ({error}): free some space, {elsewhere}"
+        if code in ("SQLITE_IOERR_WRITE", "SQLITE_IOERR_FSYNC", "SQLITE_IOERR_TRUNCATE", "SQLITE_IOERR_DIR_FSYNC"):
+            return (f"could not be written ({error}, {code}): the disk is full or a file size limit is reached (see "
+                    f"`ulimit -f`); free some space or raise the limit, {elsewhere}")  # fmt: skip
         return (f"not a readable memory index ({error}): it was damaged or replaced; restore it from a copy, or move "
                 f"{self.root} away to start an empty store")  # fmt: skip
 
@@ -212,16 +216,30 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
     return entry
 
 
+MAX_ANSWER_TOKENS = 65_536  # new tokens of one query at most (a memory model is not bounded by its context)
+
+
 def query(store: MemoryStore, name: str, prompt: str, model_path: str | Path | None = None,
           data_dir: str | None = None, **generate_kwargs) -> str:  # fmt: skip
     """The model's continuation of `prompt` read after the memory `name` (a copy of it: the store is only
     read). model_path: the model to use instead of the one recorded at ingestion (same config required)."""
     entry = store.get(name)
+    if not store.path(entry).exists():
+        raise StoreError(f"{store.path(entry)}: the state file of memory {name!r} is missing (deleted or moved): "
+                         f"re-ingest the documents (attnlab memory ingest MODEL DOCS --name {name} --replace), or "
+                         f"remove the entry (attnlab memory rm {name})")  # fmt: skip
     loaded = _load_model(model_path or entry.model_path, data_dir)
     cache, header = load_state(store.path(entry), loaded.model)
     if header["sha256"] != entry.state_sha256:
         raise StoreError(f"{store.path(entry)}: not the state the index registered for {name!r} (checksum "
                          f"{header['sha256'][:12]}, index {entry.state_sha256[:12]}); re-ingest it")  # fmt: skip
     ids = loaded.tokenizer.encode(prompt)
+    asked = generate_kwargs.get("max_new_tokens")
+    if isinstance(asked, int) and asked > MAX_ANSWER_TOKENS:
+        # The memory reads past max_seq_len, so no context bounds an answer; a typo of a few digits would decode
+        # for days. Said on stderr, as generate says a request it cuts to the context.
+        warnings.warn(f"max_new_tokens={asked:,} is more than one answer may hold ({MAX_ANSWER_TOKENS:,} tokens): "
+                      f"generating at most {MAX_ANSWER_TOKENS:,}", LengthWarning, stacklevel=2)  # fmt: skip
+        generate_kwargs["max_new_tokens"] = MAX_ANSWER_TOKENS
     out = generate(loaded.model, torch.tensor(ids, device=loaded.device), cache=cache, **generate_kwargs)
     return loaded.tokenizer.decode(out.tolist())

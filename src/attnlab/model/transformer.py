@@ -67,17 +67,20 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None, policy=None) -> ModelCache:
         """An empty cache for `batch` sequences of up to max_len (default max_seq_len) tokens; with
-        cfg.memory a bounded memory per layer, whose size does not depend on max_len.
+        cfg.memory a bounded memory per layer, whose size does not depend on the length past its recent window:
+        given a max_len below it, the window is cut to max_len slots (the cache then takes max_len tokens at
+        most); max_len None reads a stream of any length.
 
         policy (a KVPolicy or a string such as "k=q8_0,v=q4_0,resid=128") stores the cached fields
         quantized (attnlab.cache.quantized, or a memory's slots in those formats); None keeps them in `dtype`
         (default: the model's)."""
-        max_len = self.cfg.max_seq_len if max_len is None else max_len
-        if max_len < 1:
+        memory = self.cfg.memory
+        if max_len is None and memory.kind == "none":
+            max_len = self.cfg.max_seq_len
+        if max_len is not None and max_len < 1:
             raise InputError(f"a cache of max_len={max_len} holds nothing (give at least 1 token)")
         dtype = dtype or self.embed.weight.dtype
         device = device or self.embed.weight.device
-        memory = self.cfg.memory
         return ModelCache([b.attn.new_cache(batch, max_len, dtype, device, policy, memory) for b in self.blocks])
 
     def forward(

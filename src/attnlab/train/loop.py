@@ -83,6 +83,9 @@ def _config_differences(saved: dict, current: dict, prefix: str = "", saved_as: 
 
 
 TRAINER_STATE = {"step": int, "tokens": int, "best_val_loss": float | None, "train_seconds": float, "sampler.step": int}
+# The sum of the losses and the number of steps since the last metrics row, so that the first row after a resume
+# is the mean over the same steps as without the interruption.
+WINDOW_STATE = {"window_loss": float, "window_steps": int}
 
 
 def resumed_state(checkpoint, sampler: BatchSampler) -> dict:
@@ -103,7 +106,16 @@ def resumed_state(checkpoint, sampler: BatchSampler) -> dict:
         sampler.load_state_dict(saved)
     except InputError as e:
         raise CheckpointError(f"{checkpoint.path / 'trainer.json'}: {e}; {fix}") from None
-    return {key: values[key] for key in TRAINER_STATE if "." not in key}
+    resumed = {key: values[key] for key in TRAINER_STATE if "." not in key}
+    # The loss of the steps since the last metrics row (older checkpoints have none: the row then averages fewer).
+    window = {key: trainer.get(key, kind()) for key, kind in WINDOW_STATE.items()}
+    for key, kind in WINDOW_STATE.items():
+        problem = value_problem(window[key], kind, key)
+        if problem is None and window[key] < 0:
+            problem = f"{key}={window[key]!r} must be >= 0"
+        if problem:
+            raise CheckpointError(f"{checkpoint.path / 'trainer.json'}: {problem} (the file was changed); {fix}")
+    return resumed | window
 
 
 def train(
@@ -152,7 +164,7 @@ def train(
         prepared.split("train"), train_cfg.seq_len, train_cfg.batch_size // dist_info.world_size, train_cfg.seed,
         rank=dist_info.rank, world_size=dist_info.world_size,
     )  # fmt: skip
-    state = {"step": 0, "tokens": 0, "best_val_loss": None, "train_seconds": 0.0}
+    state = {"step": 0, "tokens": 0, "best_val_loss": None, "train_seconds": 0.0, "window_loss": 0.0, "window_steps": 0}
     checkpoint = find_checkpoint(run_dir) if resume else None
     if checkpoint is not None:
         differences = _config_differences(checkpoint.config, config)
@@ -213,7 +225,7 @@ def train(
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * train_cfg.seq_len
     bar = log.progress_bar(train_cfg.steps, state["step"], progress)
     model.train()
-    window_loss, window_start, window_steps = 0.0, time.perf_counter(), 0
+    window_start, resumed_steps = time.perf_counter(), state["window_steps"]  # steps of the row timed before
     while state["step"] < train_cfg.steps:
         step = state["step"]
         lr = lr_at(step, train_cfg)
@@ -243,18 +255,19 @@ def train(
         if not math.isfinite(loss_value):
             raise DivergedError(f"{run_dir}: the loss became {loss_value} at step {step} (lower train.lr, set "
                                 "train.grad_clip or a smaller model.init_std)")  # fmt: skip
-        window_loss += loss_value
-        window_steps += 1
+        state["window_loss"] += loss_value
+        state["window_steps"] += 1
         if state["step"] % train_cfg.log_every == 0 or state["step"] == train_cfg.steps:
             elapsed = time.perf_counter() - window_start
             state["train_seconds"] += elapsed
+            timed = state["window_steps"] - resumed_steps  # the steps this process ran and timed
             row = {
-                "step": state["step"], "tokens": state["tokens"], "loss": window_loss / window_steps, "lr": lr,
-                "grad_norm": float(grad_norm), "tok_per_s": window_steps * tokens_per_step / max(elapsed, 1e-9),
+                "step": state["step"], "tokens": state["tokens"], "loss": state["window_loss"] / state["window_steps"],
+                "lr": lr, "grad_norm": float(grad_norm), "tok_per_s": timed * tokens_per_step / max(elapsed, 1e-9),
             }  # fmt: skip
             log.write(row)
-            log.advance(bar, window_steps, row)
-            window_loss, window_steps = 0.0, 0
+            log.advance(bar, timed, row)
+            state["window_loss"], state["window_steps"], resumed_steps = 0.0, 0, 0
             window_start = time.perf_counter()
         is_last = state["step"] == train_cfg.steps
         if state["step"] % train_cfg.eval_every == 0 or is_last:
