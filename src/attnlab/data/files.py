@@ -199,6 +199,15 @@ def read_json_lines(path: str | Path, fix: str = "") -> list[dict]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (offset {e.start}){'; ' + fix if fix else ''}") from None
+    rows = json_objects(lines)
+    if isinstance(rows, int):
+        raise DataError(f"{path}: line {rows} is not a JSON object (the file was damaged); repair or remove "
+                        f"that line{'; ' + fix if fix else ''}")  # fmt: skip
+    return rows
+
+
+def json_objects(lines: list[str]) -> list[dict] | int:
+    """The JSON object on each non-blank line, or the (1-based) number of the first line that holds none."""
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -208,7 +217,6 @@ def read_json_lines(path: str | Path, fix: str = "") -> list[dict]:
         except json.JSONDecodeError:
             row = None
         if not isinstance(row, dict):
-            raise DataError(f"{path}: line {number} is not a JSON object (the file was damaged); repair or remove "
-                            f"that line{'; ' + fix if fix else ''}")  # fmt: skip
+            return number
         rows.append(row)
     return rows

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import attnlab
-from attnlab.data.files import atomic_write_text, read_json_lines
+from attnlab.data.files import atomic_write_text, json_objects, read_json_lines
 from attnlab.errors import InputError
 
 
@@ -59,16 +59,8 @@ def _not_records(path: Path) -> str | None:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         return "not UTF-8 text"
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            row = None
-        if not isinstance(row, dict):
-            return f"line {number} is not a JSON object"
-    return None
+    rows = json_objects(text.splitlines())
+    return f"line {rows} is not a JSON object" if isinstance(rows, int) else None
 
 
 def records_folder(folder: str | Path, *names: str, flag: str = "--out") -> list[Path]:
