@@ -73,10 +73,16 @@ def fails(capsys, argv, *fragments) -> str:
     from attnlab.cli import main
 
     assert main(argv) == 2
+    return error_line(capsys, argv[0], *fragments)
+
+
+def error_line(capsys, command: str, *fragments) -> str:
+    """The one stderr line `attnlab <command>: error: ...` a refused command printed, holding every fragment and no
+    traceback (for a command run some other way than fails())."""
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"attnlab {argv[0]}: error: "), lines
+    assert len(lines) == 1 and lines[0].startswith(f"attnlab {command}: error: "), lines
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     return lines[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import fails
+from helpers import error_line, fails
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -197,19 +197,10 @@ def run_limited(limit, size, argv):
         limit(None)  # pytest's own files are written past it
 
 
-def one_error_line(capsys, command, *fragments):
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"attnlab {command}: error: "), lines
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
 def test_an_export_past_a_file_size_limit_names_the_file(plain_run, tmp_path, capsys, file_size_limit):
     out = tmp_path / "hf"
     assert run_limited(file_size_limit, 20_000, ["export", str(plain_run), "--hf", str(out)]) == 2
-    one_error_line(capsys, "export", f"{out}/model.safetensors", "file too large", "ulimit -f")
+    error_line(capsys, "export", f"{out}/model.safetensors", "file too large", "ulimit -f")
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
 
 
@@ -219,7 +210,7 @@ def test_a_memory_ingest_past_a_file_size_limit_names_the_file(memory_run, tmp_p
     store.mkdir()
     argv = ["memory", "ingest", str(memory_run), str(doc), "--name", "m", "--store", str(store)]
     assert run_limited(file_size_limit, 2_000, argv) == 2  # the index cannot grow
-    one_error_line(capsys, "memory", "index.sqlite", "file size limit", "ulimit -f")
+    error_line(capsys, "memory", "index.sqlite", "file size limit", "ulimit -f")
     from attnlab.cli import main
 
     assert main(argv) == 0  # the store is intact, and its index holds the state
@@ -228,7 +219,7 @@ def test_a_memory_ingest_past_a_file_size_limit_names_the_file(memory_run, tmp_p
     assert state.stat().st_size > 3_000
     argv[argv.index("m")] = "m2"
     assert run_limited(file_size_limit, 3_000, argv) == 2  # the state file cannot be written
-    one_error_line(capsys, "memory", "file too large")
+    error_line(capsys, "memory", "file too large")
     assert not any(p.name.endswith(".tmp") for p in store.rglob("*"))
 
 
@@ -236,7 +227,7 @@ def test_a_report_past_a_file_size_limit_names_the_plot(tmp_path, capsys, file_s
     folder = write_records(tmp_path / "r", {**STREAM, "positions": list(range(0, 400, 4)),
                                            "bucket_loss": [4.0] * 100, "bucket_ci": [[3.9, 4.1]] * 100})  # fmt: skip
     assert run_limited(file_size_limit, 3_000, ["report", folder]) == 2
-    one_error_line(capsys, "report", "stream_loss.png", "file too large")
+    error_line(capsys, "report", "stream_loss.png", "file too large")
     assert not (tmp_path / "r" / "stream_loss.png").exists() and not (tmp_path / "r" / "report.md").exists()
 
 
@@ -251,7 +242,7 @@ def test_data_preparation_past_a_file_size_limit_names_the_file(tmp_path, capsys
     )
     argv = ["run", str(manifest), "--out", str(tmp_path / "runs"), "--no-progress"]
     assert run_limited(file_size_limit, 30_000, argv) == 2
-    one_error_line(capsys, "run", ".bin", "file too large")
+    error_line(capsys, "run", ".bin", "file too large")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.name.endswith(".tmp")]
 
 

@@ -144,9 +144,7 @@ def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> 
         except (DataError, ConfigError) as e:
             problems.append(f"targets.{spec.target}.init_from: {_one_line(e)}")
             continue
-        first = firsts.get(spec.source["target"])
-        if first is None:  # continues a target that was not selected: its conversion is made by its own runs
-            first = next(s for s in all_runs if s.target == spec.source["target"])
+        first = firsts[spec.source["target"]]  # (all_runs: the converted target, selected or not)
         if spec is not first and changes(spec)[0] != changes(first)[0]:
             problems.append(
                 f"{where}.model.attention: {first.target}'s conversion fixes the attention (a later phase, or a "
