@@ -295,7 +295,14 @@ def cmd_memory_query(args) -> int:
 
 
 def cmd_report(args) -> int:
-    result = build_report(args.dir)
+    pairs = []
+    for pair in args.paired:
+        a, sep, b = pair.partition(":")
+        if not sep or not a or not b:
+            raise InputError(f"--paired {pair!r}: give two model labels as A:B (e.g. --paired gqa_bounded/seed0:"
+                             "gqa_unbounded/seed0), A minus B")  # fmt: skip
+        pairs.append((a, b))
+    result = build_report(args.dir, pairs)
     counts = f"{len(result['tables'])} tables, {len(result['plots'])} plots"
     print(f"report: {result['markdown']}  {result['html']}  ({counts})")
     return 0
@@ -359,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("report", help="tables, plots, report.md and report.html from a bench folder's records")
     p.add_argument("dir", help="the folder `attnlab bench` wrote (holds records.jsonl)")
+    p.add_argument("--paired", action="append", default=[], metavar="A:B",
+                   help="model labels A:B: perplexity of A minus B on the same windows, paired interval")  # fmt: skip
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes of a model config or reference")
     p.add_argument("config", help="a model config (.yaml) or a model reference: " + REFERENCE_HELP)

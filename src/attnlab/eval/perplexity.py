@@ -20,6 +20,7 @@ from attnlab.data import prepare
 from attnlab.data.sources import open_source
 from attnlab.errors import DataError, InputError
 from attnlab.eval.records import make_record
+from attnlab.eval.stats import bootstrap_ci
 
 
 @torch.no_grad()
@@ -64,7 +65,38 @@ def summarize_losses(windows: list[tuple[float, int]], n_boot: int = 2000, seed:
     return {
         "loss": float(loss), "ppl": math.exp(loss), "tokens": int(counts.sum()), "windows": len(windows),
         "loss_ci": [float(low), float(high)], "ppl_ci": [math.exp(low), math.exp(high)], "ci_level": level,
+        "window_loss": sums.tolist(), "window_tokens": counts.astype(int).tolist(),  # for paired comparisons
     }  # fmt: skip
+
+
+def paired_difference(a: dict, b: dict, n_boot: int = 10000, seed: int = 0, level: float = 0.95) -> dict:
+    """Loss (and perplexity) of record a minus record b, scored on the same windows of the same tokens, with a
+    paired percentile-bootstrap interval: windows are resampled with the same indices for both, so what the
+    windows share (their text) cancels. Records from `summarize_losses` (window_loss, window_tokens)."""
+    for name, record in (("a", a), ("b", b)):
+        if not isinstance(record.get("window_loss"), list) or not isinstance(record.get("window_tokens"), list):
+            raise InputError(f"record {name} ({record.get('model')}) holds no per-window losses: run its "
+                             "benchmark again with this version to compare it window by window")  # fmt: skip
+    if a["window_tokens"] != b["window_tokens"]:
+        raise InputError(f"{a.get('model')} and {b.get('model')} were not scored on the same windows "
+                         f"({len(a['window_tokens'])} and {len(b['window_tokens'])} windows): use the same "
+                         "dataset, seq_len, stride and max_tokens")  # fmt: skip
+    counts = torch.tensor(a["window_tokens"], dtype=torch.float64)
+    sums_a, sums_b = (torch.tensor(r["window_loss"], dtype=torch.float64) for r in (a, b))
+
+    def stat(exp: bool):  # resampled (n_boot, W) sums of a and b and their windows' counts -> (n_boot,)
+        def difference(x, y, c):
+            loss_x, loss_y = x.sum(dim=1) / c.sum(dim=1), y.sum(dim=1) / c.sum(dim=1)
+            return loss_x.exp() - loss_y.exp() if exp else loss_x - loss_y
+
+        return difference
+
+    dloss = bootstrap_ci(sums_a, sums_b, counts, stat=stat(False), n=n_boot, seed=seed, level=level)
+    dppl = bootstrap_ci(sums_a, sums_b, counts, stat=stat(True), n=n_boot, seed=seed, level=level)
+    loss_a, loss_b = float(sums_a.sum() / counts.sum()), float(sums_b.sum() / counts.sum())
+    return {"dloss": loss_a - loss_b, "dloss_ci": list(dloss), "dppl": math.exp(loss_a) - math.exp(loss_b),
+            "dppl_ci": list(dppl), "ppl_a": math.exp(loss_a), "ppl_b": math.exp(loss_b), "windows": len(counts),
+            "tokens": int(counts.sum()), "ci_level": level}  # fmt: skip
 
 
 def heldout_split(eval_model, split: str, data_dir: str | None = None) -> np.ndarray:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from attnlab.compare import plot_val_loss
 from attnlab.data.files import atomic_write_text
-from attnlab.errors import DataError
+from attnlab.errors import DataError, InputError
+from attnlab.eval.perplexity import paired_difference
 from attnlab.eval.plots import rank_spectra, region_mass_bars
 from attnlab.eval.records import read_records
 from attnlab.eval.stats import paired_comparison
@@ -81,6 +82,34 @@ def perplexity_table(records: list[dict]) -> Table | None:
              r["ppl"], "{:.2f} to {:.2f}".format(*r["ppl_ci"])] for r in rows]  # fmt: skip
     return Table("perplexity", "Held-out perplexity", ["model", "kind", "split", "tokens", "loss", "loss 95% CI",
                  "ppl", "ppl 95% CI"], body, "Intervals: percentile bootstrap over windows.")  # fmt: skip
+
+
+def paired_table(records: list[dict], pairs: list[tuple[str, str]]) -> Table | None:
+    """Loss and perplexity of model a minus model b, per (a, b) in pairs, for every perplexity or extrapolation
+    setting both were scored at on the same windows, with a paired bootstrap interval over windows."""
+    body = []
+    for a, b in pairs:
+        for benchmark in ("perplexity", "rope_extrapolation"):
+            scored = {m: {_setting(r): r for r in _ok(records) if r["benchmark"] == benchmark and r["model"] == m}
+                      for m in (a, b)}  # fmt: skip
+            for setting, record_a in scored[a].items():
+                if setting in scored[b] and record_a.get("window_loss") and scored[b][setting].get("window_loss"):
+                    d = paired_difference(record_a, scored[b][setting])
+                    body.append([a, b, benchmark, record_a.get("seq_len"), d["tokens"], d["ppl_a"], d["ppl_b"],
+                                 d["dppl"], "{:.3f} to {:.3f}".format(*d["dppl_ci"]), d["dloss"],
+                                 "{:.4f} to {:.4f}".format(*d["dloss_ci"])])  # fmt: skip
+    if not body:
+        return None
+    return Table("paired", "Paired differences (a minus b, same windows of the same tokens)",
+                 ["a", "b", "benchmark", "window", "tokens", "ppl a", "ppl b", "ppl a - b", "95% CI",
+                  "loss a - b", "95% CI"], body,
+                 "Intervals: percentile bootstrap over windows, the same windows resampled for a and b.")  # fmt: skip
+
+
+def _setting(record: dict) -> str:
+    """What makes two records' windows the same: the text, the window, the stride and the token budget."""
+    keys = ("dataset", "text", "split", "seq_len", "stride", "max_tokens", "tokens")
+    return json.dumps([record.get(k) for k in keys])
 
 
 def kv_per_token(records: list[dict]) -> dict[str, float]:
@@ -315,7 +344,7 @@ NUM, INT, STR, PAIR, NUMS, PAIRS, DICT = "a number", "an integer", "a string", "
 FIELDS: dict[str, dict[str, tuple[str, str | None]]] = {
     "perplexity": {"kind": (STR, "always"), "split": (STR, "always"), "tokens": (INT, "always"),
                    "loss": (NUM, "always"), "loss_ci": (PAIR, "always"), "ppl": (NUM, "always"),
-                   "ppl_ci": (PAIR, "always")},
+                   "ppl_ci": (PAIR, "always"), "window_loss": (NUMS, None), "window_tokens": (NUMS, None)},
     "memory": {"kind": (STR, "always"), "length": (INT, "always"), "kv_bytes": (NUM, "ok"),
                "batch_size": (INT, None), "kv_bytes_analytic": (NUM, None), "peak_rss_bytes": (NUM, None)},
     "latency": {"kind": (STR, "ok"), "prompt_length": (INT, "ok"), "batch_size": (INT, "ok"),
@@ -325,7 +354,8 @@ FIELDS: dict[str, dict[str, tuple[str, str | None]]] = {
                         "acc_stderr": (NUM, None), "acc_norm": (NUM, None), "acc_norm_stderr": (NUM, None)},
     "needle": {"length": (INT, None), "depth": (NUM, None), "accuracy": (NUM, None), "gain_mean": (NUM, None),
                "gain_sem": (NUM, None)},
-    "rope_extrapolation": {"factor": (NUM, None), "length": (INT, None), "loss": (NUM, None), "ppl": (NUM, None)},
+    "rope_extrapolation": {"factor": (NUM, None), "length": (INT, None), "loss": (NUM, None), "ppl": (NUM, None),
+                           "window_loss": (NUMS, None), "window_tokens": (NUMS, None)},
     "context_sweep": {"length": (INT, None), "prefill_ms": (NUM, None), "last_chunk_ms": (NUM, None),
                       "decode_ms_per_token": (NUM, None), "last_chunk_loss": (NUM, None)},
     "stream_loss": {"memory_slots": (INT, None), "length": (INT, None), "streams": (INT, None), "ppl": (NUM, None),
@@ -404,8 +434,9 @@ def record_problem(record: dict) -> str | None:
 # ----------------------------------------------------------------------------- report
 
 
-def build_report(out_dir: str | Path) -> dict:
-    """Writes tables/, plots, report.md and report.html into out_dir; returns their paths."""
+def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict:
+    """Writes tables/, plots, report.md and report.html into out_dir; returns their paths. pairs: (a, b) model
+    labels whose perplexity differences get a paired table (a minus b)."""
     out_dir = Path(out_dir)
     records_path = out_dir / "records.jsonl"
     if not records_path.exists():
@@ -422,9 +453,16 @@ def build_report(out_dir: str | Path) -> dict:
             which = f"record {number} ({record['benchmark']}, {record['model']})"
             raise DataError(f"{records_path}: {which}: {problem} (the file was changed); repair or remove that line, "
                             "or run the benchmark again")  # fmt: skip
-    tables = [t for t in (perplexity_table(records), memory_table(records), latency_table(records),
-                          multiple_choice_table(records), needle_table(records), sweep_table(records),
-                          extrapolation_table(records), stream_loss_table(records)) if t]  # fmt: skip
+    models = list(dict.fromkeys(r["model"] for r in records))
+    for a, b in pairs:
+        for name in (a, b):
+            if name not in models:
+                raise InputError(f"--paired {a}:{b}: {records_path} has no records of {name!r} (its models: "
+                                 f"{', '.join(models)})")  # fmt: skip
+    tables = [t for t in (perplexity_table(records), paired_table(records, list(pairs)), memory_table(records),
+                          latency_table(records), multiple_choice_table(records), needle_table(records),
+                          sweep_table(records), extrapolation_table(records), stream_loss_table(records))
+              if t]  # fmt: skip
     tables += probes_tables(records)
     (out_dir / "tables").mkdir(exist_ok=True)
     for t in tables:
@@ -446,7 +484,6 @@ def build_report(out_dir: str | Path) -> dict:
     drawings.update(_analysis_plots(records, out_dir))
     plots = {title: _drawn(out_dir / name, draw) for title, (name, draw) in drawings.items()}
     plots = {title: p for title, p in plots.items() if p}
-    models = list(dict.fromkeys(r["model"] for r in records if "model" in r))
     parts = [f"# Evaluation report: {out_dir.name}", "",
              f"{len(records)} records, {len(models)} checkpoints: {', '.join(models)}.", ""]  # fmt: skip
     for t in tables:
