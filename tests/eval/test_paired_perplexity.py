@@ -88,3 +88,17 @@ def test_report_paired_names_a_missing_model_or_a_malformed_pair(tmp_path, capsy
     folder = str(write(tmp_path / "r", record("x/seed0", noisy_windows())))
     assert fails(capsys, ["report", folder, "--paired", "x/seed0:z/seed0"], "'z/seed0'", "x/seed0")
     assert fails(capsys, ["report", folder, "--paired", "x/seed0"], "--paired", "A:B")
+
+
+def test_the_frontier_has_a_panel_per_pair_of_figures_some_model_has():
+    from attnlab.eval.report import pareto_panels
+
+    rows = [record("a", noisy_windows()), record("b", noisy_windows(1)),
+            {"benchmark": "memory", "model": "a", "kind": "mha", "length": 100, "kv_bytes": 5000.0, "status": "ok"},
+            {"benchmark": "multiple_choice", "model": "a", "task": "arc_easy", "n": 10, "acc": 0.6},
+            {"benchmark": "multiple_choice", "model": "b", "task": "arc_easy", "n": 10, "acc": 0.5}]  # fmt: skip
+    panels = pareto_panels(rows)
+    assert [(x, y) for x, y, _ in panels] == [("KV bytes per token (measured)", "held-out perplexity"),
+                                              ("KV bytes per token (measured)", "arc_easy accuracy")]  # fmt: skip
+    assert panels[0][2] == {"a": (50.0, rows[0]["ppl"])} and panels[1][2] == {"a": (50.0, 0.6)}  # b has no bytes
+    assert pareto_panels(rows[:2]) == []  # no efficiency figure: no frontier

@@ -245,27 +245,41 @@ def _figure():
     return plt
 
 
-def pareto_plot(records: list[dict], path: Path) -> Path | None:
-    """Perplexity against measured KV bytes/token and against decode tok/s: the quality-efficiency frontier."""
+def pareto_panels(records: list[dict]) -> list[tuple[str, str, dict[str, tuple[float, float]]]]:
+    """The quality-efficiency frontier's panels, (x label, y label, {model: (x, y)}): perplexity against measured
+    KV bytes/token, each multiple-choice task's accuracy against KV bytes/token, perplexity against decode tok/s;
+    a panel only where some model has both figures."""
     ppl = {r["model"]: r["ppl"] for r in records if r["benchmark"] == "perplexity"}
     kv = kv_per_token(records)
     speed = {}
     for model, rows in _by_model(_ok([r for r in records if r["benchmark"] == "latency"])).items():
         speed[model] = min(rows, key=lambda r: (r["prompt_length"], r["batch_size"]))["decode_tokens_per_s_median"]
-    if not ppl or not (kv or speed):
+    pairs = [(kv, ppl, "KV bytes per token (measured)", "held-out perplexity")]
+    for task in dict.fromkeys(r["task"] for r in records if r["benchmark"] == "multiple_choice"):
+        acc = {r["model"]: r["acc"] for r in records if r["benchmark"] == "multiple_choice" and r["task"] == task}
+        pairs.append((kv, acc, "KV bytes per token (measured)", f"{task} accuracy"))
+    pairs.append((speed, ppl, "decode tokens/s", "held-out perplexity"))
+    panels = [(xlabel, ylabel, {m: (xs[m], ys[m]) for m in ys if m in xs}) for xs, ys, xlabel, ylabel in pairs]
+    return [panel for panel in panels if panel[2]]
+
+
+def pareto_plot(records: list[dict], path: Path) -> Path | None:
+    """pareto_panels side by side (KV bytes on a log axis)."""
+    panels = pareto_panels(records)
+    if not panels:
         return None
     plt = _figure()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, xs, label in ((axes[0], kv, "KV bytes per token (measured)"), (axes[1], speed, "decode tokens/s")):
-        for model in ppl:
-            if model in xs:
-                ax.scatter(xs[model], ppl[model])
-                ax.annotate(model, (xs[model], ppl[model]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel(label)
-        ax.set_ylabel("held-out perplexity")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (xlabel, ylabel, points) in zip(axes[0], panels, strict=True):
+        for model, (x, y) in points.items():
+            ax.scatter(x, y)
+            ax.annotate(model, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0].set_xscale("log")
-    fig.suptitle("Quality against efficiency (lower-left is better on the left, lower-right on the right)")
+        if xlabel.startswith("KV bytes"):
+            ax.set_xscale("log")
+    fig.suptitle("Quality against efficiency")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
