@@ -18,11 +18,12 @@ import torch
 
 from attnlab.accounting import info
 from attnlab.attention.registry import REGISTRY
-from attnlab.cli_errors import Parser, fail, interrupted, os_error_line, warning_printer
+from attnlab.cli_errors import Parser, fail, interrupted, link_loop, os_error_line, too_deep_line, warning_printer
 from attnlab.cli_models import cmd_convert, cmd_export, cmd_kv_eval, cmd_kv_tune, key_values
 from attnlab.compare import compare
+from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT
-from attnlab.config_io import load_config, memory_from_dict
+from attnlab.config_io import load_config, memory_from_dict, read_yaml
 from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
@@ -34,6 +35,7 @@ from attnlab.eval.stats import paired_comparison
 from attnlab.generate import generate
 from attnlab.interop.convert import PAIR_RULES
 from attnlab.interop.references import model_config_of
+from attnlab.interop.tokenizer import warn_unknown
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.memory import MemoryStore, ingest, query
 from attnlab.paths import check_data_dirs
@@ -50,10 +52,15 @@ def cmd_list(args) -> int:
     return 0
 
 
+LINK_LOOP = "a symbolic link loop (too many levels of symbolic links): point the link at the file itself"
+
+
 def cmd_validate(args) -> int:
     status = 0
     for path in args.files:
         try:
+            if link_loop(path):
+                raise ConfigError(LINK_LOOP, source=str(path))
             kind = file_kind(path)
             if kind == "manifest":
                 manifest = load_manifest(path, args.set)
@@ -120,9 +127,30 @@ def memory_option(text: str):
     return memory
 
 
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")  # what `info` reads as a model config file (not a model reference)
+
+
+def config_file(path: str) -> ModelConfig:
+    """A model config file (load_config); a JSON file of something else (a checkpoint's config.json, best.json) is
+    one line saying what `info` takes, not every key it lacks."""
+    try:
+        return load_config(path)
+    except ConfigError:
+        data = read_yaml(path) if Path(path).suffix.lower() == ".json" else None  # (its own errors were said)
+        own = {"vocab_size", "d_model", "n_layers"}  # a Hugging Face config.json has model_type (and vocab_size)
+        if isinstance(data, dict) and (not own & data.keys() or "model_type" in data):
+            raise ConfigError("not a model config: `attnlab info` takes a model config file (.yaml or .json, keys "
+                              f"vocab_size, d_model, ...) or a model reference: {REFERENCE_HELP} (for a checkpoint "
+                              "or a Hugging Face model, give its folder)", source=path) from None  # fmt: skip
+        raise
+
+
 def cmd_info(args) -> int:
-    is_yaml = Path(args.config).suffix.lower() in (".yaml", ".yml")
-    cfg = load_config(args.config) if is_yaml else model_config_of(args.config, args.data_dir)
+    if link_loop(args.config):
+        raise ConfigError(LINK_LOOP, source=str(args.config))
+    # A model config file, as `validate` reads one: YAML, or JSON (which YAML reads too); else a model reference.
+    is_config = Path(args.config).suffix.lower() in CONFIG_SUFFIXES and not Path(args.config).is_dir()
+    cfg = config_file(args.config) if is_config else model_config_of(args.config, args.data_dir)
     if args.memory is not None:
         cfg = cfg.replace(memory=memory_option(args.memory))
     if args.kv_policy is not None and not args.kv_policy.strip():
@@ -179,6 +207,18 @@ def cmd_mc(args) -> int:
     return 0
 
 
+def check_answer_room(suite, model, path) -> None:
+    """InputError for a generated case whose max_new_tokens leaves no room for its prompt in the model's context:
+    run_probes would cut the prompt to one token to make room for the answer (and blame the prompt)."""
+    limit = model.cfg.max_seq_len
+    for case in suite.cases:
+        if case.kind != "choice" and case.max_new_tokens >= limit and model.tokenizer is not None:
+            room = max(1, limit - len(model.tokenizer.encode(case.prompt)))
+            raise InputError(f"{path}: case {case.id}: max_new_tokens={case.max_new_tokens:,} is not less than "
+                             f"{model.name}'s context (max_seq_len {limit}): the answer would leave no room for the "
+                             f"prompt; give max_new_tokens {room} or less")  # fmt: skip
+
+
 def cmd_probes(args) -> int:
     if not 0 <= args.seed < 2**32:
         raise InputError(f"--seed {args.seed} must be from 0 to 2**32 - 1 (the bootstrap's seed)")
@@ -186,6 +226,7 @@ def cmd_probes(args) -> int:
     suite, out, runs = load_suite(args.suite), Path(args.out), []
     for path in [args.checkpoint] + ([args.checkpoint_b] if args.checkpoint_b else []):
         model = load_for_eval(path, data_dir=args.data_dir)
+        check_answer_room(suite, model, args.suite)
         rows = run_probes(model, suite)
         print(summary_table(summarize(rows), title=f"{model.name} on {suite.name} ({len(rows)} cases)"))
         append_records(out / "probes.jsonl", probe_records(model, suite, rows))
@@ -224,6 +265,7 @@ def cmd_generate(args) -> int:
     if args.chat and not hasattr(tokenizer, "encode_chat"):
         raise InputError(f"{args.checkpoint}: --chat needs a pretrained model with a chat template")
     prompt = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode_prompt(args.prompt)
+    warn_unknown(tokenizer, args.prompt, "the prompt")  # a char or word vocabulary reads what it lacks as <unk>
     new_tokens = args.max_new_tokens
     if new_tokens is None:  # the default: up to DEFAULT_NEW_TOKENS, as many as the context leaves room for
         cfg = model.model.cfg
@@ -370,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model labels A:B: perplexity of A minus B on the same windows, paired interval")  # fmt: skip
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes of a model config or reference")
-    p.add_argument("config", help="a model config (.yaml) or a model reference: " + REFERENCE_HELP)
+    p.add_argument("config", help="a model config (.yaml or .json) or a model reference: " + REFERENCE_HELP)
     p.add_argument("--memory", default=None, help="a bounded memory, e.g. 'kind=bounded,recent_window=256,"
                    "exact_slots=64,summary_slots=64' (model.memory keys)")  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
@@ -460,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_memory_parser(sub) -> None:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--store", default=None, help="the store folder (default $ATTNLAB_MEMORY, else "
                         "~/.cache/attnlab/memory)")  # fmt: skip
     memory = sub.add_parser("memory", help="memory files: ingest documents into a bounded memory, query it later")
@@ -538,6 +580,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         except OSError as e:
             line = os_error_line(e, args)
+            if line is None:
+                raise
+            return fail(args.command, line)
+        except RecursionError as e:  # a file nested too deeply for the json module (a reader that does not say so)
+            line = too_deep_line(e, args.command)
             if line is None:
                 raise
             return fail(args.command, line)

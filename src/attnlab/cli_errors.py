@@ -29,9 +29,38 @@ def one_line(text: object) -> str:
     return joined
 
 
+GIVEN = "_attnlab_given"  # the namespace's record of the single-value options given so far (removed after parsing)
+
+
+class Once(argparse.Action):
+    """argparse's `store`, refusing an option given twice (`--out a.jsonl --out b.jsonl`): argparse would keep the
+    last one without a word. Options meant to repeat use action="append"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, GIVEN, None)
+        if given is None:
+            given = {}
+            setattr(namespace, GIVEN, given)
+        if self.dest in given:
+            first, then = given[self.dest], f"{option_string} {_shown(values)}"
+            raise argparse.ArgumentError(self, f"given twice ({first}, then {then}): give it once")
+        given[self.dest] = f"{option_string} {_shown(values)}"
+        setattr(namespace, self.dest, values)
+
+
+def _shown(values) -> str:
+    return " ".join(map(str, values)) if isinstance(values, list) else str(values)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose usage errors (`--top-p abc`) are one line too, with exit code 2, from the (sub)command
-    they concern: `attnlab list extra` is refused by `attnlab list`."""
+    they concern: `attnlab list extra` is refused by `attnlab list`. An option that takes one value refuses to
+    be given twice (Once)."""
+
+    def add_argument(self, *names, **kwargs):
+        if names and names[0].startswith("-") and kwargs.get("action", "store") == "store":
+            kwargs["action"] = Once
+        return super().add_argument(*names, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
@@ -40,6 +69,7 @@ class Parser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             self._command_of(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        vars(parsed).pop(GIVEN, None)  # subcommands' records are copied up into this namespace
         return parsed
 
     def _command_of(self, parsed) -> argparse.ArgumentParser:
@@ -169,6 +199,42 @@ def os_error_line(e: OSError, args) -> str | None:
     if os.path.isdir(path):  # EEXIST
         return f"{path}: already exists (give another path)"
     return f"{path}: is a file, where a folder is expected (give a folder's path)"
+
+
+def too_deep_line(e: RecursionError, command: str) -> str | None:
+    """One line for a file nested too deeply to read (JSON such as `[[[[...]]]]` 100,000 levels deep exhausts
+    Python's recursion in the json module's decoder), naming the file when a reader of attnlab's holds it in a
+    variable `path`; None for any other RecursionError (a bug: it keeps its traceback). The readers of the files
+    a user gives catch it themselves (a typed error naming the file); this is the net under the others."""
+    frames, tb = [], e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    parsing = "decoding a JSON" in str(e) or any(
+        Path(f.f_code.co_filename).parent.name in ("json", "yaml") for f in frames[-8:]
+    )  # fmt: skip
+    if not parsing:
+        return None
+    package = Path(__file__).resolve().parent
+    for frame in reversed(frames):  # the innermost reader of attnlab's that names its file
+        if not Path(frame.f_code.co_filename).resolve().is_relative_to(package):
+            continue
+        path = frame.f_locals.get("path")
+        if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+            return (f"{path}: nested too deeply to read (JSON or YAML thousands of levels deep: the file is damaged "
+                    "or not the file expected); restore or replace it")  # fmt: skip
+    return (f"a file `attnlab {command}` read is nested too deeply to read (JSON or YAML thousands of levels deep: "
+            "damaged, or not the file expected); check the files it reads")  # fmt: skip
+
+
+def link_loop(path: str | os.PathLike) -> bool:
+    """Whether `path` cannot be reached because its symbolic links point at each other (Path.exists() says False:
+    "not found" would be wrong)."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def fail(command: str, message: str) -> int:

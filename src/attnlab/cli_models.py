@@ -3,7 +3,9 @@ parser and dispatches to them)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -15,11 +17,13 @@ from attnlab.cli_errors import one_line
 from attnlab.config_io import parse_yaml
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval import append_records, load_for_eval, make_record
-from attnlab.eval.kvquant import held_out_windows, run_kv_eval, table, tune
+from attnlab.eval.kvquant import held_out_windows, run_kv_eval, split_problem, table, tune
 from attnlab.eval.perplexity import dataset_tokens, summarize_losses, window_losses
-from attnlab.eval.records import records_target
+from attnlab.eval.records import records_folder, records_target
 from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion
 from attnlab.interop.export import export
+from attnlab.interop.references import resolve
+from attnlab.interop.tokenizer import warn_unknown_tokens
 
 
 def key_values(flag: str, text: str, example: str) -> dict:
@@ -38,8 +42,49 @@ def key_values(flag: str, text: str, example: str) -> dict:
     return data
 
 
-def check_kv_arguments(args) -> None:
-    """kv-eval/kv-tune flags checked before a model is loaded: one line naming the flag."""
+RECORDS = "records.jsonl"  # the file --out DIR/ (a folder) gets, as `attnlab bench` names it (`attnlab report DIR`)
+
+
+def records_file(out: str) -> Path:
+    """The file kv-eval/kv-tune append their records to: --out itself, or OUT/records.jsonl when OUT ends with a
+    slash (a folder, made if missing). Refused (InputError): a path records_target refuses, and an existing file
+    whose lines are JSON objects but not attnlab records (a user's {"text": ...} corpus): the rows would be mixed
+    into it."""
+    if out.endswith(("/", os.sep)):
+        return records_folder(out, RECORDS)[0]
+    target = records_target(out)  # a regular file of JSON objects, or none yet
+    if target.is_file():
+        for number, line in enumerate(target.read_bytes().decode("utf-8-sig").splitlines(), 1):
+            if line.strip() and "benchmark" not in json.loads(line):
+                raise InputError(f"--out {out}: line {number} is not an attnlab record (a JSON object without "
+                                 f"'benchmark': {line.strip()[:60]}): records are appended only to a file of "
+                                 "records (one kv-eval, kv-tune or bench wrote); give a new file, or a folder as "
+                                 "DIR/")  # fmt: skip
+    return target
+
+
+def check_kv_dataset(args) -> None:
+    """--dataset and --split checked before the model is loaded: a reference without a held-out split of its own
+    (a .gguf file, a Hugging Face model) needs --dataset; a dataset without split files has train and val only."""
+    if args.dataset is None:
+        kind, _ = resolve(args.checkpoint, args.data_dir)
+        if kind != "run":
+            no_dataset(args.checkpoint)
+        return
+    problem = split_problem(args.dataset, args.split)
+    if problem:
+        raise InputError(f"--dataset {problem}: give --split val to score the held-out part (or --split train)")
+
+
+def no_dataset(ref) -> None:
+    raise InputError(f"{ref}: no held-out split of its own (a pretrained or converted model keeps no data "
+                     "config): give --dataset, e.g. --dataset wikitext2-raw (--split test), or a text file (--split "
+                     "val)")  # fmt: skip
+
+
+def check_kv_arguments(args) -> Path | None:
+    """kv-eval/kv-tune flags checked before a model is loaded: one line naming the flag. The records file (--out),
+    or None."""
     for flag, value in (("--tokens", args.tokens), ("--seq-len", args.seq_len), ("--chunk", args.chunk)):
         if value < 1:
             raise InputError(f"{flag}={value} must be >= 1")
@@ -52,12 +97,16 @@ def check_kv_arguments(args) -> None:
         raise InputError(f"--tokens {args.tokens} is fewer than one window of --seq-len {args.seq_len} (each window "
                          f"holds {args.seq_len} inputs and one more target): give --tokens >= {args.seq_len + 1}, or "
                          "a smaller --seq-len")  # fmt: skip
-    if args.out:
-        records_target(args.out)
+    records = records_file(args.out) if args.out else None
+    check_kv_dataset(args)
+    return records
 
 
 def check_kv_model(args, model) -> None:
-    """--seq-len within the model's context (a model with a memory reads any length), before data is read."""
+    """--seq-len within the model's context (a model with a memory reads any length), and a held-out split to
+    read (a converted model keeps no data config), before data is read."""
+    if args.dataset is None and not model.config.get("data"):
+        no_dataset(args.checkpoint)
     cfg = model.model.cfg
     if cfg.memory.kind == "none" and args.seq_len > cfg.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len} is more than {model.name}'s max_seq_len={cfg.max_seq_len}: give "
@@ -65,7 +114,7 @@ def check_kv_model(args, model) -> None:
 
 
 def cmd_kv_eval(args) -> int:
-    check_kv_arguments(args)
+    records = check_kv_arguments(args)
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
     check_kv_model(args, model)
     rows = run_kv_eval(model, args.policies, split=args.split, seq_len=args.seq_len, max_tokens=args.tokens,
@@ -74,8 +123,8 @@ def cmd_kv_eval(args) -> int:
           f"seq_len {args.seq_len}, "
           f"fed {args.chunk} token(s) at a time; NLL with the full cache {rows[0]['nll_full']:.4f}")  # fmt: skip
     print(table(rows))
-    if args.out:
-        print(f"records: {append_records(Path(args.out), rows)}")
+    if records:
+        print(f"records: {append_records(records, rows)}")
     return 0
 
 
@@ -97,7 +146,7 @@ def cmd_kv_tune(args) -> int:
         raise InputError(f"--budget={args.budget!r} must be a finite number of bytes per token > 0")
     if args.max_dnll is not None and not math.isfinite(args.max_dnll):
         raise InputError(f"--max-dnll={args.max_dnll!r} must be a finite number (nats per token)")
-    check_kv_arguments(args)
+    records = check_kv_arguments(args)
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
     check_kv_model(args, model)
     windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir, args.dataset)
@@ -108,11 +157,11 @@ def cmd_kv_tune(args) -> int:
     verdict = "meets" if result["meets_max_dnll"] else "EXCEEDS"
     limit = f" (--max-dnll {args.max_dnll:g}: {verdict})" if args.max_dnll is not None else ""
     print(f"best under {args.budget:g} bytes/token: {best['policy']}  dNLL {best['dnll']:+.5f}{limit}")
-    if args.out:
+    if records:
         rows = [make_record("kv_tune", model, budget=args.budget, max_dnll=args.max_dnll, role=role, **row)
                 for role, group in (("sensitivity", result["sensitivity"]), ("verified", result["verified"]))
                 for row in group]  # fmt: skip
-        print(f"records: {append_records(Path(args.out), rows)}")
+        print(f"records: {append_records(records, rows)}")
     return 0 if result["meets_max_dnll"] else 1
 
 
@@ -135,6 +184,10 @@ def cmd_convert(args) -> int:
         raise InputError(
             "nothing to convert: give --attention and/or --memory (e.g. --attention kind=mha,n_kv_heads=1)"
         )
+    problem = split_problem(args.dataset, "test") if args.eval_tokens else None
+    if problem:
+        raise InputError(f"--dataset {problem}; convert scores a test split: give a dataset with one (e.g. "
+                         "wikitext2-raw), or --eval-tokens 0")  # fmt: skip
     source = load_for_eval(args.ref, data_dir=args.data_dir)
     calibration = None
     if args.calibration_tokens and (attention or {}).get("kind") in LOW_RANK:  # activation-aware factorisations
@@ -152,6 +205,7 @@ def cmd_convert(args) -> int:
     seq_len = min(args.seq_len, source.cfg.max_seq_len)
     scores = []
     if tokens is not None:
+        warn_unknown_tokens(source.tokenizer, tokens[: args.eval_tokens + 1], f"{args.dataset} test scored")
         for name, model in (("original", source.model), ("converted, cold", conversion.model)):
             s = summarize_losses(window_losses(model, tokens, seq_len, max_tokens=args.eval_tokens))
             scores.append(f"  {name}: perplexity {s['ppl']:.2f} [{s['ppl_ci'][0]:.2f}, {s['ppl_ci'][1]:.2f}] on the "

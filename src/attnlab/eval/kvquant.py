@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,11 +27,26 @@ import torch
 
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import SHORT, Codec, KVPolicy, as_policy
-from attnlab.errors import ConfigError, DataError, InputError
+from attnlab.data.sources import SPLITS, WIKITEXT
+from attnlab.errors import AttnlabWarning, ConfigError, DataError, InputError
 from attnlab.eval.perplexity import eval_tokens
 from attnlab.eval.records import make_record
 from attnlab.eval.stats import bootstrap_ci
 from attnlab.generate import generate
+from attnlab.interop.tokenizer import warn_unknown_tokens
+
+OWN_SPLITS = (*WIKITEXT, "wikitext2-nounk")  # datasets with train/val/test files of their own (others: split by hash)
+
+
+def split_problem(dataset: str, split: str) -> str | None:
+    """Why `dataset` (a named dataset or local file) has no split `split`, or None: a dataset without split files
+    of its own (a local file, tinyshakespeare, fineweb-edu) is divided by a hash of each document's text into
+    train and val (5%) only, as a run's data is with its default fractions."""
+    if dataset in OWN_SPLITS or split not in SPLITS or split in ("train", "val"):
+        return None
+    return (f"{dataset} has no {split!r} split: a dataset without split files of its own (a local file, "
+            "tinyshakespeare, fineweb-edu) is divided by a hash of each document's text into train and val (5% of "
+            "the documents, held out)")  # fmt: skip
 
 
 @dataclass
@@ -72,7 +88,11 @@ def greedy_agreement(model, prompts: torch.Tensor, want: torch.Tensor, policy: K
 def held_out_windows(eval_model, split: str, seq_len: int, max_tokens: int, data_dir=None,
                      dataset: str | None = None) -> torch.Tensor:  # fmt: skip
     """(N, seq_len) non-overlapping windows of the checkpoint's own held-out split, or of `split` of `dataset`
-    tokenized with the model's tokenizer (a pretrained model: e.g. wikitext2-raw)."""
+    tokenized with the model's tokenizer (a pretrained model: e.g. wikitext2-raw). Text of `dataset` the model's
+    char or word vocabulary cannot spell is said in a warning (it is scored as <unk>)."""
+    problem = split_problem(dataset, split) if dataset is not None else None
+    if problem:
+        raise DataError(f"{problem}: score split 'val'")
     tokens = eval_tokens(eval_model, split, data_dir, dataset)[0]
     if max_tokens < seq_len:  # the budget, not the split, is too small
         raise InputError(f"max_tokens={max_tokens} is fewer than one window of {seq_len} tokens (seq_len {seq_len - 1} "
@@ -80,6 +100,8 @@ def held_out_windows(eval_model, split: str, seq_len: int, max_tokens: int, data
     n = min(max_tokens, len(tokens)) // seq_len
     if n < 1:
         raise DataError(f"split {split!r} has {len(tokens)} tokens, fewer than one window of seq_len={seq_len}")
+    if dataset is not None:  # (the model's own prepared split is the text it was trained to read)
+        warn_unknown_tokens(eval_model.tokenizer, tokens[: n * seq_len], f"{dataset}:{split} scored")
     return torch.from_numpy(tokens[: n * seq_len].astype(np.int64)).view(n, seq_len)
 
 
@@ -234,14 +256,20 @@ def tune(
             )
             candidates.append((predicted, per_token, text))
     if not candidates:
-        smallest = min(
-            kv_report(model.cfg, dtype, seq_len, policy_text(dict(zip(tensors, combo, strict=True)), 0))["kv_bytes"]
+        smallest, resid = min(
+            (kv_report(model.cfg, dtype, seq_len, policy_text(dict(zip(tensors, combo, strict=True)), resid))[
+                "kv_bytes"], resid)
+            for resid in resids
             for combo in itertools.product(*(options[t] for t in tensors))
-        )
-        raise InputError(
-            f"no policy fits --budget {budget:g} bytes/token (the smallest, all tensors in their tightest format, "
-            f"takes {smallest / seq_len:,.1f} at seq_len {seq_len}): raise the budget"
-        )
+        )  # fmt: skip
+        tried = (f"the smallest tried, all tensors in their tightest format with resid={resid}, takes "
+                 f"{smallest / seq_len:,.1f} at seq_len {seq_len}")  # fmt: skip
+        if min(resids) >= seq_len:  # the residual window holds the whole context: nothing is quantized
+            raise InputError(f"no policy fits --budget {budget:g} bytes/token: {tried}, because --resids "
+                             f"{','.join(map(str, resids))} >= seq_len {seq_len} keeps every token at full precision "
+                             f"(give --resids below {seq_len}, e.g. 0)")  # fmt: skip
+        raise InputError(f"no policy fits --budget {budget:g} bytes/token ({tried}): raise the budget, or try smaller "
+                         "--resids or --formats")  # fmt: skip
     candidates.sort()
     chosen = [text for _, _, text in candidates[:verify]]
     log(f"kv-tune: {len(candidates)} policies fit the budget; verifying the {len(chosen)} best predicted")
@@ -251,10 +279,24 @@ def tune(
     return {"best": best, "meets_max_dnll": meets, "sensitivity": sensitivity, "verified": verified}
 
 
+def warn_unquantized(policies: list[KVPolicy | str], seq_len: int) -> None:
+    """An AttnlabWarning (one line) naming the policies that store some tensor quantized but keep every token of a
+    window of `seq_len` in their full-precision residual window (resid >= seq_len): their rows measure the
+    full-precision cache, not the formats they name."""
+    idle = [p for p in (as_policy(p) or KVPolicy() for p in policies) if p.formats and p.resid >= seq_len]
+    if idle:
+        warnings.warn(f"kv policy {'; '.join(map(str, idle))}: resid >= seq_len {seq_len} keeps every token in the "
+                      "full-precision residual window, so nothing is quantized and the row measures the "
+                      f"full-precision cache (vs full 1, dNLL 0); give a resid below {seq_len}, or a longer "
+                      "seq_len", AttnlabWarning, stacklevel=3)  # fmt: skip
+
+
 def run_kv_eval(eval_model, policies: list[str], split: str = "test", seq_len: int = 512, max_tokens: int = 8192,
                 chunk: int = 1, dtype: str = "fp16", data_dir=None,
                 dataset: str | None = None) -> list[dict]:  # fmt: skip
-    """`kv_quant` records, one per policy, on the checkpoint's own held-out split (or `split` of `dataset`)."""
+    """`kv_quant` records, one per policy, on the checkpoint's own held-out split (or `split` of `dataset`). A policy
+    whose residual window holds the whole window (nothing quantized) is said in a warning."""
+    warn_unquantized(policies, seq_len)
     windows = held_out_windows(eval_model, split, seq_len + 1, max_tokens, data_dir, dataset)
     rows = evaluate_policies(eval_model.model, windows, policies, chunk=chunk, dtype=dtype)
     dataset = dataset or eval_model.config.get("data", {}).get("source")

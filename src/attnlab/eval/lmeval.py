@@ -539,6 +539,12 @@ def run_lm_eval(
     except ConnectionError as e:  # a task whose data is on the Hugging Face Hub, offline: name it and the local task
         raise DataError(_offline_line(tasks, specs, manager, e)) from None
     except Exception as e:  # a task's data files `datasets` could not load: one line naming them, not its traceback
+        if num_fewshot is not None and isinstance(e, ValueError) and "Sample larger than population" in str(e):
+            # random.sample of more few-shot examples than the task's few-shot split holds
+            raise ConfigError(f"num_fewshot={num_fewshot:,} (--num-fewshot) is more few-shot examples than the "
+                              f"few-shot split of {', '.join(map(repr, tasks))} holds (lm-eval draws them from the "
+                              "task's fewshot, training or validation split, never the item itself): give fewer"
+                              ) from None  # fmt: skip
         if type(e).__module__.split(".")[0] not in ("datasets", "pyarrow", "fsspec"):
             raise
         cause = e.__cause__ or e

@@ -77,8 +77,9 @@ class Item:
 
 
 def _read_text(path: Path) -> str:
+    """The file's UTF-8 text; a leading byte-order mark (some editors write one) is dropped, not read as text."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise DataError(f"{path} not found") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -94,12 +95,15 @@ def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
                 out.append((line, json.loads(raw)))
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{line}: not valid JSON ({e.msg}, column {e.colno})") from None
+            except RecursionError:
+                raise DataError(f"{path}:{line}: {TOO_DEEP}") from None
     if not out:
         raise DataError(f"{path}: no items")
     return out
 
 
 _WS = re.compile(r"\s*")
+TOO_DEEP = "not valid JSON (nested too deeply to read: the file is damaged or not a task file)"
 
 
 def _read_json_array(path: Path) -> list[tuple[int, Any]]:
@@ -117,6 +121,8 @@ def _read_json_array(path: Path) -> list[tuple[int, Any]]:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{path}:{line}: {TOO_DEEP}") from None
         out.append((line, obj))
         pos = _WS.match(text, end).end()
         if text.startswith("]", pos):
@@ -145,12 +151,18 @@ def _get(obj: Any, key: str, kind: type, path: Path, line: int, name: str | None
     return value
 
 
-def _strings(obj: Any, key: str, path: Path, line: int, name: str | None = None) -> list[str]:
-    """A list of at least two non-empty strings (the choices of one question)."""
+def _strings(obj: Any, key: str, path: Path, line: int, name: str | None = None, item: str = "",
+             distinct: bool = False) -> list[str]:  # fmt: skip
+    """A list of at least two non-empty strings (the choices of one question); with `distinct`, no two the same
+    (a choice given twice ties with itself, and the tie goes to whichever comes first: the item scores nothing)."""
     value = _get(obj, key, list, path, line, name)
     if len(value) < 2 or not all(isinstance(v, str) and v.strip() for v in value):
         got = json.dumps(value)[:80]
         raise DataError(f"{path}:{line}: field {name or key!r} must list at least 2 non-empty strings, got {got}")
+    twice = next((v for i, v in enumerate(value) if v in value[:i]), None)
+    if distinct and twice is not None:
+        raise DataError(f"{path}:{line}: {item}field {name or key!r} holds {twice[:60]!r} twice: the choices must be "
+                        "distinct (fix or remove the item)")  # fmt: skip
     return value
 
 
@@ -174,7 +186,7 @@ def load_arc_easy(path: str | Path) -> list[Item]:
     for line, obj in _read_json_array(path):
         item_id, question = _get(obj, "id", str, path, line), _get(obj, "question", str, path, line)
         choices = _get(obj, "choices", dict, path, line)
-        texts = _strings(choices, "text", path, line, "choices.text")
+        texts = _strings(choices, "text", path, line, "choices.text", item=f"item {item_id!r}: ", distinct=True)
         labels = _strings(choices, "label", path, line, "choices.label")
         if len(labels) != len(texts) or len(set(labels)) != len(labels):
             raise DataError(
@@ -198,7 +210,7 @@ def load_piqa(path: str | Path) -> list[Item]:
         query = _get(obj, "query", str, path, line)
         if not (query.startswith("Question: ") and query.endswith("\n")):
             raise DataError(f"{path}:{line}: field 'query' must read 'Question: {{goal}}\\n', got {query[:60]!r}")
-        choices = _strings(obj, "choices", path, line)
+        choices = _strings(obj, "choices", path, line, distinct=True)
         gold = _gold(_get(obj, "gold", int, path, line), len(choices), "gold", path, line)
         context = query + "Answer:"  # = lm-eval's "Question: {goal}\nAnswer:"
         items.append(

@@ -23,7 +23,8 @@ weight outside the attention is copied; inside it:
   frequencies (rope_scaling freq_factors), the rest factorised (truncated SVDs, activation-aware with calibration
   tokens); see those functions.
 - any of them with a memory (`memory=`): the memory's own parameters (the bounded memory's write gate) start
-  as a freshly built model's (seed 0); nothing else does.
+  as a freshly built model's (seed 0); nothing else does. A source's own memory is kept, its per-KV-head
+  parameters (eta_logit) pooled or repeated with the keys and values.
 
 `Conversion.fresh` names every parameter not taken from the source.
 """
@@ -412,6 +413,21 @@ def convert_layer(src, dst, source: ModelConfig, cfg: ModelConfig) -> None:
         dst.gate.weight.zero_()  # lambda = sigmoid(gate_bias) for every token (init_parameters set the bias)
 
 
+def outside_attention(name: str, weight: torch.Tensor, target: torch.Tensor, source: ModelConfig,
+                      cfg: ModelConfig) -> torch.Tensor:  # fmt: skip
+    """The source's `weight` for the target's parameter `name` outside the attention: itself, or, for a memory's
+    per-KV-head parameter (the bounded memory's eta_logit) when the KV heads change, pooled or repeated over the
+    heads as the keys and values are. ConfigError for a shape that cannot follow."""
+    if weight.shape == target.shape:
+        return weight
+    n_src, n_new = kv_heads(source), kv_heads(cfg)
+    if ".memory." in name and weight.shape[:1] == (n_src,) and target.shape == (n_new, *weight.shape[1:]):
+        return pool_heads(weight, n_src, n_new)
+    fix = " (convert with --memory kind=none, then add the memory)" if ".memory." in name else ""
+    raise ConfigError(f"convert: {name} has shape {tuple(weight.shape)} in the source and {tuple(target.shape)} in "
+                      f"the target: it cannot be initialised from the source{fix}")  # fmt: skip
+
+
 def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None = None, memory: dict | None = None,
                   rope_pairs: str = "energy", calibration: torch.Tensor | None = None,
                   calibration_seq_len: int = 512) -> Conversion:  # fmt: skip
@@ -433,15 +449,14 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
         torch.manual_seed(0)
         new = build_model(new_cfg, device=next(model.parameters()).device, dtype=next(model.parameters()).dtype)
     source_state = model.state_dict()
-    taken = set()
+    taken, pooled = set(), []  # pooled: a memory's per-KV-head parameters, pooled like the keys and values
     with torch.no_grad():
         for name, tensor in new.state_dict().items():
             if ".attn." in name or name not in source_state:
                 continue
             if source_state[name].shape != tensor.shape:
-                raise ConfigError(f"convert: {name} has shape {tuple(source_state[name].shape)} in the source and "
-                                  f"{tuple(tensor.shape)} in the target")  # fmt: skip
-            tensor.copy_(source_state[name])
+                pooled.append(name.split(".", 2)[-1])
+            tensor.copy_(outside_attention(name, source_state[name], tensor, cfg, new_cfg))
             taken.add(name)
         for i, (src_block, dst_block) in enumerate(zip(model.blocks, new.blocks, strict=True)):
             if new_cfg.attention.kind == "mla":
@@ -461,7 +476,8 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
     n_src, n_new = kv_heads(cfg), kv_heads(new_cfg)
     if n_new != n_src:
         how = f"mean-pooled in groups of {n_src // n_new}" if n_new < n_src else f"repeated {n_new // n_src}x"
-        notes.append(f"keys and values: {n_src} -> {n_new} KV heads, {how}")
+        also = f" (and so is {', '.join(sorted(set(pooled)))})" if pooled else ""
+        notes.append(f"keys and values: {n_src} -> {n_new} KV heads, {how}{also}")
     if low_rank:
         d = cfg.attention.dim(cfg)
         notes.append(f"RoPE pairs kept (of {d // 2}, rule {rope_pairs}): {pairs.tolist()}")

@@ -15,13 +15,16 @@ its merges taken from the file or derived from the token scores (as transformers
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from attnlab.data.pretrained import PretrainedTokenizer
-from attnlab.errors import ConfigError, DataError
+from attnlab.data.tokenizers import CharTokenizer, WordTokenizer
+from attnlab.errors import AttnlabWarning, ConfigError, DataError
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (tokenizer.ggml.token_type)
 
@@ -166,3 +169,53 @@ def tokenizer_from_gguf(meta: dict, source: str = "gguf", name: str | None = Non
         name or f"gguf:{Path(source).name}", tokenizer, bos_id=bos_id, eos_ids=[] if eos_id is None else [eos_id],
         add_bos=add_bos, chat_template=meta.get("tokenizer.chat_template"),
     )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- text a vocabulary cannot spell
+
+
+def unknown_pieces(tokenizer, text: str) -> list[str]:
+    """The characters (a char tokenizer) or words (a word tokenizer) of `text` that its vocabulary does not hold
+    and that it reads as <unk>, in order; [] for tokenizers that spell any text (bytes, BPE)."""
+    if isinstance(tokenizer, CharTokenizer):
+        return [c for c in text if c not in tokenizer.ids]
+    if isinstance(tokenizer, WordTokenizer):
+        return [w for w in tokenizer.pattern.findall(text) if w not in tokenizer.lookup]
+    return []
+
+
+def unknown_line(tokenizer, pieces: list[str], what: str, shown: int = 5) -> str:
+    """'<what> holds 3 characters outside the model's char vocabulary, read as <unk>: 'é', '😀'' (the first
+    `shown` distinct pieces)."""
+    distinct = list(dict.fromkeys(pieces))
+    listed = ", ".join(repr(p) for p in distinct[:shown]) + (", ..." if len(distinct) > shown else "")
+    unit = "character" if isinstance(tokenizer, CharTokenizer) else "word"
+    plural = "" if len(pieces) == 1 else "s"
+    return (
+        f"{what} holds {len(pieces):,} {unit}{plural} outside the model's {tokenizer.name} vocabulary, read as "
+        f"<unk>: {listed}"
+    )
+
+
+def warn_unknown(tokenizer, text: str, what: str, stacklevel: int = 2) -> int:
+    """An AttnlabWarning (one line) when `text` holds characters or words `tokenizer` reads as <unk>: how many and
+    which (a few); returns how many. `what` names the text ("the prompt")."""
+    pieces = unknown_pieces(tokenizer, text)
+    if pieces:
+        warnings.warn(unknown_line(tokenizer, pieces, what), AttnlabWarning, stacklevel=stacklevel + 1)
+    return len(pieces)
+
+
+def warn_unknown_tokens(tokenizer, tokens, what: str, stacklevel: int = 2) -> int:
+    """An AttnlabWarning (one line) when token ids `tokens` (a sequence, numpy array or tensor) made by a char or
+    word tokenizer hold its <unk> id: how many of them are; returns that number. `what` names the text."""
+    ids = np.asarray(tokens)  # (N,)
+    if not isinstance(tokenizer, (CharTokenizer, WordTokenizer)) or not ids.size:
+        return 0
+    unknown = int((ids == tokenizer.unk_id).sum())
+    if unknown:
+        unit = "characters" if isinstance(tokenizer, CharTokenizer) else "words"
+        warnings.warn(f"{unknown:,} of the {ids.size:,} tokens of {what} ({100 * unknown / ids.size:.1f}%) are "
+                      f"<unk>: {unit} the model's {tokenizer.name} vocabulary does not hold, so the figures on it "
+                      "are over <unk>", AttnlabWarning, stacklevel=stacklevel + 1)  # fmt: skip
+    return unknown

@@ -5,14 +5,16 @@
               (W,), memory_positions (B, M), and what the memory kind keeps besides: ring_values (B, W)
               (bounded: write gates, h2o: attention mass), exact_last_used (B, M_e) (bounded),
               heavy_scores (B, M_h) (h2o)
-    metadata  "attnlab.memory": a JSON header (HEADER_KEY): format, schema_version, config_hash, model,
-              memory (the model's memory config and its slots), n_layers, batch, dtype, tokens, attnlab
-              version, and sha256, the checksum of the rest of the header and every tensor (name, dtype,
-              shape, bytes); padded with spaces to a multiple of 256 characters so the file's size does not
-              depend on how many tokens it has read
+    metadata  "attnlab.memory": a JSON header (HEADER_KEY): format, schema_version, config_hash, weights_sha256
+              (the model's weights, weights_digest), model, memory (the model's memory config and its slots),
+              n_layers, batch, dtype, tokens, attnlab version, and sha256, the checksum of the rest of the
+              header and every tensor (name, dtype, shape, bytes); padded with spaces to a multiple of 256
+              characters so the file's size does not depend on how many tokens it has read
 
 Writing goes to a temporary file renamed into place. Reading parses safetensors only (never pickle), checks
-the checksum, then that the state was made for this model's config (`ModelConfig.config_hash`).
+the checksum, then that the state was made for this model's config (`ModelConfig.config_hash`) and weights
+(`weights_sha256`: a model retrained with the same config writes other memories; a state written before the
+weights were recorded still loads, with a warning).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,7 +34,7 @@ from attnlab import __version__
 from attnlab.cache.base import ModelCache
 from attnlab.cache.memories import MemoryCache
 from attnlab.data.files import atomic_write_bytes
-from attnlab.errors import DataError, InputError
+from attnlab.errors import AttnlabWarning, DataError, InputError
 
 FORMAT = "attnlab-memory-state"
 SCHEMA_VERSION = 1
@@ -63,6 +66,17 @@ def _checksum(header: dict, tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256(json.dumps({k: v for k, v in header.items() if k != "sha256"}, sort_keys=True).encode())
     for name in sorted(tensors):
         tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"\0{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def weights_digest(model) -> str:
+    """sha256 of the model's weights: every entry of its state dict (name, dtype, shape, bytes), in name order. The
+    same weights give the same digest whatever file they were loaded from. (About 0.3 s per 500 MB.)"""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
         digest.update(f"\0{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -100,6 +114,7 @@ def save_state(path: str | Path, model, cache: ModelCache, model_path: str | Non
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,
         **_memory_header(model),
+        "weights_sha256": weights_digest(model),
         "model": str(model_path) if model_path is not None else None,
         "batch": cache.layers[0].memory_positions.shape[0],
         "dtype": str(cache.layers[0].slots.dtype).removeprefix("torch."),
@@ -141,6 +156,8 @@ def parse_state(blob: bytes, path: str | Path = "<bytes>") -> tuple[dict, dict[s
         header = json.loads(metadata[HEADER_KEY])
     except json.JSONDecodeError as e:
         raise MemoryStateError(f"{damaged}: header {e})") from None
+    except RecursionError:
+        raise MemoryStateError(f"{damaged}: header nested too deeply to read)") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise MemoryStateError(f"{damaged}: header is not an {FORMAT} header)")
     version = header.get("schema_version")
@@ -154,6 +171,8 @@ def parse_state(blob: bytes, path: str | Path = "<bytes>") -> tuple[dict, dict[s
         raise MemoryStateError(f"{path}: checksum mismatch: the memory state was modified or damaged after it "
                                "was written (re-ingest the documents)")  # fmt: skip
     wrong = [key for key, kind in REQUIRED.items() if not isinstance(header.get(key), kind)]
+    if "weights_sha256" in header and not isinstance(header["weights_sha256"], str):
+        wrong.append("weights_sha256")
     if wrong:
         raise MemoryStateError(f"{damaged}: header lacks {wrong})")
     return header, tensors
@@ -162,17 +181,28 @@ def parse_state(blob: bytes, path: str | Path = "<bytes>") -> tuple[dict, dict[s
 def load_state(path: str | Path, model) -> tuple[ModelCache, dict]:
     """A new ModelCache holding the state saved at `path`, on the model's device, and the file's header.
 
-    Refuses a damaged file and a state made for another model config (the message names that config and,
-    when recorded, the model's folder). The file is only read.
+    Refuses a damaged file and a state made for another model config or other weights (the message names that
+    config and, when recorded, the model's folder). The file is only read.
     """
     require_memory(model)
     header, tensors = read_state(path)
     ours = _memory_header(model)
+    made_for = f" ({header['model']})" if header.get("model") else ""
     if header["config_hash"] != ours["config_hash"]:
-        made_for = f" ({header['model']})" if header.get("model") else ""
         raise MemoryStateError(
             f"{path}: made for model config {header['config_hash']}{made_for}; this model's config is "
             f"{ours['config_hash']} (load it with the model it was made for, e.g. attnlab memory query --model)"
+        )
+    weights = header.get("weights_sha256")
+    if weights is None:  # written before states recorded their weights
+        warnings.warn(f"{path}: written before memory states recorded their model's weights: cannot check that this "
+                      "model has the weights it was made with (ingest the documents again to record them)",
+                      AttnlabWarning, stacklevel=2)  # fmt: skip
+    elif weights != (mine := weights_digest(model)):
+        raise MemoryStateError(
+            f"{path}: made with other weights of this model config{made_for} (weights sha256 {weights[:12]}, this "
+            f"model's {mine[:12]}): the model was retrained or replaced since; ingest the documents again with it "
+            "(attnlab memory ingest ... --replace), or load the state with the weights it was made with"
         )
     param = next(model.parameters())
     dtype = getattr(torch, str(header["dtype"]), None)

@@ -28,6 +28,7 @@ import torch
 from attnlab.errors import DataError, InputError, LengthWarning
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
+from attnlab.interop.tokenizer import warn_unknown
 from attnlab.memory.state import load_state, require_memory, save_state
 from attnlab.paths import cache_dir
 from attnlab.paths import check_name as check_name_of
@@ -115,7 +116,7 @@ class MemoryStore:
         for row in rows:
             try:
                 values = (*row[:2], json.loads(row[2]), *row[3:])
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, RecursionError):  # (nested too deeply for the json module)
                 values = ()
             if len(values) != len(types) or not all(isinstance(v, t) for v, t in zip(values, types, strict=True)):
                 raise StoreError(f"{self.index}: the row of memory {row[0]!r} is damaged (the index was changed by "
@@ -194,6 +195,7 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
     model, tokenizer = loaded.model, loaded.tokenizer
     ids, records = [], []
     for i, (doc, raw, text) in enumerate(texts):
+        warn_unknown(tokenizer, text, str(doc))  # a char or word vocabulary reads what it lacks as <unk>
         encoded = tokenizer.encode(text)
         ids += ([tokenizer.eot_id] if i else []) + encoded
         records.append({"path": str(doc.resolve()), "sha256": hashlib.sha256(raw).hexdigest(), "tokens": len(encoded)})
@@ -234,6 +236,7 @@ def query(store: MemoryStore, name: str, prompt: str, model_path: str | Path | N
         raise StoreError(f"{store.path(entry)}: not the state the index registered for {name!r} (checksum "
                          f"{header['sha256'][:12]}, index {entry.state_sha256[:12]}); re-ingest it")  # fmt: skip
     ids = loaded.tokenizer.encode(prompt)
+    warn_unknown(loaded.tokenizer, prompt, "the prompt")
     asked = generate_kwargs.get("max_new_tokens")
     if isinstance(asked, int) and asked > MAX_ANSWER_TOKENS:
         # The memory reads past max_seq_len, so no context bounds an answer; a typo of a few digits would decode
