@@ -344,7 +344,7 @@ def test_kivi_shapes_match_the_formulas(bits, group):
 
 def test_errors_name_the_value_and_the_fix():
     x = torch.randn(2, 64)
-    with pytest.raises(InputError, match=r"'q5_0' \(valid: q8_0, q4_0, nf4\)"):
+    with pytest.raises(InputError, match=r"'q5_0' \(valid: q8_0, q4_0, nf4, q4_1\)"):
         quant.quantize(x, "q5_0")
     with pytest.raises(InputError, match=r"valid: q8_0, q4_0, nf4"):
         quant.dequantize(torch.zeros(2, 34, dtype=torch.uint8), "Q8_0")

@@ -1,4 +1,4 @@
-"""Pure KV-cache quantization codecs: ggml block formats (q8_0, q4_0), QLoRA's NF4, and KIVI's asymmetric ints.
+"""Pure quantization codecs: ggml block formats (q8_0, q4_0, q4_1), QLoRA's NF4, and KIVI's asymmetric ints.
 
 Every function is a pure, vectorized map between a float tensor and one uint8 tensor that holds everything
 (codes and fp16 scales), so a cache can store, slice and measure a single tensor per layer.
@@ -7,11 +7,13 @@ Block formats (`quantize` / `dequantize`), blocks of 32 consecutive values along
 
     q8_0  34 bytes: fp16 d, 32 x int8 q                  x = d * q,        d = absmax / 127
     q4_0  18 bytes: fp16 d, 16 bytes of nibbles          x = d * (q - 8),  d = (signed value of largest |x|) / -8
+    q4_1  20 bytes: fp16 d, fp16 m, 16 bytes of nibbles  x = d * q + m,    d = (max - min) / 15, m = min
     nf4   18 bytes: fp16 s, 16 bytes of nibbles          x = s * NF4[q],   s = absmax (rounded up to fp16)
 
-q8_0 and q4_0 are byte-for-byte ggml's (as `gguf.quants` writes them): the codes are computed from the float32
-scale and its float32 inverse, and only then is the scale rounded to fp16. Nibble order (q4_0, nf4): byte j holds
-element j in its low nibble and element j + 16 in its high nibble.
+q8_0, q4_0 and q4_1 are byte-for-byte ggml's (as `gguf.quants` writes them): the codes are computed from the
+float32 scale (and min) and the scale's float32 inverse, and only then are they rounded to fp16. Nibble order
+(q4_0, q4_1, nf4): byte j holds element j in its low nibble and element j + 16 in its high nibble. The KV caches
+store q8_0, q4_0 and nf4 (FORMATS); q4_1 is for weights (attnlab.model.qlinear, GGUF files).
 
 KIVI (`quantize_kivi` / `dequantize_kivi`; Liu et al. 2024, "KIVI: a tuning-free asymmetric 2bit quantization for
 KV cache", section 3): blocks of `group` values, x = min + scale * q with q in [0, 2^bits - 1]; keys are quantized
@@ -30,14 +32,16 @@ import torch
 
 from attnlab.errors import InputError
 
-FORMATS = ("q8_0", "q4_0", "nf4")
+FORMATS = ("q8_0", "q4_0", "nf4")  # the KV caches' block formats
+WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1")  # ggml's, for weights (attnlab.model.qlinear)
 BLOCK = 32
 KIVI_BITS = (2, 4, 8)
 FP16_MAX = 65504.0
 
-_BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2, "nf4": 2 + BLOCK // 2}
-# Largest |x| each format's fp16 scale can represent: d = absmax / 127 (q8_0), |max| / 8 (q4_0), absmax (nf4).
-_MAX_ABS = {"q8_0": FP16_MAX * 127, "q4_0": FP16_MAX * 8, "nf4": FP16_MAX}
+_BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2, "nf4": 2 + BLOCK // 2, "q4_1": 4 + BLOCK // 2}
+# Largest |x| each format's fp16 scale can represent: d = absmax / 127 (q8_0), |max| / 8 (q4_0), absmax (nf4);
+# q4_1's min is stored in fp16 itself (and its scale, (max - min) / 15, then fits).
+_MAX_ABS = {"q8_0": FP16_MAX * 127, "q4_0": FP16_MAX * 8, "q4_1": FP16_MAX, "nf4": FP16_MAX}
 
 # The 4-bit NormalFloat codebook of QLoRA (Dettmers et al. 2023, appendix E; bitsandbytes' NF4 table): quantiles
 # of N(0, 1) rescaled to [-1, 1], with an exact zero.
@@ -70,7 +74,7 @@ def block_bytes(fmt: str) -> int:
 
 
 def bytes_per_value(fmt: str) -> float:
-    """Stored bytes per value, scales included (q8_0 1.0625, q4_0 and nf4 0.5625)."""
+    """Stored bytes per value, scales included (q8_0 1.0625, q4_0 and nf4 0.5625, q4_1 0.625)."""
     return block_bytes(fmt) / BLOCK
 
 
@@ -92,7 +96,7 @@ def quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
         )
     blocks = x.reshape(-1, BLOCK)  # (B, 32)
     out = torch.empty(blocks.shape[0], nbytes, dtype=torch.uint8, device=x.device)  # (B, block_bytes)
-    encode = {"q8_0": _q8_0_encode, "q4_0": _q4_0_encode, "nf4": _nf4_encode}[fmt]
+    encode = {"q8_0": _q8_0_encode, "q4_0": _q4_0_encode, "q4_1": _q4_1_encode, "nf4": _nf4_encode}[fmt]
     for rows in _chunks(blocks.shape[0], BLOCK):
         scale = encode(blocks[rows], out[rows])
         if not torch.isfinite(scale).all():  # a non-finite x, or an fp16 scale overflow, shows in the scale
@@ -108,6 +112,11 @@ def dequantize(q: torch.Tensor, fmt: str) -> torch.Tensor:
     out = torch.empty(blocks.shape[0], BLOCK, dtype=torch.float32, device=q.device)  # (B, 32)
     for rows in _chunks(blocks.shape[0], BLOCK):
         chunk, x = blocks[rows], out[rows]
+        if fmt == "q4_1":
+            _unpack_into(chunk[:, 4:], 4, x)
+            # ggml's d * q + m: the product is exact (11 by 4 bits), the sum rounded once
+            x.mul_(_fp16_from_bytes(chunk[:, :2])).add_(_fp16_from_bytes(chunk[:, 2:4]))
+            continue
         if fmt == "q8_0":
             x.copy_(chunk[:, 2:].view(torch.int8))
         elif fmt == "q4_0":
@@ -198,6 +207,17 @@ def _q4_0_encode(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     codes = (blocks * _inverse(d)).add_(8.5).to(torch.uint8).clamp_max_(15)  # (c, 32)
     _pack_into(codes, 4, out[:, 2:])
     return _write_fp16(out[:, :2], d)
+
+
+def _q4_1_encode(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """As ggml's quantize_row_q4_1_ref: d = (max - min) / 15, q = min(15, trunc((x - min) * (1 / d) + 0.5)), the
+    min stored as m; three float32 roundings (difference, product, + 0.5) as the reference."""
+    high, low = blocks.amax(dim=-1, keepdim=True), blocks.amin(dim=-1, keepdim=True)  # (c, 1)
+    d = (high - low) / 15
+    codes = (blocks - low).mul_(_inverse(d)).add_(0.5).to(torch.uint8).clamp_max_(15)  # (c, 32), sum in [0.5, 15.5]
+    _pack_into(codes, 4, out[:, 4:])
+    _write_fp16(out[:, 2:4], low)
+    return torch.cat([_write_fp16(out[:, :2], d), low.half()], dim=-1)  # an fp16 overflow of either shows
 
 
 def _nf4_encode(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -350,7 +370,7 @@ def _bad_values(x: torch.Tensor, what: str, limit: float) -> InputError:
 
 def _check_format(fmt: str) -> str:
     if fmt not in _BLOCK_BYTES:
-        raise InputError(f"unknown quantization format {fmt!r} (valid: {', '.join(FORMATS)})")
+        raise InputError(f"unknown quantization format {fmt!r} (valid: {', '.join(_BLOCK_BYTES)})")
     return fmt
 
 

@@ -1,10 +1,16 @@
-"""GGUF files (llama.cpp's format) in: metadata -> ModelConfig, tensors dequantized -> an attnlab model.
+"""GGUF files (llama.cpp's format) in: metadata -> ModelConfig, tensors -> an attnlab model.
 
     cfg, model, tokenizer = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")   # fp32 weights, rebuilt tokenizer
+    cfg, model, tokenizer = load_gguf(path, weights="native")              # the file's F16/Q8_0/Q4_x blocks kept
 
 Read with the `gguf` package (gguf-py, llama.cpp's own reader; an optional dependency): F32, F16, BF16,
 Q8_0, Q4_0/1, Q5_0/1, the K-quants and whatever else `gguf.quants.dequantize` knows. Weights are
 dequantized one tensor at a time into the model, so the peak is the model plus one tensor in fp32.
+
+weights="native" keeps the matrices stored in F16, Q8_0, Q4_0 or Q4_1 as they are: each linear layer (q, k and v
+in one, gate and up in one) whose tensors share one of these formats becomes a QuantizedLinear holding their bytes
+(attnlab.model.qlinear), the tied embedding and LM head one table; any other layer (Q6_K, Q5_x, the K-quants, F32,
+BF16, or parts in different formats) is dequantized to fp32 as with weights="fp32" (`native_layers` tells which).
 
 Architectures `llama` and `qwen2` (Llama with biases on q/k/v: attention.qkv_bias). Two things differ from a
 Hugging Face checkpoint, and are undone here:
@@ -35,9 +41,10 @@ import torch
 
 from attnlab.attention.mha import MHAConfig
 from attnlab.config import ModelConfig, RopeScaling
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.interop.hf import WeightFiller
 from attnlab.interop.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
+from attnlab.model.qlinear import QuantizedEmbedding, QuantizedLinear, row_bytes
 from attnlab.model.transformer import Transformer, build_model
 from attnlab.paths import brief
 
@@ -63,6 +70,18 @@ BLOCK_NAMES = {
 }
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+WEIGHTS = {
+    "fp32": "every tensor dequantized (to the dtype asked, float32 by default)",
+    "native": "F16, Q8_0, Q4_0 and Q4_1 matrices kept as stored, multiplied as they are",
+}
+NATIVE_FORMATS = {"F16": "fp16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type -> QuantizedLinear's
+# Each layer a native GGUF holds as one QuantizedLinear: its attnlab module and the GGUF tensors stacked in it.
+NATIVE_BLOCK_LAYERS = {
+    "attn.qkv": ("attn_q", "attn_k", "attn_v"),
+    "attn.out": ("attn_output",),
+    "mlp.gate_up": ("ffn_gate", "ffn_up"),
+    "mlp.down": ("ffn_down",),
+}
 
 
 def import_gguf():
@@ -287,10 +306,86 @@ def dequantized(file: GGUFFile, name: str) -> torch.Tensor:
     return torch.from_numpy(values.reshape(file.shape(name)))
 
 
+def check_weights(weights: str) -> str:
+    """InputError unless `weights` is one of WEIGHTS."""
+    if weights not in WEIGHTS:
+        choices = "; ".join(f"{name!r}: {what}" for name, what in WEIGHTS.items())
+        raise InputError(f"weights={weights!r} is not a choice ({choices})")
+    return weights
+
+
+def native_layers(file: GGUFFile, cfg: ModelConfig) -> dict[str, tuple[str, list[str]]]:
+    """The layers weights="native" keeps quantized: attnlab module path -> (format, GGUF tensors stacked in it).
+    The LM head and the embedding are one entry ("lm_head", with token_embd) when tied; a layer is left out when
+    its tensors are in formats QuantizedLinear does not hold, or in several."""
+    layers = {f"blocks.{i}.{path}": [f"blk.{i}.{name}.weight" for name in names]
+              for i in range(cfg.n_layers) for path, names in NATIVE_BLOCK_LAYERS.items()}  # fmt: skip
+    layers["embed"] = ["token_embd.weight"]
+    layers["lm_head"] = ["token_embd.weight" if cfg.tie_embeddings else "output.weight"]
+    if cfg.tie_embeddings:
+        del layers["embed"]  # one table (QuantizedEmbedding.tied)
+    out = {}
+    for path, names in layers.items():
+        kinds = {getattr(file.tensors[n].tensor_type, "name", None) for n in names if n in file.tensors}
+        if len(kinds) == 1 and all(n in file.tensors for n in names) and kinds & NATIVE_FORMATS.keys():
+            out[path] = (NATIVE_FORMATS[kinds.pop()], names)
+    return out
+
+
+def stored_rows(file: GGUFFile, name: str) -> torch.Tensor:
+    """A matrix's bytes as stored, (rows, row bytes) uint8: ggml's rows, blocks along the input dimension."""
+    data = np.asarray(file.tensors[name].data).view(np.uint8)
+    return torch.from_numpy(data.reshape(file.shape(name)[0], -1).copy())  # copied out of the read-only map
+
+
+def install_native(file: GGUFFile, model: Transformer, cfg: ModelConfig) -> set[str]:
+    """Puts QuantizedLinear (and QuantizedEmbedding) layers holding a file's stored bytes in `model` (see
+    `native_layers`), q and k rows unpermuted as `unpermute` does (exact on blocks: they run along the input
+    dimension); returns the GGUF tensors so placed. A linear layer's bias stays its tensor (filled as usual)."""
+    placed = set()
+    n_kv_heads = cfg.attention.n_kv_heads or cfg.n_heads
+    arch = file.metadata.get("general.architecture")
+    for path, (fmt, names) in native_layers(file, cfg).items():
+        parent_path, _, attribute = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        layer = getattr(parent, attribute)
+        in_features = layer.embedding_dim if isinstance(layer, torch.nn.Embedding) else layer.in_features
+        out_features = layer.num_embeddings if isinstance(layer, torch.nn.Embedding) else layer.out_features
+        if fmt != "fp16" and in_features % 32:
+            continue  # cannot happen for a well-formed file (its blocks run along the input dimension)
+        parts = []
+        for name in names:
+            rows = stored_rows(file, name)
+            if arch in PERMUTED_ARCHITECTURES and name.endswith(".attn_q.weight"):
+                rows = unpermute(rows, cfg.n_heads)
+            elif arch in PERMUTED_ARCHITECTURES and name.endswith(".attn_k.weight"):
+                rows = unpermute(rows, n_kv_heads)
+            parts.append(rows)
+        blocks = torch.cat(parts)
+        if blocks.shape[0] < out_features and path in ("embed", "lm_head"):  # the padded vocabulary rows: zeros
+            blocks = torch.cat((blocks, blocks.new_zeros(out_features - blocks.shape[0], blocks.shape[1])))
+        if tuple(blocks.shape) != (out_features, row_bytes(fmt, in_features)):
+            shapes = ", ".join(f"{n} {file.shape(n)}" for n in names)
+            raise DataError(f"{file.path}: {shapes} in {fmt} do not make the ({out_features}, {in_features}) matrix "
+                            f"of {path} that the config implies")  # fmt: skip
+        if path == "embed":
+            quantized = QuantizedEmbedding.from_blocks(blocks, fmt, in_features)
+        else:
+            bias = layer.bias.detach() if layer.bias is not None else None  # the filler writes into it
+            quantized = QuantizedLinear.from_blocks(blocks, fmt, in_features, bias)
+        setattr(parent, attribute, quantized)
+        if path == "lm_head" and cfg.tie_embeddings:
+            model.embed = QuantizedEmbedding.tied(quantized)
+        placed.update(names)
+    return placed
+
+
 @torch.no_grad()
-def model_from_gguf(file: GGUFFile, cfg: ModelConfig, dtype=torch.float32) -> Transformer:
-    """The model of `cfg` holding a GGUF file's weights (dequantized, q/k unpermuted for llama), in `dtype`."""
+def model_from_gguf(file: GGUFFile, cfg: ModelConfig, dtype=torch.float32, weights: str = "fp32") -> Transformer:
+    """The model of `cfg` holding a GGUF file's weights (q/k unpermuted for llama): dequantized, in `dtype`, or with
+    weights="native" its F16/Q8_0/Q4_0/Q4_1 matrices kept as stored (the module docstring)."""
     filler = WeightFiller(build_model(cfg, dtype=dtype), str(file.path))
+    native = install_native(file, filler.model, cfg) if check_weights(weights) == "native" else set()
     n_kv_heads = cfg.attention.n_kv_heads or cfg.n_heads
     arch = file.metadata.get("general.architecture")
     for name in file.tensors:
@@ -299,6 +394,9 @@ def model_from_gguf(file: GGUFFile, cfg: ModelConfig, dtype=torch.float32) -> Tr
         target = hf_name(name)
         if target is None:
             raise DataError(f"{file.path}: unexpected tensor {name!r} for architecture {arch}")
+        if name in native:
+            filler.placed(target)
+            continue
         values = dequantized(file, name)
         if arch in PERMUTED_ARCHITECTURES and name.endswith((".attn_q.weight", ".attn_q.bias")):
             values = unpermute(values, cfg.n_heads)
@@ -309,11 +407,13 @@ def model_from_gguf(file: GGUFFile, cfg: ModelConfig, dtype=torch.float32) -> Tr
 
 
 def load_gguf(
-    path: str | Path, dtype=torch.float32, tokenizer: bool = True
+    path: str | Path, dtype=torch.float32, tokenizer: bool = True, weights: str = "fp32"
 ) -> tuple[ModelConfig, Transformer, PretrainedTokenizer | None]:
-    """(config, model, tokenizer) from a GGUF file: the weights dequantized to `dtype` (default fp32) and the
-    tokenizer rebuilt from its tokenizer.ggml.* metadata (None when tokenizer=False)."""
+    """(config, model, tokenizer) from a GGUF file: the weights dequantized to `dtype` (default fp32), or with
+    weights="native" its F16/Q8_0/Q4_0/Q4_1 matrices kept as stored (the module docstring), and the tokenizer
+    rebuilt from its tokenizer.ggml.* metadata (None when tokenizer=False)."""
+    check_weights(weights)
     file = open_gguf(path)
     cfg = config_from_gguf(file)
-    model = model_from_gguf(file, cfg, dtype)
+    model = model_from_gguf(file, cfg, dtype, weights)
     return cfg, model, tokenizer_from_gguf(file.metadata, source=str(file.path)) if tokenizer else None

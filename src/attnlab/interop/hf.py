@@ -271,6 +271,10 @@ class WeightFiller:
         target.copy_(tensor)
         self.missing.discard(name)
 
+    def placed(self, name: str) -> None:
+        """Counts tensor `name` as filled: the caller placed it in the model itself (a quantized layer's blocks)."""
+        self.missing.discard(name)
+
     def finish(self) -> Transformer:
         if self.missing:
             names = sorted(self.missing)

@@ -26,7 +26,7 @@ from attnlab.data.files import downloads_allowed
 from attnlab.data.pretrained import tokenizer_from_folder
 from attnlab.data.tokenizers import Tokenizer, tokenizer_problem
 from attnlab.errors import DataError, InputError
-from attnlab.interop.gguf import config_from_gguf, load_gguf, open_gguf
+from attnlab.interop.gguf import check_weights, config_from_gguf, load_gguf, open_gguf
 from attnlab.interop.hf import config_from_hf, is_hf_folder, load_hf_folder, read_json
 from attnlab.interop.tokenizer import tokenizer_from_gguf
 from attnlab.model.transformer import Transformer
@@ -56,26 +56,37 @@ class LoadedModel:
 
 
 def load_model(
-    ref: str | Path, dtype: torch.dtype = torch.float32, data_dir: str | Path | None = None, *, tag: str = "best"
-) -> tuple[ModelConfig, Transformer, Tokenizer | None]:
+    ref: str | Path, dtype: torch.dtype = torch.float32, data_dir: str | Path | None = None, *, tag: str = "best",
+    weights: str = "fp32",
+) -> tuple[ModelConfig, Transformer, Tokenizer | None]:  # fmt: skip
     """(config, model in eval mode, tokenizer) of the model `ref` names (see the module docstring).
 
     dtype: the weights' dtype (quantized GGUF weights are dequantized to it). tag: which checkpoint of an
-    attnlab run (best, else last). The tokenizer is None only for an attnlab checkpoint saved without one.
+    attnlab run (best, else last). weights="native" keeps a GGUF file's F16/Q8_0/Q4_0/Q4_1 matrices as they are
+    stored, multiplied as they are (attnlab.interop.gguf; other tensors are dequantized); for other references it
+    is refused (InputError: their weights load in `dtype`; attnlab.quantize_weights quantizes a loaded model).
+    The tokenizer is None only for an attnlab checkpoint saved without one.
     """
-    loaded = load_reference(ref, dtype, data_dir, tag=tag)
+    loaded = load_reference(ref, dtype, data_dir, tag=tag, weights=weights)
     return loaded.cfg, loaded.model, loaded.tokenizer
 
 
 def load_reference(
-    ref: str | Path, dtype: torch.dtype = torch.float32, data_dir: str | Path | None = None, *, tag: str = "best"
-) -> LoadedModel:
+    ref: str | Path, dtype: torch.dtype = torch.float32, data_dir: str | Path | None = None, *, tag: str = "best",
+    weights: str = "fp32",
+) -> LoadedModel:  # fmt: skip
     """`load_model` with the reference's run config and label (attnlab.eval.load_for_eval builds on it)."""
+    check_weights(weights)
     kind, where = resolve(ref, data_dir)
+    if weights == "native" and kind != "gguf":
+        what = {"run": "an attnlab run or checkpoint", "hf": "a Hugging Face folder", "hub": "a Hub model"}[kind]
+        raise InputError(f"weights='native' keeps a GGUF file's quantized matrices, but {ref} is {what}, whose "
+                         "weights load in dtype (leave weights='fp32'; attnlab.quantize_weights(model, 'q8_0') "
+                         "quantizes a loaded model)")  # fmt: skip
     if kind == "run":
         return _load_run(where, dtype, data_dir, tag)
     if kind == "gguf":
-        cfg, model, tokenizer = load_gguf(where, dtype)
+        cfg, model, tokenizer = load_gguf(where, dtype, weights=weights)
         label = where.stem
     else:
         name = str(ref) if kind == "hub" else None

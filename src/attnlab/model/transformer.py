@@ -79,8 +79,8 @@ class Transformer(nn.Module):
             max_len = self.cfg.max_seq_len
         if max_len is not None and max_len < 1:
             raise InputError(f"a cache of max_len={max_len} holds nothing (give at least 1 token)")
-        dtype = dtype or self.embed.weight.dtype
-        device = device or self.embed.weight.device
+        dtype = dtype or self.norm.weight.dtype  # not the embedding's: a quantized one holds bytes (model.qlinear)
+        device = device or self.norm.weight.device
         return ModelCache([b.attn.new_cache(batch, max_len, dtype, device, policy, memory) for b in self.blocks])
 
     def forward(

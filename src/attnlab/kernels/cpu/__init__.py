@@ -1,10 +1,11 @@
-"""CPU kernels in C (qattn.c): decode attention read straight from quantized KV rows.
+"""CPU kernels in C: decode attention read straight from quantized KV rows (qattn.c, here), and matmuls with
+weights kept in a GGUF file's formats (qmatmul.c, wrapped by attnlab.kernels.cpu.qmatmul).
 
-The source ships with the package and is compiled on first use with the system C compiler ($CC, else cc)
-for this machine (-O3 -march=native), into `<user cache>/attnlab/kernels/` under a name that hashes the
-source, the flags, the compiler's version and the CPU's feature flags; then loaded with ctypes. Where no
-compiler works, `library()` is None and callers run their PyTorch path, which the kernels are tested
-against. ATTNLAB_CPU_KERNELS=0 turns them off.
+Each source ships with the package and is compiled on first use with the system C compiler ($CC, else cc) for
+this machine (-O3 -march=native), into `<user cache>/attnlab/kernels/` under a name that hashes the source (and
+the headers of this folder), the flags, the compiler's version and the CPU's feature flags; then loaded with
+ctypes. Where no compiler works, `library()` is None and callers run their PyTorch path, which the kernels are
+tested against. ATTNLAB_CPU_KERNELS=0 turns them off.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,32 +64,32 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build(directory: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compiles qattn.c (once per source, flags, compiler and CPU) and returns the shared library's path.
-    Raises RuntimeError with the compiler's message when it fails. extra_flags: for tests (e.g. a build
-    without AVX-512)."""
+def build(directory: Path | None = None, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
+    """Compiles `source` (default qattn.c; once per source, headers, flags, compiler and CPU) and returns the shared
+    library's path. Raises RuntimeError with the compiler's message when it fails. extra_flags: for tests (e.g. a
+    build without AVX-512)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (install gcc or clang, or set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    source = SOURCE.read_bytes()
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources may #include
     flags = " ".join((*FLAGS, *extra_flags)).encode()
-    key = hashlib.sha256(b"\0".join([source, flags, version.encode(), _cpu_flags().encode()]))
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, flags, version.encode(), _cpu_flags().encode()]))
     directory = directory or kernel_dir()
-    target = directory / f"qattn-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    target = directory / f"{source.stem}-{platform.machine()}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".qattn-", suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{source.stem}-", suffix=".so")
     os.close(fd)
     try:
         for threads in THREADS:
-            command = [cc, *FLAGS, *extra_flags, *threads, "-o", tmp, str(SOURCE), "-lm"]
+            command = [cc, *FLAGS, *extra_flags, *threads, "-o", tmp, str(source), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True, check=False)
             if result.returncode == 0:
                 break
         else:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {result.stderr.strip()[:2000]}")
+            raise RuntimeError(f"{cc} failed on {source.name}: {result.stderr.strip()[:2000]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
@@ -95,26 +97,31 @@ def build(directory: Path | None = None, extra_flags: tuple[str, ...] = ()) -> P
     return target
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (turned off, no compiler, or the build failed: warned once). When the cache
-    folder cannot be used (read-only, full, a file), they are built in a temporary folder, removed once loaded
-    (warned once)."""
+def compiled(source: Path, load: Callable[[Path], ctypes.CDLL]) -> ctypes.CDLL | None:
+    """`source` built (`build`) and loaded by `load` (which declares its functions), or None: turned off, no
+    compiler, or the build failed (warned). When the cache folder cannot be used (read-only, full, a file), it is
+    built in a temporary folder, removed once loaded (warned)."""
     if os.environ.get("ATTNLAB_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
         try:
-            return load(build())
+            return load(build(source=source))
         except OSError as err:
             with tempfile.TemporaryDirectory(prefix="attnlab-kernels-") as folder:
-                lib = load(build(Path(folder)))  # the loaded library outlives its file
+                lib = load(build(Path(folder), source=source))  # the loaded library outlives its file
             warnings.warn(f"attnlab CPU kernels: cannot use the cache {kernel_dir()} ({err.strerror or err}): built "
                           "for this run only (make it writable, or set XDG_CACHE_HOME, to keep them)", AttnlabWarning,
-                          stacklevel=2)  # fmt: skip
+                          stacklevel=3)  # fmt: skip
             return lib
     except (OSError, RuntimeError) as err:
-        warnings.warn(f"attnlab CPU kernels unavailable, using the PyTorch path: {err}", AttnlabWarning, stacklevel=2)
+        warnings.warn(f"attnlab CPU kernels unavailable, using the PyTorch path: {err}", AttnlabWarning, stacklevel=3)
         return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled qattn.c, or None (see `compiled`; warned once)."""
+    return compiled(SOURCE, load)
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -136,7 +143,12 @@ _DISABLED = [0]  # depth of `disabled()` blocks
 
 
 def available() -> bool:
-    return not _DISABLED[0] and library() is not None
+    return not switched_off() and library() is not None
+
+
+def switched_off() -> bool:
+    """Whether a `disabled()` block is running (it switches off every kernel of this folder)."""
+    return bool(_DISABLED[0])
 
 
 @contextlib.contextmanager
