@@ -27,6 +27,7 @@ from attnlab.config_io import load_config, memory_from_dict, read_yaml
 from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
+from attnlab.eval.loading import WEIGHTS
 from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
 from attnlab.eval.probes import comparison_record, load_suite, probe_records, run_probes, summarize, summary_table
 from attnlab.eval.records import records_folder
@@ -195,7 +196,7 @@ def _pm(value, stderr) -> str:
 def cmd_mc(args) -> int:
     if args.out:  # before minutes of scoring
         records_folder(args.out, "multiple_choice.jsonl", "multiple_choice_items.jsonl")
-    model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights)
     rows, s = run_multiple_choice(model, args.task, path=args.file, limit=args.limit, data_dir=args.data_dir)
     print(
         f"{model.name} {s['task']} (n={s['n']}, {s['n_truncated']} contexts cut to {s['max_seq_len']} tokens): "
@@ -225,7 +226,7 @@ def cmd_probes(args) -> int:
     records_folder(args.out, "probes.jsonl")  # before the models are loaded and probed
     suite, out, runs = load_suite(args.suite), Path(args.out), []
     for path in [args.checkpoint] + ([args.checkpoint_b] if args.checkpoint_b else []):
-        model = load_for_eval(path, data_dir=args.data_dir)
+        model = load_for_eval(path, data_dir=args.data_dir, weights=args.weights)
         check_answer_room(suite, model, args.suite)
         rows = run_probes(model, suite)
         print(summary_table(summarize(rows), title=f"{model.name} on {suite.name} ({len(rows)} cases)"))
@@ -258,7 +259,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights)
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ConfigError(f"{args.checkpoint}: no tokenizer saved with this checkpoint: cannot encode a prompt")
@@ -290,7 +291,7 @@ def cmd_lm_eval(args) -> int:
     tasks = [task for task in tasks if task]
     results = run_lm_eval(args.checkpoint, tasks, out_dir=args.out, kv_policy=args.kv_policy, limit=args.limit,
                           num_fewshot=args.num_fewshot, data_dir=args.data_dir, include_path=args.include_path,
-                          batch_size=args.batch_size)  # fmt: skip
+                          batch_size=args.batch_size, weights=args.weights)  # fmt: skip
     print(table(results))
     if args.out:
         print(f"results: {Path(args.out) / 'lm_eval.json'}  items: {Path(args.out) / 'lm_eval_samples.jsonl'}")
@@ -498,6 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_convert)
     add_memory_parser(sub)
+    for name in ("generate", "mc", "probes", "kv-eval", "kv-tune", "lm-eval"):  # the commands that run a model
+        sub.choices[name].add_argument(
+            "--weights", default="fp32", choices=WEIGHTS, metavar="{" + ",".join(WEIGHTS) + "}",
+            help="fp32 (default: every format dequantized, as transformers runs it); native: a GGUF file's "
+                 "own F16/Q8_0/Q4_0/Q4_1 matrices, multiplied as stored; or a format to quantize to")  # fmt: skip
     return parser
 
 

@@ -115,7 +115,7 @@ def check_kv_model(args, model) -> None:
 
 def cmd_kv_eval(args) -> int:
     records = check_kv_arguments(args)
-    model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights)
     check_kv_model(args, model)
     rows = run_kv_eval(model, args.policies, split=args.split, seq_len=args.seq_len, max_tokens=args.tokens,
                        chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir, dataset=args.dataset)  # fmt: skip
@@ -147,7 +147,7 @@ def cmd_kv_tune(args) -> int:
     if args.max_dnll is not None and not math.isfinite(args.max_dnll):
         raise InputError(f"--max-dnll={args.max_dnll!r} must be a finite number (nats per token)")
     records = check_kv_arguments(args)
-    model = load_for_eval(args.checkpoint, data_dir=args.data_dir)
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights)
     check_kv_model(args, model)
     windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir, args.dataset)
     result = tune(model.model, windows, args.budget, args.max_dnll, formats=formats, resids=resids, chunk=args.chunk,

@@ -506,11 +506,12 @@ def run_lm_eval(
     include_path: str | Path | list | None = None,
     batch_size: int = 1,
     bootstrap_iters: int = 100000,
+    weights: str = "fp32",
 ) -> dict:
     """lm-eval's `simple_evaluate` on a model reference (or a loaded EvalModel) through `AttnlabLM`: its results
     dict, per-item samples under results["samples"]. include_path: folders of task YAMLs besides lm-eval's own;
     a relative data file in one of them is looked up in the data directory (task_specs). out_dir: also write
-    the results there (write_results)."""
+    the results there (write_results). weights: how a reference's weights are held (attnlab.eval.loading)."""
     if limit is not None and (isinstance(limit, bool) or not limit > 0 or (limit >= 1 and limit != int(limit))):
         raise ConfigError(f"limit={limit!r} must be a whole number >= 1 (or a fraction in (0, 1))")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
@@ -524,7 +525,7 @@ def run_lm_eval(
     broken = check_task_files([str(p) for p in paths])  # before lm-eval reads them (and imports !function code)
     manager = task_manager([str(p) for p in paths], list(tasks))
     specs = task_specs(manager, list(tasks), data_dir, broken)  # checks the names before the model is loaded
-    model = ref if isinstance(ref, EvalModel) else load_for_eval(ref, data_dir=data_dir)
+    model = ref if isinstance(ref, EvalModel) else load_for_eval(ref, data_dir=data_dir, weights=weights)
     lm = AttnlabLM(model, kv_policy=kv_policy, batch_size=batch_size)
     import datasets  # lm-eval's own dependency
 

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnlab.config import ModelConfig
+from attnlab.errors import InputError
 from attnlab.interop.references import load_reference
+from attnlab.model.qlinear import FORMATS, quantize_weights
+
+# What `weights` may be: fp32 (every format dequantized, the default), native (a GGUF file's own formats kept), or a
+# format every linear layer and the embedding are quantized to after loading (attnlab.quantize_weights).
+WEIGHTS = ("fp32", "native", *FORMATS)
 
 
 @dataclass
@@ -18,16 +24,25 @@ class EvalModel:
     model: object  # attnlab Transformer, eval mode
     tokenizer: object | None  # attnlab.data Tokenizer (None for token-level benchmarks on models without one)
     config: dict  # an attnlab run's resolved config (model, data, train); a pretrained model's {"model", "source"}
+    weights: str = "fp32"  # how the weights are held (WEIGHTS)
 
     @property
     def device(self):
         return next(self.model.parameters()).device
 
 
-def load_for_eval(path: str | Path, data_dir: str | None = None, tag: str = "best", device=None) -> EvalModel:
+def load_for_eval(path: str | Path, data_dir: str | None = None, tag: str = "best", device=None,
+                  weights: str = "fp32") -> EvalModel:  # fmt: skip
     """Loads a model reference: a run directory (its best checkpoint, else last), a checkpoint folder, a .gguf file,
     a Hugging Face folder or hf:ORG/NAME. A run's tokenizer comes from its `tokenizer/` folder, else from the
-    prepared data of its data config; a pretrained model's from its own files."""
-    loaded = load_reference(path, data_dir=data_dir, tag=tag)
+    prepared data of its data config; a pretrained model's from its own files. weights (WEIGHTS): fp32, native
+    (a GGUF file's F16/Q8_0/Q4_0/Q4_1 matrices kept as stored), or fp16/q8_0/q4_0/q4_1 (any model's linear layers
+    and embedding quantized after loading)."""
+    if weights not in WEIGHTS:
+        raise InputError(f"weights={weights!r} is not a choice (fp32: dequantized; native: a GGUF file's own formats; "
+                         f"or a format to quantize to: {', '.join(FORMATS)})")  # fmt: skip
+    loaded = load_reference(path, data_dir=data_dir, tag=tag, weights="native" if weights == "native" else "fp32")
     model = loaded.model if device is None else loaded.model.to(device)
-    return EvalModel(loaded.label, Path(path), loaded.cfg, model, loaded.tokenizer, loaded.config)
+    if weights in FORMATS:
+        model = quantize_weights(model, weights)
+    return EvalModel(loaded.label, Path(path), loaded.cfg, model, loaded.tokenizer, loaded.config, weights)
