@@ -26,6 +26,7 @@ DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
 # `int_limit`, with exceptions in its `int_limits`), everything else (steps, lengths, token counts).
 MAX_WIDTH = 2**24
 MAX_SEED = 2**32 - 1  # a seed is 0 .. 2^32 - 1 (what every random generator here accepts)
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 # Data sources: these named datasets, or a local file with one of these suffixes (.xz/.gz compressed allowed).
 DATA_SOURCES = ("wikitext2", "wikitext2-raw", "wikitext2-nounk", "tinyshakespeare", "fineweb-edu")
 DATA_FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -634,6 +635,14 @@ class TrainConfig:
         for key in ("lr", "eps"):
             if getattr(self, key) <= 0:
                 problems.append(f"train.{key}={getattr(self, key)} must be > 0")
+        if 0 < self.eps < FLOAT32_TINY:  # the optimizer's state is float32: a smaller eps is 0 there
+            problems.append(f"train.eps={self.eps} is 0 in float32 (below {FLOAT32_TINY:.1e}): Adam would divide by "
+                            "zero (1e-8 is usual)")  # fmt: skip
+        elif self.eps >= 1:
+            problems.append(f"train.eps={self.eps} must be below 1: it would swamp every update (1e-8 is usual)")
+        if self.lr > 0 and self.weight_decay > 0 and self.lr * self.weight_decay >= 1:
+            problems.append(f"train.lr={self.lr} x train.weight_decay={self.weight_decay} must be below 1: each "
+                            "step multiplies the weights by 1 - lr x weight_decay (0.1 is usual)")  # fmt: skip
         if self.weight_decay < 0:
             problems.append(f"train.weight_decay={self.weight_decay} must be >= 0 (0 = no decay)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -32,14 +32,17 @@ attention (left out, it is taken from there).
 A target's config is the defaults deep-merged with its own sections (an `attention` block whose `kind`
 differs from the default's replaces it whole); a phase merges on top of its target; `--set a.b=v`
 overrides go on top of everything. `model.vocab_size` may be left out: the tokenizer's is used. Strict
-throughout: unknown keys, undefined ${vars}, a key given twice and values of the wrong type are errors naming
-the file, the key path and the nearest valid name, all reported at once.
+throughout: unknown keys, undefined ${vars} (a variable may use another; a cycle is refused), a key given twice
+and values of the wrong type are errors naming the file, the key path and the nearest valid name, all reported at
+once.
 
 Everything `attnlab run` would refuse once a run starts is refused here, so `validate` and `run --dry-run`
 catch it: names that are not plain folder names (the manifest's, targets', phases'; attnlab.paths.name_problem),
 seeds outside 0 .. 2^32 - 1 or given twice, a train.seed (`seeds` would override it), an unknown data source or
 tokenizer, a model vocab_size smaller than a fixed tokenizer's (gpt2, byte), a data.max_tokens that holds no
-training window, train.eval_tokens below train.seq_len, and train.seq_len above the model's max_seq_len. The
+training window, train.eval_tokens below train.seq_len, a batch whose activations cannot fit this machine's
+memory (train.budget), a phase or init_from target whose model cannot start from the weights it continues (other
+shapes, another tokenizer, or a fitted tokenizer on other data), and train.seq_len above the model's max_seq_len. The
 last holds with a memory too (memory.kind != none): such a model reads streams of any length when it scores or
 generates, but it trains on sequences of at most max_seq_len (raise model.max_seq_len to train on longer ones;
 the trainer refuses them as well). Whether a local data file exists depends on --data-dir:
@@ -65,7 +68,9 @@ from attnlab.errors import ConfigError
 from attnlab.interop.convert import PAIR_RULES
 from attnlab.model.transformer import build_model
 from attnlab.paths import brief, name_problem
+from attnlab.train.budget import batch_memory_problem
 from attnlab.train.optim import trainable_problem
+from attnlab.train.warm_start import architecture_problem
 
 TOP_KEYS = ("name", "description", "vars", "seeds", "defaults", "targets")
 SECTION_KEYS = ("model", "data", "train")
@@ -141,16 +146,19 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def substitute(value: Any, variables: dict, where: str, problems: list[str]) -> Any:
-    """Replaces ${name}: a value that is exactly '${name}' keeps the variable's type."""
+def substitute(value: Any, variables: dict, where: str, problems: list[str], broken=frozenset()) -> Any:
+    """Replaces ${name}: a value that is exactly '${name}' keeps the variable's type. `broken`: variables whose own
+    problem was said already (a cycle), left in place without another."""
     if isinstance(value, dict):
-        return {k: substitute(v, variables, f"{where}.{k}" if where else str(k), problems) for k, v in value.items()}
+        return {
+            k: substitute(v, variables, f"{where}.{k}" if where else str(k), problems, broken) for k, v in value.items()
+        }
     if isinstance(value, list):
-        return [substitute(v, variables, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+        return [substitute(v, variables, f"{where}[{i}]", problems, broken) for i, v in enumerate(value)]
     if not isinstance(value, str) or "${" not in value:
         return value
     for name in VAR.findall(value):
-        if name not in variables:
+        if name not in variables and name not in broken:
             close = difflib.get_close_matches(name, list(variables), n=1, cutoff=0.5)
             hint = f" (did you mean ${{{close[0]}}}?)" if close else f" (defined: {', '.join(variables) or 'none'})"
             problems.append(f"{where}: undefined variable ${{{name}}}{hint}")
@@ -158,6 +166,56 @@ def substitute(value: Any, variables: dict, where: str, problems: list[str]) -> 
     if whole:
         return variables.get(whole.group(1), value)
     return VAR.sub(lambda m: str(variables.get(m.group(1), m.group(0))), value)
+
+
+def _used_names(value: Any) -> list[str]:
+    """The variables a value uses (${name}), anywhere inside it."""
+    if isinstance(value, dict):
+        return [name for v in value.values() for name in _used_names(v)]
+    if isinstance(value, list):
+        return [name for v in value for name in _used_names(v)]
+    return VAR.findall(value) if isinstance(value, str) else []
+
+
+def _resolve_vars(variables: dict, problems: list[str]) -> tuple[dict, set[str]]:
+    """The variables with the ${names} their values use replaced (a variable may use another); a cycle
+    (`a: ${b}`, `b: ${a}`) or an undefined name is one problem naming them. Returns (the resolved variables, the
+    names that could not be resolved: left out, their uses not reported again)."""
+    resolved: dict = {}
+    broken: set[str] = set()
+
+    def resolve(name: str, chain: list[str]) -> bool:
+        if name in resolved or name in broken:
+            return name in resolved
+        if name in chain:
+            cycle = chain[chain.index(name) :]
+            if not broken & set(cycle):
+                if len(cycle) == 1:
+                    problems.append(f"vars.{name}: its value uses ${{{name}}}, itself (give it a value)")
+                else:
+                    shown = " -> ".join(f"${{{n}}}" for n in [*cycle, name])
+                    problems.append(f"vars: {shown}: these variables refer to each other, a cycle (give one of "
+                                    "them a value)")  # fmt: skip
+            broken.update(cycle)
+            return False
+        ok = True
+        for used in dict.fromkeys(_used_names(variables[name])):
+            if used not in variables:
+                close = difflib.get_close_matches(used, list(variables), n=1, cutoff=0.5)
+                hint = f" (did you mean ${{{close[0]}}}?)" if close else f" (defined: {', '.join(variables)})"
+                problems.append(f"vars.{name}: undefined variable ${{{used}}}{hint}")
+                ok = False
+            elif not resolve(used, [*chain, name]):
+                ok = False
+        if ok and name not in broken:
+            resolved[name] = substitute(variables[name], resolved, f"vars.{name}", problems)
+        else:
+            broken.add(name)
+        return name in resolved
+
+    for name in variables:
+        resolve(name, [])
+    return resolved, broken
 
 
 def _undefined_keys(value: Any, variables: dict, where: str = "") -> list[str]:
@@ -282,6 +340,11 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
         problem = trainable_problem(names, spec["train"].trainable)
         if problem:
             problems.append(f"{where}: {problem}")
+    if "train" in spec:
+        known = cfg.vocab_size if "vocab_size" in model else FIXED_VOCAB.get(tokenizer)
+        problem = batch_memory_problem(cfg, spec["train"], known)
+        if problem:
+            problems.append(f"{where}: {problem}")
     max_tokens = spec["data"].max_tokens if "data" in spec else None
     if "train" in spec and max_tokens is not None and max_tokens <= spec["train"].seq_len:
         problems.append(
@@ -349,6 +412,73 @@ def _check_vars(variables: Any, problems: list[str]) -> dict:
     return {k: v for k, v in variables.items() if k not in bad}
 
 
+FITTED_TOKENIZERS = ("char", "word")  # and bpe:<N>: fitted on the training split, so their ids depend on the data
+DATA_KEYS = ("source", "val_fraction", "test_fraction", "max_tokens")  # what a fitted tokenizer is fitted on
+
+
+def _fitted(tokenizer: str) -> bool:
+    return tokenizer in FITTED_TOKENIZERS or tokenizer.startswith("bpe:")
+
+
+def _start_problem(spec: RunSpec, previous: RunSpec, where: str, whose: str) -> str | None:
+    """Why `spec`'s model cannot start from the weights `previous` leaves (a previous phase, or the init_from
+    target's last phase), as train() would find once `previous` is trained: another tokenizer (its ids mean other
+    tokens), a fitted tokenizer (char, word, bpe) on other data, or weights of other shapes (only a memory may be
+    added). whose: "phase p1's", "target a's"."""
+    data, before = spec.data, previous.data
+    if data.tokenizer != before.tokenizer:
+        return (f"{where}: data.tokenizer={data.tokenizer} is not {whose} {before.tokenizer}, whose ids its weights "
+                f"read (keep data.tokenizer={before.tokenizer})")  # fmt: skip
+    if _fitted(data.tokenizer):
+        keys = DATA_KEYS if not data.source.startswith("wikitext") else ("source", "max_tokens")  # own splits
+        for key in keys:
+            if getattr(data, key) != getattr(before, key):
+                return (
+                    f"{where}: data.{key}={getattr(data, key)} is not {whose} {getattr(before, key)}, and tokenizer "
+                    f"{data.tokenizer} is fitted on the data: its ids would not be the ones {whose} weights read "
+                    f"(keep {whose} data, or use a fixed tokenizer such as byte or gpt2 in both)"
+                )
+    mine, theirs = dict(spec.model), dict(previous.model)
+    fixed = FIXED_VOCAB.get(data.tokenizer)
+    if ("vocab_size" in mine) != ("vocab_size" in theirs) and fixed is None:  # the tokenizer's: known once prepared
+        given, other = ("its", f"{whose} is") if "vocab_size" in mine else (f"{whose}", "this one's is")
+        size = mine.get("vocab_size", theirs.get("vocab_size"))
+        return (f"{where}: {given} model.vocab_size={size} is given, {other} the tokenizer's ({data.tokenizer}, "
+                "known once the data is prepared): give both the same vocab_size, or leave it out of both")  # fmt: skip
+    for model in (mine, theirs):
+        model.setdefault("vocab_size", fixed or placeholder_vocab(data.tokenizer))
+    try:
+        cfg, before_cfg = model_config_from_dict(mine), model_config_from_dict(theirs)
+    except ConfigError:
+        return None  # said where the config is checked
+    problem = architecture_problem(cfg, before_cfg, whose)
+    return f"{where}: {problem}" if problem else None
+
+
+def _start_problems(runs: list[RunSpec], order: list[str]) -> list[str]:
+    """_start_problem of every phase that continues a previous one and every target with init_from another
+    (trained from scratch: a pretrained model's targets are checked against the model, retrofit.check_pretrained)."""
+    problems = []
+    seed = runs[0].seed if runs else 0
+    phases = {name: [r for r in runs if r.target == name and r.seed == seed] for name in order}
+    for name, specs in phases.items():
+        for i, spec in enumerate(specs):
+            if spec.source is not None:
+                continue
+            if i > 0:
+                previous, whose = specs[i - 1], f"phase {specs[i - 1].phase}'s"
+                where = f"targets.{name}.phases[{i}]"
+            elif spec.init_from is not None and phases.get(spec.init_from):
+                previous, whose = phases[spec.init_from][-1], f"target {spec.init_from}'s"
+                where = f"targets.{name}"
+            else:
+                continue
+            problem = _start_problem(spec, previous, where, whose)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
 # Files `attnlab run` and `attnlab compare` write in <out>/<manifest>/, beside the targets' folders.
 RESERVED_NAMES = ("manifest.json", "compare.md", "compare.csv", "val_loss.png")
 
@@ -367,9 +497,9 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
         problem = name_problem(name, "name")
     if problem:
         problems.append(problem + ("" if "name" in raw and raw["name"] is not None else " (set `name:`)"))
-    variables = _check_vars(raw.get("vars"), problems)
+    variables, broken = _resolve_vars(_check_vars(raw.get("vars"), problems), problems)
     defaults = _check_keys(raw.get("defaults"), SECTION_KEYS, "defaults", problems)
-    defaults = substitute(defaults, variables, "defaults", problems)
+    defaults = substitute(defaults, variables, "defaults", problems, broken)
     seeds = _check_seeds(raw.get("seeds", [0]), problems)
     targets = raw.get("targets")
     if not isinstance(targets, dict) or not targets:
@@ -389,7 +519,7 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
             continue
         where = f"targets.{name_}"
         target = _check_keys(target, TARGET_KEYS, where, problems)
-        target = substitute(target, variables, where, problems)
+        target = substitute(target, variables, where, problems, broken)
         base = deep_merge(defaults, {k: v for k, v in target.items() if k in SECTION_KEYS})
         phases = target.get("phases")
         if phases is None:
@@ -459,6 +589,8 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                     runs.append(RunSpec(name_, seed, phase_name, spec["model"], spec["data"],
                                         replace(spec["train"], seed=seed), start_from if i == 0 else None,
                                         source))  # fmt: skip
+    if not problems:
+        problems = _start_problems(runs, [t for t in order if isinstance(t, str)])
     if problems:
         raise ConfigError(problems, source=str(path))
     runs.sort(key=lambda r: (order.index(r.target), seeds.index(r.seed)))  # stable: phases keep order

@@ -30,6 +30,7 @@ from attnlab.data.files import read_json_object
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import PRETRAINED_CHANGES, RunSpec
 from attnlab.model.transformer import build_model
+from attnlab.train.budget import batch_memory_problem
 from attnlab.train.optim import trainable_problem
 
 CONVERTED = "converted"
@@ -108,7 +109,7 @@ def target_config_of(spec: RunSpec, source_cfg: ModelConfig) -> ModelConfig:
 def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> list[str]:
     """What would stop a pretrained target once it runs, found from the model's metadata alone: a reference that
     names nothing, changes the weights cannot initialise, a tokenizer other than the model's, train.trainable
-    patterns that match nothing, train.seq_len above the model's context."""
+    patterns that match nothing, train.seq_len above the model's context, a batch far beyond this machine's memory."""
     from attnlab.interop.references import model_config_of, tokenizer_of
 
     problems: list[str] = []
@@ -161,6 +162,9 @@ def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> 
                 f"{where}: train.seq_len={spec.train.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len} "
                 "(lower train.seq_len, or raise model.max_seq_len)"
             )
+        problem = batch_memory_problem(cfg, spec.train, cfg.vocab_size)
+        if problem:
+            problems.append(f"{where}: {problem}")
         if spec.train.trainable is not None:
             if cfg not in names:
                 with torch.device("meta"):

@@ -1,14 +1,18 @@
 """`attnlab run`: every target x seed (x phase) of a manifest into runs/<manifest>/<target>/seed<S>/.
 
-Finished runs (summary.json) are skipped, interrupted ones resume from their last checkpoint, and a run
-folder made with another config is an error rather than silently reused. Before the first run starts (dry runs
-too) every folder a run would write is checked to lie inside --out, every local data file to exist, and every
-named dataset to be prepared, found or (downloads allowed) downloadable; a dry run says what the runs would
-download first, and downloads nothing.
+Finished runs (summary.json) are skipped, interrupted ones resume from their last checkpoint, and a run folder made
+with another config, or a checkpoint trained on other data, is an error rather than silently reused; so is a run
+folder another `attnlab run` is training (train.lock). A refused run writes nothing into its folder. Before the
+first run starts (dry runs too) every folder a run would write is checked to lie inside --out, every local data file
+to exist, and every named dataset to be prepared, found or (downloads allowed) downloadable; a dry run says what the
+runs would download first, and downloads nothing; for each run it says what the real run would do with its folder
+(train, resume from step K, skip it as finished, or refuse it and why).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shlex
 import sys
 import time
@@ -18,7 +22,7 @@ import yaml
 
 from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
-from attnlab.data.files import atomic_write_text, downloads_allowed, read_json_object
+from attnlab.data.files import downloads_allowed, read_json_object
 from attnlab.data.prepared import cache_key, default_cache_dir, folder_name
 from attnlab.data.pretrained import tokenizer_from_folder
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
@@ -33,9 +37,12 @@ from attnlab.retrofit import (
     model_tokenizer,
     run_config,
 )
-from attnlab.train.checkpoint import write_json_atomic
+from attnlab.train.checkpoint import find_checkpoint, write_json_atomic
 from attnlab.train.distributed import barrier, init_distributed, prepare_rank0_first
-from attnlab.train.loop import _config_differences, full_config, pick_device, train
+from attnlab.train.lock import LOCK_NAME, busy_problem, run_lock
+from attnlab.train.loop import full_config, pick_device, train
+from attnlab.train.resume import check_resume, config_differences, data_change, data_fingerprint, source_file_change
+from attnlab.train.signals import first_interrupt_only
 
 
 def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
@@ -114,6 +121,110 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
     return downloads
 
 
+def finished_run(run_dir: Path, config: dict, source=None) -> dict | None:
+    """The summary of the finished run in run_dir (None when it is not finished); ConfigError when it was made with
+    another config than `config`."""
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        return None
+    fix = "delete the run's folder to train it again"
+    saved, summary = read_json_object(run_dir / "config.json", fix), read_json_object(summary_path, fix)
+    differences = config_differences(saved, config, saved_as="saved")
+    if differences:
+        more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
+        raise ConfigError(
+            f"{run_dir} holds a finished run made with another config ({differences[0]}{more}); "
+            "use another --out directory or delete that folder", source=str(source) if source else None
+        )  # fmt: skip
+    return summary
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """path and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Removes the folders a refused run made (deepest first), when they hold nothing but its lock file."""
+    for folder in made:
+        try:
+            if [p.name for p in folder.iterdir()] == [LOCK_NAME]:
+                (folder / LOCK_NAME).unlink()
+            folder.rmdir()
+        except OSError:
+            return  # not empty: something was written, keep it
+
+
+def _prepared_meta(data, data_dir) -> dict | None:
+    """The meta.json of the data's prepared folder when it is prepared already (a dry run prepares nothing)."""
+    if names_model(data.tokenizer):  # its cache key needs the model's tokenizer
+        return None
+    path = default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    ok = isinstance(meta, dict) and isinstance(meta.get("splits"), dict)
+    return meta if ok and all(isinstance(e, dict) and "sha256" in e for e in meta["splits"].values()) else None
+
+
+def _dry_config(spec: RunSpec, converted: Path | None, meta: dict | None, saved: dict) -> dict | None:
+    """The config the run would have, as far as it is known without preparing the data: the vocabulary is the
+    prepared data's when prepared, else the saved run's (the same tokenizer on the same data has the same);
+    None for a converted target whose conversion is not made yet."""
+    if converted is not None:
+        if not (converted / "config.json").exists():
+            return None
+        model_cfg = run_config(spec, converted)
+    else:
+        vocab = meta.get("vocab_size") if meta else None
+        if not isinstance(vocab, int):
+            model = saved.get("model") if isinstance(saved, dict) else None
+            vocab = model.get("vocab_size") if isinstance(model, dict) else None
+        model_cfg = spec.model_config(vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None)
+    return full_config(model_cfg, spec.data, spec.train)
+
+
+def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_dir, resume: bool, start: str) -> str:
+    """What `attnlab run` would do with a run, for --dry-run: train it, resume it from its last checkpoint, skip it
+    (finished) or refuse it (another config, other data, another process training it, a damaged checkpoint)."""
+    busy = busy_problem(run_dir)
+    if busy:
+        return f"would be refused: {busy}"
+    try:
+        meta = _prepared_meta(spec.data, data_dir)
+        if (run_dir / "summary.json").exists():
+            saved = read_json_object(run_dir / "config.json", "delete the run's folder to train it again")
+            config = _dry_config(spec, converted, meta, saved)
+            summary = finished_run(run_dir, config) if config is not None else None
+            loss = f" (val loss {summary.get('val_loss', float('nan')):.4f})" if summary else ""
+            return f"done already{loss}, would be skipped ({run_dir})"
+        checkpoint = find_checkpoint(run_dir) if resume else None
+        if checkpoint is not None:
+            config = _dry_config(spec, converted, meta, checkpoint.config)
+            differences = config_differences(checkpoint.config, config) if config is not None else []
+            if differences:
+                more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
+                return f"would be refused: checkpoint {checkpoint.path} is from another config: {differences[0]}{more}"
+            where, source = str(run_dir), spec.data.source
+            if meta is not None:
+                problem = data_change(checkpoint.trainer, data_fingerprint(meta), source, where)
+            elif source not in NAMED_SOURCES:
+                problem = source_file_change(checkpoint.trainer, local_path(source, data_dir), source, where)
+            else:
+                problem = None
+            if problem:
+                return f"would be refused: {problem}"
+            return f"would resume from step {checkpoint.step} of {spec.train.steps} in {run_dir}"
+    except (ConfigError, DataError) as e:
+        return "would be refused: " + " ".join(str(e).split())
+    return f"would train {spec.train.steps} steps into {run_dir}{start}"
+
+
 def run_manifest(
     manifest: Manifest,
     out_root: str | Path = "runs",
@@ -127,7 +238,18 @@ def run_manifest(
     convert_only: bool = False,
 ) -> list[dict]:
     """Runs the selected runs in order; returns one summary per run (None for dry runs). convert_only: make the
-    selected pretrained targets' conversions (<target>/converted, the cold models) and train nothing."""
+    selected pretrained targets' conversions (<target>/converted, the cold models) and train nothing. A dry run
+    says what each run would do: train, resume from its checkpoint, skip (finished) or be refused (and why).
+
+    Each run folder is locked while its run trains (train.lock: a second `attnlab run` into it is refused), and
+    nothing is written into it before every check has passed. Ctrl-C stops the runs once: a second one right
+    after it is ignored while they stop (train.signals)."""
+    with first_interrupt_only():
+        return _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume, progress, log,
+                             convert_only)  # fmt: skip
+
+
+def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume, progress, log, convert_only):
     if Path(out_root).exists() and not Path(out_root).is_dir():
         raise ConfigError(f"--out {out_root}: a file, not a folder (runs are written into a folder)")
     root = Path(out_root) / manifest.name
@@ -178,11 +300,8 @@ def run_manifest(
         if dry_run:
             fresh = converted is not None and init_from == converted and not converted.exists()
             made = f" (converted from {spec.source['model']} first)" if fresh else ""
-            log(
-                f"{label}: would train {spec.train.steps} steps into {run_dir}"
-                + (f" from {init_from}" if init_from else "")
-                + made
-            )
+            start = f" from {init_from}" if init_from else ""
+            log(f"{label}: {dry_run_status(spec, run_dir, converted, data_dir, resume, start + made)}")
             summaries.append(None)
             continue
         tokenizer = None
@@ -201,30 +320,36 @@ def run_manifest(
         else:
             model_cfg = spec.model_config(prepared.vocab_size)
         config = full_config(model_cfg, spec.data, spec.train)
-        summary_path = run_dir / "summary.json"
-        if summary_path.exists():
-            fix = "delete the run's folder to train it again"
-            saved, summary = read_json_object(run_dir / "config.json", fix), read_json_object(summary_path, fix)
-            differences = _config_differences(saved, config, saved_as="saved")
-            if differences:
-                more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
-                raise ConfigError(
-                    f"{run_dir} holds a finished run made with another config ({differences[0]}{more}); "
-                    "use another --out directory or delete that folder", source=str(manifest.path)
-                )  # fmt: skip
+        summary = finished_run(run_dir, config, manifest.path)
+        if summary is not None:
             log(f"{label}: done already (val loss {summary.get('val_loss', float('nan')):.4f}), skipped")
             summaries.append(summary)
             continue
-        if dist_info.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-            atomic_write_text(run_dir / "command.txt", shlex.join(sys.argv) + "\n")
-        log(f"{label}: training {spec.train.steps} steps ({model_cfg.attention.kind}) into {run_dir}")
-        start = time.perf_counter()
-        summary = train(
-            model_cfg, spec.data, spec.train, run_dir, prepared=prepared, resume=resume, init_from=init_from,
-            progress=progress,
-        )  # fmt: skip
+        made = _missing_folders(run_dir)
+        with run_lock(run_dir) if dist_info.is_main else contextlib.nullcontext():
+            try:
+                summary = finished_run(run_dir, config, manifest.path)  # (finished by another process just now)
+                if summary is not None:
+                    log(f"{label}: done already (val loss {summary.get('val_loss', float('nan')):.4f}), skipped")
+                    summaries.append(summary)
+                    continue
+                checkpoint = find_checkpoint(run_dir) if resume else None
+                if checkpoint is not None:  # before anything is written or said: a refusal leaves the folder as it was
+                    check_resume(checkpoint, config, spec.data.source, prepared)
+                resuming = f" (resuming from step {checkpoint.step})" if checkpoint is not None else ""
+                log(f"{label}: training {spec.train.steps} steps ({model_cfg.attention.kind}) into {run_dir}"
+                    f"{resuming}")  # fmt: skip
+                start = time.perf_counter()
+                files = {"config.yaml": yaml.safe_dump(config, sort_keys=False),
+                         "command.txt": shlex.join(sys.argv) + "\n"}  # fmt: skip
+                summary = train(
+                    model_cfg, spec.data, spec.train, run_dir, prepared=prepared, resume=resume, init_from=init_from,
+                    progress=progress, run_files=files if dist_info.is_main else None,
+                )  # fmt: skip
+            except BaseException:
+                if dist_info.is_main:
+                    _remove_empty(made)  # a refused fresh run leaves no folder behind
+                raise
         nan = float("nan")
         log(
             f"{label}: val loss {summary.get('val_loss', nan):.4f} (ppl {summary.get('val_ppl', nan):.2f}),"

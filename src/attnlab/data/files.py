@@ -13,11 +13,16 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
-from attnlab.errors import DataError
+from attnlab.errors import DataError, InputError
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: folders are not locked there
+    fcntl = None
 
 
 def temp_path_beside(path: Path) -> Path:
@@ -183,9 +188,12 @@ def read_json_object(path: str | Path, fix: str = "") -> dict:
     unreadable or not an object. fix: what to do, said after the problem."""
     path = Path(path)
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark is read past
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: unreadable ({' '.join(str(e).split())}){'; ' + fix if fix else ''}") from None
+    except RecursionError:  # thousands of nested brackets: a damaged file, not a bug of ours
+        raise DataError(f"{path}: not valid JSON (nested too deeply to read: the file was damaged or changed)"
+                        f"{'; ' + fix if fix else ''}") from None  # fmt: skip
     if not isinstance(value, dict):
         raise DataError(f"{path}: not a JSON object (it was changed){'; ' + fix if fix else ''}")
     return value
@@ -196,7 +204,7 @@ def read_json_lines(path: str | Path, fix: str = "") -> list[dict]:
     that is not one (a damaged records or metrics file)."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (offset {e.start}){'; ' + fix if fix else ''}") from None
     rows = json_objects(lines)
@@ -214,9 +222,69 @@ def json_objects(lines: list[str]) -> list[dict] | int:
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (nested too deeply: a damaged line)
             row = None
         if not isinstance(row, dict):
             return number
         rows.append(row)
     return rows
+
+
+# ----------------------------------------------------------------------------- one process at a time in a folder
+#
+# A run folder (train/) and a bench's --out folder (eval/harness) are each written by one process at a time: an
+# exclusive fcntl.flock on a small file in the folder, taken without waiting, so a second process is refused with
+# one line naming the first one's pid. The kernel lets go of the lock when its holder exits, however it exits
+# (killed too): there is no stale lock to remove; the file stays, holding the last holder's pid.
+_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+def _holder_pid(fd: int) -> str:
+    """' (pid N)' of the process that wrote its pid into the lock file, else ''."""
+    pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    return f" (pid {pid})" if pid.isdigit() else ""
+
+
+def lock_holder(path: Path) -> str | None:
+    """' (pid N)' (or '') when another process holds the lock file `path`, None when it is free or missing: a
+    look that takes the lock for an instant only when it is free (a dry run's)."""
+    if fcntl is None or not path.is_file():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        return _holder_pid(fd) if e.errno in _BUSY else None
+    finally:
+        os.close(fd)
+    return None
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | Path, name: str, busy: Callable[[str], str]) -> Iterator[None]:
+    """Holds the lock file folder/name (the folder made if needed) for the block. When another process holds it,
+    InputError(busy(holder)), holder being ' (pid N)' or ''. A file system without locks (some network ones)
+    runs unlocked."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        locked = True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in _BUSY:
+                raise InputError(busy(_holder_pid(fd))) from None
+            locked = False  # no locks on this file system
+        if locked:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # lets go of the lock

@@ -81,6 +81,11 @@ class BatchSampler:
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state`; the seed, seq_len, global batch and split size must match."""
         mine = self.state_dict()
+        if state.get("n_tokens") != mine["n_tokens"] and isinstance(state.get("n_tokens"), int):
+            raise InputError(
+                f"the training data changed: its split has {mine['n_tokens']:,} tokens, {state['n_tokens']:,} when "
+                "the sampler state was saved"
+            )
         differ = [
             f"{k}={state.get(k)!r} (this sampler: {mine[k]!r})" for k in mine if k != "step" and state.get(k) != mine[k]
         ]

@@ -156,9 +156,16 @@ def parquet_texts(path: Path) -> Iterator[str]:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{path}: reading parquet files needs pyarrow (pip install pyarrow)") from None
+    import pyarrow as pa
+
     parquet = pq.ParquetFile(path)
     if "text" not in parquet.schema_arrow.names:
         raise DataError(f"{path}: no 'text' column (columns: {', '.join(parquet.schema_arrow.names)})")
+    kind = parquet.schema_arrow.field("text").type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"):
+        raise DataError(f"{path}: column 'text' holds {kind}, not strings (the documents must be a column of text)")
     for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
         yield from (text for text in batch.column(0).to_pylist() if text and text.strip())
 

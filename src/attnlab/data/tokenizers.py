@@ -66,6 +66,12 @@ class Tokenizer:
         """Token ids of a prompt, as the model reads one (a pretrained model's BOS first where it expects it)."""
         return self.encode(text)
 
+    def unknown(self, text: str) -> list[str]:
+        """The pieces of `text` this tokenizer reads as <unk> (characters or words its vocabulary lacks), in order,
+        each time they occur: what a prompt would lose without a word. Nothing for tokenizers that spell any text
+        (bytes, BPE)."""
+        return []
+
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """The ids that end a generation: end-of-text (a pretrained model's end-of-sequence ids too)."""
@@ -134,6 +140,9 @@ class CharTokenizer(VocabTokenizer):
         ids, unk = self.ids, self.unk_id
         return [ids.get(c, unk) for c in text]
 
+    def unknown(self, text: str) -> list[str]:
+        return [c for c in text if c not in self.ids]
+
     def decode(self, ids: Sequence[int]) -> str:
         # One unknown character, or an id past the vocabulary (a model whose vocab_size is larger than its
         # tokenizer's may sample one), decodes to U+FFFD, as undecodable bytes do.
@@ -171,6 +180,9 @@ class WordTokenizer(VocabTokenizer):
     def encode(self, text: str) -> list[int]:
         lookup, unk = self.lookup, self.unk_id
         return [lookup.get(word, unk) for word in self.pattern.findall(text)]
+
+    def unknown(self, text: str) -> list[str]:
+        return [word for word in self.pattern.findall(text) if word not in self.lookup]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Words joined by one space, `<eos>` as a line end (the text's own spacing is not kept)."""

@@ -16,9 +16,11 @@ from attnlab.accounting import kv_report, param_counts
 from attnlab.config import DataConfig, ModelConfig, TrainConfig
 from attnlab.config_checks import value_problem
 from attnlab.data import BatchSampler, eval_batches
+from attnlab.data.files import atomic_write_text
 from attnlab.data.tokenizers import tokenizer_record
 from attnlab.errors import ConfigError, DivergedError, InputError
 from attnlab.model.transformer import build_model
+from attnlab.train.budget import batch_memory_problem
 from attnlab.train.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -33,6 +35,8 @@ from attnlab.train.distributed import DistInfo, all_reduce_mean, barrier, init_d
 from attnlab.train.evaluate import evaluate_loss
 from attnlab.train.logging import MetricsLog
 from attnlab.train.optim import build_optimizer, freeze, lr_at
+from attnlab.train.resume import check_resume, data_fingerprint
+from attnlab.train.warm_start import misfits as weight_misfits
 
 
 def pick_device(name: str) -> torch.device:
@@ -67,19 +71,6 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 def full_config(model: ModelConfig, data: DataConfig, train: TrainConfig) -> dict:
     """The run's config as it is saved (JSON's types: lists, not tuples, so a resumed run compares equal)."""
     return json.loads(json.dumps({"model": model.to_dict(), "data": asdict(data), "train": asdict(train)}))
-
-
-def _config_differences(saved: dict, current: dict, prefix: str = "", saved_as: str = "checkpoint") -> list[str]:
-    """Every key whose value differs (`key: <saved_as> <saved value>, now <value>`). A key missing on one side
-    counts as None: a config saved before a field (default None) existed equals today's."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_differences(a, b, f"{prefix}{key}.", saved_as)
-        elif a != b:
-            out.append(f"{prefix}{key}: {saved_as} {a!r}, now {b!r}")
-    return out
 
 
 TRAINER_STATE = {"step": int, "tokens": int, "best_val_loss": float | None, "train_seconds": float, "sampler.step": int}
@@ -129,12 +120,15 @@ def train(
     resume: bool = True,
     init_from: str | Path | None = None,
     progress: bool = True,
+    run_files: dict[str, str] | None = None,
 ) -> dict:
     """Trains into run_dir (metrics.jsonl, checkpoints/, summary.json) and returns the summary.
 
     With resume (the default) an existing last checkpoint is continued exactly: the same batches, learning
     rates and optimizer state, so the losses equal those of an uninterrupted run. init_from starts from
-    another run's weights (a previous phase) with a fresh optimizer and schedule.
+    another run's weights (a previous phase) with a fresh optimizer and schedule. Nothing is written into run_dir
+    before every check has passed (a refused resume leaves the folder as it was); `run_files` ({name: text}, the
+    runner's config.yaml and command.txt) are written then, with config.json.
     """
     run_dir = Path(run_dir)
     device = pick_device(train_cfg.device)
@@ -154,6 +148,9 @@ def train(
             f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {prepared.vocab_size} "
             "(leave vocab_size out of the manifest to take the tokenizer's)"
         )
+    problem = batch_memory_problem(model_cfg, train_cfg, model_cfg.vocab_size)
+    if problem:
+        raise ConfigError(problem)
     config = full_config(model_cfg, data_cfg, train_cfg)
 
     torch.manual_seed(train_cfg.seed)
@@ -167,12 +164,7 @@ def train(
     state = {"step": 0, "tokens": 0, "best_val_loss": None, "train_seconds": 0.0, "window_loss": 0.0, "window_steps": 0}
     checkpoint = find_checkpoint(run_dir) if resume else None
     if checkpoint is not None:
-        differences = _config_differences(checkpoint.config, config)
-        if differences:
-            raise ConfigError(
-                [f"checkpoint {checkpoint.path} is from another config: {d}" for d in differences]
-                + ["use another --out directory, or delete the run to start over"]
-            )
+        check_resume(checkpoint, config, data_cfg.source, prepared)  # the same config, the same data
         # Every file is checked (sha256) before it is used; a refusal leaves the run folder as it was.
         load_weights(model, checkpoint)
         load_optimizer(optimizer, checkpoint)
@@ -180,10 +172,9 @@ def train(
     elif init_from is not None:
         _, previous = load_model_from_checkpoint(init_from, tag="last")
         # A phase may add a bounded memory: its write gate and EMA rate are new (freshly initialised);
-        # any other missing or unexpected weight means the phases do not fit together.
+        # any other missing or unexpected weight means the phases do not fit together (train.warm_start).
         shapes = {k: v.shape for k, v in model.state_dict().items()}
-        wrong = [f"{k} {tuple(v.shape)} vs {tuple(shapes[k])}" for k, v in previous.state_dict().items()
-                 if k in shapes and v.shape != shapes[k]]  # fmt: skip
+        wrong, _ = weight_misfits(shapes, {k: v.shape for k, v in previous.state_dict().items()})
         if wrong:
             raise ConfigError(
                 f"{init_from}: its weights do not fit this model's shapes ({', '.join(wrong[:3])}"
@@ -200,6 +191,8 @@ def train(
     log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"])
     saved_tokenizer = None  # what the checkpoints record of the tokenizer saved with the run (rank 0 writes them)
     if dist_info.is_main:
+        for name, text in (run_files or {}).items():
+            atomic_write_text(run_dir / name, text)
         write_json_atomic(run_dir / "config.json", config)
         (run_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
         prepared.tokenizer.save(run_dir / "tokenizer")  # so the run can be evaluated without its data
@@ -211,13 +204,14 @@ def train(
         train_model = torch.nn.parallel.DistributedDataParallel(train_model)
     amp_dtype = autocast_dtype(train_cfg.precision, device)
     val_tokens = prepared.split("val")
+    data = data_fingerprint(prepared.meta)  # in every checkpoint: a resume on other data is refused
 
     def run_eval() -> dict:
         batches = eval_batches(val_tokens, train_cfg.seq_len, train_cfg.batch_size, train_cfg.eval_tokens)
         return evaluate_loss(unwrap(model), batches, device, amp_dtype)
 
     def save(tags) -> None:
-        trainer = {**state, "sampler": sampler.state_dict(), "tokenizer": saved_tokenizer}
+        trainer = {**state, "sampler": sampler.state_dict(), "tokenizer": saved_tokenizer, "data": data}
         if dist_info.is_main:
             save_checkpoint(run_dir, model, optimizer, trainer, config, tags)
         barrier(dist_info)

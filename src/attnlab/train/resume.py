@@ -1,0 +1,119 @@
+"""What a run resumed from its checkpoint must find as the checkpoint left it: the same config and the same data.
+
+Each checkpoint's trainer.json records the data it was trained on ("data": data_fingerprint): the sha256 of every
+prepared split (meta.json's) and of the source files they were made from. A run whose data changed since (a text
+file edited between an interruption and the resume) is refused with one line naming the data and what changed,
+instead of continuing silently on other tokens. Checkpoints written before the record existed still resume (a
+change of the training split's size is still caught, from the sampler's token count).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from attnlab.data.files import sha256_file
+from attnlab.errors import ConfigError, DataError
+
+HOW = "restore the data as it was to resume, or train into a new --out"
+
+
+def config_differences(saved: dict, current: dict, prefix: str = "", saved_as: str = "checkpoint") -> list[str]:
+    """Every key whose value differs (`key: <saved_as> <saved value>, now <value>`). A key missing on one side
+    counts as None: a config saved before a field (default None) existed equals today's."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{prefix}{key}.", saved_as)
+        elif a != b:
+            out.append(f"{prefix}{key}: {saved_as} {a!r}, now {b!r}")
+    return out
+
+
+def data_fingerprint(meta: dict) -> dict:
+    """What a checkpoint records of its data: {"splits": {split: sha256 of its tokens}, "source_files": {path:
+    sha256}}, from a prepared folder's (checked) meta.json; nothing is read again."""
+    files = {}
+    for entry in meta.get("source_files") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("sha256"), str):
+            files[entry["path"]] = entry["sha256"]
+    return {"splits": {name: entry["sha256"] for name, entry in meta["splits"].items()}, "source_files": files}
+
+
+def _recorded(trainer: dict) -> dict | None:
+    saved = trainer.get("data")
+    if not isinstance(saved, dict) or not isinstance(saved.get("splits"), dict):
+        return None  # a checkpoint from before the record
+    files = saved.get("source_files")
+    return {"splits": saved["splits"], "source_files": files if isinstance(files, dict) else {}}
+
+
+def _edited(saved: dict, now: dict) -> str | None:
+    """Which source file is not what it was, in words, or None when none of those recorded both times differs."""
+    for path in sorted(set(saved) & set(now)):
+        if saved[path] != now[path]:
+            return f"{Path(path).name}'s sha256 is now {str(now[path])[:12]}..., {str(saved[path])[:12]}... then"
+    return None
+
+
+def data_change(trainer: dict, now: dict, source: str, where: str) -> str | None:
+    """The one line refusing a resume on data other than the checkpoint's (trainer: its trainer.json; now:
+    data_fingerprint of the data prepared today; where: the run folder), or None when it is the same data or the
+    checkpoint recorded none."""
+    saved = _recorded(trainer)
+    if saved is None:
+        return None
+    before, after = saved["splits"], now["splits"]
+    changed = [s for s in sorted(set(before) | set(after)) if before.get(s) != after.get(s)]
+    if not changed:
+        return None
+    what = _edited(saved["source_files"], now["source_files"])
+    if what is None and saved["source_files"] and set(saved["source_files"]) != set(now["source_files"]):
+        what = "it is read from other files than then"
+    if what is None:
+        what = "the same source files, tokenized otherwise (another attnlab or tokenizer version)"
+    return (f"{where}: the data {source} changed since this run started ({what}; its prepared {', '.join(changed)} "
+            f"tokens differ from those the checkpoint was trained on); {HOW}")  # fmt: skip
+
+
+def source_file_change(trainer: dict, path: Path, source: str, where: str) -> str | None:
+    """data_change for a dry run, from a local source file alone (before it is prepared again): the line refusing
+    the resume when the checkpoint recorded `path` with another sha256, else None."""
+    saved = _recorded(trainer)
+    if saved is None or str(path) not in saved["source_files"]:
+        return None
+    now = sha256_file(path)
+    if now == saved["source_files"][str(path)]:
+        return None
+    what = _edited(saved["source_files"], {str(path): now})
+    return f"{where}: the data {source} changed since this run started ({what}); {HOW}"
+
+
+def token_count_change(trainer: dict, n_tokens: int, source: str, where: str) -> str | None:
+    """For a checkpoint from before the data record: the line refusing a resume whose training split has another
+    number of tokens than the sampler recorded, else None."""
+    sampler = trainer.get("sampler")
+    then = sampler.get("n_tokens") if isinstance(sampler, dict) else None
+    if not isinstance(then, int) or isinstance(then, bool) or then == n_tokens:
+        return None
+    return (f"{where}: the data {source} changed since this run started (its training split has {n_tokens:,} tokens, "
+            f"{then:,} then); {HOW}")  # fmt: skip
+
+
+def check_resume(checkpoint, config: dict, source: str, prepared) -> None:
+    """Refuses to resume `checkpoint` (a train.checkpoint.Checkpoint) with another config (ConfigError listing each
+    difference) or on other data (DataError, one line; also when the vocabulary differs only because the data did).
+    Reads the checkpoint's JSON only: done before anything is written into the run folder."""
+    differences = config_differences(checkpoint.config, config)
+    where = str(checkpoint.path.parent.parent)
+    problem = data_change(checkpoint.trainer, data_fingerprint(prepared.meta), source, where)
+    if problem is None and _recorded(checkpoint.trainer) is None and "train" in prepared.meta["splits"]:
+        problem = token_count_change(checkpoint.trainer, prepared.meta["splits"]["train"]["tokens"], source, where)
+    derived = [d for d in differences if d.startswith("model.vocab_size:")]  # the tokenizer's, fitted on the data
+    if differences and (problem is None or len(derived) < len(differences)):
+        raise ConfigError(
+            [f"checkpoint {checkpoint.path} is from another config: {d}" for d in differences]
+            + ["use another --out directory, or delete the run to start over"]
+        )
+    if problem:
+        raise DataError(problem)
