@@ -1,11 +1,17 @@
 """`attnlab compare RUNS_DIR`: one row per target (mean ± std over seeds), as Markdown and CSV, and a PNG
 of validation loss against tokens seen. Pure functions of the run folders' summary.json, config.json
-and metrics.jsonl, so a table can be redrawn at any time without training anything."""
+and metrics.jsonl, so a table can be redrawn at any time without training anything.
+
+RUNS_DIR is the folder `attnlab run` wrote for a manifest (runs/<manifest>), or any folder above or below it: a
+folder holding several manifests' runs, a target's folder or one run's. Seeds are averaged only when they are
+runs of one target folder trained with one config (train.seed apart): targets of the same name from different
+manifests, or seeds trained with another config (a --set on one seed), are rows of their own, and said."""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import re
 import statistics
@@ -13,21 +19,31 @@ from pathlib import Path
 
 from attnlab.data.files import atomic_write_text, read_json_lines, read_json_object
 from attnlab.errors import DataError, InputError
+from attnlab.eval.plots import plot_val_loss
+from attnlab.eval.records import distinct_labels
 
 SEED_DIR = re.compile(r"seed(\d+)")
+WHERE = "give the folder `attnlab run --out` wrote for a manifest, e.g. runs/quickstart"
 
 
 def collect_runs(runs_dir: str | Path) -> list[dict]:
-    """Every finished run under runs_dir: {target, seed, phase, dir, summary, val_curve [(tokens, loss)]}."""
+    """Every finished run under runs_dir (runs_dir itself may be a target's or a run's folder): {target, seed,
+    phase, dir, target_dir, config (its config.json without train.seed, as a string), summary, val_curve
+    [(tokens, loss)]}."""
     runs_dir = Path(runs_dir)
+    if runs_dir.is_file():
+        raise DataError(f"{runs_dir}: a file, not a folder ({WHERE})")
     if not runs_dir.is_dir():
-        raise DataError(f"{runs_dir}: no such directory (give the folder `attnlab run` wrote, e.g. runs/quickstart)")
+        raise DataError(f"{runs_dir}: no such directory ({WHERE})")
+    above = runs_dir.resolve().parts[-2:]  # runs_dir and its parent: a run's folder is <target>/seed<S>
     runs = []
     for summary_path in sorted(runs_dir.rglob("summary.json")):
-        parts = summary_path.parent.relative_to(runs_dir).parts
-        seed_at = next((i for i, p in enumerate(parts) if SEED_DIR.fullmatch(p)), None)
-        if seed_at is None or seed_at == 0:
+        parts = (*above, *summary_path.parent.relative_to(runs_dir).parts)
+        seed_at = next((i for i, p in enumerate(parts) if i > 0 and SEED_DIR.fullmatch(p)), None)
+        if seed_at is None:
             continue
+        phase = parts[seed_at + 1 :]
+        seed_dir = summary_path.parents[len(phase)]
         metrics = summary_path.parent / "metrics.jsonl"
         curve = []
         if metrics.exists():
@@ -37,14 +53,28 @@ def collect_runs(runs_dir: str | Path) -> list[dict]:
         runs.append({
             "target": parts[seed_at - 1],
             "seed": int(SEED_DIR.fullmatch(parts[seed_at]).group(1)),
-            "phase": "/".join(parts[seed_at + 1 :]) or None,
+            "phase": "/".join(phase) or None,
             "dir": str(summary_path.parent),
+            "target_dir": str(seed_dir.parent),
+            "config": _config(summary_path.parent / "config.json"),
             "summary": _summary(summary_path),
             "val_curve": curve,
         })  # fmt: skip
     if not runs:
-        raise DataError(f"{runs_dir}: no finished runs (summary.json) found below it")
+        raise DataError(f"{runs_dir}: no finished runs (<target>/seed<S>/summary.json) in it or below it ({WHERE})")
     return runs
+
+
+def _config(path: Path) -> str | None:
+    """A run's resolved config (config.json) without train.seed, as a string: equal for the seeds of one config.
+    None when the run has none (seeds without one are taken as one config)."""
+    if not path.is_file():
+        return None
+    config = read_json_object(path, "delete the run's folder, or train it again")
+    train = config.get("train")
+    if isinstance(train, dict):
+        config = {**config, "train": {k: v for k, v in train.items() if k != "seed"}}
+    return json.dumps(config, sort_keys=True, default=str)
 
 
 def _mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
@@ -71,17 +101,60 @@ def _summary(path: Path) -> dict:
     return summary
 
 
-def compare_table(runs: list[dict], baseline: str | None = None) -> list[dict]:
-    """One row per (target, phase): means and sample standard deviations over seeds, and each target's
-    validation loss and KV bytes relative to the baseline (the target named by `baseline`, else one
-    called baseline or mha, else the first)."""
+def group_runs(runs: list[dict]) -> tuple[dict[str, list[dict]], list[str]]:
+    """({row name: its runs}, notes): the seeds of one target folder, phase and config (train.seed apart) make a
+    row, named by the target (and phase); a target name that several folders hold (several manifests' runs) is
+    named by the folders' last parts (tiny/base, mem/base), and a target whose seeds differ in config by what
+    differs (base (train.lr=0.03)). Each such split is said in a note."""
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
-        groups.setdefault((run["target"], run["phase"]), []).append(run)
+        groups.setdefault((run["target_dir"], run["phase"], run.get("config")), []).append(run)
+    folders = distinct_labels({run["target_dir"]: run["target"] for run in runs})
+    names = {key: folders[key[0]] + (f" ({key[1]})" if key[1] else "") for key in groups}
+    notes = []
+    shared = sorted({folders[d] for d in folders if folders[d] != Path(d).name})
+    if shared:
+        notes.append(f"Targets of one name in several folders (several manifests' runs) are shown apart: "
+                     f"{', '.join(shared)}.")  # fmt: skip
+    for name in dict.fromkeys(names.values()):
+        keys = [key for key in groups if names[key] == name]
+        if len(keys) < 2:
+            continue
+        configs = {key: _flat(json.loads(key[2])) if key[2] else {} for key in keys}
+        differ = sorted({k for c in configs.values() for k in c if len({json.dumps(x.get(k)) for x in
+                                                                          configs.values()}) > 1})  # fmt: skip
+        for key in keys:
+            shown = ", ".join(f"{k}={configs[key].get(k)}" for k in differ[:2]) + (", ..." if len(differ) > 2 else "")
+            names[key] = f"{name} ({shown})"
+        seeds = "; ".join(f"seed{', seed'.join(str(r['seed']) for r in groups[key])}: " + ", ".join(
+            f"{k} {configs[key].get(k)}" for k in differ[:3]) for key in keys)  # fmt: skip
+        notes.append(f"{name}: its seeds were trained with different configs ({seeds}): each config is a row of its "
+                     "own, not averaged as seeds of one target.")  # fmt: skip
+    out: dict[str, list[dict]] = {}
+    for key, members in groups.items():
+        out[names[key]] = members
+    return out, notes
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    """{"train.lr": 0.001, ...}: a nested config's leaves by dotted key."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def compare_table(runs: list[dict], baseline: str | None = None) -> list[dict]:
+    """One row per target and phase (see group_runs): means and sample standard deviations over seeds, and each
+    row's validation loss and KV bytes relative to the baseline (the row named by `baseline`, else one called
+    baseline or mha, else the first)."""
     rows = []
-    for (target, phase), members in groups.items():
+    for name, members in group_runs(runs)[0].items():
         summaries = [m["summary"] for m in members]
-        row = {"target": target + (f" ({phase})" if phase else ""), "seeds": len(members)}
+        row = {"target": name, "seeds": len(members)}
         row["params"] = summaries[0].get("params")
         row["kv_bytes_per_token_fp16"] = summaries[0].get("kv_bytes_per_token_fp16")
         for key in ("val_loss", "val_ppl", "test_loss", "test_ppl", "train_tok_per_s"):
@@ -112,7 +185,7 @@ def _pm(mean: float | None, std: float | None, digits: int) -> str:
     return _number(mean, f".{digits}f") + (f" ± {std:.{digits}f}" if std is not None else "")
 
 
-def to_markdown(rows: list[dict]) -> str:
+def to_markdown(rows: list[dict], notes: list[str] = ()) -> str:
     header = ("| target | seeds | params | KV B/token (fp16) | KV vs base | val loss | val ppl | val loss vs base "
               "| test loss | test ppl | train tok/s |")  # fmt: skip
     lines = [header, "|" + " --- |" * 11]
@@ -124,7 +197,8 @@ def to_markdown(rows: list[dict]) -> str:
             f"| {_pm(r['test_loss'], r['test_loss_std'], 4)} | {_pm(r['test_ppl'], r['test_ppl_std'], 2)} "
             f"| {_pm(r['train_tok_per_s'], r['train_tok_per_s_std'], 0)} |"
         )
-    return "\n".join(lines) + f"\n\nBaseline: {rows[0]['baseline']}. ± is the sample standard deviation over seeds.\n"
+    text = "\n".join(lines) + f"\n\nBaseline: {rows[0]['baseline']}. ± is the sample standard deviation over seeds.\n"
+    return text + "".join(f"\nNote: {note}\n" for note in notes)
 
 
 def to_csv(rows: list[dict]) -> str:
@@ -135,41 +209,16 @@ def to_csv(rows: list[dict]) -> str:
     return out.getvalue()
 
 
-def plot_val_loss(runs: list[dict], path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {}
-    for run in runs:
-        if not run["val_curve"]:
-            continue
-        name = run["target"] + (f" ({run['phase']})" if run["phase"] else "")
-        tokens, losses = zip(*run["val_curve"], strict=True)
-        label = None if name in colors else name
-        line = ax.plot(tokens, losses, color=colors.get(name), label=label, linewidth=1.5, alpha=0.85)[0]
-        colors.setdefault(name, line.get_color())
-    ax.set_xlabel("training tokens seen")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("Validation loss (one line per seed)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
-
-
 def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: str | None = None) -> dict:
     """Writes compare.md, compare.csv and val_loss.png into out_dir (default runs_dir); returns paths + text."""
 
     runs = collect_runs(runs_dir)
     rows = compare_table(runs, baseline)
+    groups, notes = group_runs(runs)
+    runs = [{**run, "row": name} for name, members in groups.items() for run in members]  # the plot's names
     out_dir = Path(out_dir or runs_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    markdown = to_markdown(rows)
+    markdown = to_markdown(rows, notes)
     paths = {"markdown": out_dir / "compare.md", "csv": out_dir / "compare.csv", "plot": out_dir / "val_loss.png"}
     atomic_write_text(paths["markdown"], markdown)
     atomic_write_text(paths["csv"], to_csv(rows))

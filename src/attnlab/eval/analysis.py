@@ -153,8 +153,15 @@ def run_effective_rank(eval_model, split: str = "val", n_tokens: int = 4096, seq
     data = eval_model.config.get("data")
     if not data:
         raise DataError(f"{eval_model.path}: no data config saved with this checkpoint: cannot find its tokens")
-    seq_len = seq_len or eval_model.config.get("train", {}).get("seq_len") or eval_model.cfg.max_seq_len
-    seq_len = min(seq_len, n_tokens, eval_model.cfg.max_seq_len)
+    max_len = eval_model.cfg.max_seq_len
+    if seq_len is not None and seq_len > max_len:  # a length asked for is scored as asked, or refused
+        raise InputError(f"seq_len={seq_len} is more than the model's max_seq_len={max_len}: give seq_len {max_len} "
+                         "or less (or leave it out for the training context)")  # fmt: skip
+    if seq_len is not None and seq_len > n_tokens:
+        raise InputError(f"seq_len={seq_len} is more than n_tokens={n_tokens}: a row needs seq_len tokens (give "
+                         f"n_tokens >= {seq_len}, or a smaller seq_len)")  # fmt: skip
+    seq_len = seq_len or eval_model.config.get("train", {}).get("seq_len") or max_len
+    seq_len = min(seq_len, n_tokens, max_len)  # the default, the training context, within what is asked and fits
     stream = prepare(DataConfig(**data), data_dir=data_dir, tokenizer=eval_model.tokenizer).split(split)
     rows = (min(n_tokens, len(stream) - offset)) // seq_len
     if rows < 1:
@@ -243,11 +250,44 @@ def char_region_to_tokens(tokenizer, text: str, ids: list[int], start: int, end:
     """The token span [a, b) covering characters [start, end) of text (every token that overlaps them)."""
     if tokenizer.decode(ids) != text:
         raise InputError(f"tokenizer {tokenizer.name!r} does not decode the prompt back to itself: give token spans")
-    if not 0 <= start < end <= len(text):
-        raise InputError(f"character region {start}:{end} is outside the prompt ({len(text)} characters)")
+    if not 0 <= start < end:
+        raise InputError(f"character region {start}:{end} is reversed or empty: a region [start, end) needs "
+                         "0 <= start < end")  # fmt: skip
+    if end > len(text):
+        raise InputError(f"character region {start}:{end} is outside the prompt (its end is past its {len(text)} "
+                         "characters)")  # fmt: skip
     # a token overlaps [start, end) if its span does; an empty span (part of character s) counts as [s, s + 1)
     hits = [i for i, (s, e) in enumerate(token_offsets(tokenizer, ids, text)) if s < end and max(e, s + 1) > start]
     return hits[0], hits[-1] + 1
+
+
+UNITS = {"chars": "characters", "tokens": "tokens"}
+
+
+def region_problems(regions, unit: str = "chars") -> list[str]:
+    """Why `regions` cannot be attention_maps regions, each problem naming `regions.<name>`: a mapping of names to
+    [start, end), whole numbers of `unit` (characters or tokens of the prompt) with 0 <= start < end."""
+    example = "(e.g. {pass key: [16, 20]})"
+    if not isinstance(regions, dict):
+        return [f"regions={brief(regions)} must map each region's name to [start, end] {example}"]
+    problems = []
+    for name, span in regions.items():
+        where = f"regions.{name}={brief(span)}"
+        if not isinstance(name, str) or not name.strip():
+            problems.append(f"regions: {brief(name)} is not a region's name (a non-empty string) {example}")
+        elif not isinstance(span, list | tuple) or len(span) != 2:
+            problems.append(f"{where} must be [start, end]: two whole numbers ({UNITS[unit]} of the prompt)")
+        elif any(isinstance(x, bool) or not isinstance(x, int) for x in span):
+            bad = next(x for x in span if isinstance(x, bool) or not isinstance(x, int))
+            problems.append(f"{where} holds {brief(bad)}: start and end are whole numbers ({UNITS[unit]} of the "
+                            "prompt)")  # fmt: skip
+        elif span[0] < 0:
+            problems.append(f"{where}: start must be >= 0")
+        elif span[0] >= span[1]:
+            what = "reversed" if span[0] > span[1] else "empty"
+            problems.append(f"{where} is {what}: a region [start, end) needs start < end (e.g. [{min(span)}, "
+                            f"{max(span[1], span[0] + 1) if what == 'empty' else max(span)}])")  # fmt: skip
+    return problems
 
 
 def run_attention_maps(
@@ -265,6 +305,9 @@ def run_attention_maps(
     region_mass), and `<name>_mass` on each other map (diff, coda: `noise_mass`)."""
     if unit not in ("chars", "tokens"):
         raise ConfigError(f"unit={unit!r} must be chars or tokens (the regions' start and end are counted in it)")
+    problems = region_problems(regions or {}, unit)
+    if problems:
+        raise ConfigError(problems)
     tokenizer = eval_model.tokenizer
     ids = tokenizer.encode(prompt)
     if not ids or len(ids) > eval_model.cfg.max_seq_len:

@@ -11,7 +11,11 @@ A benchmark manifest:
 
 Every benchmark is a function (EvalModel, out_dir, data_dir, **params) -> records, registered in
 BENCHMARKS below; its keyword arguments are its parameters and their defaults. A benchmark already
-recorded for the same checkpoint and parameters is skipped, so an interrupted harness resumes.
+recorded for the same checkpoint, parameters and weights is skipped, so an interrupted harness resumes; a
+checkpoint retrained at the same path is measured again (records name the weights: weights_identity). One bench
+at a time writes to a folder (bench_lock), and two checkpoints never share a label there (plan_labels).
+--benchmarks picks some of a manifest's benchmarks, and --set sets parameters of the benchmarks chosen: neither
+adds a benchmark.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import yaml
 from attnlab.cache.codecs import KVPolicy
 from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import parse_yaml, read_yaml, yaml_problem
+from attnlab.data.files import folder_lock
 from attnlab.errors import ConfigError, InputError
-from attnlab.eval.analysis import run_attention_maps, run_effective_rank
+from attnlab.eval.analysis import region_problems, run_attention_maps, run_effective_rank
 from attnlab.eval.kvquant import run_kv_eval
 from attnlab.eval.loading import load_for_eval
 from attnlab.eval.longctx import context_sweep as sweep
@@ -42,9 +47,12 @@ from attnlab.eval.longctx import run_extrapolation, run_needle, run_stream_loss
 from attnlab.eval.multiple_choice import run_multiple_choice
 from attnlab.eval.perplexity import run_perplexity
 from attnlab.eval.probes import load_suite, probe_records, run_probes
-from attnlab.eval.records import append_records, read_records
+from attnlab.eval.records import append_records, distinct_labels, read_records, records_folder
 from attnlab.eval.speed import run_latency, run_memory
+from attnlab.interop.references import reference_label as run_label
+from attnlab.interop.references import resolve
 from attnlab.paths import brief, check_name
+from attnlab.train.checkpoint import WEIGHTS, find_checkpoint, recorded_checksums
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PROMPT = (
@@ -61,9 +69,14 @@ def perplexity(model, out_dir, data_dir, split: str = "test", seq_len: int | Non
 
 def probes(model, out_dir, data_dir, suite: str = "configs/probes/core.yml") -> list[dict]:
     """Behaviour probes: per-case rows and a per-category summary."""
-    shipped = REPO_ROOT / suite  # the shipped suites, wherever attnlab is run from
-    loaded = load_suite(suite if Path(suite).exists() or not shipped.exists() else shipped)
+    loaded = load_suite(suite_path(suite))
     return probe_records(model, loaded, run_probes(model, loaded))
+
+
+def suite_path(suite: str) -> Path:
+    """A probe suite's file: the path given, else the shipped suite of that name (wherever attnlab is run from)."""
+    shipped = REPO_ROOT / suite
+    return Path(suite) if Path(suite).exists() or not shipped.exists() else shipped
 
 
 def multiple_choice(model, out_dir, data_dir, tasks: list | None = None, limit: int | None = None) -> list[dict]:
@@ -82,7 +95,11 @@ def effective_rank(model, out_dir, data_dir, split: str = "val", n_tokens: int =
 def attention_maps(model, out_dir, data_dir, prompt: str = DEFAULT_PROMPT, regions: dict | None = None,
                    unit: str = "chars") -> list[dict]:  # fmt: skip
     """Per layer and head attention maps for a prompt (saved as .npz) and the mass on marked regions."""
-    regions = {k: tuple(v) for k, v in (regions or {"pass key": [16, 20]}).items()}
+    regions = regions or {"pass key": [16, 20]}
+    problems = region_problems(regions, unit)
+    if problems:
+        raise ConfigError(problems)
+    regions = {k: tuple(v) for k, v in regions.items()}
     tag = hashlib.sha256(f"{model.path}|{prompt}".encode()).hexdigest()[:10]
     return [run_attention_maps(model, prompt, Path(out_dir) / f"attn_{tag}.npz", regions, unit)]
 
@@ -106,6 +123,12 @@ def context_sweep(model, out_dir, data_dir, lengths: list = (256, 512, 1024), ch
 def rope_extrapolation(model, out_dir, data_dir, factors: list = (1, 2, 4), max_tokens: int = 65536,
                        dataset: str | None = None) -> list[dict]:  # fmt: skip
     """Held-out loss at 1x, 2x and 4x the training context."""
+    train_seq_len = model.config.get("train", {}).get("seq_len") or model.cfg.max_seq_len  # as run_extrapolation's
+    scored = [round(f * train_seq_len) for f in factors if round(f * train_seq_len) <= model.cfg.max_seq_len]
+    if scored and max_tokens < max(scored):  # every length scores one whole window at least: more than max_tokens
+        raise InputError(f"max_tokens={max_tokens} is fewer than the longest window scored, {max(scored)} tokens "
+                         f"(factor {max(scored) / train_seq_len:g} x the training context {train_seq_len}): give "
+                         f"max_tokens >= {max(scored)}, or leave it out")  # fmt: skip
     return run_extrapolation(model, factors=tuple(factors), max_tokens=max_tokens, data_dir=data_dir, dataset=dataset)
 
 
@@ -187,12 +210,32 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
                     problems.append(f"{where}.{name}.{key}={brief(value)} {problem}")
         if name == "needle" and isinstance(params, dict):
             problems += needle_problems(params, f"{where}.{name}")
+        if name == "attention_maps" and (params or {}).get("regions") is not None:
+            unit = params.get("unit") if params.get("unit") in ("chars", "tokens") else "chars"
+            problems += [f"{where}.{name}.{p}" for p in region_problems(params["regions"], unit)]
+        if name == "probes" and isinstance((params or {}).get("suite"), str):
+            try:
+                load_suite(suite_path(params["suite"]))
+            except ConfigError as e:  # read before any model is loaded: a suite is checked whole
+                problems += [f"{where}.{name}.suite={brief(params['suite'])}: {e.source}: {p}" for p in e.problems]
     return problems
 
 
 def policy_problem(key: str, value) -> str | None:
-    """A KV policy parameter that does not parse, checked before any benchmark runs (a run whose lengths all fit
-    no cache would otherwise never read it)."""
+    """A KV policy parameter (kv_policy, or kv_quant's policies) that does not parse, checked before any benchmark
+    runs (a run whose lengths all fit no cache would otherwise never read it); policies naming one policy twice."""
+    if key == "policies" and isinstance(value, list) and all(isinstance(p, str) for p in value):
+        seen: dict[tuple, str] = {}
+        for policy in value:
+            try:
+                parsed = KVPolicy.parse(policy)
+            except ConfigError as e:
+                return f"holds {brief(policy)}, which is not a KV policy: {e}"
+            same = (tuple(sorted(parsed.formats)), parsed.resid, parsed.group, parsed.flush)
+            if same in seen:
+                return f"names one policy twice ({brief(seen[same])} and {brief(policy)}): give each once"
+            seen[same] = policy
+        return None
     if key != "kv_policy" or not isinstance(value, str):
         return None
     try:
@@ -247,6 +290,9 @@ def parameter_problem(parameter: inspect.Parameter, value: Any) -> str | None:
     if isinstance(default, (list, tuple)) or annotation.startswith(("list", "tuple")):
         if not isinstance(value, list) or not value:
             return "must be a non-empty list"
+        twice = next((item for i, item in enumerate(value) if item in value[:i]), None)
+        if twice is not None:  # the same length, depth or task twice would be measured twice
+            return f"holds {brief(twice)} twice: give each once"
         sample = default[0] if isinstance(default, (list, tuple)) and default else None
         kind = float if isinstance(sample, float) else int if isinstance(sample, int) else None
         if kind is None:
@@ -300,12 +346,18 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         for key in ("name", "data_dir"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 problems.append(f"{key}={brief(raw[key])} must be a string")
+        if isinstance(raw.get("data_dir"), str) and not Path(raw["data_dir"]).is_dir():  # as --data-dir is checked
+            what = "a file, not a folder" if Path(raw["data_dir"]).exists() else "no such folder"
+            problems.append(f"data_dir={brief(raw['data_dir'])}: {what} (name the folder that holds the data files, "
+                            "or leave data_dir out)")  # fmt: skip
         if problems:
             raise ConfigError(problems, source=str(path))
         name, data_dir = raw.get("name") or path.stem, data_dir or raw.get("data_dir")
         check_name(name, "benchmark manifest name")
+        chosen_by = f"{path}'s benchmarks"
     else:
         name, checkpoints, spec = "bench", paths, {b: {} for b in DEFAULT_SET}
+        chosen_by = None
     if benchmarks is not None and not any(b.strip() for b in benchmarks):
         raise ConfigError(
             "--benchmarks names no benchmark: give a comma-separated list (e.g. perplexity,needle), or leave "
@@ -316,13 +368,24 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         unknown = [b for b in benchmarks if b not in BENCHMARKS]
         if unknown:
             raise ConfigError([unknown_key_problem(b, list(BENCHMARKS), "", what="benchmark") for b in unknown])
+        absent = [b for b in benchmarks if b not in spec]
+        if chosen_by and absent:  # --benchmarks picks some of a manifest's benchmarks (with their parameters)
+            raise ConfigError(
+                f"--benchmarks {','.join(absent)}: not among {chosen_by} ({', '.join(spec)}): "
+                f"--benchmarks picks some of them (add {absent[0]} to the manifest to run it)"
+            )
         spec = {b: spec.get(b, {}) for b in benchmarks}
+        chosen_by = "--benchmarks"
     spec = {k: dict(v or {}) for k, v in spec.items()}
     for item in sets:  # --set perplexity.split=val
         key, _, raw_value = item.partition("=")
         bench, _, param = key.partition(".")
         if not param:
             raise ConfigError(f"--set {item!r} must look like BENCHMARK.PARAM=VALUE")
+        if bench in BENCHMARKS and bench not in spec:  # a --set sets a parameter: it never adds a benchmark
+            how = f"add {bench} to {chosen_by}" if chosen_by else "name it in --benchmarks (with the ones you want)"
+            raise ConfigError(f"--set {brief(item)}: {bench} is not among the benchmarks to run ({', '.join(spec)}): "
+                              f"{how}, or leave this --set out")  # fmt: skip
         try:
             spec.setdefault(bench, {})[param] = parse_yaml(raw_value) if raw_value.strip() else None
         except yaml.YAMLError as e:
@@ -362,27 +425,112 @@ def named_parameters(benchmark: str, message: str, params: dict, model: str) -> 
 
 
 def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
-    """Runs every benchmark on every checkpoint; returns the records file."""
+    """Runs every benchmark on every checkpoint; returns the records file. One bench at a time writes to a folder
+    (bench_lock). A benchmark recorded already for the same checkpoint path, parameters and weights is skipped;
+    one recorded for other weights at that path (retrained since) is measured again, and said (the old records
+    stay; a report shows the latest); one recorded by an attnlab that did not note the weights is kept, and said."""
     out_dir = Path(out_dir)
+    records_folder(out_dir, "records.jsonl")  # a folder it can write, checked before anything runs
     records_path = out_dir / "records.jsonl"
-    done = {_key(r) for r in read_records(records_path)} if records_path.exists() else set()
-    for checkpoint in plan.checkpoints:
-        if (Path(checkpoint) / "checkpoints").exists() and not (Path(checkpoint) / "summary.json").exists():
-            log(f"{checkpoint}: training has not finished (no summary.json), skipped")
-            continue
-        model = load_for_eval(checkpoint, data_dir=plan.data_dir)
-        for name, params in plan.benchmarks.items():
-            full = {**parameters(name), **params}
-            if (name, str(model.path), json.dumps(full, sort_keys=True)) in done:
-                log(f"{model.name} {name}: recorded already, skipped")
+    with bench_lock(out_dir):
+        existing = read_records(records_path) if records_path.exists() else []
+        recorded = {_key(r): r.get("weights") for r in existing}  # the latest record's weights, per key
+        labels = plan_labels(plan.checkpoints, existing, plan.data_dir)
+        for checkpoint in plan.checkpoints:
+            if (Path(checkpoint) / "checkpoints").exists() and not (Path(checkpoint) / "summary.json").exists():
+                log(f"{checkpoint}: training has not finished (no summary.json), skipped")
                 continue
-            log(f"{model.name} {name} ...")
-            try:
-                records = BENCHMARKS[name](model, out_dir, plan.data_dir, **params)
-            except (ConfigError, InputError) as e:  # a parameter the benchmark refused once it ran: name it
-                raise type(e)(named_parameters(name, str(e), full, model.name)) from None
-            for record in records:
-                record["params"] = full
-                record["benchmark"] = name  # the harness's name for it (e.g. rope_extrapolation)
-            append_records(records_path, records)
+            model = load_for_eval(checkpoint, data_dir=plan.data_dir)
+            model.name = labels[checkpoint]  # unique in this bench and its folder's records
+            weights = weights_identity(checkpoint, plan.data_dir)
+            for name, params in plan.benchmarks.items():
+                full = {**parameters(name), **params}
+                key = (name, str(model.path), json.dumps(full, sort_keys=True))
+                if key in recorded and recorded[key] == weights:
+                    log(f"{model.name} {name}: recorded already, skipped")
+                    continue
+                if key in recorded and recorded[key] is None:  # hours of measurements are not thrown away
+                    log(f"{model.name} {name}: recorded already by an older attnlab, which did not note the weights "
+                        f"it measured: skipped (remove them from {records_path} to measure again)")  # fmt: skip
+                    continue
+                if key in recorded:
+                    log(f"{model.name} {name}: recorded for other weights at this path (the checkpoint changed "
+                        f"since): measured again (the report shows the new records; the old ones stay in "
+                        f"{records_path})")  # fmt: skip
+                else:
+                    log(f"{model.name} {name} ...")
+                try:
+                    records = BENCHMARKS[name](model, out_dir, plan.data_dir, **params)
+                except (ConfigError, InputError) as e:  # a parameter the benchmark refused once it ran: name it
+                    raise type(e)(named_parameters(name, str(e), full, model.name)) from None
+                for record in records:
+                    record["params"] = full
+                    record["benchmark"] = name  # the harness's name for it (e.g. rope_extrapolation)
+                    record["weights"] = weights
+                append_records(records_path, records)
     return records_path
+
+
+LOCK = ".bench.lock"  # in a bench's --out folder: held (flock) while a bench writes there
+
+
+def bench_lock(out_dir: Path):
+    """Holds out_dir's lock while a bench measures and writes there (made if missing): a second bench on the same
+    folder is refused (InputError naming the first's pid) rather than timing while they compete for the machine and
+    recording every benchmark twice (attnlab.data.files.folder_lock)."""
+    return folder_lock(
+        out_dir,
+        LOCK,
+        lambda holder: (
+            f"--out {out_dir}: another attnlab bench{holder} is writing records in this folder: wait for it to finish, "
+            "or give another --out (two at once would time each other's load and record every benchmark twice)"
+        ),
+    )
+
+
+def weights_identity(ref: str, data_dir=None) -> str:
+    """What tells the weights `ref` loads from others found at the same path later (a run retrained in place): an
+    attnlab checkpoint's recorded sha256 of its weights (checksums.json, checked when it was loaded), else the
+    weight files' names, sizes and modification times (a .gguf file, a Hugging Face folder, an old checkpoint)."""
+    kind, where = resolve(ref, data_dir)
+    files = [where] if kind == "gguf" else sorted(where.glob("*.safetensors")) or sorted(where.glob("*.bin"))
+    if kind == "run":
+        checkpoint = find_checkpoint(where, "best") or find_checkpoint(where, "last") if (
+            where / "checkpoints").is_dir() else None  # fmt: skip
+        folder = checkpoint.path if checkpoint else where  # the one load_for_eval loads
+        entry = (recorded_checksums(folder) or {}).get(WEIGHTS)
+        if entry:
+            return f"sha256:{entry['sha256']}"
+        files = [folder / WEIGHTS]
+    stats = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+    return "files:" + hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
+
+
+def plan_labels(checkpoints: tuple[str, ...], records: list[dict], data_dir=None) -> dict[str, str]:
+    """{checkpoint: the label its records get}: the one its earlier records in the folder have, else the one
+    load_for_eval gives it (<target>/seed<S> for a run), unless another checkpoint of the plan or of those records
+    has it too: then the last parts of its folder's path, as many as tell them apart (runs/tiny/base/seed0 and
+    runs2/tiny/base/seed0 rather than two base/seed0 a report could not tell apart)."""
+    real = {ref: ref if ref.startswith("hf:") else os.path.realpath(ref) for ref in checkpoints}
+    labels: dict[str, str] = {}
+    for r in records:  # the latest record's label of each checkpoint path
+        if isinstance(r.get("model"), str) and isinstance(r.get("model_path"), str):
+            path = r["model_path"]
+            labels[path if path.startswith("hf:") else os.path.realpath(path)] = r["model"]
+    recorded = list(labels.values())
+    kept = {path for path, label in labels.items() if recorded.count(label) == 1}  # its records' label stays
+    for ref in checkpoints:
+        labels.setdefault(real[ref], expected_label(ref, data_dir))
+    unique = distinct_labels(labels)
+    return {ref: labels[real[ref]] if real[ref] in kept else unique[real[ref]] for ref in checkpoints}
+
+
+def expected_label(ref: str, data_dir=None) -> str:
+    """The label load_for_eval gives a model reference (attnlab.interop.references), found without loading it."""
+    if ref.startswith("hf:"):
+        return ref[len("hf:") :]
+    kind, where = resolve(ref, data_dir)
+    if kind != "run":
+        return where.stem if kind == "gguf" else where.name
+    run_dir = where.parent.parent if where.parent.name == "checkpoints" else where
+    return run_label(run_dir)

@@ -193,3 +193,27 @@ def region_mass_bars(records: list[dict], path: str | Path) -> Path:
     ax.set_title("Attention mass on marked regions by layer (dots: heads)", fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def plot_val_loss(runs: list[dict], path: str | Path) -> Path:
+    """Validation loss against training tokens, one line per run (seeds of one row share a colour)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {}
+    for run in runs:
+        if not run["val_curve"]:
+            continue
+        name = run.get("row") or run["target"] + (f" ({run['phase']})" if run["phase"] else "")
+        tokens, losses = zip(*run["val_curve"], strict=True)
+        label = None if name in colors else name
+        line = ax.plot(tokens, losses, color=colors.get(name), label=label, linewidth=1.5, alpha=0.85)[0]
+        colors.setdefault(name, line.get_color())
+    ax.set_xlabel("training tokens seen")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("Validation loss (one line per seed)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

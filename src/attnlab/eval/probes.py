@@ -107,6 +107,9 @@ class ProbeSuite:
 def load_suite(path: str | Path) -> ProbeSuite:
     """Reads a suite file strictly; raises one ConfigError naming the file and listing every problem."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError("a folder, not a probe suite file (give a suite's YAML file, e.g. configs/probes/core.yml)",
+                          source=str(path))  # fmt: skip
     if not path.is_file():
         raise ConfigError("file not found (check the path)", source=str(path))
     return suite_from_dict(read_yaml(path), source=str(path))
@@ -321,6 +324,19 @@ def run_case(model, tokenizer, case: ProbeCase) -> dict:
     return row
 
 
+def answer_room_problem(model, suite: ProbeSuite) -> str | None:
+    """Why a generated case cannot run on an EvalModel: its max_new_tokens leaves no room for its prompt in the
+    model's context (run_case would cut the prompt to one token and the warning would blame the prompt), or None."""
+    limit = model.cfg.max_seq_len
+    for case in suite.cases:
+        if case.kind != "choice" and case.max_new_tokens >= limit:
+            room = max(1, limit - len(model.tokenizer.encode(case.prompt)))
+            return (f"{suite.source}: case {case.id}: max_new_tokens={case.max_new_tokens:,} is not less than "
+                    f"{model.name}'s context (max_seq_len {limit}): the answer would leave no room for the prompt; "
+                    f"give max_new_tokens {room} or less")  # fmt: skip
+    return None
+
+
 def run_probes(model, suite: ProbeSuite) -> list[dict]:
     """Runs every case of `suite` on an EvalModel; one row per case (see `run_case`).
 
@@ -329,6 +345,9 @@ def run_probes(model, suite: ProbeSuite) -> list[dict]:
     """
     if model.tokenizer is None:
         raise InputError(f"{model.name} has no tokenizer: probes need one (give --data-dir to find it)")
+    problem = answer_room_problem(model, suite)
+    if problem:
+        raise InputError(problem)
     rows = [run_case(model.model, model.tokenizer, case) for case in suite.cases]
     cut = [row["id"] for row in rows if row["truncated"]]
     if cut:

@@ -6,13 +6,14 @@ import datetime
 import json
 import os
 import platform
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 import attnlab
-from attnlab.data.files import atomic_write_text, json_objects, read_json_lines
-from attnlab.errors import InputError
+from attnlab.data.files import atomic_write_text
+from attnlab.errors import DataError, InputError
 
 
 def make_record(benchmark: str, model=None, **figures) -> dict:
@@ -56,11 +57,31 @@ def records_target(path: str | Path) -> Path:
 def _not_records(path: Path) -> str | None:
     """Why an existing file is not one records are appended to (one JSON object per line), or None."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError:
         return "not UTF-8 text"
-    rows = json_objects(text.splitlines())
-    return f"line {rows} is not a JSON object" if isinstance(rows, int) else None
+    rows = json_rows(text)
+    return f"line {rows[0]} {rows[1]}" if isinstance(rows, tuple) else None
+
+
+def json_rows(text: str) -> list[dict] | tuple[int, str]:
+    """The JSON object on each non-blank line of `text`, or (the 1-based number of the first line that holds none,
+    what it is). A line nested too deeply for the json module (thousands of brackets) is such a line, not a
+    RecursionError."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        except RecursionError:
+            return number, "is not valid JSON: nested too deeply to read"
+        if not isinstance(row, dict):
+            return number, "is not a JSON object"
+        rows.append(row)
+    return rows
 
 
 def records_folder(folder: str | Path, *names: str, flag: str = "--out") -> list[Path]:
@@ -95,5 +116,189 @@ def append_records(path: str | Path, rows: list[dict]) -> Path:
 
 
 def read_records(path: str | Path, benchmark: str | None = None) -> list[dict]:
-    rows = read_json_lines(path, fix="records are appended one JSON object per line")
+    """The records of a JSONL file (a UTF-8 byte-order mark at its start is read past), those of `benchmark` if
+    given; DataError naming the file and the first line that is not a JSON object (a damaged file)."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (offset {e.start}); records are appended one JSON object per "
+                        "line") from None  # fmt: skip
+    rows = json_rows(text)
+    if isinstance(rows, tuple):
+        raise DataError(f"{path}: line {rows[0]} {rows[1]} (the file was damaged); repair or remove that line; "
+                        "records are appended one JSON object per line")  # fmt: skip
     return [r for r in rows if benchmark is None or r.get("benchmark") == benchmark]
+
+
+# ----------------------------------------------------------------------------- what one record measured
+
+# The fields that say what a record measured (its setting), by benchmark, beside its benchmark, model, model path
+# and the harness's parameters: two records that agree on all of them are two measurements of the same thing (a
+# checkpoint benchmarked again, two records files joined), of which a report shows the latest. A benchmark not named
+# here has no such key: each of its records stands alone.
+SETTING: dict[str, tuple[str, ...]] = {
+    "perplexity": ("dataset", "text", "split", "seq_len", "stride", "max_tokens"),
+    "memory": ("length", "batch_size", "cache_dtype", "kv_policy"),
+    "latency": ("prompt_length", "batch_size", "new_tokens", "kv_policy"),
+    "multiple_choice": ("task", "limit"),
+    "needle": ("scope", "length", "depth", "filler", "seed"),
+    "rope_extrapolation": ("factor", "seq_len", "max_tokens", "text"),
+    "context_sweep": ("length", "chunk_size", "text"),
+    "stream_loss": ("length", "bucket", "text"),
+    "effective_rank": ("split", "seq_len", "offset", "center"),
+    "attention_maps": ("prompt", "unit"),
+    "probes": ("record", "suite_fingerprint", "id"),
+    "kv_quant": ("policy", "dataset", "split", "seq_len", "tokens", "chunk", "dtype"),
+}
+VOLATILE = ("time", "attnlab", "torch", "python", "threads", "weights")  # when and with what: not what was measured
+
+
+def setting_key(record: dict) -> str | None:
+    """What a record measured, as a string (see SETTING); None for a benchmark without a setting key."""
+    fields = SETTING.get(record.get("benchmark"))
+    if fields is None:
+        return None
+    key = [record.get(k) for k in ("benchmark", "model", "model_path", "params", *fields)]
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def latest_records(records: list[dict]) -> tuple[list[dict], list[tuple[int, int, bool]]]:
+    """(the records, each kept only where no later record measured the same thing, in file order; the superseded
+    ones as (its 1-based number, the number of the latest record of its setting, whether their figures differ))."""
+    latest: dict[str, int] = {}
+    for number, record in enumerate(records, 1):
+        key = setting_key(record)
+        if key is not None:
+            latest[key] = number
+    kept, superseded = [], []
+    for number, record in enumerate(records, 1):
+        key = setting_key(record)
+        if key is None or latest[key] == number:
+            kept.append(record)
+            continue
+        newer = records[latest[key] - 1]
+        differ = _figures(record) != _figures(newer)
+        superseded.append((number, latest[key], differ))
+    return kept, superseded
+
+
+def _figures(record: dict) -> str:
+    return json.dumps({k: v for k, v in record.items() if k not in VOLATILE}, sort_keys=True, default=str)
+
+
+def distinct_labels(labels: dict[str, str]) -> dict[str, str]:
+    """{path: label} with every label that two paths share replaced by the paths' last folders, as many as tell
+    them apart (runs/tiny/base/seed0 and runs2/tiny/base/seed0, both base/seed0, keep their four last parts)."""
+    by_label: dict[str, list[str]] = defaultdict(list)
+    for path, label in labels.items():
+        by_label[label].append(path)
+    out = dict(labels)
+    for group in (paths for paths in by_label.values() if len(paths) > 1):
+        parts = {p: Path(p).parts for p in group}
+        for keep in range(1, max(len(x) for x in parts.values()) + 1):
+            tails = {p: "/".join(parts[p][-keep:]).replace("//", "/") for p in group}
+            if len(set(tails.values())) == len(group):
+                break
+        out.update(tails)
+    return out
+
+
+# ----------------------------------------------------------------------------- the fields a report reads
+
+# The fields the tables and plots read, by benchmark: field -> (kind, when it must be present). "always": in every
+# record of the benchmark; "ok": in those whose status is ok; None: optional (checked when present and not null).
+# A record whose fields do not fit is refused with its number rather than drawn wrong or crashing the report.
+NUM, INT, STR, PAIR, NUMS, PAIRS, DICT = "a number", "an integer", "a string", "a pair of numbers", \
+    "a list of numbers", "a list of number pairs", "an object"  # fmt: skip
+FIELDS: dict[str, dict[str, tuple[str, str | None]]] = {
+    "perplexity": {"kind": (STR, "always"), "split": (STR, "always"), "tokens": (INT, "always"),
+                   "loss": (NUM, "always"), "loss_ci": (PAIR, "always"), "ppl": (NUM, "always"),
+                   "ppl_ci": (PAIR, "always"), "window_loss": (NUMS, None), "window_tokens": (NUMS, None)},
+    "memory": {"kind": (STR, "always"), "length": (INT, "always"), "kv_bytes": (NUM, "ok"),
+               "batch_size": (INT, None), "kv_bytes_analytic": (NUM, None), "peak_rss_bytes": (NUM, None)},
+    "latency": {"kind": (STR, "ok"), "prompt_length": (INT, "ok"), "batch_size": (INT, "ok"),
+                "decode_tokens_per_s_median": (NUM, "ok"), "decode_tokens_per_s_min": (NUM, "ok"),
+                "decode_tokens_per_s_max": (NUM, "ok"), "ttft_ms_median": (NUM, "ok")},
+    "multiple_choice": {"task": (STR, "always"), "n": (INT, "always"), "acc": (NUM, "always"),
+                        "acc_stderr": (NUM, None), "acc_norm": (NUM, None), "acc_norm_stderr": (NUM, None)},
+    "needle": {"length": (INT, None), "depth": (NUM, None), "accuracy": (NUM, None), "gain_mean": (NUM, None),
+               "gain_sem": (NUM, None)},
+    "rope_extrapolation": {"factor": (NUM, None), "length": (INT, None), "loss": (NUM, None), "ppl": (NUM, None),
+                           "window_loss": (NUMS, None), "window_tokens": (NUMS, None)},
+    "context_sweep": {"length": (INT, None), "prefill_ms": (NUM, None), "last_chunk_ms": (NUM, None),
+                      "decode_ms_per_token": (NUM, None), "last_chunk_loss": (NUM, None)},
+    "stream_loss": {"memory_slots": (INT, None), "length": (INT, None), "streams": (INT, None), "ppl": (NUM, None),
+                    "bucket": (NUM, None), "positions": (NUMS, None), "bucket_loss": (NUMS, None),
+                    "bucket_ci": (PAIRS, None)},
+    "effective_rank": {"layers": (list, "always")},
+    "attention_maps": {"regions": (list, None)},
+    "kv_quant": {"policy": (STR, "always"), "bytes_per_token": (NUM, "always"), "vs_full": (NUM, "always"),
+                 "dnll": (NUM, "always"), "dnll_ci": (PAIR, None), "ppl_ratio": (NUM, "always"), "kl": (NUM, "always"),
+                 "top1": (NUM, "always"), "greedy": (NUM, None), "tokens": (INT, None), "seq_len": (INT, None)},
+}  # fmt: skip
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fits(value, kind) -> bool:
+    if kind is list:
+        return isinstance(value, list)
+    if kind == NUM:
+        return _number(value)
+    if kind == INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == STR:
+        return isinstance(value, str)
+    if kind == DICT:
+        return isinstance(value, dict)
+    if kind == PAIR:
+        return isinstance(value, list) and len(value) == 2 and all(_number(v) for v in value)
+    if kind == NUMS:
+        return isinstance(value, list) and all(_number(v) for v in value)
+    return isinstance(value, list) and all(_fits(v, PAIR) for v in value)  # PAIRS
+
+
+def _probes_problem(record: dict) -> str | None:
+    if record.get("record") != "summary":
+        return None
+    counts = (INT, "always")
+    tally = {"correct": counts, "total": counts, "accuracy": (NUM, "always")}
+    categories = record.get("categories")
+    if not isinstance(categories, dict) or not all(isinstance(c, dict) for c in categories.values()):
+        return "field 'categories' is missing or not an object of per-category counts"
+    for where, counts_of in [("overall", record.get("overall")), *((f"categories.{c}", v) for c, v in
+                                                                    categories.items())]:  # fmt: skip
+        if not isinstance(counts_of, dict):
+            return f"field '{where}' is missing or not an object"
+        for key, (kind, _) in tally.items():
+            if not _fits(counts_of.get(key), kind):
+                return f"field '{where}.{key}' is {_shown(counts_of.get(key))}, not {kind}"
+    return None
+
+
+def _shown(value) -> str:
+    return "missing" if value is None else f"{json.dumps(value)[:40]}"
+
+
+def record_problem(record: dict) -> str | None:
+    """What is wrong with a record's fields that the report reads (see FIELDS), or None."""
+    if record["benchmark"] == "probes":
+        return _probes_problem(record)
+    ok = record.get("status", "ok") == "ok"
+    for field, (kind, required) in FIELDS.get(record["benchmark"], {}).items():
+        value = record.get(field)
+        if value is None and (required is None or (required == "ok" and not ok)):
+            continue
+        if not _fits(value, kind):
+            what = "a list" if kind is list else kind
+            return f"field '{field}' is {_shown(value)}, not {what}"
+    if record["benchmark"] == "stream_loss" and record.get("bucket_loss") and ok:
+        lengths = {f: len(record.get(f) or []) for f in ("positions", "bucket_loss", "bucket_ci")}
+        if len(set(lengths.values())) > 1 or not _number(record.get("bucket")):
+            return ("fields 'positions', 'bucket_loss' and 'bucket_ci' must have one entry per bucket and 'bucket' "
+                    f"must be a number (lengths {lengths['positions']}, {lengths['bucket_loss']}, "
+                    f"{lengths['bucket_ci']})")  # fmt: skip
+    return None

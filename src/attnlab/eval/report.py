@@ -10,22 +10,26 @@ import html
 import io
 import json
 import math
+import os
 import re
-from collections import defaultdict
+import warnings
+from collections import Counter, defaultdict
 from pathlib import Path
 
-from attnlab.compare import plot_val_loss
 from attnlab.data.files import atomic_write_text
-from attnlab.errors import DataError, InputError
+from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.perplexity import paired_difference
-from attnlab.eval.plots import rank_spectra, region_mass_bars
-from attnlab.eval.records import read_records
+from attnlab.eval.plots import plot_val_loss, rank_spectra, region_mass_bars
+from attnlab.eval.records import distinct_labels, json_rows, latest_records, read_records, record_problem
 from attnlab.eval.stats import paired_comparison
 
 
 def _fmt(value, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+    """A cell: "-" for a missing value; nan and inf as such (a diverged model's loss is not a missing one)."""
+    if value is None:
         return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
@@ -38,12 +42,22 @@ def _fmt(value, digits: int = 3) -> str:
 class Table:
     """A titled table: headers and rows of plain values; renders to Markdown, CSV and LaTeX."""
 
-    def __init__(self, name: str, title: str, headers: list[str], rows: list[list], note: str = ""):
+    def __init__(self, name: str, title: str, headers: list[str], rows: list[list], note: str = "",
+                 formats: dict[str, str] | None = None):  # fmt: skip
         self.name, self.title, self.headers, self.rows, self.note = name, title, headers, rows, note
+        self.formats = formats or {}  # header -> format spec of its finite numbers (else _fmt's)
+
+    def _cells(self, row: list) -> list[str]:
+        specs = [self.formats.get(h) for h in self.headers]
+        return [format(v, spec) if spec and isinstance(v, float | int) and not isinstance(v, bool) and
+                math.isfinite(v) else _fmt(v) for v, spec in zip(row, specs, strict=True)]  # fmt: skip
 
     def markdown(self) -> str:
-        lines = ["| " + " | ".join(self.headers) + " |", "|" + " --- |" * len(self.headers)]
-        lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in self.rows]
+        def cell(text: str) -> str:  # a '|' in a name (a folder called a|b) would open another column
+            return text.replace("\\", "\\\\").replace("|", "\\|")
+
+        lines = ["| " + " | ".join(map(cell, self.headers)) + " |", "|" + " --- |" * len(self.headers)]
+        lines += ["| " + " | ".join(map(cell, self._cells(row))) + " |" for row in self.rows]
         return "\n".join(lines) + (f"\n\n{self.note}" if self.note else "")
 
     def csv(self) -> str:
@@ -59,7 +73,7 @@ class Table:
 
         lines = [r"\begin{tabular}{" + "l" * len(self.headers) + "}", r"\hline"]
         lines.append(" & ".join(esc(h) for h in self.headers) + r" \\ \hline")
-        lines += [" & ".join(esc(_fmt(v)) for v in row) + r" \\" for row in self.rows]
+        lines += [" & ".join(map(esc, self._cells(row))) + r" \\" for row in self.rows]
         return "\n".join(lines + [r"\hline", r"\end{tabular}"]) + "\n"
 
 
@@ -110,6 +124,24 @@ def _setting(record: dict) -> str:
     """What makes two records' windows the same: the text, the window, the stride and the token budget."""
     keys = ("dataset", "text", "split", "seq_len", "stride", "max_tokens", "tokens")
     return json.dumps([record.get(k) for k in keys])
+
+
+def kv_quant_table(records: list[dict]) -> Table | None:
+    """Quantized KV caches (the kv_quant benchmark, attnlab kv-eval --out): bytes against quality, each policy
+    against the full-precision cache on the same windows."""
+    rows = [r for r in records if r["benchmark"] == "kv_quant"]
+    if not rows:
+        return None
+    body = [[r["model"], r["policy"], r.get("seq_len"), r["bytes_per_token"], r["vs_full"], r["dnll"],
+             "{:+.5f} to {:+.5f}".format(*r["dnll_ci"]) if r.get("dnll_ci") else None, r["ppl_ratio"], r["kl"],
+             r["top1"], r.get("greedy")] for r in rows]  # fmt: skip
+    return Table("kv_quant", "Quantized KV caches: bytes against quality (each policy against the full cache)",
+                 ["model", "policy", "window", "KV bytes/token", "vs full", "dNLL", "dNLL 95% CI", "ppl ratio", "KL",
+                  "top-1", "greedy"], body,
+                 "dNLL: mean NLL with the policy's cache minus with the full-precision one (nats/token), its interval "
+                 "a paired bootstrap over blocks of positions; KL: mean KL(full || policy) per token; top-1 and "
+                 "greedy: agreement with the full-precision cache's next token and greedy continuation.",
+                 {"KV bytes/token": ",.1f", "dNLL": "+.5f", "ppl ratio": ".4f", "KL": ".6f"})  # fmt: skip
 
 
 def kv_per_token(records: list[dict]) -> dict[str, float]:
@@ -286,6 +318,10 @@ def pareto_plot(records: list[dict], path: Path) -> Path | None:
     return path
 
 
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def lines_plot(
     records: list[dict], benchmark: str, x: str, y: str, xlabel: str, ylabel: str, path: Path
 ) -> Path | None:
@@ -337,112 +373,24 @@ def loss_curves(records: list[dict], path: Path) -> Path | None:
     """Validation loss against tokens seen, from the metrics.jsonl of each evaluated run (when present)."""
     runs, seen = [], set()
     for r in records:
-        run_dir = Path(r.get("model_path", ""))
-        metrics = run_dir / "metrics.jsonl"
-        if r.get("model") in seen or not metrics.exists():
+        if not isinstance(r.get("model_path"), str) or r.get("model") in seen:
+            continue
+        metrics = Path(r["model_path"]) / "metrics.jsonl"
+        if not metrics.is_file():
             continue
         seen.add(r["model"])
-        curve = [(row["tokens"], row["val_loss"]) for row in map(json.loads, metrics.read_text().splitlines())
-                 if "val_loss" in row]  # fmt: skip
+        try:
+            rows = json_rows(metrics.read_bytes().decode("utf-8-sig"))
+        except UnicodeDecodeError:
+            rows = (0, "is not UTF-8 text")
+        if isinstance(rows, tuple):
+            where = f"line {rows[0]} " if rows[0] else ""
+            raise DataError(f"{metrics}: {where}{rows[1]} (the file was damaged; the report plots it for the "
+                            "checkpoint its records name): repair it, or move it away")  # fmt: skip
+        curve = [(row["tokens"], row["val_loss"]) for row in rows
+                 if _finite(row.get("val_loss")) and _finite(row.get("tokens"))]  # fmt: skip
         runs.append({"target": r["model"], "phase": None, "val_curve": curve})
     return plot_val_loss(runs, path) if runs else None
-
-
-# ----------------------------------------------------------------------------- the fields read
-
-# The fields the tables and plots read, by benchmark: field -> (kind, when it must be present). "always": in every
-# record of the benchmark; "ok": in those whose status is ok; None: optional (checked when present and not null).
-# A record whose fields do not fit is refused with its number rather than drawn wrong or crashing the report.
-NUM, INT, STR, PAIR, NUMS, PAIRS, DICT = "a number", "an integer", "a string", "a pair of numbers", \
-    "a list of numbers", "a list of number pairs", "an object"  # fmt: skip
-FIELDS: dict[str, dict[str, tuple[str, str | None]]] = {
-    "perplexity": {"kind": (STR, "always"), "split": (STR, "always"), "tokens": (INT, "always"),
-                   "loss": (NUM, "always"), "loss_ci": (PAIR, "always"), "ppl": (NUM, "always"),
-                   "ppl_ci": (PAIR, "always"), "window_loss": (NUMS, None), "window_tokens": (NUMS, None)},
-    "memory": {"kind": (STR, "always"), "length": (INT, "always"), "kv_bytes": (NUM, "ok"),
-               "batch_size": (INT, None), "kv_bytes_analytic": (NUM, None), "peak_rss_bytes": (NUM, None)},
-    "latency": {"kind": (STR, "ok"), "prompt_length": (INT, "ok"), "batch_size": (INT, "ok"),
-                "decode_tokens_per_s_median": (NUM, "ok"), "decode_tokens_per_s_min": (NUM, "ok"),
-                "decode_tokens_per_s_max": (NUM, "ok"), "ttft_ms_median": (NUM, "ok")},
-    "multiple_choice": {"task": (STR, "always"), "n": (INT, "always"), "acc": (NUM, "always"),
-                        "acc_stderr": (NUM, None), "acc_norm": (NUM, None), "acc_norm_stderr": (NUM, None)},
-    "needle": {"length": (INT, None), "depth": (NUM, None), "accuracy": (NUM, None), "gain_mean": (NUM, None),
-               "gain_sem": (NUM, None)},
-    "rope_extrapolation": {"factor": (NUM, None), "length": (INT, None), "loss": (NUM, None), "ppl": (NUM, None),
-                           "window_loss": (NUMS, None), "window_tokens": (NUMS, None)},
-    "context_sweep": {"length": (INT, None), "prefill_ms": (NUM, None), "last_chunk_ms": (NUM, None),
-                      "decode_ms_per_token": (NUM, None), "last_chunk_loss": (NUM, None)},
-    "stream_loss": {"memory_slots": (INT, None), "length": (INT, None), "streams": (INT, None), "ppl": (NUM, None),
-                    "bucket": (NUM, None), "positions": (NUMS, None), "bucket_loss": (NUMS, None),
-                    "bucket_ci": (PAIRS, None)},
-    "effective_rank": {"layers": (list, "always")},
-    "attention_maps": {"regions": (list, None)},
-}  # fmt: skip
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _fits(value, kind) -> bool:
-    if kind is list:
-        return isinstance(value, list)
-    if kind == NUM:
-        return _number(value)
-    if kind == INT:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == STR:
-        return isinstance(value, str)
-    if kind == DICT:
-        return isinstance(value, dict)
-    if kind == PAIR:
-        return isinstance(value, list) and len(value) == 2 and all(_number(v) for v in value)
-    if kind == NUMS:
-        return isinstance(value, list) and all(_number(v) for v in value)
-    return isinstance(value, list) and all(_fits(v, PAIR) for v in value)  # PAIRS
-
-
-def _probes_problem(record: dict) -> str | None:
-    if record.get("record") != "summary":
-        return None
-    counts = (INT, "always")
-    tally = {"correct": counts, "total": counts, "accuracy": (NUM, "always")}
-    categories = record.get("categories")
-    if not isinstance(categories, dict) or not all(isinstance(c, dict) for c in categories.values()):
-        return "field 'categories' is missing or not an object of per-category counts"
-    for where, counts_of in [("overall", record.get("overall")), *((f"categories.{c}", v) for c, v in
-                                                                    categories.items())]:  # fmt: skip
-        if not isinstance(counts_of, dict):
-            return f"field '{where}' is missing or not an object"
-        for key, (kind, _) in tally.items():
-            if not _fits(counts_of.get(key), kind):
-                return f"field '{where}.{key}' is {_shown(counts_of.get(key))}, not {kind}"
-    return None
-
-
-def _shown(value) -> str:
-    return "missing" if value is None else f"{json.dumps(value)[:40]}"
-
-
-def record_problem(record: dict) -> str | None:
-    """What is wrong with a record's fields that the report reads (see FIELDS), or None."""
-    if record["benchmark"] == "probes":
-        return _probes_problem(record)
-    ok = record.get("status", "ok") == "ok"
-    for field, (kind, required) in FIELDS.get(record["benchmark"], {}).items():
-        value = record.get(field)
-        if value is None and (required is None or (required == "ok" and not ok)):
-            continue
-        if not _fits(value, kind):
-            what = "a list" if kind is list else kind
-            return f"field '{field}' is {_shown(value)}, not {what}"
-    if record["benchmark"] == "stream_loss" and record.get("bucket_loss") and ok:
-        lengths = {f: len(record.get(f) or []) for f in ("positions", "bucket_loss", "bucket_ci")}
-        if len(set(lengths.values())) > 1 or not _number(record.get("bucket")):
-            return ("fields 'positions', 'bucket_loss' and 'bucket_ci' must have one entry per bucket and 'bucket' "
-                    f"must be a number (lengths {lengths['positions']}, {lengths['bucket_loss']}, "
-                    f"{lengths['bucket_ci']})")  # fmt: skip
-    return None
 
 
 # ----------------------------------------------------------------------------- report
@@ -453,6 +401,10 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
     labels whose perplexity differences get a paired table (a minus b)."""
     out_dir = Path(out_dir)
     records_path = out_dir / "records.jsonl"
+    if out_dir.is_file():
+        folder = (f"give the folder that holds it: {out_dir.parent}" if out_dir.name == "records.jsonl" else
+                  "give the folder `attnlab bench --out` wrote (it holds records.jsonl)")  # fmt: skip
+        raise InputError(f"{out_dir}: a file, not a folder of records; {folder}")
     if not records_path.exists():
         raise DataError(f"{records_path} not found: run `attnlab bench ... --out {out_dir}` first")
     records = read_records(records_path)
@@ -467,6 +419,7 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
             which = f"record {number} ({record['benchmark']}, {record['model']})"
             raise DataError(f"{records_path}: {which}: {problem} (the file was changed); repair or remove that line, "
                             "or run the benchmark again")  # fmt: skip
+    records, notes = _latest_and_distinct(records, records_path)
     models = list(dict.fromkeys(r["model"] for r in records))
     for a, b in pairs:
         for name in (a, b):
@@ -475,7 +428,8 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
                                  f"{', '.join(models)})")  # fmt: skip
     tables = [t for t in (perplexity_table(records), paired_table(records, list(pairs)), memory_table(records),
                           latency_table(records), multiple_choice_table(records), needle_table(records),
-                          sweep_table(records), extrapolation_table(records), stream_loss_table(records))
+                          sweep_table(records), extrapolation_table(records), stream_loss_table(records),
+                          kv_quant_table(records))
               if t]  # fmt: skip
     tables += probes_tables(records)
     (out_dir / "tables").mkdir(exist_ok=True)
@@ -499,7 +453,13 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
     plots = {title: _drawn(out_dir / name, draw) for title, (name, draw) in drawings.items()}
     plots = {title: p for title, p in plots.items() if p}
     parts = [f"# Evaluation report: {out_dir.name}", "",
-             f"{len(records)} records, {len(models)} checkpoints: {', '.join(models)}.", ""]  # fmt: skip
+             f"{_count(len(records), 'record')}, {_count(len(models), 'checkpoint')}: {', '.join(models)}.",
+             ""]  # fmt: skip
+    untabled = Counter(r["benchmark"] for r in records if r["benchmark"] not in DRAWN)
+    if untabled:
+        notes.append("Not in this report (no table or plot draws them): " + ", ".join(
+            f"{n} {name} record{'s' * (n > 1)}" for name, n in untabled.items()) + ".")  # fmt: skip
+    parts += [f"Note: {note}\n" for note in notes]
     for t in tables:
         parts += [f"## {t.title}", "", t.markdown(), ""]
     for title, p in plots.items():
@@ -508,7 +468,52 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
     atomic_write_text(out_dir / "report.md", markdown)
     atomic_write_text(out_dir / "report.html", to_html(markdown, out_dir))
     return {"markdown": out_dir / "report.md", "html": out_dir / "report.html", "tables": [t.name for t in tables],
-            "plots": [str(p) for p in plots.values()]}  # fmt: skip
+            "plots": [str(p) for p in plots.values()], "notes": notes}  # fmt: skip
+
+
+# The benchmarks a report draws (a table or a plot); records of others are counted in a note.
+DRAWN = ("perplexity", "memory", "latency", "multiple_choice", "needle", "context_sweep", "rope_extrapolation",
+         "stream_loss", "kv_quant", "probes", "effective_rank", "attention_maps")  # fmt: skip
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' * (n != 1)}"
+
+
+def _latest_and_distinct(records: list[dict], records_path: Path) -> tuple[list[dict], list[str]]:
+    """(the records a report shows, notes saying what it did): of records that measured the same thing (a checkpoint
+    benchmarked again after its weights changed, records files joined, two benches at once) only the latest; and
+    a label two checkpoints share (records of older benches) replaced by their folders' last parts. Each is said
+    in a note and, when figures disagree or labels change, in a warning line."""
+    records, superseded = latest_records(records)
+    notes = []
+    if superseded:
+        old, new = [str(o) for o, _, _ in superseded], sorted({n for _, n, _ in superseded})
+        differ = sum(d for _, _, d in superseded)
+        one = len(old) == 1
+        what = "with other figures" if one else f"{differ} with other figures"
+        what = what if differ else "with the same figures"
+        why = " (measured again, e.g. after the checkpoint was retrained, or records files joined)" if differ else ""
+        notes.append(f"record{'s' * (not one)} {', '.join(old)} measured the same checkpoint and settings as "
+                     f"{'a later record' if len(new) == 1 else 'later records'} ({', '.join(map(str, new))}), "
+                     f"{what}{why}: only the latest {'is' if one else 'are'} shown.")  # fmt: skip
+        if differ:
+            warnings.warn(f"{records_path}: {notes[-1]}", AttnlabWarning, stacklevel=3)
+    paths: dict[str, set[str]] = defaultdict(set)
+    for r in records:
+        if isinstance(r.get("model_path"), str):
+            paths[r["model"]].add(os.path.normpath(r["model_path"]))
+    shared = {label: sorted(p) for label, p in paths.items() if len(p) > 1}
+    if not shared:
+        return records, notes
+    labels = distinct_labels({p: label for label, group in shared.items() for p in group})
+    records = [{**r, "model": labels[os.path.normpath(r["model_path"])]} if r["model"] in shared and
+               isinstance(r.get("model_path"), str) else r for r in records]  # fmt: skip
+    for label, group in shared.items():
+        notes.append(f"{len(group)} checkpoints share the label {label}: shown as "
+                     f"{', '.join(labels[p] for p in group)} (the last parts of their folders).")  # fmt: skip
+        warnings.warn(f"{records_path}: {notes[-1]}", AttnlabWarning, stacklevel=3)
+    return records, notes
 
 
 def _analysis_plots(records: list[dict], out_dir: Path) -> dict:
@@ -534,13 +539,17 @@ def _drawn(path: Path, draw) -> Path | None:
         raise
 
 
+CELL = re.compile(r"\|((?:[^|\\]|\\.)*)(?=\|)")  # a Markdown table's cells: text up to the next unescaped '|'
+
+
 def to_html(markdown: str, base: Path) -> str:
     """A self-contained HTML page from the report's Markdown: headings, paragraphs, tables, embedded PNGs."""
     body, table = [], []
 
     def flush_table():
         if table:
-            rows = [[c.strip() for c in line.strip("|").split("|")] for line in table if not set(line) <= set("|- ")]
+            rows = [[re.sub(r"\\(.)", r"\1", c).strip() for c in CELL.findall(line)] for line in table
+                    if not set(line) <= set("|- ")]  # fmt: skip
             head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
             cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
             body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>")

@@ -164,7 +164,7 @@ def _is_attnlab_checkpoint(folder: Path) -> bool:
         return False
 
 
-def _label(path: Path) -> str:
+def reference_label(path: Path) -> str:
     """<target>/seed<S> for a run's folder (or a checkpoint inside it), <target>/converted for a manifest target's
     conversion (its cold model), else the folder's name."""
     parts = path.resolve().parts
@@ -201,7 +201,7 @@ def _load_run(path: Path, dtype, data_dir, tag: str) -> LoadedModel:
         if problem is not None:
             raise DataError(f"{folder}: {problem}: it is not the tokenizer this model was trained with (copy the run's "
                             "own tokenizer/ folder back, or delete it to use the prepared data's)")  # fmt: skip
-    return LoadedModel(loaded.cfg, model, tokenizer, loaded.config, _label(loaded.run_dir), loaded.folder)
+    return LoadedModel(loaded.cfg, model, tokenizer, loaded.config, reference_label(loaded.run_dir), loaded.folder)
 
 
 def parse_hub_ref(ref: str) -> tuple[str, str | None]:

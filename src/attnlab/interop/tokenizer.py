@@ -177,11 +177,7 @@ def tokenizer_from_gguf(meta: dict, source: str = "gguf", name: str | None = Non
 def unknown_pieces(tokenizer, text: str) -> list[str]:
     """The characters (a char tokenizer) or words (a word tokenizer) of `text` that its vocabulary does not hold
     and that it reads as <unk>, in order; [] for tokenizers that spell any text (bytes, BPE)."""
-    if isinstance(tokenizer, CharTokenizer):
-        return [c for c in text if c not in tokenizer.ids]
-    if isinstance(tokenizer, WordTokenizer):
-        return [w for w in tokenizer.pattern.findall(text) if w not in tokenizer.lookup]
-    return []
+    return tokenizer.unknown(text)
 
 
 def unknown_line(tokenizer, pieces: list[str], what: str, shown: int = 5) -> str:
