@@ -1,0 +1,291 @@
+"""A real model's speed side by side in one run (issue 16): SmolLM2-135M (the GGUF in the data directory) on this
+CPU, attnlab with fp32 / Q8_0 / the file's own (Q4_1) weights and fp32 / q8_0 / q4_0 KV caches, transformers (fp32),
+and llama.cpp (llama-cpp-python, optional: skipped with a note when it is not installed) with f16 / q8_0 / q4_0 KV
+caches, at 1 and 2 threads.
+
+    python bench/real_model.py [--threads 1,2] [--contexts 128,4096,8192] [--prefill 512,4096] [--new-tokens 32]
+                               [--impls attnlab,transformers,llama.cpp] [--weights fp32,q8_0,native]
+                               [--kv fp32,q8_0,q4_0] [--models REF,...] [--repeats 2] [--data-dir DIR] [--no-record]
+
+decode   after an untimed prefill of C tokens of WikiText-2 raw test, N single-token steps (attnlab: `generate`'s
+         own loop, compiled step included, timed token by token through its callback after a warm-up run at the
+         same cache size; transformers: its forward with past_key_values; llama.cpp: `Llama.eval([token])`), tok/s
+         = N / seconds, median of rounds. Bytes per token: the weights read (every matrix once; the embedding's one
+         row is left out unless it is also the LM head) plus the KV cache read at context C, against the machine's
+         read bandwidth measured in the same run (a 1 GiB fp32 sum), as a share of what the bandwidth allows.
+prefill  L tokens into a fresh cache: attnlab in chunks of 512 (generate's default), transformers one forward,
+         llama.cpp `Llama.eval` (its n_batch 512); L / seconds.
+Every ratio is to llama.cpp with its f16 KV cache at the same threads and length, measured in the same run;
+--models adds other attnlab references (e.g. the decoupled and MLA conversions of configs/retrofit) to the
+attnlab rows. Pass llama-cpp-python as `pip install ../shared/wheels/llama_cpp_python-*.whl` (built here from its
+source) or `pip install llama-cpp-python` (builds from source, about 15 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import OtherLoad, environment, finish, median, print_table, row  # noqa: E402
+
+import attnlab  # noqa: E402
+from attnlab.eval.loading import load_for_eval  # noqa: E402
+from attnlab.eval.perplexity import dataset_tokens  # noqa: E402
+from attnlab.generate import generate, prefill_last  # noqa: E402
+from attnlab.paths import find_data_file  # noqa: E402
+
+SMOLLM2 = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+KV_POLICIES = {"fp32": None, "q8_0": "k=q8_0,v=q8_0", "q4_0": "k=q4_0,v=q4_0"}
+LLAMA_KV = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids (GGML_TYPE_F16, _Q8_0, _Q4_0)
+LLAMA_KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per cached value
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
+    """Bytes per second of the fastest of `repeats` sums over a `gib` GiB fp32 tensor (torch's threads)."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    best = min(_seconds(lambda: x.sum()) for _ in range(repeats))
+    return x.nbytes / best
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every distinct tensor of the model read per token: parameters and buffers once each (a tied
+    embedding and LM head are one table, read whole by the head), less an untied embedding (one row read)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+    head = getattr(model, "lm_head", None)
+    embed = getattr(model, "embed", None)
+    shared = (
+        head is not None
+        and embed is not None
+        and any(a.data_ptr() == b.data_ptr() for a in embed.parameters() for b in head.parameters())
+    )
+    tied = shared or getattr(model.cfg, "tie_embeddings", False)
+    if embed is not None and not tied:
+        total -= sum(t.nbytes for t in [*embed.parameters(), *embed.buffers()])
+    return total
+
+
+class Attnlab:
+    """attnlab's generate on a loaded model, with a KV policy."""
+
+    impl = "attnlab"
+
+    def __init__(self, ref: str, weights: str, kv: str, data_dir):
+        self.model = load_for_eval(ref, data_dir=data_dir, weights=weights).model
+        self.label, self.weights, self.kv, self.policy = Path(ref).stem, weights, kv, KV_POLICIES[kv]
+        self.weight_bytes = weight_bytes(self.model)
+
+    def kv_bytes_per_token(self, context: int) -> float:
+        cache = self.model.new_cache(1, context, **({"policy": self.policy} if self.policy else {}))
+        with torch.no_grad():
+            prefill_last(self.model, torch.zeros(1, context, dtype=torch.long), cache)
+        return cache.nbytes() / context
+
+    def decode(self, tokens: torch.Tensor, n: int) -> float:
+        stamps = []
+        generate(self.model, tokens, max_new_tokens=n + 1, kv_policy=self.policy,
+                 callback=lambda _: stamps.append(time.perf_counter()))  # fmt: skip
+        return (stamps[-1] - stamps[0]) / n  # seconds per step after the first token (prefill excluded)
+
+    def prefill(self, tokens: torch.Tensor) -> float:
+        cache = self.model.new_cache(1, tokens.shape[1], **({"policy": self.policy} if self.policy else {}))
+        with torch.no_grad():
+            return _seconds(lambda: prefill_last(self.model, tokens, cache))
+
+
+class Transformers:
+    impl, weights, kv = "transformers", "fp32", "fp32"
+
+    def __init__(self, path: Path):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        self.label = path.stem
+        self.weight_bytes = weight_bytes_hf(self.model)
+        cfg = self.model.config
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # fp32 keys, values
+
+    def kv_bytes_per_token(self, context: int) -> float:
+        return self.kv_per_token
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, n: int) -> float:
+        out = self.model(tokens, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(n):
+            out = self.model(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        return (time.perf_counter() - start) / n
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor) -> float:
+        return _seconds(lambda: self.model(tokens, use_cache=True))
+
+
+def weight_bytes_hf(model) -> int:
+    seen, total = set(), 0
+    for t in model.parameters():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+    if not model.config.tie_word_embeddings:
+        total -= model.get_input_embeddings().weight.nbytes
+    return total
+
+
+class LlamaCpp:
+    impl, weights = "llama.cpp", "native"
+
+    def __init__(self, path: Path, kv: str, threads: int, n_ctx: int):
+        import llama_cpp
+
+        kv_type = LLAMA_KV[kv]
+        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   type_k=kv_type, type_v=kv_type, flash_attn=True, verbose=False)  # fmt: skip
+        self.label, self.kv = path.stem, kv
+        from gguf import GGUFReader
+
+        sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+        # A separate output.weight is the LM head: the embedding table is then read one row per token.
+        self.weight_bytes = sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
+        meta = self.llm.metadata
+        layers, heads = int(meta["llama.block_count"]), int(meta["llama.attention.head_count"])
+        kv_heads, width = int(meta["llama.attention.head_count_kv"]), int(meta["llama.embedding_length"])
+        self.kv_per_token = 2 * layers * kv_heads * (width // heads) * LLAMA_KV_BYTES[kv]
+
+    def kv_bytes_per_token(self, context: int) -> float:
+        return self.kv_per_token
+
+    def decode(self, tokens: torch.Tensor, n: int) -> float:
+        ids = tokens[0].tolist()
+        self.llm.reset()
+        self.llm.eval(ids)
+        start = time.perf_counter()
+        for i in range(n):
+            self.llm.eval([ids[i % len(ids)]])  # one token per step: the token's value does not change the cost
+        return (time.perf_counter() - start) / n
+
+    def prefill(self, tokens: torch.Tensor) -> float:
+        self.llm.reset()
+        return _seconds(lambda: self.llm.eval(tokens[0].tolist()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--contexts", default="128,4096,8192", help="decode after this many tokens of context")
+    parser.add_argument("--prefill", default="512,4096", help="prefill lengths")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per round")
+    parser.add_argument("--impls", default="attnlab,transformers,llama.cpp")
+    parser.add_argument("--weights", default="fp32,q8_0,native", help="attnlab weights (eval.loading.WEIGHTS)")
+    parser.add_argument("--kv", default="fp32,q8_0,q4_0", help="attnlab KV caches (fp32, q8_0, q4_0)")
+    parser.add_argument("--llama-kv", default="f16,q8_0,q4_0", help="llama.cpp KV caches")
+    parser.add_argument("--models", default="", help="other attnlab references, comma-separated (fp32 weights)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--no-record", action="store_true", help="print only (do not append to bench/results)")
+    args = parser.parse_args()
+    path = find_data_file(SMOLLM2, args.data_dir)
+    impls = set(args.impls.split(","))
+    if "llama.cpp" in impls and importlib.util.find_spec("llama_cpp") is None:
+        print(
+            "llama-cpp-python is not installed: its rows are skipped (pip install "
+            "../shared/wheels/llama_cpp_python-*.whl, or pip install llama-cpp-python to build it, ~15 minutes)"
+        )
+        impls.discard("llama.cpp")
+    contexts, lengths = [int(c) for c in args.contexts.split(",")], [int(x) for x in args.prefill.split(",")]
+    n = args.new_tokens
+    tokenizer = attnlab.load_model(path)[2]  # the GGUF's own
+    text = torch.from_numpy(
+        dataset_tokens(tokenizer, "wikitext2-raw", "test", args.data_dir)[: max(contexts + lengths) + 1].astype("int64")
+    )[None]
+    other, records, decode_rows, prefill_rows = OtherLoad(), [], [], []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        env = environment()
+        bandwidth = read_bandwidth()
+        print(f"\n{threads} thread(s): read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+        runners = []
+        if "llama.cpp" in impls:
+            runners += [LlamaCpp(path, kv, threads, max(contexts + lengths) + n + 8) for kv in args.llama_kv.split(",")]
+        if "attnlab" in impls:
+            runners += [Attnlab(str(path), w, kv, args.data_dir) for w in args.weights.split(",")
+                        for kv in args.kv.split(",")]  # fmt: skip
+            runners += [Attnlab(ref, "fp32", kv, args.data_dir) for ref in filter(None, args.models.split(","))
+                        for kv in args.kv.split(",")]  # fmt: skip
+        if "transformers" in impls:
+            runners.append(Transformers(path))
+        for context in contexts:
+            prompt = text[:, :context]
+            speeds = {}
+            for runner in runners:
+                runner.decode(prompt, 2)  # warm-up (attnlab: compiles its step for this cache size)
+                other.lap()
+                seconds = median([runner.decode(prompt, n) for _ in range(args.repeats)])
+                load = other.lap()
+                key = (runner.impl, runner.label, runner.weights, runner.kv)
+                speeds[key] = 1 / seconds
+                moved = runner.weight_bytes + runner.kv_bytes_per_token(context) * context
+                figures = {"part": "decode", "impl": runner.impl, "model": runner.label, "weights": runner.weights,
+                           "kv": runner.kv, "context": context, "new_tokens": n, "tok_per_s": 1 / seconds,
+                           "bytes_per_token": moved, "bandwidth_bytes_per_s": bandwidth,
+                           "bandwidth_share": moved / seconds / bandwidth, "other_load_round": load}  # fmt: skip
+                records.append(row("real_model", runner.label, env, **figures))
+                print(f"  decode {context:>5} {runner.impl:>12} {runner.weights:>6} {runner.kv:>5} "
+                      f"{1 / seconds:7.1f} tok/s", flush=True)  # fmt: skip
+            reference = next((v for k, v in speeds.items() if k[0] == "llama.cpp" and k[3] == "f16"), None)
+            for (impl, label, weights, kv), speed in speeds.items():
+                rec = next(r for r in records[::-1] if r["impl"] == impl and r["model"] == label
+                           and r["weights"] == weights and r["kv"] == kv and r["context"] == context)  # fmt: skip
+                rec["ratio_vs_llama_cpp"] = speed / reference if reference else None
+                decode_rows.append([threads, context, impl, label, weights, kv, speed,
+                                    rec["ratio_vs_llama_cpp"] or "-", rec["bytes_per_token"] / 1e6,
+                                    rec["bandwidth_share"]])  # fmt: skip
+        for length in lengths:
+            ids = text[:, :length]
+            speeds = {}
+            for runner in runners:
+                runner.prefill(ids[:, : min(length, 256)])  # warm-up
+                seconds = median([runner.prefill(ids) for _ in range(args.repeats)])
+                speeds[(runner.impl, runner.label, runner.weights, runner.kv)] = length / seconds
+                print(f"  prefill {length:>5} {runner.impl:>12} {runner.weights:>6} {runner.kv:>5} "
+                      f"{length / seconds:7.1f} tok/s", flush=True)  # fmt: skip
+            reference = next((v for k, v in speeds.items() if k[0] == "llama.cpp" and k[3] == "f16"), None)
+            for (impl, label, weights, kv), speed in speeds.items():
+                ratio = speed / reference if reference else None
+                figures = {"part": "prefill", "impl": impl, "model": label, "weights": weights, "kv": kv,
+                           "tokens": length, "tok_per_s": speed, "ratio_vs_llama_cpp": ratio}  # fmt: skip
+                records.append(row("real_model", label, env, **figures))
+                prefill_rows.append([threads, length, impl, label, weights, kv, speed, ratio or "-"])
+        del runners
+    print("\ndecode (tok/s, ratio to llama.cpp with an f16 KV cache, same threads and context)")
+    print_table(["threads", "context", "impl", "model", "weights", "kv", "tok/s", "x llama.cpp", "MB/token",
+                 "share of bandwidth"], decode_rows)  # fmt: skip
+    print("\nprefill (tok/s, ratio to llama.cpp with an f16 KV cache)")
+    print_table(["threads", "tokens", "impl", "model", "weights", "kv", "tok/s", "x llama.cpp"], prefill_rows)
+    finish("real_model", records, other.fraction(), record=not args.no_record)
+
+
+if __name__ == "__main__":
+    main()
