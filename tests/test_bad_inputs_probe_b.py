@@ -75,11 +75,9 @@ def write_metadata_gguf(path, **metadata):
             writer.add_float32(f"llama.{name}", value)
         else:
             writer.add_uint32(f"llama.{name}", value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    from gguf_files import finish
+
+    return finish(writer, path)
 
 
 @pytest.mark.parametrize(

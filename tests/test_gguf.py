@@ -6,7 +6,6 @@ as llama.cpp's convert_hf_to_gguf.py does; the real SmolLM2-135M file (data dire
 
 import lzma
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,21 +13,14 @@ import attnlab
 from attnlab.interop import open_gguf, tokenizer_from_gguf
 
 gguf = pytest.importorskip("gguf")
+from gguf_files import add_tensors, finish  # noqa: E402  (needs gguf)
+
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 Q = gguf.GGMLQuantizationType
-
-
-def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows from (2, D/2) halves to (D/2, 2) pairs."""
-    return (
-        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weights.shape)
-    )
 
 
 # A SentencePiece-style vocabulary (tokenizer.ggml.model llama): unk, bos, eos, the 256 byte tokens, pieces.
@@ -112,29 +104,23 @@ def write_gguf(path, hf, arch: str = "llama", tokenizer: str = "llama", quant=Q.
     state = hf.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
+    tensors = {}
     for name, tensor in state.items():
-        values = tensor.float().numpy()
         if name.startswith("model.layers."):
             layer, rest = name[len("model.layers.") :].split(".", 1)
-            gguf_name = f"blk.{layer}.{parts[rest.removesuffix('.weight')]}.weight"
+            tensors[f"blk.{layer}.{parts[rest.removesuffix('.weight')]}.weight"] = tensor.float().numpy()
         else:
-            gguf_name = names[name]
-        if gguf_name.endswith("attn_q.weight"):
-            values = llama_cpp_permute(values, cfg.num_attention_heads)
-        elif gguf_name.endswith("attn_k.weight"):
-            values = llama_cpp_permute(values, cfg.num_key_value_heads)
+            tensors[names[name]] = tensor.float().numpy()
+
+    def kind_of(name, values):
         if values.ndim == 1:
-            writer.add_tensor(gguf_name, values)
-        elif "token_embd" in gguf_name or gguf_name == "output.weight":
-            writer.add_tensor(gguf_name, values.astype(np.float16))
-        else:
-            kind = quant if "attn" in gguf_name else (Q.Q4_0 if quant != Q.F32 else Q.Q8_0)
-            writer.add_tensor(gguf_name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+            return Q.F32
+        if "token_embd" in name or name == "output.weight":
+            return Q.F16
+        return quant if "attn" in name else (Q.Q4_0 if quant != Q.F32 else Q.Q8_0)
+
+    add_tensors(writer, tensors, kind_of, heads=(cfg.num_attention_heads, cfg.num_key_value_heads))
+    return finish(writer, path)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ and on the real SmolLM2-135M file (slow)."""
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from conftest import SIBLING_DATA
@@ -18,6 +17,8 @@ from attnlab.interop.hf import hf_targets
 from attnlab.model.qlinear import QuantizedEmbedding, QuantizedLinear
 
 gguf = pytest.importorskip("gguf")
+from gguf_files import add_tensors, finish  # noqa: E402  (needs gguf)
+
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,11 +34,6 @@ def gguf_name(hf: str) -> str:
     layer, rest = hf[len("model.layers.") :].split(".", 1)
     part, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{GGUF_PARTS[part]}.{kind}"
-
-
-def llama_cpp_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows from (2, D/2) halves to (D/2, 2) pairs."""
-    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 def write_gguf(path, model, types: dict[str, Q]):
@@ -60,24 +56,10 @@ def write_gguf(path, model, types: dict[str, Q]):
     writer.add_token_merges([])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(0)
-    for hf, tensor in hf_targets(model).items():
-        name, values = gguf_name(hf), tensor.detach().float().numpy()
-        if name.endswith("attn_q.weight"):
-            values = llama_cpp_permute(values, cfg.n_heads)
-        elif name.endswith("attn_k.weight"):
-            values = llama_cpp_permute(values, cfg.attention.n_kv_heads or cfg.n_heads)
-        kind = Q.F32 if values.ndim == 1 else types.get(name.split(".")[-2], Q.Q8_0)
-        if kind == Q.F32:
-            writer.add_tensor(name, values)
-        elif kind == Q.F16:
-            writer.add_tensor(name, values.astype(np.float16))
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    tensors = {gguf_name(hf): tensor.detach().float().numpy() for hf, tensor in hf_targets(model).items()}
+    kind_of = lambda name, values: Q.F32 if values.ndim == 1 else types.get(name.split(".")[-2], Q.Q8_0)  # noqa: E731
+    add_tensors(writer, tensors, kind_of, heads=(cfg.n_heads, cfg.attention.n_kv_heads or cfg.n_heads))
+    return finish(writer, path)
 
 
 def assert_same_model(native, dequantized, tokens):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_model
-from test_gguf import SP_SCORES, SP_TOKENS, SP_TYPES, llama_cpp_permute, transformers_gguf_model
+from test_gguf import SP_SCORES, SP_TOKENS, SP_TYPES, transformers_gguf_model
 from test_pretrained import one_line, write_config, write_tokenizer
 
 import attnlab
@@ -26,6 +26,7 @@ from attnlab.ops.rope import inverse_frequencies
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
+from gguf_files import Q, add_tensors, finish  # noqa: E402  (needs gguf)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -289,27 +290,17 @@ def write_gguf(path, hf, arch: str, quant=gguf.GGMLQuantizationType.F32, rope_fr
     state = hf.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
+    tensors = {}
     for name, tensor in state.items():
-        values = tensor.float().numpy()
         if name.startswith("model.layers."):
             layer, rest = name[len("model.layers.") :].split(".", 1)
             part, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{PARTS[part]}.{kind}"
+            tensors[f"blk.{layer}.{PARTS[part]}.{kind}"] = tensor.float().numpy()
         else:
-            gguf_name = NAMES[name]
-        if arch == "llama" and ".attn_q." in gguf_name:
-            values = llama_cpp_permute(values, cfg.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in gguf_name:
-            values = llama_cpp_permute(values, cfg.num_key_value_heads)
-        if values.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name, values)
-        else:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(values, quant), raw_dtype=quant)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+            tensors[NAMES[name]] = tensor.float().numpy()
+    heads = (cfg.num_attention_heads, cfg.num_key_value_heads) if arch == "llama" else None  # llama's converter only
+    add_tensors(writer, tensors, lambda name, values: Q.F32 if values.ndim == 1 else quant, heads=heads)
+    return finish(writer, path)
 
 
 def llama_cpp_rope_factors(dim: int, base: float, options: dict) -> list[float]:
