@@ -358,7 +358,8 @@ def test_optimizer_floats_out_of_range_are_refused(tmp_path, capsys, value, frag
 def test_a_second_ctrl_c_while_the_first_is_handled_is_ignored():
     from attnlab.train.signals import first_interrupt_only
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # As in a terminal: a job started in the background (CI under nohup, `cmd &`) inherits SIGINT ignored.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt), first_interrupt_only():
             try:
@@ -372,13 +373,17 @@ def test_a_second_ctrl_c_while_the_first_is_handled_is_ignored():
         time.sleep(0.2)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    with first_interrupt_only():
-        pass
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not interrupted: as it was
+    try:
+        with first_interrupt_only():
+            pass
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not interrupted: as it was
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 DOUBLE = """
 import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job inherits it ignored)
 import attnlab.train.loop as loop
 from attnlab.cli import main
 save = loop.save_checkpoint
