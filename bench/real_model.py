@@ -63,9 +63,12 @@ def _seconds(fn) -> float:
 
 def weight_bytes(model) -> int:
     """Bytes of every distinct tensor of the model read per token: parameters and buffers once each (a tied
-    embedding and LM head are one table, read whole by the head), less an untied embedding (one row read)."""
+    embedding and LM head are one table, read whole by the head), less an untied embedding (one row read) and the
+    RoPE tables."""
     seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
+    # RoPE's cos/sin tables are read one row (the position) per token: left out like the embedding.
+    buffers = [t for name, t in model.named_buffers() if "rotary" not in name]
+    for t in [*model.parameters(), *buffers]:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.nbytes
