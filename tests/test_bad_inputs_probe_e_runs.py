@@ -424,8 +424,8 @@ def test_a_parquet_text_column_of_numbers_is_named(tmp_path, capsys):
     path = tmp_path / "numbers.parquet"
     pq.write_table(pa.table({"text": pa.array(range(50), type=pa.int64())}), path)
     manifest = write_manifest(tmp_path, source=path)
-    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "runs"), "--no-progress"],
-          "numbers.parquet: column 'text' holds int64, not strings")  # fmt: skip
+    assert fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "runs"), "--no-progress"],
+                 "numbers.parquet: column 'text' holds int64, not strings")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- G1, CV-tiny (the tokenizer's part)

@@ -108,15 +108,14 @@ SHAPES = [(1, 32), (5, 32), (37, 576), (70, 1536), (9, 96)]  # (n, k): n not a m
 ROWS = [1, 2, 3, 5, 17]  # rows of x: each count of x rows per pass (1-4), two passes, and the GEMM path (>= 16)
 
 
-@kernels
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_kernel_matches_a_float64_matmul_over_ggufs_dequantized_weights(fmt, n, k):
+def check_kernel(fmt: str, n: int, k: int) -> int:
+    """qmatmul.matmul on adversarial blocks of W (n, k) against a float64 matmul over gguf's dequantized values, for
+    every row count of x, at 1 and 2 threads, with and without a bias: how many outputs were compared."""
     blocks = adversarial_blocks(fmt, n, k, seed=n * k)
     g = torch.Generator().manual_seed(k)
     assert torch.equal(qmatmul.dequantize(fmt, blocks, k), gguf_dequantize(blocks, fmt).float())  # ggml's values
     bias = torch.randn(n, generator=g)
-    previous = torch.get_num_threads()
+    previous, compared = torch.get_num_threads(), 0
     try:
         for m in ROWS:
             x = torch.randn(m, k, generator=g)
@@ -129,8 +128,17 @@ def test_kernel_matches_a_float64_matmul_over_ggufs_dequantized_weights(fmt, n, 
             if m < qmatmul.GEMM_MIN_ROWS:  # each output is one thread's sum, in one order: threads change nothing
                 assert torch.equal(outputs[0], outputs[1])
             assert_matmul_close(qmatmul.matmul(fmt, blocks, x), x, blocks, fmt)  # no bias
+            compared += 3
     finally:
         torch.set_num_threads(previous)
+    return compared
+
+
+@kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_kernel_matches_a_float64_matmul_over_ggufs_dequantized_weights(fmt, n, k):
+    assert check_kernel(fmt, n, k) == 3 * len(ROWS)
 
 
 @kernels
@@ -162,9 +170,10 @@ def test_the_portable_c_build_is_exact_too(tmp_path, monkeypatch):
     portable = qmatmul.load(cpu.build(tmp_path, flags, source=qmatmul.SOURCE))
     monkeypatch.setattr(qmatmul, "library", lambda: portable)
     monkeypatch.setattr(qmatmul, "_qmatmul", lambda: portable.attnlab_qmatmul)
+    assert qmatmul.library() is portable
     for fmt in FORMATS:
         for n, k in SHAPES[:4]:
-            test_kernel_matches_a_float64_matmul_over_ggufs_dequantized_weights(fmt, n, k)
+            assert check_kernel(fmt, n, k) == 3 * len(ROWS)
 
 
 def test_a_failing_compiler_names_the_source(tmp_path, monkeypatch):
