@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, ClassVar
 
-from attnlab.config_checks import MAX_INT, dataclass_kwargs, field_problems, unknown_key_problem, value_problem
+from attnlab.config_checks import (
+    MAX_INT,
+    MAX_WIDTH,
+    dataclass_kwargs,
+    field_problems,
+    unknown_key_problem,
+    value_problem,
+)
+from attnlab.config_memory import MEMORY_KINDS, MEMORY_OPTIONS, MEMORY_PRESETS, UNSET, MemoryConfig  # noqa: F401
 from attnlab.errors import ConfigError
 from attnlab.paths import brief
 
@@ -24,7 +32,6 @@ DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
 # Integer fields are bounded far beyond any real model or run, so that an absurd value is one clear error instead
 # of an overflow (or a model of a million layers built) deep inside: a model's widths and counts (a class's
 # `int_limit`, with exceptions in its `int_limits`), everything else (steps, lengths, token counts).
-MAX_WIDTH = 2**24
 MAX_SEED = 2**32 - 1  # a seed is 0 .. 2^32 - 1 (what every random generator here accepts)
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 # Data sources: these named datasets, or a local file with one of these suffixes (.xz/.gz compressed allowed).
@@ -97,209 +104,6 @@ class AttentionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **dataclasses.asdict(self)}
-
-
-MEMORY_KINDS = ("none", "window", "streaming", "h2o", "bounded")
-# The options each memory kind reads (besides kind); another kind's option is refused, not ignored.
-MEMORY_OPTIONS = {
-    "none": (),
-    "window": ("recent_window", "block", "positions"),
-    "streaming": ("recent_window", "block", "positions", "sink_tokens"),
-    "h2o": ("recent_window", "block", "positions", "heavy_slots"),
-    "bounded": ("recent_window", "block", "positions", "exact_slots", "summary_slots", "tau_gate", "tau_novel",
-                "tau_match", "write_policy", "detach_evicted", "preset", "tau_gate_summary", "exact_candidates",
-                "summary_candidates", "write_bias", "exact_refresh", "summary_routing", "summary_energy_scale",
-                "summary_update", "eta_logit_init"),
-}  # fmt: skip
-# What `memory.preset` fills in for the bounded memory's options a config leaves out: attnlab's choices (the paper's
-# text, §3.2-3.3), or those of the authors' package coda-gqa-l 1.3.1 that produced the paper's numbers
-# (CoDAGQALandmarkPerf2's defaults: write_gate_init_bias, write_gate_threshold_exact/_summary,
-# exact_candidates_per_block, summary_candidates_per_block, the LRU touch of any non-novel match, summary routing
-# by argmax, energy_scale, _summary_update_block_hard, summary_eta_init_logit). README: "The reference preset".
-MEMORY_PRESETS = {
-    "attnlab": {"tau_gate": 0.5, "tau_gate_summary": None, "exact_candidates": None, "summary_candidates": None,
-                "write_bias": None, "exact_refresh": "tau_match", "summary_routing": "novelty",
-                "summary_energy_scale": False, "summary_update": "sequential", "eta_logit_init": 0.0},
-    "reference": {"tau_gate": 0.10, "tau_gate_summary": 0.05, "exact_candidates": 8, "summary_candidates": 64,
-                  "write_bias": -2.0, "exact_refresh": "tau_novel", "summary_routing": "argmax",
-                  "summary_energy_scale": True, "summary_update": "block", "eta_logit_init": -3.0},
-}  # fmt: skip
-
-
-class _Unset:
-    """The default of an option a memory preset fills: left out of the config (None is a value of its own)."""
-
-    def __repr__(self) -> str:
-        return "<from memory.preset>"
-
-
-UNSET: Any = _Unset()
-
-
-@dataclass(frozen=True)
-class MemoryConfig:
-    """A KV memory of fixed size per layer instead of a cache that grows with the sequence (cache/memories.py).
-
-    none: the variant's own cache. window: the last `recent_window` tokens. streaming (StreamingLLM): the
-    first `sink_tokens` tokens + the recent window. h2o: the `heavy_slots` tokens with the largest
-    accumulated attention + the recent window. bounded (CoDA-GQA-L §3.2): recent window + `exact_slots`
-    landmark bank (novelty-filtered LRU, value-routed) + `summary_slots` EMA prototype bank, fed by the
-    tokens leaving the window whose write gate g = sigmoid(W_write x) >= tau_gate (write_policy gated;
-    `none` offers every token with g = 1). An option of another kind (MEMORY_OPTIONS) set away from its
-    default is an error: it would do nothing but change the config's hash.
-
-    The bounded memory's options that differ between the paper's text and the authors' code (cache/banks.py):
-
-    preset               fills in the options below (and tau_gate) that the config leaves out: `attnlab`
-                         (default, the paper's text) or `reference` (the package coda-gqa-l 1.3.1 that produced
-                         the paper's numbers; MEMORY_PRESETS). Options written beside it win; the config then
-                         holds the filled-in values (its dict and hash say what runs)
-    tau_gate             the write gate a token needs to be offered to the exact bank (and to the summary bank
-                         unless tau_gate_summary): 0.5 | reference 0.10
-    tau_gate_summary     the summary bank's own gate threshold; None = tau_gate | reference 0.05
-    exact_candidates     a block's tokens offered to the exact bank: the ones with the largest gates, at most
-                         this many per update (decoding offers one token at a time); None = every one |
-                         reference 8
-    summary_candidates   likewise for the summary bank; None = every one | reference 64
-    write_bias           None: g = sigmoid(W_write x); a number: g = sigmoid(W_write x + b_write), b_write a
-                         learned scalar initialised at it (write_policy gated only) | reference -2.0
-    exact_refresh        the cosine from which a token refreshes its best exact slot's recency: `tau_match`
-                         (only a match) | reference `tau_novel` (any token that is not new, a medium match too)
-    summary_routing      `novelty`: a token below tau_novel against every prototype opens a free slot, else it
-                         moves its best match | reference `argmax`: the best of all M_s slots, an empty slot
-                         scoring cosine 0 (the package with its memory initialised at zero); landing on an empty
-                         slot opens it; no novelty threshold
-    summary_energy_scale the low-frequency channels of RoPE fields stored in a prototype are scaled by
-                         sqrt(width / low-frequency width) (sqrt(2)): false | reference true
-    summary_update       `sequential`: a block's candidates one after another, each moving its prototype by
-                         eta = sigmoid(eta_logit) * g | reference `block`: a block's candidates routed against
-                         the bank as it was before the block, their gate-weighted mean per slot blended by one
-                         step of eta = sigmoid(eta_logit) (1 into an empty slot), seen from the next block on;
-                         a decoding step (one token) is sequential in both
-    eta_logit_init       the summary bank's EMA logit at init: 0.0 (eta = 0.5) | reference -3.0
-    """
-
-    kind: str = "none"
-    recent_window: int = 128
-    sink_tokens: int = 4
-    heavy_slots: int = 32
-    exact_slots: int = 32
-    summary_slots: int = 32
-    tau_gate: float = UNSET
-    tau_novel: float = 0.70
-    tau_match: float = 0.90
-    write_policy: str = "gated"
-    detach_evicted: bool = True
-    block: int | None = None  # tokens per memory update when the model reads a whole sequence (training,
-    # scoring): the sequence goes through the memory `block` tokens at a time; None = recent_window
-    positions: str = "absolute"  # RoPE positions the attention reads: `absolute` (each token's place in the
-    # stream) or `cache` (StreamingLLM: its place among the tokens the memory holds, so relative distances stay
-    # within the slots however long the stream)
-    preset: str = "attnlab"
-    tau_gate_summary: float | None = UNSET
-    exact_candidates: int | None = UNSET
-    summary_candidates: int | None = UNSET
-    write_bias: float | None = UNSET
-    exact_refresh: str = UNSET
-    summary_routing: str = UNSET
-    summary_energy_scale: bool = UNSET
-    summary_update: str = UNSET
-    eta_logit_init: float = UNSET
-    int_limit: ClassVar[int] = MAX_WIDTH
-
-    def __post_init__(self) -> None:
-        problems = self._fill_preset()
-        problems += field_problems(self, "memory.")
-        if problems:
-            raise ConfigError(problems)
-        if self.kind not in MEMORY_KINDS:
-            problems.append(unknown_key_problem(str(self.kind), list(MEMORY_KINDS), "memory.kind=", "value"))
-        else:
-            for f in dataclasses.fields(self):
-                default = MEMORY_PRESETS["attnlab"].get(f.name, f.default)
-                if f.name != "kind" and f.name not in MEMORY_OPTIONS[self.kind] and getattr(self, f.name) != default:
-                    owners = [k for k, options in MEMORY_OPTIONS.items() if f.name in options]
-                    problems.append(
-                        f"memory.{f.name} belongs to memory.kind {' or '.join(owners)}, not {self.kind} "
-                        f"(remove it, or set memory.kind: {owners[0]})"
-                    )
-        if self.recent_window < 1:
-            problems.append(f"memory.recent_window={self.recent_window} must be >= 1")
-        for key in ("sink_tokens", "heavy_slots", "exact_slots", "summary_slots"):
-            if getattr(self, key) < 0:
-                problems.append(f"memory.{key}={getattr(self, key)} must be >= 0 (0 = no such slots)")
-        for key in ("tau_gate", "tau_novel", "tau_match", "tau_gate_summary"):
-            if getattr(self, key) is not None and not 0.0 <= getattr(self, key) <= 1.0:
-                problems.append(f"memory.{key}={getattr(self, key)} must be in [0, 1]")
-        if self.tau_novel > self.tau_match:
-            problems.append(
-                f"memory.tau_novel={self.tau_novel} must be <= memory.tau_match={self.tau_match} "
-                "(below tau_novel a token is new, above tau_match it refreshes its match)"
-            )
-        for key in ("exact_candidates", "summary_candidates"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                bank = key.split("_")[0]
-                problems.append(f"memory.{key}={getattr(self, key)} must be >= 1 (or null: every token leaving "
-                                f"the window; no {bank} bank at all is {bank}_slots: 0)")  # fmt: skip
-        if self.block is not None and self.block < 1:
-            problems.append(f"memory.block={self.block} must be >= 1 (or leave it out: recent_window)")
-        choices = {"positions": ("absolute", "cache"), "write_policy": ("none", "gated"),
-                   "exact_refresh": ("tau_match", "tau_novel"), "summary_routing": ("novelty", "argmax"),
-                   "summary_update": ("sequential", "block")}  # fmt: skip
-        for key, known in choices.items():
-            if getattr(self, key) not in known:
-                use = " or ".join(map(repr, known))
-                problems.append(f"memory.{key}={getattr(self, key)!r} is not known (use {use})")
-        if self.write_bias is not None and self.write_policy != "gated":
-            problems.append(f"memory.write_bias={self.write_bias} needs memory.write_policy: gated (with "
-                            f"write_policy {self.write_policy!r} there is no write gate to bias)")  # fmt: skip
-        if problems:
-            raise ConfigError(problems)
-
-    def _fill_preset(self) -> list[str]:
-        """Sets every option left out (UNSET) to the preset's value; the problem with the preset, if any."""
-        problems, preset = [], self.preset
-        if not isinstance(preset, str) or preset not in MEMORY_PRESETS:
-            problems.append(unknown_key_problem(str(preset), list(MEMORY_PRESETS), "memory.preset=", "value"))
-        # Other kinds take attnlab's values (their dict and hash as before presets); a preset there is refused.
-        values = MEMORY_PRESETS[preset if not problems and self.kind == "bounded" else "attnlab"]
-        for key, value in values.items():
-            if getattr(self, key) is UNSET:
-                # No write gate to bias without one (write_policy none): the preset leaves write_bias out.
-                value = None if key == "write_bias" and self.write_policy == "none" else value
-                object.__setattr__(self, key, value)
-        return problems
-
-    @property
-    def slots(self) -> int | None:
-        """Slots per layer (and sequence) the memory holds at most; None for kind none (the variant's cache)."""
-        extra = {"window": 0, "streaming": self.sink_tokens, "h2o": self.heavy_slots}
-        if self.kind == "none":
-            return None
-        if self.kind == "bounded":
-            return self.recent_window + self.exact_slots + self.summary_slots
-        return self.recent_window + extra[self.kind]
-
-    @property
-    def block_size(self) -> int:
-        return self.block if self.block is not None else self.recent_window
-
-    @property
-    def summary_gate(self) -> float:
-        """The write gate a token needs to be offered to the summary bank."""
-        return self.tau_gate if self.tau_gate_summary is None else self.tau_gate_summary
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        # Options added later are left out at attnlab's defaults: configs written before them keep their hash.
-        # Under another preset every option it fills is kept (read back, a left-out one would take its value).
-        later = {"block": None, "positions": "absolute", "preset": "attnlab"}
-        if self.preset == "attnlab":
-            later.update({k: v for k, v in MEMORY_PRESETS["attnlab"].items() if k != "tau_gate"})
-        for key, default in later.items():
-            if out[key] == default:
-                del out[key]
-        return out
 
 
 # The options each RoPE scaling type reads (besides type): all required, another type's refused. Factors are

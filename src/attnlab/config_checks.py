@@ -16,6 +16,7 @@ from attnlab.errors import ConfigError
 from attnlab.paths import brief
 
 MAX_INT = 2**31 - 1  # the default bound of integer fields (see config.py for the model's own bounds)
+MAX_WIDTH = 2**24  # the bound of a model's widths and counts (a config class's `int_limit`)
 
 
 def _type_ok(value: Any, annotation: Any) -> bool:

@@ -52,8 +52,6 @@ the trainer refuses them as well). Whether a local data file exists depends on -
 from __future__ import annotations
 
 import copy
-import difflib
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -66,6 +64,7 @@ from attnlab.config_checks import MAX_INT, unknown_key_problem
 from attnlab.config_io import TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
 from attnlab.interop.convert import PAIR_RULES
+from attnlab.manifest_vars import check_vars, resolve_vars, substitute, undefined_keys
 from attnlab.model.transformer import build_model
 from attnlab.paths import brief, name_problem
 from attnlab.train.budget import batch_memory_problem
@@ -76,7 +75,6 @@ TOP_KEYS = ("name", "description", "vars", "seeds", "defaults", "targets")
 SECTION_KEYS = ("model", "data", "train")
 TARGET_KEYS = ("description", "phases", "init_from", *SECTION_KEYS)
 PHASE_KEYS = ("name", *SECTION_KEYS)
-VAR = re.compile(r"\$\{([^}]*)\}")
 PLACEHOLDER_VOCAB = {"gpt2": 50257, "byte": 260, "word": 33280, "char": 256}
 FIXED_VOCAB = {"gpt2": 50257, "byte": 257}  # tokenizers whose vocabulary does not depend on the data
 # init_from a pretrained model: the conversion's options (attnlab convert's) and what `model` may change
@@ -144,93 +142,6 @@ def deep_merge(base: dict, override: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def substitute(value: Any, variables: dict, where: str, problems: list[str], broken=frozenset()) -> Any:
-    """Replaces ${name}: a value that is exactly '${name}' keeps the variable's type. `broken`: variables whose own
-    problem was said already (a cycle), left in place without another."""
-    if isinstance(value, dict):
-        return {
-            k: substitute(v, variables, f"{where}.{k}" if where else str(k), problems, broken) for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [substitute(v, variables, f"{where}[{i}]", problems, broken) for i, v in enumerate(value)]
-    if not isinstance(value, str) or "${" not in value:
-        return value
-    for name in VAR.findall(value):
-        if name not in variables and name not in broken:
-            close = difflib.get_close_matches(name, list(variables), n=1, cutoff=0.5)
-            hint = f" (did you mean ${{{close[0]}}}?)" if close else f" (defined: {', '.join(variables) or 'none'})"
-            problems.append(f"{where}: undefined variable ${{{name}}}{hint}")
-    whole = VAR.fullmatch(value)
-    if whole:
-        return variables.get(whole.group(1), value)
-    return VAR.sub(lambda m: str(variables.get(m.group(1), m.group(0))), value)
-
-
-def _used_names(value: Any) -> list[str]:
-    """The variables a value uses (${name}), anywhere inside it."""
-    if isinstance(value, dict):
-        return [name for v in value.values() for name in _used_names(v)]
-    if isinstance(value, list):
-        return [name for v in value for name in _used_names(v)]
-    return VAR.findall(value) if isinstance(value, str) else []
-
-
-def _resolve_vars(variables: dict, problems: list[str]) -> tuple[dict, set[str]]:
-    """The variables with the ${names} their values use replaced (a variable may use another); a cycle
-    (`a: ${b}`, `b: ${a}`) or an undefined name is one problem naming them. Returns (the resolved variables, the
-    names that could not be resolved: left out, their uses not reported again)."""
-    resolved: dict = {}
-    broken: set[str] = set()
-
-    def resolve(name: str, chain: list[str]) -> bool:
-        if name in resolved or name in broken:
-            return name in resolved
-        if name in chain:
-            cycle = chain[chain.index(name) :]
-            if not broken & set(cycle):
-                if len(cycle) == 1:
-                    problems.append(f"vars.{name}: its value uses ${{{name}}}, itself (give it a value)")
-                else:
-                    shown = " -> ".join(f"${{{n}}}" for n in [*cycle, name])
-                    problems.append(f"vars: {shown}: these variables refer to each other, a cycle (give one of "
-                                    "them a value)")  # fmt: skip
-            broken.update(cycle)
-            return False
-        ok = True
-        for used in dict.fromkeys(_used_names(variables[name])):
-            if used not in variables:
-                close = difflib.get_close_matches(used, list(variables), n=1, cutoff=0.5)
-                hint = f" (did you mean ${{{close[0]}}}?)" if close else f" (defined: {', '.join(variables)})"
-                problems.append(f"vars.{name}: undefined variable ${{{used}}}{hint}")
-                ok = False
-            elif not resolve(used, [*chain, name]):
-                ok = False
-        if ok and name not in broken:
-            resolved[name] = substitute(variables[name], resolved, f"vars.{name}", problems)
-        else:
-            broken.add(name)
-        return name in resolved
-
-    for name in variables:
-        resolve(name, [])
-    return resolved, broken
-
-
-def _undefined_keys(value: Any, variables: dict, where: str = "") -> list[str]:
-    """The keys (`train.lr`) whose value still holds an undefined ${variable} (after substitute)."""
-    if isinstance(value, dict):
-        return [
-            k
-            for key, v in value.items()
-            for k in _undefined_keys(v, variables, f"{where}.{key}" if where else str(key))
-        ]
-    if isinstance(value, list):
-        return [k for v in value for k in _undefined_keys(v, variables, where)]
-    if isinstance(value, str) and any(name not in variables for name in VAR.findall(value)):
-        return [where]
-    return []
 
 
 def parse_set(assignments: list[str] | tuple[str, ...]) -> dict:
@@ -401,17 +312,6 @@ def _check_seeds(seeds: Any, problems: list[str]) -> list[int]:
     return good or [0]
 
 
-def _check_vars(variables: Any, problems: list[str]) -> dict:
-    if variables is None:
-        return {}
-    if not isinstance(variables, dict):
-        problems.append(f"vars must be a mapping of names to values, got {type(variables).__name__}")
-        return {}
-    bad = [k for k in variables if not isinstance(k, str) or not k or "}" in k]
-    problems.extend(f"vars: {brief(k)} is not a variable name (use text, without '}}')" for k in bad)
-    return {k: v for k, v in variables.items() if k not in bad}
-
-
 FITTED_TOKENIZERS = ("char", "word")  # and bpe:<N>: fitted on the training split, so their ids depend on the data
 DATA_KEYS = ("source", "val_fraction", "test_fraction", "max_tokens")  # what a fitted tokenizer is fitted on
 
@@ -497,7 +397,7 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
         problem = name_problem(name, "name")
     if problem:
         problems.append(problem + ("" if "name" in raw and raw["name"] is not None else " (set `name:`)"))
-    variables, broken = _resolve_vars(_check_vars(raw.get("vars"), problems), problems)
+    variables, broken = resolve_vars(check_vars(raw.get("vars"), problems), problems)
     defaults = _check_keys(raw.get("defaults"), SECTION_KEYS, "defaults", problems)
     defaults = substitute(defaults, variables, "defaults", problems, broken)
     seeds = _check_seeds(raw.get("seeds", [0]), problems)
@@ -582,7 +482,7 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
             spec: dict = {}
             found: list[str] = []
             _resolve_sections(merged, phase_where if len(phases) > 1 else where, found, spec, source is not None)
-            undefined = _undefined_keys(merged, variables)  # each said once (undefined variable), not again
+            undefined = undefined_keys(merged, variables)  # each said once (undefined variable), not again
             problems += [p for p in found if not any(f" {key}=" in p or f".{key}=" in p for key in undefined)]
             if len(spec) == 3:
                 for seed in seeds:
