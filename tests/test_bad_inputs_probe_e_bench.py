@@ -504,7 +504,7 @@ def test_compare_on_a_folder_without_runs_or_a_file_says_what_to_give(tmp_path, 
 
 @pytest.mark.parametrize("name, said", [("summary.json", "not valid JSON (nested too deeply"),
                                         ("config.json", "not valid JSON (nested too deeply"),
-                                        ("metrics.jsonl", "line 1 is not a JSON object")])  # fmt: skip
+                                        ("metrics.jsonl", "line 1 is not valid JSON: nested too deeply")])  # fmt: skip
 def test_compare_names_a_run_file_nested_too_deeply(tmp_path, capsys, name, said):
     run = fake_run(tmp_path / "m" / "base" / "seed0", 3.4)
     (run / name).write_text(DEEP)

@@ -200,32 +200,36 @@ def read_json_object(path: str | Path, fix: str = "") -> dict:
 
 
 def read_json_lines(path: str | Path, fix: str = "") -> list[dict]:
-    """The JSON objects of a .jsonl file, one per non-blank line; DataError naming the file and line of the first
-    that is not one (a damaged records or metrics file)."""
+    """The JSON objects of a .jsonl file (a UTF-8 byte-order mark at its start is read past), one per non-blank
+    line; DataError naming the file and line of the first that is not one (a damaged records or metrics file)."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (offset {e.start}){'; ' + fix if fix else ''}") from None
     rows = json_objects(lines)
-    if isinstance(rows, int):
-        raise DataError(f"{path}: line {rows} is not a JSON object (the file was damaged); repair or remove "
-                        f"that line{'; ' + fix if fix else ''}")  # fmt: skip
+    if isinstance(rows, tuple):
+        raise DataError(f"{path}: line {rows[0]} {rows[1]} (the file was damaged); repair or remove that line"
+                        f"{'; ' + fix if fix else ''}")  # fmt: skip
     return rows
 
 
-def json_objects(lines: list[str]) -> list[dict] | int:
-    """The JSON object on each non-blank line, or the (1-based) number of the first line that holds none."""
+def json_objects(lines: list[str]) -> list[dict] | tuple[int, str]:
+    """The JSON object on each non-blank line, or (the 1-based number of the first line that holds none, what it
+    is). A line nested too deeply for the json module (thousands of brackets) is such a line, not a
+    RecursionError."""
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):  # (nested too deeply: a damaged line)
+        except json.JSONDecodeError:
             row = None
+        except RecursionError:
+            return number, "is not valid JSON: nested too deeply to read"
         if not isinstance(row, dict):
-            return number
+            return number, "is not a JSON object"
         rows.append(row)
     return rows
 

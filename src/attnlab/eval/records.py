@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 import attnlab
-from attnlab.data.files import atomic_write_text
-from attnlab.errors import DataError, InputError
+from attnlab.data.files import atomic_write_text, json_objects, read_json_lines
+from attnlab.errors import InputError
 
 
 def make_record(benchmark: str, model=None, **figures) -> dict:
@@ -60,28 +60,8 @@ def _not_records(path: Path) -> str | None:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError:
         return "not UTF-8 text"
-    rows = json_rows(text)
+    rows = json_objects(text.splitlines())
     return f"line {rows[0]} {rows[1]}" if isinstance(rows, tuple) else None
-
-
-def json_rows(text: str) -> list[dict] | tuple[int, str]:
-    """The JSON object on each non-blank line of `text`, or (the 1-based number of the first line that holds none,
-    what it is). A line nested too deeply for the json module (thousands of brackets) is such a line, not a
-    RecursionError."""
-    rows = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            row = None
-        except RecursionError:
-            return number, "is not valid JSON: nested too deeply to read"
-        if not isinstance(row, dict):
-            return number, "is not a JSON object"
-        rows.append(row)
-    return rows
 
 
 def records_folder(folder: str | Path, *names: str, flag: str = "--out") -> list[Path]:
@@ -118,16 +98,7 @@ def append_records(path: str | Path, rows: list[dict]) -> Path:
 def read_records(path: str | Path, benchmark: str | None = None) -> list[dict]:
     """The records of a JSONL file (a UTF-8 byte-order mark at its start is read past), those of `benchmark` if
     given; DataError naming the file and the first line that is not a JSON object (a damaged file)."""
-    path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (offset {e.start}); records are appended one JSON object per "
-                        "line") from None  # fmt: skip
-    rows = json_rows(text)
-    if isinstance(rows, tuple):
-        raise DataError(f"{path}: line {rows[0]} {rows[1]} (the file was damaged); repair or remove that line; "
-                        "records are appended one JSON object per line")  # fmt: skip
+    rows = read_json_lines(path, fix="records are appended one JSON object per line")
     return [r for r in rows if benchmark is None or r.get("benchmark") == benchmark]
 
 

@@ -16,11 +16,11 @@ import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from attnlab.data.files import atomic_write_text
+from attnlab.data.files import atomic_write_text, read_json_lines
 from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.perplexity import paired_difference
 from attnlab.eval.plots import plot_val_loss, rank_spectra, region_mass_bars
-from attnlab.eval.records import distinct_labels, json_rows, latest_records, read_records, record_problem
+from attnlab.eval.records import distinct_labels, latest_records, read_records, record_problem
 from attnlab.eval.stats import paired_comparison
 
 
@@ -379,14 +379,8 @@ def loss_curves(records: list[dict], path: Path) -> Path | None:
         if not metrics.is_file():
             continue
         seen.add(r["model"])
-        try:
-            rows = json_rows(metrics.read_bytes().decode("utf-8-sig"))
-        except UnicodeDecodeError:
-            rows = (0, "is not UTF-8 text")
-        if isinstance(rows, tuple):
-            where = f"line {rows[0]} " if rows[0] else ""
-            raise DataError(f"{metrics}: {where}{rows[1]} (the file was damaged; the report plots it for the "
-                            "checkpoint its records name): repair it, or move it away")  # fmt: skip
+        rows = read_json_lines(metrics, fix="the report plots it for the checkpoint its records name: repair it, or "
+                               "move it away")  # fmt: skip
         curve = [(row["tokens"], row["val_loss"]) for row in rows
                  if _finite(row.get("val_loss")) and _finite(row.get("tokens"))]  # fmt: skip
         runs.append({"target": r["model"], "phase": None, "val_curve": curve})
