@@ -519,3 +519,18 @@ def test_the_run_commands_table_still_averages_seeds_of_one_config(tmp_path):
     rows = compare_table(collect_runs(tmp_path / "m"))
     assert [(r["target"], r["seeds"], r["val_loss"]) for r in rows] == [("gqa", 2, 3.5)]
     assert os.path.exists(tmp_path / "m" / "gqa" / "seed1" / "summary.json")
+
+
+def test_a_checkpoint_whose_benchmarks_are_all_recorded_is_not_loaded(plain_run, tmp_path, capsys, monkeypatch):
+    from attnlab.eval import harness
+
+    out = tmp_path / "out"
+    argv = ["bench", str(plain_run), *PERPLEXITY, "--out", str(out)]
+    assert main(argv) == 0
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded though nothing was left to measure")
+
+    monkeypatch.setattr(harness, "load_for_eval", no_load)
+    assert main(argv) == 0 and "recorded already, skipped" in capsys.readouterr().out
+    assert len(read_records(out / "records.jsonl")) == 1

@@ -440,25 +440,29 @@ def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
             if (Path(checkpoint) / "checkpoints").exists() and not (Path(checkpoint) / "summary.json").exists():
                 log(f"{checkpoint}: training has not finished (no summary.json), skipped")
                 continue
-            model = load_for_eval(checkpoint, data_dir=plan.data_dir)
-            model.name = labels[checkpoint]  # unique in this bench and its folder's records
-            weights = weights_identity(checkpoint, plan.data_dir)
+            weights, label, todo = weights_identity(checkpoint, plan.data_dir), labels[checkpoint], []
             for name, params in plan.benchmarks.items():
                 full = {**parameters(name), **params}
-                key = (name, str(model.path), json.dumps(full, sort_keys=True))
+                key = (name, str(Path(checkpoint)), json.dumps(full, sort_keys=True))  # as _key reads a record
                 if key in recorded and recorded[key] == weights:
-                    log(f"{model.name} {name}: recorded already, skipped")
-                    continue
-                if key in recorded and recorded[key] is None:  # hours of measurements are not thrown away
-                    log(f"{model.name} {name}: recorded already by an older attnlab, which did not note the weights "
-                        f"it measured: skipped (remove them from {records_path} to measure again)")  # fmt: skip
-                    continue
-                if key in recorded:
-                    log(f"{model.name} {name}: recorded for other weights at this path (the checkpoint changed "
-                        f"since): measured again (the report shows the new records; the old ones stay in "
-                        f"{records_path})")  # fmt: skip
+                    log(f"{label} {name}: recorded already, skipped")
+                elif key in recorded and recorded[key] is None:  # hours of measurements are not thrown away
+                    log(f"{label} {name}: recorded already by an older attnlab, which did not note the weights it "
+                        f"measured: skipped (remove them from {records_path} to measure again)")  # fmt: skip
                 else:
-                    log(f"{model.name} {name} ...")
+                    todo.append((name, params, full, key in recorded))
+            if not todo:  # every benchmark recorded: the model is not even loaded
+                continue
+            model = load_for_eval(checkpoint, data_dir=plan.data_dir)
+            model.name = label  # unique in this bench and its folder's records
+            for name, params, full, again in todo:
+                if again:
+                    log(
+                        f"{label} {name}: recorded for other weights at this path (the checkpoint changed since): "
+                        f"measured again (the report shows the new records; the old ones stay in {records_path})"
+                    )
+                else:
+                    log(f"{label} {name} ...")
                 try:
                     records = BENCHMARKS[name](model, out_dir, plan.data_dir, **params)
                 except (ConfigError, InputError) as e:  # a parameter the benchmark refused once it ran: name it
