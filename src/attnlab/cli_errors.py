@@ -86,7 +86,7 @@ class Parser(argparse.ArgumentParser):
 # the user gave (an argument, $ATTNLAB_DATA, $ATTNLAB_MEMORY), one inside it or one of its folders: elsewhere they
 # are bugs and keep their traceback.
 ANY_PATH = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-GIVEN_PATH = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+GIVEN_PATH = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG}
 OPTIONS = {"out": "--out", "store": "--store", "data_dir": "--data-dir"}  # where a user chooses a folder
 ENVIRONMENT = ("ATTNLAB_DATA", "ATTNLAB_MEMORY")  # folders a user names in the environment
 CACHE = "XDG_CACHE_HOME"  # the user cache (prepared data, compiled kernels, memories): ~/.cache by default
@@ -157,6 +157,12 @@ def _elsewhere(origin: str | None) -> str:
     return ""
 
 
+def _shortened(path: Path, keep: int = 60) -> str:
+    """`path` as text, its middle cut to `…` when it is longer than 2 * keep characters (a line stays readable)."""
+    text = str(path)
+    return text if len(text) <= 2 * keep else f"{text[:keep]}…{text[-keep:]}"
+
+
 def os_error_line(e: OSError, args) -> str | None:
     """One line for an error of the operating system the user can act on (see ANY_PATH, GIVEN_PATH), naming
     the path and what to do; None for any other (a bug: it keeps its traceback)."""
@@ -192,6 +198,15 @@ def os_error_line(e: OSError, args) -> str | None:
         return f"{path}: {what} (free some space{hint})"
     if code == errno.ENOENT:
         return f"{path}: no such file or folder (check the path)"
+    if code == errno.ENAMETOOLONG:
+        longest = max(len(os.fsencode(part)) for part in path.parts)
+        if longest > 255:  # NAME_MAX on common file systems
+            what = f"a part of it is {longest} bytes, more than the file system allows (usually 255 bytes a part"
+        else:  # PATH_MAX, counted from the working folder
+            what = (
+                f"the whole path is {len(os.fsencode(os.path.abspath(path)))} bytes, more than the system allows (4096"
+            )
+        return f"{_shortened(path)}: file name too long: {what}; give a shorter path)"
     if code == errno.ENOTDIR:
         return f"{path}: a part of this path is a file, not a folder (check the path)"
     if code == errno.EISDIR:
