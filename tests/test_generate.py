@@ -182,3 +182,44 @@ def test_recompile_limit_falls_back_to_eager_decode(monkeypatch):
         batch = attnlab.generate(model, prompts, max_new_tokens=6, compile=True)  # batch 2: a new shape
     assert batch[0].tolist() == first.tolist()
     assert batch.tolist() == attnlab.generate(model, prompts, max_new_tokens=6, compile=False).tolist()
+
+
+def test_one_compiled_region_serves_every_layer_and_every_length():
+    """Regional compilation: the 3 blocks share one graph (parameters and caches are its inputs), and a new
+    prompt length and cache length compile nothing more (its sizes are symbolic)."""
+    model = tiny_model({"kind": "mha", "n_kv_heads": 2}, init_std=0.3, n_layers=3, **SIZES)
+    torch._dynamo.utils.counters.clear()
+    first = attnlab.generate(model, [1, 2, 3, 4, 5], max_new_tokens=8, compile=True).tolist()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one region compiled, not one per layer
+    second = attnlab.generate(model, list(range(1, 20)), max_new_tokens=20, compile=True).tolist()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # other lengths: nothing compiled again
+    assert first == greedy_reference(model, [1, 2, 3, 4, 5], 8)
+    assert second == greedy_reference(model, list(range(1, 20)), 20)
+
+
+def test_auto_compile_waits_until_the_tokens_left_pay_for_it(monkeypatch):
+    model = small_model({"kind": "mha"})
+    prompt = [3, 1, 4, 1, 5]
+    # A compile that never pays: a short generation stays eager and compiles nothing.
+    monkeypatch.setattr(generate_module, "COMPILE_SECONDS", 1e9)
+    eager = attnlab.generate(model, prompt, max_new_tokens=30).tolist()
+    assert model not in generate_module._COMPILED
+    assert eager == greedy_reference(model, prompt, 30)
+    # One that always pays: generate times EAGER_STEPS_TIMED + 1 eager steps, then switches to the compiled step
+    # in the middle of the generation, with the same tokens.
+    monkeypatch.setattr(generate_module, "COMPILE_SECONDS", 0.0)
+    assert attnlab.generate(model, prompt, max_new_tokens=30).tolist() == eager
+    step = generate_module._COMPILED[model]
+    assert step.compiled and not step.eager
+    # Compiled already: auto uses the step from the first decode step on, whatever the cost.
+    monkeypatch.setattr(generate_module, "COMPILE_SECONDS", 1e9)
+    calls = []
+    monkeypatch.setattr(step, "run_block", lambda *a, real=step.run_block: calls.append(1) or real(*a))
+    assert attnlab.generate(model, prompt, max_new_tokens=6).tolist() == eager[:6]
+    assert len(calls) == 5 * model.cfg.n_layers  # every decode step through the compiled region
+
+
+def test_compiling_pays_weighs_the_tokens_left():
+    seconds = generate_module.COMPILE_SECONDS / generate_module.COMPILE_SAVES
+    assert not generate_module.compiling_pays(0.01, int(seconds / 0.01) - 1)
+    assert generate_module.compiling_pays(0.01, int(seconds / 0.01) + 1)

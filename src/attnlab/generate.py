@@ -7,6 +7,7 @@ import math
 import operator
 import os
 import tempfile
+import time
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -22,13 +23,24 @@ from attnlab.errors import AttnlabWarning, InputError, LengthWarning
 # BLAS calls (-15%); cpp.threads 1 keeps the generated kernels single-threaded: their OpenMP regions are
 # too small to gain from a second thread (2 threads: 260-275 -> 217-222 µs). Calls to torch's kernels
 # (the LM head's matmul) still use torch's threads. Inductor's `freezing` gave nothing, and it would bake
-# the weights into the step.
+# the weights into the step. compile_threads 1 compiles in this process: a pool of compiling processes took
+# a core for seconds after the compile (SmolLM2-135M decoded 10-40x slower meanwhile) and saves nothing on
+# one region.
 COMPILE_OPTIONS: dict = {
     "cpp_wrapper": True,
     "post_grad_fusion_options": {"decompose_mm_pass": {}},
     "cpp.threads": 1,
+    "compile_threads": 1,
 }
-RECOMPILE_LIMIT = 32  # compiled shapes per model (batch size x cache size); beyond it, decode eagerly
+RECOMPILE_LIMIT = 32  # compiled graphs of a model's block region (kinds of block, batch sizes); beyond it, eager
+# generate(compile=None) decodes eagerly first and compiles once the tokens left pay for it: when
+#   tokens left x eager seconds per token x COMPILE_SAVES > COMPILE_SECONDS.
+# Measured by bench/compile_cost.py on SmolLM2-135M (2 threads, this machine): compiling its block region cold
+# (an empty inductor cache) takes 17-21 s, warm 3 s; a compiled step takes 0.7x the eager step's time with the
+# GGUF's own weights (0.9x with fp32 weights), 0.3-0.5x on bench/decode.py's small models.
+COMPILE_SECONDS = 20.0
+COMPILE_SAVES = 0.3
+EAGER_STEPS_TIMED = 3  # eager steps timed before deciding (the first one is left out: it warms up)
 
 
 @torch.no_grad()
@@ -62,14 +74,14 @@ def prefill_last(model, tokens: torch.Tensor, cache: ModelCache, chunk_size: int
 
 
 def static_decode_step(
-    model, token: torch.Tensor, positions: torch.Tensor, layer_caches: list
+    model, token: torch.Tensor, positions: torch.Tensor, layer_caches: list, run_block=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """token (B, 1) at positions (1,) through static-mode layer caches -> (next-token logits (B, V), their
-    argmax (B, 1), the greedy choice, computed inside the compiled step rather than as one more op).
+    argmax (B, 1), the greedy choice, computed inside the step rather than by the caller).
 
-    Every input keeps its shape from step to step and no Python counter is read, so this compiles
-    once (gpt-fast style). The caller advances `cache.seen`."""
-    logits = model.forward_at(token, positions, layer_caches)[:, -1]
+    Every input keeps its identity and shape from step to step and no Python counter is read, so each block
+    compiles once (run_block: see `RegionalStep`). The caller advances `cache.seen`."""
+    logits = model.forward_at(token, positions, layer_caches, run_block=run_block)[:, -1]
     return logits, logits.argmax(dim=-1, keepdim=True)
 
 
@@ -79,24 +91,67 @@ def static_decode_supported(model, cache) -> bool:
     return isinstance(cache, ModelCache) and cache.supports_static()
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its compiled static step
+def _block_region(block, x: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """One block of a decode step: the region that is compiled."""
+    return block(x, positions, cache)[0]
 
 
-def compiled_decode_step(model):
-    """`static_decode_step` compiled for `model`. It compiles again for each new batch size and cache size
-    (shapes are static), up to RECOMPILE_LIMIT times per model, counted apart from other models'."""
-    step = _COMPILED.get(model)
-    if step is None:
-        step = torch.compile(
-            static_decode_step,
+class RegionalStep:
+    """`static_decode_step` with each block run through one compiled region (regional compilation): blocks of
+    the same kind share one compiled graph, whatever their layer (parameters and caches are its inputs), and the
+    graph's sizes are symbolic (dynamic=True), so a new cache length or prompt length compiles nothing; a new
+    batch size or kind of block compiles once more. The embedding, the final norm, the LM head and the argmax
+    run eagerly (a few large ops). Compiling one block of SmolLM2-135M takes about 20 s cold, where the whole
+    step as one graph took 60-85 s (and again for every cache size).
+
+    Beyond RECOMPILE_LIMIT graphs for this model the blocks run eagerly (same tokens, slower), with a warning:
+    the limit is met before a block runs, so no block runs twice."""
+
+    def __init__(self):
+        self.region = torch.compile(
+            _block_region,
             fullgraph=True,
-            dynamic=False,
+            dynamic=True,
             options=COMPILE_OPTIONS,
             recompile_limit=RECOMPILE_LIMIT,
             isolate_recompiles=True,
         )
-        _COMPILED[model] = step
+        self.eager = False
+        self.compiled = False  # whether a region has run compiled (a later step compiles nothing new)
+
+    def run_block(self, block, x: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        if not self.eager:
+            try:
+                x = self.region(block, x, positions, cache)
+                self.compiled = True
+                return x
+            except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the block runs
+                self.eager = True
+                warnings.warn(
+                    f"the compiled decode step reached {RECOMPILE_LIMIT} graphs for this model: decoding eagerly "
+                    "(same tokens, slower)",
+                    stacklevel=4,
+                )
+        return _block_region(block, x, positions, cache)
+
+    def __call__(self, model, token, positions, layer_caches):
+        return static_decode_step(model, token, positions, layer_caches, run_block=self.run_block)
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its RegionalStep
+
+
+def compiled_decode_step(model) -> RegionalStep:
+    """The compiled static decode step of `model` (see RegionalStep), made once per model."""
+    step = _COMPILED.get(model)
+    if step is None:
+        step = _COMPILED[model] = RegionalStep()
     return step
+
+
+def compiling_pays(eager_seconds: float, tokens_left: int) -> bool:
+    """Whether compiling the decode step is expected to save more time than it takes (see COMPILE_SECONDS)."""
+    return tokens_left * eager_seconds * COMPILE_SAVES > COMPILE_SECONDS
 
 
 @functools.cache
@@ -231,11 +286,15 @@ def generate(
     attnlab.memory) instead of starting a new one: the prompt follows those tokens, and the cache is updated
     in place (pass a copy to keep the original).
 
-    compile: decode through a `torch.compile`d static-shape step (same tokens; about 3x faster per token
-    on CPU for small models; the first call for a model, batch size and cache size compiles for seconds).
-    None = on for CPU when a C++ compiler is found. Caches without a static mode (the sliding window's
-    ring buffer, bounded memories, quantized caches the C kernels cannot read, e.g. KIVI) decode eagerly
-    either way; a quantized cache's attention is one opaque op inside the compiled step.
+    compile: decode through a `torch.compile`d step, each block one compiled region (`RegionalStep`; same
+    tokens, 1.1-3x faster per token on CPU). True compiles before the first decode step (once per model and
+    batch size: about 20 s for SmolLM2-135M with an empty inductor cache, 3 s with a warm one). None (auto, on
+    CPU when a C++ compiler is found) uses a step this model has compiled already; otherwise it decodes
+    eagerly, times a few steps, and compiles only when the tokens left pay for it (`compiling_pays`), so a
+    short generation never waits for a compiler. False never compiles. Caches without a static mode (the
+    sliding window's ring buffer, bounded memories, quantized caches the C kernels cannot read, e.g. KIVI)
+    and a given `cache` decode eagerly either way; a quantized cache's attention is one opaque op inside the
+    compiled region.
     callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
@@ -288,29 +347,30 @@ def generate(
     was_training = model.training
     if was_training:
         model.eval()
-    if compile is None:
-        compile = device.type == "cpu" and can_compile_on_cpu()
+    if compile is None:  # auto: compile once the tokens left pay for it (see compiling_pays)
+        compile = "auto" if device.type == "cpu" and can_compile_on_cpu() else False
     try:
-        step = None
-        if cache is None:
-            length = tokens.shape[1] + max_new_tokens
+        step, timed = None, None  # timed: the eager steps' seconds while an auto compile is being weighed
+        own = cache is None
+        if own:
             policy = {} if kv_policy is None else {"policy": kv_policy}  # models of other kinds need not take one
-            cache = model.new_cache(tokens.shape[0], length, **policy)
-            if compile and static_decode_supported(model, cache):
-                # The compiled step specialises on the cache's size: round it up to a power of two, so nearby
-                # lengths share one compiled step (at the cost of a few empty, masked slots read per step).
-                bucket = min(max(64, 1 << (length - 1).bit_length()), cfg.max_seq_len)
-                if bucket != length:
-                    cache = model.new_cache(tokens.shape[0], bucket, **policy)
-                # Prefill before static mode: the prompt's queries attend over the held slots only.
-                logits = prefill_last(model, tokens, cache, prefill_chunk)
+            cache = model.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens, **policy)
+        if own and static_decode_supported(model, cache):
+            # A new cache: its slots are its positions, so the decode may switch to the static step at any
+            # token. The prompt goes in before static mode (its queries attend over the held slots only).
+            logits = prefill_last(model, tokens, cache, prefill_chunk)
+            warm = model in _COMPILED and _COMPILED[model].compiled and not _COMPILED[model].eager
+            if compile is True or (compile == "auto" and warm):
                 cache.set_static(True)
-                step, positions = compiled_decode_step(model), torch.tensor([tokens.shape[1]], device=device)
-        if step is None:  # a given cache (e.g. a memory state), or one without a static mode: eager
+                step = compiled_decode_step(model)
+            elif compile == "auto":
+                timed = []
+        else:  # a given cache (e.g. a memory state), or one without a static mode: eager
             logits = prefill(model, tokens, cache, prefill_chunk)
+        positions = torch.tensor([cache.seen], device=device)
         stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
         done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
-        out, greedy = [], None  # greedy: the compiled step's argmax of `logits`
+        out, greedy = [], None  # greedy: the static step's argmax of `logits`
         for i in range(max_new_tokens):
             if greedy is not None and temperature == 0:
                 next_token = greedy  # (B, 1)
@@ -325,18 +385,17 @@ def generate(
                     break
             if i + 1 < max_new_tokens:
                 if step is None:
+                    start = time.perf_counter()
                     logits = decode_step(model, next_token, cache)
+                    if timed is not None:
+                        timed.append(time.perf_counter() - start)
+                        if len(timed) > EAGER_STEPS_TIMED:  # the first step warms up: left out
+                            if compiling_pays(min(timed[1:]), max_new_tokens - i - 2):
+                                cache.set_static(True)
+                                step, positions = compiled_decode_step(model), torch.tensor([cache.seen], device=device)
+                            timed = None
                 else:
-                    try:
-                        logits, greedy = step(model, next_token, positions, cache.layers)
-                    except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the step runs
-                        warnings.warn(
-                            f"the compiled decode step reached {RECOMPILE_LIMIT} shapes for this model: "
-                            "decoding eagerly (same tokens, slower)",
-                            stacklevel=2,
-                        )
-                        step = static_decode_step
-                        logits, greedy = step(model, next_token, positions, cache.layers)
+                    logits, greedy = step(model, next_token, positions, cache.layers)
                     positions += 1  # in place: the step's inputs keep their identity and shape
                     cache.seen += 1
     finally:

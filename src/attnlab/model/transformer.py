@@ -137,15 +137,22 @@ class Transformer(nn.Module):
         self.positions_covered = min(m.max_seq_len for m in self.modules() if isinstance(m, Rotary))
 
     def forward_at(
-        self, tokens: torch.Tensor, positions: torch.Tensor, layer_caches=None, last_only: bool = False
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        layer_caches=None,
+        last_only: bool = False,
+        run_block=None,
     ) -> torch.Tensor:
         """The forward pass without bookkeeping: tokens (B, T) at absolute positions (T,), one LayerCache
         per block or None -> logits (B, T, vocab_size), or (B, 1, vocab_size) for the last position only
-        (all that prefill needs). Reads no Python-side counters, so a static-mode cache and a positions
-        tensor give a decode step that `torch.compile(dynamic=False)` compiles once."""
+        (all that prefill needs). Reads no Python-side counters, so with a static-mode cache and a positions
+        tensor each block is a region `torch.compile` compiles once and reuses for every layer (generate's
+        compiled decode step passes it as run_block(block, x, positions, layer_cache) -> x)."""
         x = self.embed(tokens)  # (B, T, d_model)
         for i, block in enumerate(self.blocks):
-            x, _ = block(x, positions, None if layer_caches is None else layer_caches[i])
+            cache = None if layer_caches is None else layer_caches[i]
+            x = block(x, positions, cache)[0] if run_block is None else run_block(block, x, positions, cache)
         if last_only:
             x = x[:, -1:]  # (B, 1, d_model)
         logits = self.lm_head(self.norm(x))  # (B, T, padded_vocab_size)
