@@ -77,9 +77,11 @@ def decode_tok_s(path: Path, weights: str, tokens: int) -> tuple[float, list[int
     """Greedy decode tok/s of the GGUF loaded with `weights`, compiled step (warmed up first), and the tokens."""
     _, model, tokenizer = attnlab.load_model(path, weights=weights)
     prompt = tokenizer.encode(PROMPT)
-    attnlab.generate(model, prompt, max_new_tokens=4)  # compiles the decode step
+    attnlab.generate(model, prompt, max_new_tokens=4, compile=True)  # compiles the decode step
     stamps = []
-    out = attnlab.generate(model, prompt, max_new_tokens=tokens, callback=lambda _: stamps.append(time.perf_counter()))
+    out = attnlab.generate(
+        model, prompt, max_new_tokens=tokens, compile=True, callback=lambda _: stamps.append(time.perf_counter())
+    )
     return (len(stamps) - 2) / (stamps[-1] - stamps[1]), out.tolist()
 
 

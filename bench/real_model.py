@@ -103,7 +103,7 @@ class Attnlab:
 
     def decode(self, tokens: torch.Tensor, n: int) -> float:
         stamps = []
-        generate(self.model, tokens, max_new_tokens=n + 1, kv_policy=self.policy,
+        generate(self.model, tokens, max_new_tokens=n + 1, kv_policy=self.policy, compile=True,
                  callback=lambda _: stamps.append(time.perf_counter()))  # fmt: skip
         return (stamps[-1] - stamps[0]) / n  # seconds per step after the first token (prefill excluded)
 
