@@ -247,8 +247,13 @@ def test_out_dir_is_replaced_only_when_asked(tmp_path):
     with pytest.raises(InputError, match="not empty.*overwrite"):
         export_hf(model, out)
     assert (out / "stale.txt").exists()
+    with pytest.raises(InputError, match="stale.txt, which an export does not write"):  # never deleted
+        export_hf(model, out, overwrite=True)
+    assert (out / "stale.txt").read_text() == "old"
+    (out / "stale.txt").unlink()
+    (out / "model-00001-of-00002.safetensors").write_text("old")  # an earlier (sharded) export's: replaced
     export_hf(model, out, overwrite=True)
-    assert not (out / "stale.txt").exists() and (out / "config.json").exists()
+    assert not (out / "model-00001-of-00002.safetensors").exists() and (out / "config.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporaries beside it
     (tmp_path / "file").write_text("x")
     with pytest.raises(InputError, match="is a file"):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -143,14 +145,45 @@ class PretrainedTokenizer(Tokenizer):
 # ----------------------------------------------------------------------------- Hugging Face folders
 
 
+# What a path that is not a regular file is, by its stat.S_IFMT type.
+FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket",
+              stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}  # fmt: skip
+
+
+def regular_file(path: str | Path, fix: str = "put the file itself there") -> bool:
+    """Whether `path` is a regular file (a symbolic link is followed): False when nothing is there (or a link points
+    nowhere); DataError (one line saying what it is) when something else is: a folder, or a FIFO, socket or device,
+    which reading would block on forever or fail on (`fix` says what to do). A file that cannot be read
+    (permissions) is still a regular file: reading it raises the PermissionError that names it."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISREG(mode):
+        return True
+    kind = FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    raise DataError(f"{path}: is {kind}, where a file is expected ({fix})")
+
+
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
+    if not regular_file(path):
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except PermissionError:  # not a damaged file: the OS's error names it
+        raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: unreadable JSON ({e})") from None
     return data if isinstance(data, dict) else {}
+
+
+def _read_text(path: Path, what: str) -> str:
+    """The UTF-8 text of `path`; DataError naming it when it is not UTF-8 (OSErrors, e.g. permissions, name it)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}), so not {what}; save it as UTF-8, or "
+                        "get the file again") from None  # fmt: skip
 
 
 def _token_id(tokenizer: HFTokenizer, token: Any) -> int | None:
@@ -169,10 +202,13 @@ def tokenizer_from_folder(folder: str | Path, name: str | None = None) -> Pretra
     chat template of tokenizer_config.json (else config.json's ids, and whether tokenizer.json adds BOS)."""
     folder = Path(folder)
     path = folder / "tokenizer.json"
-    if not path.is_file():
+    if not regular_file(path):
         raise DataError(f"{path}: not found (the model folder needs its tokenizer.json)")
+    # Read here, not by the tokenizers library: an unreadable file raises the PermissionError naming it (the library
+    # would call it invalid).
+    text = _read_text(path, "a valid tokenizer.json")
     try:
-        tokenizer = HFTokenizer.from_file(str(path))
+        tokenizer = HFTokenizer.from_str(text)
     except Exception as e:  # the tokenizers library raises plain Exceptions
         raise DataError(f"{path}: not a valid tokenizer.json ({' '.join(str(e).split())})") from None
     settings = _read_json(folder / "tokenizer_config.json")
@@ -195,9 +231,22 @@ def tokenizer_from_folder(folder: str | Path, name: str | None = None) -> Pretra
     if named:  # named templates: [{"name": ..., "template": ...}]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     jinja = folder / "chat_template.jinja"
-    if template is None and jinja.is_file():
-        template = jinja.read_text(encoding="utf-8")
+    if template is None and regular_file(jinja):
+        template = _read_text(jinja, "a Jinja chat template")
     return PretrainedTokenizer(
         name or f"hf:{folder.name}", tokenizer, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
         chat_template=template,
     )  # fmt: skip
+
+
+def check_token_ids(tokenizer: PretrainedTokenizer, vocab_size: int, source: str | Path) -> None:
+    """DataError (one line naming `source`, the first such token and the vocabulary size) when the tokenizer has an id
+    the model has no embedding row for: an id >= vocab_size (an added token past the vocabulary, a tokenizer of
+    another model). A model may have more rows than its tokenizer has ids (vocabularies padded for speed)."""
+    vocab = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    past = sorted((i, token) for token, i in vocab.items() if i >= vocab_size)
+    if past:
+        (first, token), more = past[0], f" and {len(past) - 1} more" if len(past) > 1 else ""
+        raise DataError(f"{source}: token {token!r} has id {first}{more}, but the model has {vocab_size} "
+                        f"embedding rows (vocab_size={vocab_size}, ids 0 .. {vocab_size - 1}): the tokenizer is not "
+                        "this model's, or was changed (use the model's own tokenizer)")  # fmt: skip

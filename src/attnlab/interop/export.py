@@ -23,14 +23,17 @@ difference stays: transformers reads the text "<|endoftext|>" as the end-of-text
 are matched in text), where attnlab's ordinary encoding reads it as plain text.
 
 The folder is written under a temporary name beside out_dir and renamed when complete; a non-empty out_dir
-is replaced only with overwrite=True.
+is replaced only with overwrite=True, and only when it holds nothing but files an export writes (an earlier
+export): a folder with anything else in it (a data directory, the user's notes) is refused, never deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +63,11 @@ from attnlab.interop.references import load_model, model_config_of
 from attnlab.interop.tokenizer import _byte_alphabet
 from attnlab.model.transformer import Transformer
 
+# The files export_hf writes (EXPORT_FILES): all that a folder --overwrite replaces may hold.
+EXPORT_FILES = re.compile(
+    r"config\.json|generation_config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors"
+    r"|model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json"
+)
 # A folder's weights go to shards above this size, as save_pretrained's max_shard_size does.
 SHARD_BYTES = 2 * 1024**3
 DTYPES = {
@@ -413,29 +421,66 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """InputError (one line) unless out_dir can take the export: missing, empty, or with overwrite=True a folder
+    holding an earlier export only (not_exported)."""
     if out_dir.is_file() or (out_dir.is_symlink() and not out_dir.is_dir()):
         raise InputError(f"{out_dir}: is a file, where the export's folder belongs (give a folder's path)")
     if Path.cwd().resolve().is_relative_to(out_dir.resolve()):  # it cannot be renamed (EBUSY) nor replaced
         raise InputError(f"{out_dir}: is the current folder or one of its parents, which cannot be replaced "
                          f"(give a new folder's path, e.g. {out_dir / 'hf'})")  # fmt: skip
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise InputError(f"{out_dir}: not empty (give an empty or new folder, or overwrite=True / --overwrite)")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise InputError(f"{out_dir}: not empty (give an empty or new folder, or overwrite=True / --overwrite)")
+        others = not_exported(out_dir)
+        if others:
+            raise InputError(refused_overwrite(out_dir, others))
+
+
+def not_exported(folder: Path) -> list[str]:
+    """The names in `folder` (a trailing / for folders) that are not a file an export writes (EXPORT_FILES, as
+    regular files): what --overwrite must never delete."""
+    others = []
+    for path in sorted(folder.iterdir()):
+        if not (EXPORT_FILES.fullmatch(path.name) and path.is_file() and not path.is_symlink()):
+            others.append(path.name + ("/" if path.is_dir() and not path.is_symlink() else ""))
+    return others
+
+
+def refused_overwrite(out_dir: Path, others: list[str]) -> str:
+    listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    return (
+        f"{out_dir}: holds {listed}, which an export does not write: --overwrite replaces only a folder holding "
+        "an earlier export, so nothing else is deleted (give a new or empty folder, or move those out)"
+    )
 
 
 def replace_folder(tmp: Path, out_dir: Path) -> None:
-    """Renames the complete folder tmp to out_dir; an existing out_dir is moved aside first, removed after."""
+    """Renames the complete folder tmp to out_dir; an existing out_dir (an earlier export: check_out_dir) is moved
+    aside first, and its files removed after, one by one (never anything an export does not write)."""
     old = None
     if out_dir.is_dir() and any(out_dir.iterdir()):
         old = temp_path_beside(out_dir)
         os.replace(out_dir, old)
+        others = [] if old.is_symlink() else not_exported(old)
+        if others:  # put there since check_out_dir looked (the weights take a while to load)
+            os.replace(old, out_dir)
+            raise InputError(refused_overwrite(out_dir, others))
     try:
         os.replace(tmp, out_dir)  # over a missing or empty folder
     except OSError:
         if old is not None:
             os.replace(old, out_dir)  # put the old folder back
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if old is None:
+        return
+    with contextlib.suppress(OSError):  # a leftover hidden folder at worst; the export itself is in place
+        if old.is_symlink():  # a link to the earlier export: the link goes, what it points to stays
+            old.unlink()
+            return
+        for path in old.iterdir():
+            if EXPORT_FILES.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+                path.unlink()
+        old.rmdir()
 
 
 def export_hf(

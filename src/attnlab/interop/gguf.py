@@ -41,6 +41,7 @@ import torch
 
 from attnlab.attention.mha import MHAConfig
 from attnlab.config import ModelConfig, RopeScaling
+from attnlab.data.pretrained import regular_file
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.interop.hf import WeightFiller
 from attnlab.interop.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
@@ -124,11 +125,13 @@ def open_gguf(path: str | Path) -> GGUFFile:
     """Reads a GGUF file's header, metadata and tensor table (the tensor data stays memory-mapped).
     DataError (one line naming the file) when it is not a complete GGUF file."""
     gguf, path = import_gguf(), Path(path)
-    if not path.is_file():
+    if not regular_file(path):  # a FIFO or device: DataError saying what it is
         raise DataError(f"{path}: not found")
     try:
         reader = gguf.GGUFReader(path)
         metadata = {name: field_value(field) for name, field in reader.fields.items()}
+    except PermissionError:  # not a damaged file: the OS's error names it
+        raise
     except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
         reason = " ".join(str(e).split())
         raise DataError(f"{path}: not a readable GGUF file ({reason}); is it truncated or altered?") from None
@@ -158,7 +161,8 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
 
-    required = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+    # context_length too: llama.cpp refuses a file without it, and any default would be a guess at the model's context
+    required = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count")
     problems = [f"metadata {arch}.{name} is missing" for name in required if key(name) is None]
     problems += metadata_type_problems(meta, arch)
     if problems:
@@ -183,6 +187,7 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
         problems.append(f"{arch}.expert_count={key('expert_count')}: mixtures of experts are not supported")
     if problems:
         raise ConfigError(problems, source=source)
+    check_token_count(file)
     vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
     if not vocab and "token_embd.weight" in file.tensors:
         vocab = file.shape("token_embd.weight")[0]
@@ -192,7 +197,7 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
             d_model=d_model,
             n_layers=int(key("block_count")),
             n_heads=n_heads,
-            max_seq_len=int(key("context_length", 2048)),
+            max_seq_len=int(key("context_length")),
             attention=MHAConfig(n_kv_heads=int(n_kv_heads), head_dim=head_dim, qkv_bias=has_qkv_bias(file)),
             mlp="swiglu",
             d_ff=int(key("feed_forward_length")),
@@ -204,6 +209,36 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
         )
     except ConfigError as e:
         raise e.with_source(source) from None
+
+
+def check_token_count(file: GGUFFile) -> None:
+    """DataError (one line naming the file and both counts) unless the file's token list has one token per row of
+    its embedding (token_embd.weight; without it, `<arch>.vocab_size`), as llama.cpp requires: fewer tokens leave ids
+    the model emits with no text, more give the tokenizer ids with no embedding."""
+    tokens = file.metadata.get("tokenizer.ggml.tokens")
+    arch = file.metadata.get("general.architecture")
+    if not isinstance(tokens, list) or not tokens:
+        return  # no tokenizer in the file (tokenizer_from_gguf says so when one is needed)
+    if "token_embd.weight" in file.tensors:
+        rows = file.shape("token_embd.weight")[0]
+        what = f"token_embd.weight has {rows:,} rows"
+    elif _is_whole(file.metadata.get(f"{arch}.vocab_size")):
+        rows = file.metadata[f"{arch}.vocab_size"]
+        what = f"{arch}.vocab_size is {rows:,}"
+    else:
+        return
+    if len(tokens) == rows:
+        return
+    if len(tokens) == rows + 1:
+        detail = f"token {rows} ({brief(tokens[rows])}) has no embedding"
+    elif len(tokens) > rows:
+        detail = f"tokens {rows} .. {len(tokens) - 1} ({brief(tokens[rows])} first) have no embedding"
+    else:
+        detail = f"ids {len(tokens)} .. {rows - 1} of the model have no token"
+    raise DataError(
+        f"{file.path}: tokenizer.ggml.tokens holds {len(tokens):,} tokens but {what} (one per token): "
+        f"{detail}; the file is damaged or mixes two models (llama.cpp refuses it too)"
+    )
 
 
 # Metadata config_from_gguf reads, with what each must be: a whole number >= the least, or a number > 0.
@@ -296,7 +331,8 @@ def dequantized(file: GGUFFile, name: str) -> torch.Tensor:
     """A tensor's values in fp32, in PyTorch shape order."""
     gguf, tensor = import_gguf(), file.tensors[name]
     try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        with np.errstate(invalid="ignore", over="ignore"):  # a damaged block's NaN/inf: the WeightFiller names it
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except (NotImplementedError, ValueError) as e:
         kind = getattr(tensor.tensor_type, "name", tensor.tensor_type)
         raise DataError(f"{file.path}: tensor {name!r} of type {kind} cannot be dequantized ({e})") from None
@@ -338,6 +374,23 @@ def stored_rows(file: GGUFFile, name: str) -> torch.Tensor:
     return torch.from_numpy(data.reshape(file.shape(name)[0], -1).copy())  # copied out of the read-only map
 
 
+# Bytes per block of each native block format, and how many fp16 fields open it (Q8_0 and Q4_0: the scale d; Q4_1:
+# d and the minimum m): ggml's block_q8_0, block_q4_0, block_q4_1.
+BLOCK_HEADERS = {"q8_0": (34, 1), "q4_0": (18, 1), "q4_1": (20, 2)}
+
+
+def blocks_finite(rows: torch.Tensor, fmt: str) -> bool:
+    """Whether a matrix stored as `rows` (rows, row bytes) uint8 in `fmt` decodes to finite values: for fp16 its
+    values, for a block format its blocks' fp16 scales (and minima), since the 4- and 8-bit codes times a finite
+    scale are finite. Reads the scales only: 1/17 of a Q8_0 matrix."""
+    if fmt == "fp16":
+        halves = rows.view(torch.float16)
+    else:
+        size, fields = BLOCK_HEADERS[fmt]
+        halves = rows.reshape(-1, size)[:, : 2 * fields].contiguous().view(torch.float16)  # (blocks, fields)
+    return bool(torch.isfinite(halves.sum(dtype=torch.float32)))  # exact: fp16 values never overflow an fp32 sum
+
+
 def install_native(file: GGUFFile, model: Transformer, cfg: ModelConfig) -> set[str]:
     """Puts QuantizedLinear (and QuantizedEmbedding) layers holding a file's stored bytes in `model` (see
     `native_layers`), q and k rows unpermuted as `unpermute` does (exact on blocks: they run along the input
@@ -356,6 +409,9 @@ def install_native(file: GGUFFile, model: Transformer, cfg: ModelConfig) -> set[
         parts = []
         for name in names:
             rows = stored_rows(file, name)
+            if not blocks_finite(rows, fmt):
+                raise DataError(f"{file.path}: tensor {name!r} holds NaN or infinite values: the weights are damaged "
+                                "(a corrupt file, or a model whose training diverged) and cannot be used")  # fmt: skip
             if arch in PERMUTED_ARCHITECTURES and name.endswith(".attn_q.weight"):
                 rows = unpermute(rows, cfg.n_heads)
             elif arch in PERMUTED_ARCHITECTURES and name.endswith(".attn_k.weight"):

@@ -17,6 +17,7 @@ padded rows).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from safetensors import SafetensorError, safe_open
 from attnlab.attention.mha import MHAConfig
 from attnlab.attention.sliding import SlidingConfig
 from attnlab.config import ModelConfig, RopeScaling
-from attnlab.errors import ConfigError, DataError
+from attnlab.data.pretrained import regular_file
+from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.model.transformer import Transformer, build_model
 
 # config.json "architectures" entries attnlab maps, and those it knows but refuses (with the reason).
@@ -264,11 +266,23 @@ class WeightFiller:
             if name.endswith(RECOMPUTED_SUFFIXES) or (name == "lm_head.weight" and self.model.cfg.tie_embeddings):
                 return  # recomputed buffers; a tied checkpoint that also stores its LM head
             raise DataError(f"{where}: unexpected tensor {name!r} (the weights do not match the model's config)")
+        if not tensor.is_floating_point():  # copy_ would cast int8 codes to floats without their scales
+            raise DataError(
+                f"{where}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, not floating point: a "
+                "quantized checkpoint's integer weights (GPTQ, AWQ, bitsandbytes...) are not supported; use the "
+                "model's float32, float16 or bfloat16 weights"
+            )
         if tuple(tensor.shape) != tuple(target.shape):
             raise DataError(
                 f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}"
             )
         target.copy_(tensor)
+        # A NaN or inf weight makes every output NaN without a word: a damaged file or a diverged model is refused
+        # here. The sum (in fp32, which no real weights overflow) is NaN or inf when any value is: one read of the
+        # tensor, under half the copy's cost (some 25 ms over 135M parameters on one core, where isfinite().all()
+        # takes 1 s); only then are the values looked at one by one.
+        if not torch.isfinite(target.sum(dtype=torch.float32)) and not torch.isfinite(target).all():
+            raise DataError(nonfinite_line(where, name, tensor, target.dtype))
         self.missing.discard(name)
 
     def placed(self, name: str) -> None:
@@ -281,6 +295,17 @@ class WeightFiller:
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             raise DataError(f"{self.source}: missing tensor(s) {', '.join(names[:3])}{more}")
         return self.model.eval()
+
+
+def nonfinite_line(where: str, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> str:
+    """Why tensor `name` holds NaN or infinite values once loaded in `dtype`: stored so, or too large for dtype."""
+    stored = tensor.float()
+    bad = int((~torch.isfinite(stored)).sum())
+    if not bad:
+        kind = str(dtype).removeprefix("torch.")
+        return f"{where}: tensor {name!r} has values too large for {kind} (load the model in float32)"
+    return (f"{where}: tensor {name!r} holds {bad:,} NaN or infinite values (of {stored.numel():,}): the weights are "
+            "damaged (a corrupt file, or a model whose training diverged) and cannot be used")  # fmt: skip
 
 
 def fill_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], source: str, dtype=None) -> Transformer:
@@ -302,11 +327,16 @@ def from_hf_llama(hf_model, dtype=torch.float32) -> tuple[ModelConfig, Transform
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object from `path`; DataError (one line naming the file) when it is missing or malformed."""
+    """A JSON object from `path`; DataError (one line naming the file) when it is missing or malformed, or not a
+    regular file (a FIFO would block the read forever)."""
+    if not regular_file(path):
+        raise DataError(f"{path}: not found")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise DataError(f"{path}: not found") from None
+    except PermissionError:  # not a damaged file: the OS's error names it
+        raise
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e}); is it damaged or cut short?") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -326,28 +356,48 @@ def is_hf_folder(folder: Path) -> bool:
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of a folder: the shards its index lists (each checked to exist), else model.safetensors."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise DataError(f"{index}: no weight_map in it")
-        shards = [folder / name for name in sorted(set(weight_map.values()))]
-        for shard in shards:
-            if not shard.is_file():
-                raise DataError(f"{shard}: not found (named in {index.name})")
-        return shards
-    single = folder / "model.safetensors"
-    if single.is_file():
+    """The weight files of a folder: model.safetensors, else the shards model.safetensors.index.json lists (each
+    checked to exist). With both, model.safetensors is read, as transformers' from_pretrained does (it looks for
+    model.safetensors first), and an AttnlabWarning says that the shards are not."""
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if regular_file(single):
+        try:  # transformers never reads the index then: nor is a damaged one refused here
+            only_single = not regular_file(index) or _index_shards(index, folder) == [single]
+        except DataError:
+            only_single = False
+        if not only_single:
+            warnings.warn(f"{folder}: holds model.safetensors and also the shards {index.name} lists: "
+                          "model.safetensors is read (as transformers does) and the shards are not; remove the "
+                          "ones that are not this model's", AttnlabWarning, stacklevel=3)  # fmt: skip
         return [single]
+    if regular_file(index):
+        return _index_shards(index, folder)
     pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
     hint = f" ({', '.join(pickled)} are pickle files, never loaded: convert them to safetensors)" if pickled else ""
     raise DataError(f"{folder}: no model.safetensors or model.safetensors.index.json{hint}")
 
 
+def _index_shards(index: Path, folder: Path) -> list[Path]:
+    """The shard files an index's weight_map names, each checked to be a file in the folder."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise DataError(f"{index}: no weight_map in it")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).name != file:
+            raise DataError(f"{index}: weight_map[{name!r}]={json.dumps(file)} must be the name of a shard file in "
+                            "the folder (a string such as \"model-00001-of-00002.safetensors\"); the index is "
+                            "damaged")  # fmt: skip
+    shards = [folder / name for name in sorted(set(weight_map.values()))]
+    for shard in shards:
+        if not regular_file(shard):
+            raise DataError(f"{shard}: not found (named in {index.name})")
+    return shards
+
+
 def safetensors_tensors(files: list[Path]) -> Iterable[tuple[str, torch.Tensor, str]]:
     """(name, tensor, file) for every tensor, one file open at a time (memory-mapped by safetensors)."""
     for path in files:
+        open(path, "rb").close()  # an unreadable file: the PermissionError naming it (safetensors says "not found")
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():

@@ -6,13 +6,15 @@
     cfg, model, tokenizer = load_model("runs/tiny/seed0")                            # an attnlab run or checkpoint
 
 `hf:ORG/NAME[@REVISION]` is looked for as a folder `<data dir>/models/ORG/NAME` (in each data directory:
---data-dir, $ATTNLAB_DATA, the user cache), then in the Hugging Face cache, then downloaded with
-huggingface_hub (an optional dependency) unless downloads are off ($ATTNLAB_OFFLINE / $HF_HUB_OFFLINE). A relative
-path that is not found from the working directory is looked for in the data directories (`models/X.gguf`).
+--data-dir, $ATTNLAB_DATA, the user cache; only without @REVISION: a copy has no revision to check), then in the
+Hugging Face cache, then downloaded with huggingface_hub (an optional dependency) unless downloads are off
+($ATTNLAB_OFFLINE / $HF_HUB_OFFLINE). A relative path that is not found from the working directory is looked for in
+the data directories (`models/X.gguf`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +25,10 @@ from attnlab.config import DataConfig, ModelConfig
 from attnlab.config_io import model_config_from_dict
 from attnlab.data import load_tokenizer, prepare
 from attnlab.data.files import downloads_allowed
-from attnlab.data.pretrained import tokenizer_from_folder
+from attnlab.data.pretrained import check_token_ids, regular_file, tokenizer_from_folder
 from attnlab.data.tokenizers import Tokenizer, tokenizer_problem
 from attnlab.errors import DataError, InputError
-from attnlab.interop.gguf import check_weights, config_from_gguf, load_gguf, open_gguf
+from attnlab.interop.gguf import check_token_count, check_weights, config_from_gguf, load_gguf, open_gguf
 from attnlab.interop.hf import config_from_hf, is_hf_folder, load_hf_folder, read_json
 from attnlab.interop.tokenizer import tokenizer_from_gguf
 from attnlab.model.transformer import Transformer
@@ -92,6 +94,7 @@ def load_reference(
         name = str(ref) if kind == "hub" else None
         cfg, model = load_hf_folder(where, dtype, name=name)
         tokenizer = tokenizer_from_folder(where, name=name)
+        check_token_ids(tokenizer, cfg.vocab_size, where / "tokenizer.json")
         label = str(ref)[len(HUB_PREFIX) :] if kind == "hub" else where.name
     return LoadedModel(cfg, model, tokenizer, {"model": cfg.to_dict(), "source": str(ref)}, label)
 
@@ -111,6 +114,8 @@ def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, P
             raise DataError(f"{path}: not a GGUF file (a model reference is {KINDS})")
         return "gguf", path
     if not path.is_dir():
+        if path.exists():  # a FIFO, socket or device: say what it is, not that nothing is there
+            regular_file(path, fix=f"a model reference is {KINDS}")
         where = ", ".join(str(d) for d in data_dirs(data_dir)) if not path.is_absolute() else ""
         raise DataError(f"{ref}: no such file or folder" + (f" (nor in {where})" if where else "")
                         + f" (a model reference is {KINDS})")  # fmt: skip
@@ -118,8 +123,8 @@ def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, P
         return "run", path
     if is_hf_folder(path):
         return "hf", path
-    if (path / "config.json").is_file():
-        read_json(path / "config.json")  # broken JSON, or not an object: says so (naming the file)
+    if os.path.lexists(path / "config.json"):
+        read_json(path / "config.json")  # broken JSON, not an object, a FIFO: says so (naming the file)
     raise DataError(f"{path}: no config.json naming a model here (a model reference is {KINDS})")
 
 
@@ -148,10 +153,16 @@ def tokenizer_of(ref: str | Path, data_dir: str | Path | None = None) -> Tokeniz
     with them; None for one saved without a tokenizer)."""
     kind, where = resolve(ref, data_dir)
     if kind == "gguf":
-        return tokenizer_from_gguf(open_gguf(where).metadata, source=str(where))
+        file = open_gguf(where)
+        check_token_count(file)  # as loading the model checks it
+        return tokenizer_from_gguf(file.metadata, source=str(where))
     if kind == "run":
         return _load_run(where, torch.float32, data_dir, "best").tokenizer
-    return tokenizer_from_folder(where, name=str(ref) if kind == "hub" else None)
+    tokenizer = tokenizer_from_folder(where, name=str(ref) if kind == "hub" else None)
+    vocab_size = read_json(where / "config.json").get("vocab_size")  # (any architecture: its tokenizer may be used)
+    if isinstance(vocab_size, int) and not isinstance(vocab_size, bool):
+        check_token_ids(tokenizer, vocab_size, where / "tokenizer.json")
+    return tokenizer
 
 
 def _is_attnlab_checkpoint(folder: Path) -> bool:
@@ -216,20 +227,26 @@ def hub_folder(ref: str, data_dir: str | Path | None = None) -> Path:
     """The local folder of `hf:ORG/NAME[@REVISION]`: a copy in a data directory, the Hugging Face cache, or a
     download. DataError (one line, saying where it looked) when none is available."""
     repo_id, revision = parse_hub_ref(ref)
-    looked = []
-    if revision is None:  # a folder in a data directory has no revision to check
-        for directory in data_dirs(data_dir):
-            folder = directory / "models" / repo_id
+    looked, copy = [], None
+    for directory in data_dirs(data_dir):
+        folder = directory / "models" / repo_id
+        found = (folder / "config.json").is_file()
+        if revision is None:  # a folder in a data directory has no revision to check
             looked.append(str(folder))
-            if (folder / "config.json").is_file():
+            if found:
                 return folder
+        elif found and copy is None:
+            copy = folder
+    # With a revision, a copy in a data directory is not used (nothing tells its revision): the way to it is to drop it.
+    use_copy = (f"; {copy} holds a copy, but a folder in a data directory has no revision to check: drop @{revision} "
+                f"to use it (hf:{repo_id})") if copy else ""  # fmt: skip
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
         where = ", ".join(looked) or "nowhere local (a revision was asked for)"
         raise DataError(
             f"{ref}: not found (looked in {where}) and huggingface_hub is not installed to fetch it "
-            "(pip install huggingface_hub, or put the model folder there)"
+            f"(pip install huggingface_hub{', or put the model folder there' if not copy else ''}){use_copy}"
         ) from None
     looked.append("the Hugging Face cache")
     online = downloads_allowed()
@@ -237,14 +254,15 @@ def hub_folder(ref: str, data_dir: str | Path | None = None) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES, local_files_only=True))
     except Exception:  # huggingface_hub's LocalEntryNotFoundError and friends: not in the cache
         if not online:
+            fix = use_copy or f"; put the model folder in <data dir>/models/{repo_id}"
             raise DataError(
                 f"{ref}: not found (looked in {', '.join(looked)}) and downloads are off ($ATTNLAB_OFFLINE or "
-                f"$HF_HUB_OFFLINE); put the model folder in <data dir>/models/{repo_id}"
+                f"$HF_HUB_OFFLINE){fix}"
             ) from None
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
     except Exception as e:  # network, authentication, unknown repository or revision
         reason = " ".join(str(e).split())[:300]
         raise DataError(
-            f"{ref}: not found (looked in {', '.join(looked)}) and the download failed ({reason})"
+            f"{ref}: not found (looked in {', '.join(looked)}) and the download failed ({reason}){use_copy}"
         ) from None

@@ -77,7 +77,7 @@ def _byte_level(meta: dict, source: str) -> HFTokenizer:
         token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): i
         for i, token in enumerate(meta["tokenizer.ggml.tokens"])
     }
-    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges") or ()]
+    merges = checked_merges(meta.get("tokenizer.ggml.merges") or (), vocab, source)
     tokenizer = HFTokenizer(
         models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
     )
@@ -93,6 +93,25 @@ def _byte_level(meta: dict, source: str) -> HFTokenizer:
         )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
+
+
+def checked_merges(merges, vocab: dict[str, int], source: str) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges ("left right" strings) as pairs; DataError (one line naming the file and the merge) for
+    one that is not two tokens, or that names a token (either part, or the two joined) the vocabulary lacks, which
+    the tokenizers library would refuse with a traceback: a damaged file, or a token list cut short."""
+    pairs = []
+    for i, merge in enumerate(merges):
+        pair = tuple(merge.split(" ", 1)) if isinstance(merge, str) else ()
+        if len(pair) != 2 or not all(pair):
+            raise DataError(f"{source}: tokenizer.ggml.merges[{i}]={merge!r} is not two tokens separated by a space "
+                            "(the file is damaged)")  # fmt: skip
+        missing = next((token for token in (*pair, pair[0] + pair[1]) if token not in vocab), None)
+        if missing is not None:
+            raise DataError(f"{source}: tokenizer.ggml.merges[{i}]={merge!r} names the token {missing!r}, which "
+                            "is not in tokenizer.ggml.tokens (the file is damaged, or its token list was cut "
+                            "short)")  # fmt: skip
+        pairs.append(pair)
+    return pairs
 
 
 def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
@@ -112,13 +131,13 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
 def _sentencepiece(meta: dict, source: str) -> HFTokenizer:
     """tokenizer.ggml.model llama: BPE over words marked with U+2581, unknown bytes as <0xXX> tokens."""
     tokens = meta["tokenizer.ggml.tokens"]
+    vocab = {token: i for i, token in enumerate(tokens)}
     if meta.get("tokenizer.ggml.merges"):
-        merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
+        merges = checked_merges(meta["tokenizer.ggml.merges"], vocab, source)
     elif meta.get("tokenizer.ggml.scores"):
         merges = merges_from_scores(tokens, meta["tokenizer.ggml.scores"])
     else:
         raise DataError(f"{source}: a SentencePiece vocabulary without merges or scores")
-    vocab = {token: i for i, token in enumerate(tokens)}
     tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
     add_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
