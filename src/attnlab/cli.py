@@ -19,11 +19,12 @@ import torch
 from attnlab.accounting import info
 from attnlab.attention.registry import REGISTRY
 from attnlab.cli_errors import Parser, fail, interrupted, link_loop, os_error_line, too_deep_line, warning_printer
-from attnlab.cli_models import cmd_convert, cmd_export, cmd_kv_eval, cmd_kv_tune, key_values
+from attnlab.cli_models import cmd_convert, cmd_export, cmd_kv_eval, cmd_kv_tune, key_values, unquantized_note
 from attnlab.compare import compare
 from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT
 from attnlab.config_io import load_config, memory_from_dict, read_yaml
+from attnlab.data.files import special_file
 from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
@@ -177,6 +178,9 @@ def cmd_info(args) -> int:
     print(f"  per token  {_fmt(report['kv_bytes_per_token']):>15} bytes (all layers)")
     print(f"  per layer  {_fmt(report['kv_bytes_per_layer']):>15} bytes at seq_len")
     print(f"  total      {_fmt(report['kv_bytes']):>15} bytes at seq_len")
+    note = unquantized_note(cfg, report, args.kv_policy)
+    if note:
+        print(f"  ({note})")
     memory = report["memory"]
     if memory is not None:
         ratio = memory["unbounded_kv_bytes_per_layer"] / report["kv_bytes_per_layer"]
@@ -196,6 +200,9 @@ def _pm(value, stderr) -> str:
 def cmd_mc(args) -> int:
     if args.out:  # before minutes of scoring
         records_folder(args.out, "multiple_choice.jsonl", "multiple_choice_items.jsonl")
+    what = special_file(args.file) if args.file is not None else None
+    if what is not None:  # before the model is loaded (a fifo would be waited on without end)
+        raise InputError(f"--file {args.file}: {what}: give the task's data file (a regular file)")
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights)
     rows, s = run_multiple_choice(model, args.task, path=args.file, limit=args.limit, data_dir=args.data_dir)
     print(
@@ -463,7 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ref", help="a model reference: " + REFERENCE_HELP)
     p.add_argument("--hf", required=True, metavar="DIR", help="the folder to write (new or empty, else --overwrite)")
     p.add_argument("--dtype", default="fp32", help="the weights' dtype: fp32, fp16 or bf16 (default fp32)")
-    p.add_argument("--overwrite", action="store_true", help="replace DIR when it is not empty")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DIR when it holds an earlier export (a folder with other files is refused, never deleted)",
+    )
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("convert", help="give a model another attention or memory, initialised from its weights")

@@ -14,16 +14,18 @@ import yaml
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import FORMATS, KVPolicy
 from attnlab.cli_errors import one_line
+from attnlab.config import source_problem
 from attnlab.config_io import parse_yaml
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval import append_records, load_for_eval, make_record
-from attnlab.eval.kvquant import held_out_windows, run_kv_eval, split_problem, table, tune
+from attnlab.eval.kvquant import MIN_SEQ_LEN, SEQ_LEN_NEED, held_out_windows, run_kv_eval, split_problem, table, tune
 from attnlab.eval.perplexity import dataset_tokens, summarize_losses, window_losses
 from attnlab.eval.records import records_folder, records_target
 from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion
 from attnlab.interop.export import export
 from attnlab.interop.references import resolve
 from attnlab.interop.tokenizer import warn_unknown_tokens
+from attnlab.manifest import MIN_CALIBRATION_TOKENS, calibration_tokens_problem
 
 
 def key_values(flag: str, text: str, example: str) -> dict:
@@ -88,6 +90,8 @@ def check_kv_arguments(args) -> Path | None:
     for flag, value in (("--tokens", args.tokens), ("--seq-len", args.seq_len), ("--chunk", args.chunk)):
         if value < 1:
             raise InputError(f"{flag}={value} must be >= 1")
+    if args.seq_len < MIN_SEQ_LEN:
+        raise InputError(f"--seq-len {args.seq_len}: {SEQ_LEN_NEED} (give --seq-len {MIN_SEQ_LEN} or more)")
     for policy in getattr(args, "policies", None) or ():
         if not policy.strip():
             raise InputError(f"--policies: {policy!r} is an empty policy (give e.g. 'k=q8_0,v=q4_0,resid=128', "
@@ -165,6 +169,23 @@ def cmd_kv_tune(args) -> int:
     return 0 if result["meets_max_dnll"] else 1
 
 
+def unquantized_note(cfg, report: dict, policy: str | None) -> str | None:
+    """What `info` says when a KV policy quantizes nothing at seq_len: every token is still in its full-precision
+    residual window (resid >= seq_len, or a flush that never comes), so the total is the plain cache's while the
+    per-token figure is that of the tokens past the window; None otherwise."""
+    if policy is None or report["memory"] is not None:  # (a memory stores every slot in its format)
+        return None
+    plain = kv_report(cfg, report["dtype"], report["seq_len"])
+    if report["kv_bytes"] != plain["kv_bytes"] or report["kv_bytes_per_token"] == plain["kv_bytes_per_token"]:
+        return None
+    parsed = KVPolicy.parse(policy)
+    flush = f", flush={parsed.flush}" if parsed.flush > 1 else ""
+    return (f"nothing is quantized at seq_len {report['seq_len']}: the residual window (resid={parsed.resid}{flush}) "
+            f"keeps every token in {report['dtype']}, so the total is the plain cache's; the "
+            f"{format(report['kv_bytes_per_token'], ',')} bytes per token are what tokens past the window take: give a "
+            "longer --seq-len, or a smaller resid")  # fmt: skip
+
+
 def cmd_export(args) -> int:
     exported = export(args.ref, args.hf, data_dir=args.data_dir, dtype=args.dtype, overwrite=args.overwrite)
     print(exported.summary())
@@ -178,6 +199,10 @@ def cmd_convert(args) -> int:
                                args.calibration_tokens, 0), ("--seq-len", args.seq_len, 1)):  # fmt: skip
         if value < least:
             raise InputError(f"{flag}={value} must be >= {least}" + (" (0 = skip)" if least == 0 else ""))
+    for problem in (calibration_tokens_problem(args.calibration_tokens, "--calibration-tokens"),
+                    source_problem(args.calibrate_on, "--calibrate-on")):  # fmt: skip
+        if problem:
+            raise InputError(problem)
     attention = key_values("--attention", args.attention, "kind=mha,n_kv_heads=1") if args.attention else None
     memory = key_values("--memory", args.memory, "kind=streaming,recent_window=252") if args.memory else None
     if not attention and not memory:
@@ -198,6 +223,11 @@ def cmd_convert(args) -> int:
                             f"split) was not found: give --data-dir, or --calibration-tokens 0 to fit the weights "
                             f"alone ({one_line(e)})") from None  # fmt: skip
         calibration = calibration[: args.calibration_tokens]
+        if len(calibration) < MIN_CALIBRATION_TOKENS:
+            raise DataError(f"--calibrate-on {args.calibrate_on}: its train split holds {len(calibration)} "
+                            f"token(s) for {source.name}'s tokenizer, fewer than the {MIN_CALIBRATION_TOKENS} a "
+                            "calibration needs: give a longer text, or --calibration-tokens 0 to fit the weights "
+                            "alone")  # fmt: skip
     # the held-out text is read before the conversion and --out is written last: a mistake leaves no --out behind
     tokens = dataset_tokens(source.tokenizer, args.dataset, "test", args.data_dir) if args.eval_tokens else None
     conversion = convert_model(source.cfg, source.model, attention, memory, rope_pairs=args.rope_pairs,

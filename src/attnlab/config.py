@@ -39,6 +39,18 @@ DATA_SOURCES = ("wikitext2", "wikitext2-raw", "wikitext2-nounk", "tinyshakespear
 DATA_FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
+def source_problem(source: str, key: str) -> str | None:
+    """Why `source` (the value of `key`: data.source, a calibration text) names neither a known dataset nor a file
+    of a kind the data readers take, or None. Whether such a file exists is checked where the data directory is
+    known (attnlab.runner.local_source_problems)."""
+    path = PurePath(source)
+    suffix = PurePath(path.stem).suffix if path.suffix in (".xz", ".gz") else path.suffix
+    if source in DATA_SOURCES or suffix in DATA_FILE_SUFFIXES:
+        return None
+    return (f"{key}={brief(source, 300)} is not a known dataset ({', '.join(DATA_SOURCES)}) nor a "
+            f"{', '.join(DATA_FILE_SUFFIXES)} file (.xz / .gz compressed allowed)")  # fmt: skip
+
+
 def dtype_bytes(dtype: str) -> float:
     """Bytes per stored element for a dtype name (quantized formats register here later)."""
     if dtype not in DTYPE_BYTES:
@@ -351,13 +363,9 @@ class DataConfig:
                 f"data.val_fraction + data.test_fraction = {self.val_fraction + self.test_fraction} must be < 1 "
                 "(leave documents for training)"
             )
-        path = PurePath(self.source)
-        suffix = PurePath(path.stem).suffix if path.suffix in (".xz", ".gz") else path.suffix
-        if self.source not in DATA_SOURCES and suffix not in DATA_FILE_SUFFIXES:
-            problems.append(
-                f"data.source={brief(self.source)} is not a known dataset ({', '.join(DATA_SOURCES)}) nor a "
-                f"{', '.join(DATA_FILE_SUFFIXES)} file (.xz / .gz compressed allowed)"
-            )
+        problem = source_problem(self.source, "data.source")
+        if problem:
+            problems.append(problem)
         tok = self.tokenizer
         bpe = tok.startswith("bpe:") and tok[4:].isascii() and tok[4:].isdigit()
         if tok not in ("gpt2", "word", "byte", "char") and not bpe and not names_model(tok):

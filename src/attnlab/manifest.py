@@ -39,7 +39,8 @@ once.
 Everything `attnlab run` would refuse once a run starts is refused here, so `validate` and `run --dry-run`
 catch it: names that are not plain folder names (the manifest's, targets', phases'; attnlab.paths.name_problem),
 seeds outside 0 .. 2^32 - 1 or given twice, a train.seed (`seeds` would override it), an unknown data source or
-tokenizer, a model vocab_size smaller than a fixed tokenizer's (gpt2, byte), a data.max_tokens that holds no
+tokenizer, an init_from's calibrate_on that is neither a dataset nor a text file or calibration_tokens too few to
+fit on (1), a model vocab_size smaller than a fixed tokenizer's (gpt2, byte), a data.max_tokens that holds no
 training window, train.eval_tokens below train.seq_len, a batch whose activations cannot fit this machine's
 memory (train.budget), a phase or init_from target whose model cannot start from the weights it continues (other
 shapes, another tokenizer, or a fitted tokenizer on other data), and train.seq_len above the model's max_seq_len. The
@@ -59,7 +60,15 @@ from typing import Any
 import torch
 import yaml
 
-from attnlab.config import MAX_SEED, DataConfig, ModelConfig, TrainConfig, names_model, section_from_dict
+from attnlab.config import (
+    MAX_SEED,
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    names_model,
+    section_from_dict,
+    source_problem,
+)
 from attnlab.config_checks import MAX_INT, unknown_key_problem
 from attnlab.config_io import TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
@@ -79,6 +88,7 @@ PLACEHOLDER_VOCAB = {"gpt2": 50257, "byte": 260, "word": 33280, "char": 256}
 FIXED_VOCAB = {"gpt2": 50257, "byte": 257}  # tokenizers whose vocabulary does not depend on the data
 # init_from a pretrained model: the conversion's options (attnlab convert's) and what `model` may change
 SOURCE_DEFAULTS = {"model": None, "rope_pairs": "energy", "calibration_tokens": 4096, "calibrate_on": "wikitext2-nounk"}
+MIN_CALIBRATION_TOKENS = 2  # a calibration needs one window of 2 tokens (calibration_tokens_problem)
 PRETRAINED_CHANGES = ("attention", "memory", "max_seq_len", "name")
 
 
@@ -290,9 +300,28 @@ def _pretrained_source(value: Any, where: str, problems: list[str]) -> dict:
         problems.append(
             f"{where}.calibration_tokens={brief(tokens)} must be an integer >= 0 (0: fit the weights alone)"
         )
+    else:
+        problem = calibration_tokens_problem(tokens, f"{where}.calibration_tokens")
+        if problem:
+            problems.append(problem)
     if not isinstance(text, str) or not text:
         problems.append(f"{where}.calibrate_on={brief(text)} must be a dataset name or a text file")
+    else:
+        problem = source_problem(text, f"{where}.calibrate_on")  # what the run would refuse once it reads it
+        if problem:
+            problems.append(problem)
     return source
+
+
+def calibration_tokens_problem(tokens: int, what: str) -> str | None:
+    """Why `tokens` calibration tokens (0 = none) cannot fit a low-rank conversion, or None: the inputs' second
+    moment is gathered over windows of at least MIN_CALIBRATION_TOKENS tokens (interop.convert.input_whitening
+    leaves out a last window of one token), so fewer give no window at all, and no moment."""
+    if 0 < tokens < MIN_CALIBRATION_TOKENS:
+        return (f"{what}={tokens} is too few: the factorisations fit the second moment of the attention's inputs "
+                f"over windows of at least {MIN_CALIBRATION_TOKENS} tokens (give {MIN_CALIBRATION_TOKENS} or more, "
+                "e.g. 4096, or 0 to fit the weights alone)")  # fmt: skip
+    return None
 
 
 def _check_seeds(seeds: Any, problems: list[str]) -> list[int]:

@@ -26,8 +26,9 @@ def brief(value: object, limit: int = 60) -> str:
 
 
 def cache_dir() -> Path:
-    """The user cache, `$XDG_CACHE_HOME/attnlab` (else ~/.cache/attnlab): prepared data, downloads, kernels."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnlab"
+    """The user cache, `$XDG_CACHE_HOME/attnlab` (else ~/.cache/attnlab): prepared data, downloads, kernels. An
+    empty XDG_CACHE_HOME is unset, as the XDG Base Directory spec says (not the working directory)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnlab"
 
 
 def data_dirs(data_dir: str | Path | None = None) -> list[Path]:

@@ -28,7 +28,7 @@ from attnlab.config import ModelConfig, names_model
 from attnlab.config_io import model_config_from_dict
 from attnlab.data.files import read_json_object
 from attnlab.errors import ConfigError, DataError
-from attnlab.manifest import PRETRAINED_CHANGES, RunSpec
+from attnlab.manifest import MIN_CALIBRATION_TOKENS, PRETRAINED_CHANGES, RunSpec
 from attnlab.model.transformer import build_model
 from attnlab.train.budget import batch_memory_problem
 from attnlab.train.optim import trainable_problem
@@ -234,6 +234,12 @@ def converted_model(spec: RunSpec, root: Path, data_dir, log: Callable = print) 
                 f"targets.{spec.target}.init_from.calibrate_on={source['calibrate_on']}: {_one_line(e)} (give "
                 "--data-dir, or calibration_tokens: 0 to fit the weights alone)"
             ) from None
+        if len(tokens) < MIN_CALIBRATION_TOKENS:  # (calibration_tokens is 0 or at least that: the manifest)
+            raise DataError(
+                f"targets.{spec.target}.init_from.calibrate_on={source['calibrate_on']}: its train split holds "
+                f"{len(tokens)} token(s) for {source['model']}'s tokenizer, fewer than the {MIN_CALIBRATION_TOKENS} a "
+                "calibration needs (give a longer text, or calibration_tokens: 0 to fit the weights alone)"
+            )
         calibration = torch.from_numpy(tokens[: source["calibration_tokens"]])
     conversion = convert_model(
         loaded.cfg.replace(**others), loaded.model, attention, memory, rope_pairs=source["rope_pairs"],

@@ -22,14 +22,16 @@ import yaml
 
 from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
-from attnlab.data.files import downloads_allowed, read_json_object
+from attnlab.data.files import downloads_allowed, lock_file_problem, read_json_object
 from attnlab.data.prepared import cache_key, default_cache_dir, folder_name
 from attnlab.data.pretrained import tokenizer_from_folder
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
 from attnlab.errors import ConfigError, DataError
+from attnlab.interop.convert import LOW_RANK
 from attnlab.manifest import Manifest, RunSpec
 from attnlab.paths import inside
 from attnlab.retrofit import (
+    changes,
     check_pretrained,
     converted_folder,
     converted_model,
@@ -60,7 +62,8 @@ def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
 
 
 def local_source_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
-    """One line per local data.source file of the runs that is not found (named datasets are not checked)."""
+    """One line per local file the runs read that is not found (named datasets are not checked): their data.source
+    files, and the calibration texts (init_from.calibrate_on) of the low-rank conversions they make."""
     missing = []
     for source in dict.fromkeys(spec.data.source for spec in runs):
         if source not in NAMED_SOURCES:
@@ -68,6 +71,13 @@ def local_source_problems(runs: list[RunSpec], data_dir: str | None) -> list[str
                 local_path(source, data_dir)
             except DataError as e:
                 missing.append(str(e))
+    for target, spec in first_phases(runs).items():
+        text, kind = spec.source["calibrate_on"], (changes(spec)[0] or {}).get("kind")
+        if spec.source["calibration_tokens"] and kind in LOW_RANK and text not in NAMED_SOURCES:
+            try:
+                local_path(text, data_dir)
+            except DataError as e:
+                missing.append(f"targets.{target}.init_from.calibrate_on={text}: {e}")
     return missing
 
 
@@ -192,7 +202,7 @@ def _dry_config(spec: RunSpec, converted: Path | None, meta: dict | None, saved:
 def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_dir, resume: bool, start: str) -> str:
     """What `attnlab run` would do with a run, for --dry-run: train it, resume it from its last checkpoint, skip it
     (finished) or refuse it (another config, other data, another process training it, a damaged checkpoint)."""
-    busy = busy_problem(run_dir)
+    busy = busy_problem(run_dir) or lock_file_problem(run_dir / LOCK_NAME)
     if busy:
         return f"would be refused: {busy}"
     try:
@@ -223,6 +233,13 @@ def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_di
     except (ConfigError, DataError) as e:
         return "would be refused: " + " ".join(str(e).split())
     return f"would train {spec.train.steps} steps into {run_dir}{start}"
+
+
+def _kept(folder: Path, resume: bool, dry_run: bool = False) -> str:
+    """What is said of a conversion made already: kept. --no-resume restarts interrupted training; what is finished
+    stays (a finished run is skipped, a conversion kept): nothing the user made is deleted without being asked."""
+    why = "" if resume else ": --no-resume restarts interrupted training, and keeps what is finished, as runs are"
+    return f"{folder} is made already, {'would be ' if dry_run else ''}kept{why} (delete it to convert again)"
 
 
 def run_manifest(
@@ -264,6 +281,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         log = lambda *a, **k: None  # noqa: E731
     prepared_by_data: dict = {}
     previous_dir: dict[tuple[str, int], Path] = {}
+    kept: set[Path] = set()  # conversions --no-resume kept (said once)
     summaries = []
     if convert_only:
         firsts = first_phases(list(manifest.runs))
@@ -275,11 +293,12 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         for name in dict.fromkeys(spec.target for spec in runs if spec.target in firsts):
             folder = converted_folder(root, firsts[name])
             if dry_run:
-                log(f"{name}: would convert {firsts[name].source['model']} into {folder}"
-                    + (" (made already)" if folder.exists() else ""))  # fmt: skip
+                log(f"{name}: would convert {firsts[name].source['model']} into {folder}" if not folder.exists() else
+                    f"{name}: {_kept(folder, resume, dry_run=True)}")  # fmt: skip
             elif dist_info.is_main:
+                made = folder.exists()
                 folder = converted_model(firsts[name], root, data_dir, log)
-                log(f"{name}: {folder}")
+                log(f"{name}: {_kept(folder, resume)}" if made else f"{name}: {folder}")
         return []
     for index, spec in enumerate(runs, 1):
         run_dir = spec.run_dir(root)
@@ -307,7 +326,11 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         tokenizer = None
         if converted is not None:  # the conversion, made once (by its target's first run)
             if dist_info.is_main and spec.source["target"] == spec.target:
+                made = converted.exists()
                 converted_model(first_phases(list(manifest.runs))[spec.target], root, data_dir, log)
+                if made and not resume and converted not in kept:  # said once, not per seed
+                    kept.add(converted)
+                    log(f"{spec.target}: {_kept(converted, resume)}")
             barrier(dist_info)
             tokenizer = tokenizer_from_folder(converted / "tokenizer", name=spec.data.tokenizer)
         elif names_model(spec.data.tokenizer) and spec.data not in prepared_by_data:  # a model's tokenizer alone

@@ -11,6 +11,7 @@ import lzma
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -267,18 +268,42 @@ def lock_holder(path: Path) -> str | None:
     return None
 
 
+def special_file(path: str | Path) -> str | None:
+    """What `path` is when something other than a regular file is there (symbolic links followed): "a folder" or
+    "not a regular file (a fifo, device or socket)"; None when it is a regular file or nothing is there. Reading a
+    fifo waits for a writer without end, and a device is no file to keep."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # nothing there (or nothing reachable): said by whatever opens it
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return "a folder" if stat.S_ISDIR(mode) else "not a regular file (a fifo, device or socket)"
+
+
+def lock_file_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be a lock file (folder_lock): something other than a regular file is there; or None."""
+    what = special_file(path)
+    if what is None or what == "a folder":  # (a folder is said as any folder where a file is expected)
+        return None
+    return f"{path}: {what}, where attnlab keeps its lock file: delete it (it holds nothing of yours) and start again"
+
+
 @contextlib.contextmanager
 def folder_lock(folder: str | Path, name: str, busy: Callable[[str], str]) -> Iterator[None]:
     """Holds the lock file folder/name (the folder made if needed) for the block. When another process holds it,
-    InputError(busy(holder)), holder being ' (pid N)' or ''. A file system without locks (some network ones)
-    runs unlocked."""
+    InputError(busy(holder)), holder being ' (pid N)' or ''; InputError too when something other than a regular
+    file is there (lock_file_problem). A file system without locks (some network ones) runs unlocked."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if fcntl is None:
         yield
         return
-    fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
+    # O_NONBLOCK: opening a fifo (or a device) must not wait; it is refused once open (fstat: no race)
+    fd = os.open(folder / name, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError(lock_file_problem(folder / name) or f"{folder / name}: not a regular file")
         locked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

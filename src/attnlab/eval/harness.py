@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ from attnlab.config_io import parse_yaml, read_yaml, yaml_problem
 from attnlab.data.files import folder_lock
 from attnlab.errors import ConfigError, InputError
 from attnlab.eval.analysis import region_problems, run_attention_maps, run_effective_rank
-from attnlab.eval.kvquant import run_kv_eval
+from attnlab.eval.kvquant import MIN_SEQ_LEN, SEQ_LEN_NEED, run_kv_eval
 from attnlab.eval.loading import load_for_eval
 from attnlab.eval.longctx import context_sweep as sweep
 from attnlab.eval.longctx import run_extrapolation, run_needle, run_stream_loss
@@ -210,6 +211,9 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
                     problems.append(f"{where}.{name}.{key}={brief(value)} {problem}")
         if name == "needle" and isinstance(params, dict):
             problems += needle_problems(params, f"{where}.{name}")
+        seq_len = (params or {}).get("seq_len") if name == "kv_quant" else None
+        if isinstance(seq_len, int) and not isinstance(seq_len, bool) and 1 <= seq_len < MIN_SEQ_LEN:
+            problems.append(f"{where}.{name}.seq_len={seq_len}: {SEQ_LEN_NEED}")
         if name == "attention_maps" and (params or {}).get("regions") is not None:
             unit = params.get("unit") if params.get("unit") in ("chars", "tokens") else "chars"
             problems += [f"{where}.{name}.{p}" for p in region_problems(params["regions"], unit)]
@@ -514,19 +518,30 @@ def plan_labels(checkpoints: tuple[str, ...], records: list[dict], data_dir=None
     """{checkpoint: the label its records get}: the one its earlier records in the folder have, else the one
     load_for_eval gives it (<target>/seed<S> for a run), unless another checkpoint of the plan or of those records
     has it too: then the last parts of its folder's path, as many as tell them apart (runs/tiny/base/seed0 and
-    runs2/tiny/base/seed0 rather than two base/seed0 a report could not tell apart)."""
+    runs2/tiny/base/seed0 rather than two base/seed0 a report could not tell apart). Which checkpoints share a label
+    is decided from every checkpoint of the plan, measured already or not, so that a bench resumed after an
+    interruption labels the rest as an uninterrupted one does."""
     real = {ref: ref if ref.startswith("hf:") else os.path.realpath(ref) for ref in checkpoints}
-    labels: dict[str, str] = {}
+    recorded: dict[str, str] = {}
     for r in records:  # the latest record's label of each checkpoint path
         if isinstance(r.get("model"), str) and isinstance(r.get("model_path"), str):
             path = r["model_path"]
-            labels[path if path.startswith("hf:") else os.path.realpath(path)] = r["model"]
-    recorded = list(labels.values())
-    kept = {path for path, label in labels.items() if recorded.count(label) == 1}  # its records' label stays
+            recorded[path if path.startswith("hf:") else os.path.realpath(path)] = r["model"]
+    names = {path: label for path, label in recorded.items() if path not in real.values()}  # outside the plan
+    names.update({real[ref]: expected_label(ref, data_dir) for ref in checkpoints})
+    unique = distinct_labels(names)
+    counts = Counter(recorded.values())
+    out = {}
     for ref in checkpoints:
-        labels.setdefault(real[ref], expected_label(ref, data_dir))
-    unique = distinct_labels(labels)
-    return {ref: labels[real[ref]] if real[ref] in kept else unique[real[ref]] for ref in checkpoints}
+        path = real[ref]
+        old = recorded.get(path)
+        if old is not None and counts[old] == 1:  # its records' label stays
+            out[ref] = old
+            continue
+        label = unique[path]
+        taken = [p for p, other in recorded.items() if other == label and p != path]  # another's records have it
+        out[ref] = distinct_labels({p: label for p in (path, *taken)})[path] if taken else label
+    return out
 
 
 def expected_label(ref: str, data_dir=None) -> str:

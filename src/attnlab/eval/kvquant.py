@@ -59,6 +59,10 @@ class Totals:
 
 
 BLOCK = 64  # positions per block of the dNLL interval
+# Inputs per window: the greedy agreement continues the first half of a window's inputs, which must hold a token
+MIN_SEQ_LEN = 2
+SEQ_LEN_NEED = (f"a window needs at least {MIN_SEQ_LEN} inputs: the greedy agreement continues the first half of "
+                "each window's inputs (seq_len // 2 tokens)")  # fmt: skip
 
 
 def block_sums(diff: torch.Tensor, block: int = BLOCK) -> list[float]:
@@ -119,6 +123,8 @@ def evaluate_policies(
     policies = [as_policy(p) or KVPolicy() for p in policies]
     if chunk < 1:
         raise InputError(f"chunk={chunk} must be >= 1")
+    if windows.shape[1] - 1 < MIN_SEQ_LEN:  # (a window holds its inputs and one more target)
+        raise InputError(f"seq_len={windows.shape[1] - 1}: {SEQ_LEN_NEED}")
     device = next(model.parameters()).device
     windows = windows.to(device)
     totals = [Totals() for _ in policies]
@@ -296,6 +302,8 @@ def run_kv_eval(eval_model, policies: list[str], split: str = "test", seq_len: i
                 dataset: str | None = None) -> list[dict]:  # fmt: skip
     """`kv_quant` records, one per policy, on the checkpoint's own held-out split (or `split` of `dataset`). A policy
     whose residual window holds the whole window (nothing quantized) is said in a warning."""
+    if seq_len < MIN_SEQ_LEN:
+        raise InputError(f"seq_len={seq_len}: {SEQ_LEN_NEED}")
     warn_unquantized(policies, seq_len)
     windows = held_out_windows(eval_model, split, seq_len + 1, max_tokens, data_dir, dataset)
     rows = evaluate_policies(eval_model.model, windows, policies, chunk=chunk, dtype=dtype)

@@ -37,7 +37,7 @@ from attnlab.accounting import kv_report
 from attnlab.config import DataConfig
 from attnlab.data import prepare
 from attnlab.errors import DataError, InputError
-from attnlab.eval.perplexity import dataset_split, summarize_losses
+from attnlab.eval.perplexity import dataset_split, summarize_losses, token_digest
 from attnlab.eval.records import make_record
 from attnlab.eval.scoring import continuation_logprobs
 from attnlab.eval.speed import dtype_name, run_guarded, synchronize, timed
@@ -369,7 +369,8 @@ def run_extrapolation(
     for factor in factors:
         seq_len = int(round(factor * train_seq_len))
         common = {"factor": factor, "seq_len": seq_len, "train_seq_len": train_seq_len, "text": origin,
-                  "max_tokens": max_tokens, "max_seq_len": model.cfg.max_seq_len}  # fmt: skip
+                  "max_tokens": max_tokens, "max_seq_len": model.cfg.max_seq_len,
+                  "tokenizer": tokenizer_name(model, text, dataset)}  # fmt: skip
         record = partial(make_record, "extrapolation", model, **common)  # record(status=..., **figures)
 
         if seq_len > model.cfg.max_seq_len:
@@ -386,8 +387,19 @@ def run_extrapolation(
         # Mean loss over input positions [k T, (k + 1) T): past k = 0 the positions were never trained on.
         segments = [losses[:, k : k + train_seq_len].mean().item() for k in range(0, seq_len, train_seq_len)]
         summary = summarize_losses([(row.sum().item(), seq_len) for row in losses])  # bootstrap over windows
-        rows.append(record(status="ok", **summary, segment_loss=segments))
+        read = token_digest(tokens[: windows * seq_len + 1])  # the ids the windows read
+        rows.append(record(status="ok", **summary, segment_loss=segments, text_tokens=len(tokens), tokens_sha256=read))
     return rows
+
+
+def tokenizer_name(model, text=None, dataset: str | None = None) -> str | None:
+    """The tokenizer that made heldout_tokens' ids (what, with their number, tells two records' windows apart): the
+    run's data tokenizer for its own split, the model's for a dataset or a text file; None for ids given as such."""
+    if text is None and dataset is None:
+        return model.config.get("data", {}).get("tokenizer")
+    if text is not None and not isinstance(text, str | Path):
+        return None
+    return getattr(model.tokenizer, "name", None)
 
 
 # ----------------------------------------------------------------------------- loss by position over streams

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from attnlab.config_checks import unknown_key_problem
+from attnlab.data.files import special_file
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.loading import EvalModel
 from attnlab.eval.records import append_records, make_record
@@ -77,7 +78,11 @@ class Item:
 
 
 def _read_text(path: Path) -> str:
-    """The file's UTF-8 text; a leading byte-order mark (some editors write one) is dropped, not read as text."""
+    """The file's UTF-8 text; a leading byte-order mark (some editors write one) is dropped, not read as text. A
+    fifo or device is refused, not read (it would wait for a writer without end)."""
+    what = special_file(path)
+    if what is not None:
+        raise DataError(f"{path}: {what}: give the task's data file (a regular file)")
     try:
         return path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:

@@ -9,6 +9,7 @@ bootstrap over windows (tokens inside a window are correlated; windows much less
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -53,6 +54,16 @@ def window_losses(
     return results
 
 
+def token_digest(tokens) -> str:
+    """16 hex digits of sha256 over token ids (as little-endian int64, whatever their stored type): what tells two
+    records' windows apart when their settings agree (another tokenizer, or the text prepared otherwise). Read in
+    chunks: a memory-mapped split is never copied whole."""
+    digest, chunk = hashlib.sha256(), 1 << 20
+    for start in range(0, len(tokens), chunk):
+        digest.update(np.asarray(tokens[start : start + chunk], dtype="<i8").tobytes())
+    return digest.hexdigest()[:16]
+
+
 def summarize_losses(windows: list[tuple[float, int]], n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
     """Mean loss per token, perplexity, and a percentile-bootstrap interval over windows."""
     sums = np.array([s for s, _ in windows], dtype=np.float64)
@@ -77,6 +88,11 @@ def paired_difference(a: dict, b: dict, n_boot: int = 10000, seed: int = 0, leve
         if not isinstance(record.get("window_loss"), list) or not isinstance(record.get("window_tokens"), list):
             raise InputError(f"record {name} ({record.get('model')}) holds no per-window losses: run its "
                              "benchmark again with this version to compare it window by window")  # fmt: skip
+    for record in (a, b):
+        if len(record["window_loss"]) != len(record["window_tokens"]) or not record["window_tokens"]:
+            raise InputError(f"record of {record.get('model')} has {len(record['window_loss'])} window losses and "
+                             f"{len(record['window_tokens'])} window token counts: one of each per window, at least "
+                             "one (the record was changed: run its benchmark again)")  # fmt: skip
     if a["window_tokens"] != b["window_tokens"]:
         raise InputError(f"{a.get('model')} and {b.get('model')} were not scored on the same windows "
                          f"({len(a['window_tokens'])} and {len(b['window_tokens'])} windows): use the same "
@@ -150,7 +166,9 @@ def run_perplexity(eval_model, split: str = "test", seq_len: int | None = None, 
     seq_len = seq_len or eval_model.config.get("train", {}).get("seq_len") or eval_model.cfg.max_seq_len
     windows = window_losses(eval_model.model, tokens, seq_len, stride, max_tokens)
     summary = summarize_losses(windows)
+    scored = tokens[: summary["tokens"] + 1]  # what the windows' scored losses depend on (inputs and targets)
     return make_record(
         "perplexity", eval_model, split=split, seq_len=seq_len, stride=stride or seq_len, max_tokens=max_tokens,
-        dataset=dataset, tokenizer=tokenizer, tokens_in_split=len(tokens), **summary,
+        dataset=dataset, tokenizer=tokenizer, tokens_in_split=len(tokens), tokens_sha256=token_digest(scored),
+        **summary,
     )  # fmt: skip

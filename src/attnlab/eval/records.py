@@ -266,6 +266,10 @@ def record_problem(record: dict) -> str | None:
         if not _fits(value, kind):
             what = "a list" if kind is list else kind
             return f"field '{field}' is {_shown(value)}, not {what}"
+    losses, counts = record.get("window_loss"), record.get("window_tokens")
+    if isinstance(losses, list) and isinstance(counts, list) and (len(losses) != len(counts) or not losses):
+        return (f"field 'window_loss' has {len(losses)} entries and 'window_tokens' {len(counts)}: one of each per "
+                "window, at least one")  # fmt: skip
     if record["benchmark"] == "stream_loss" and record.get("bucket_loss") and ok:
         lengths = {f: len(record.get(f) or []) for f in ("positions", "bucket_loss", "bucket_ci")}
         if len(set(lengths.values())) > 1 or not _number(record.get("bucket")):

@@ -8,7 +8,6 @@ import base64
 import csv
 import html
 import io
-import json
 import math
 import os
 import re
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from attnlab.data.files import atomic_write_text, read_json_lines
 from attnlab.errors import AttnlabWarning, DataError, InputError
-from attnlab.eval.perplexity import paired_difference
+from attnlab.eval.paired import paired_rows
 from attnlab.eval.plots import plot_val_loss, rank_spectra, region_mass_bars
 from attnlab.eval.records import distinct_labels, latest_records, read_records, record_problem
 from attnlab.eval.stats import paired_comparison
@@ -98,32 +97,21 @@ def perplexity_table(records: list[dict]) -> Table | None:
                  "ppl", "ppl 95% CI"], body, "Intervals: percentile bootstrap over windows.")  # fmt: skip
 
 
-def paired_table(records: list[dict], pairs: list[tuple[str, str]]) -> Table | None:
-    """Loss and perplexity of model a minus model b, per (a, b) in pairs, for every perplexity or extrapolation
-    setting both were scored at on the same windows, with a paired bootstrap interval over windows."""
-    body = []
-    for a, b in pairs:
-        for benchmark in ("perplexity", "rope_extrapolation"):
-            scored = {m: {_setting(r): r for r in _ok(records) if r["benchmark"] == benchmark and r["model"] == m}
-                      for m in (a, b)}  # fmt: skip
-            for setting, record_a in scored[a].items():
-                if setting in scored[b] and record_a.get("window_loss") and scored[b][setting].get("window_loss"):
-                    d = paired_difference(record_a, scored[b][setting])
-                    body.append([a, b, benchmark, record_a.get("seq_len"), d["tokens"], d["ppl_a"], d["ppl_b"],
-                                 d["dppl"], "{:.3f} to {:.3f}".format(*d["dppl_ci"]), d["dloss"],
-                                 "{:.4f} to {:.4f}".format(*d["dloss_ci"])])  # fmt: skip
-    if not body:
-        return None
-    return Table("paired", "Paired differences (a minus b, same windows of the same tokens)",
-                 ["a", "b", "benchmark", "window", "tokens", "ppl a", "ppl b", "ppl a - b", "95% CI",
-                  "loss a - b", "95% CI"], body,
-                 "Intervals: percentile bootstrap over windows, the same windows resampled for a and b.")  # fmt: skip
-
-
-def _setting(record: dict) -> str:
-    """What makes two records' windows the same: the text, the window, the stride and the token budget."""
-    keys = ("dataset", "text", "split", "seq_len", "stride", "max_tokens", "tokens")
-    return json.dumps([record.get(k) for k in keys])
+def paired_table(records: list[dict], pairs: list[tuple[str, str]]) -> tuple[Table | None, list[str]]:
+    """(the table of loss and perplexity of model a minus model b, per (a, b) in pairs, for every perplexity or
+    extrapolation setting both were scored at on the same windows of the same tokens, with a paired bootstrap
+    interval over windows; one line per pair that gave no row, saying why: eval.paired)."""
+    rows, unpaired = paired_rows(_ok(records), pairs)
+    if not rows:
+        return None, unpaired
+    body = [[a, b, benchmark, record_a.get("seq_len"), d["tokens"], d["ppl_a"], d["ppl_b"], d["dppl"],
+             "{:.3f} to {:.3f}".format(*d["dppl_ci"]), d["dloss"], "{:.4f} to {:.4f}".format(*d["dloss_ci"])]
+            for a, b, benchmark, record_a, d in rows]  # fmt: skip
+    table = Table("paired", "Paired differences (a minus b, same windows of the same tokens)",
+                  ["a", "b", "benchmark", "window", "tokens", "ppl a", "ppl b", "ppl a - b", "95% CI",
+                   "loss a - b", "95% CI"], body,
+                  "Intervals: percentile bootstrap over windows, the same windows resampled for a and b.")  # fmt: skip
+    return table, unpaired
 
 
 def kv_quant_table(records: list[dict]) -> Table | None:
@@ -415,12 +403,19 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
                             "or run the benchmark again")  # fmt: skip
     records, notes = _latest_and_distinct(records, records_path)
     models = list(dict.fromkeys(r["model"] for r in records))
+    pairs = list(dict.fromkeys(pairs))  # a pair given twice is compared once (its rows would be the same twice)
     for a, b in pairs:
         for name in (a, b):
             if name not in models:
                 raise InputError(f"--paired {a}:{b}: {records_path} has no records of {name!r} (its models: "
                                  f"{', '.join(models)})")  # fmt: skip
-    tables = [t for t in (perplexity_table(records), paired_table(records, list(pairs)), memory_table(records),
+    paired, unpaired = paired_table(records, pairs)
+    if unpaired and paired is None:  # nothing could be paired: said before anything is written
+        raise InputError(f"{records_path}: " + "; ".join(unpaired))
+    for line in unpaired:
+        notes.append(f"{line}.")
+        warnings.warn(f"{records_path}: {line}", AttnlabWarning, stacklevel=2)
+    tables = [t for t in (perplexity_table(records), paired, memory_table(records),
                           latency_table(records), multiple_choice_table(records), needle_table(records),
                           sweep_table(records), extrapolation_table(records), stream_loss_table(records),
                           kv_quant_table(records))
