@@ -36,10 +36,11 @@ RECOMPILE_LIMIT = 32  # compiled graphs of a model's block region (kinds of bloc
 # generate(compile=None) decodes eagerly first and compiles once the tokens left pay for it: when
 #   tokens left x eager seconds per token x COMPILE_SAVES > COMPILE_SECONDS.
 # Measured by bench/compile_cost.py on SmolLM2-135M (2 threads, this machine): compiling its block region cold
-# (an empty inductor cache) takes 17-21 s, warm 3 s; a compiled step takes 0.7x the eager step's time with the
-# GGUF's own weights (0.9x with fp32 weights), 0.3-0.5x on bench/decode.py's small models.
+# (an empty inductor cache) takes 13-17 s and importing inductor 1 s more, warm 3-4 s; a compiled step takes
+# 0.73x the eager step's time with the GGUF's own weights, 0.77x with fp32 weights (0.3-0.5x on bench/decode.py's
+# small models, where Python's overhead is all there is).
 COMPILE_SECONDS = 20.0
-COMPILE_SAVES = 0.3
+COMPILE_SAVES = 0.25
 EAGER_STEPS_TIMED = 3  # eager steps timed before deciding (the first one is left out: it warms up)
 
 
@@ -348,7 +349,9 @@ def generate(
     if was_training:
         model.eval()
     if compile is None:  # auto: compile once the tokens left pay for it (see compiling_pays)
-        compile = "auto" if device.type == "cpu" and can_compile_on_cpu() else False
+        compile = "auto" if device.type == "cpu" else False  # can_compile_on_cpu (a 1 s import): when it would
+    elif compile:
+        compile = device.type != "cpu" or can_compile_on_cpu()
     try:
         step, timed = None, None  # timed: the eager steps' seconds while an auto compile is being weighed
         own = cache is None
@@ -360,7 +363,7 @@ def generate(
             # token. The prompt goes in before static mode (its queries attend over the held slots only).
             logits = prefill_last(model, tokens, cache, prefill_chunk)
             warm = model in _COMPILED and _COMPILED[model].compiled and not _COMPILED[model].eager
-            if compile is True or (compile == "auto" and warm):
+            if compile is True or (compile == "auto" and warm and can_compile_on_cpu()):
                 cache.set_static(True)
                 step = compiled_decode_step(model)
             elif compile == "auto":
@@ -390,7 +393,7 @@ def generate(
                     if timed is not None:
                         timed.append(time.perf_counter() - start)
                         if len(timed) > EAGER_STEPS_TIMED:  # the first step warms up: left out
-                            if compiling_pays(min(timed[1:]), max_new_tokens - i - 2):
+                            if compiling_pays(min(timed[1:]), max_new_tokens - i - 2) and can_compile_on_cpu():
                                 cache.set_static(True)
                                 step, positions = compiled_decode_step(model), torch.tensor([cache.seen], device=device)
                             timed = None
