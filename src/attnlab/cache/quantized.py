@@ -81,7 +81,9 @@ class QuantizedCache(LayerCache):
         }
         self.seen = 0  # tokens written
         self.stored = 0  # tokens [0, stored) have left the residual window (quantized or dropped)
-        self.counters = torch.zeros(2, dtype=torch.long, device=device)  # [seen, stored] while in static mode
+        # [seen, stored, max_len] while in static mode: the op reads the room left from here, not from its plan,
+        # so caches of every length share one plan (one compiled graph)
+        self.counters = torch.tensor([0, 0, max_len], dtype=torch.long, device=device)
         self.plan = self._plan()
         self.plan_spec = None if self.plan is None else self.plan.to_spec()  # the static op's description of it
         # A decode step is one read of K and V (no null key): the kernel path applies.
@@ -99,7 +101,7 @@ class QuantizedCache(LayerCache):
         )  # fmt: skip
         value_width = read.value_width if read.value_width is not None else self.layout.buffer_width(read.values)
         return KernelPlan(parts, max(self.ring_slots, 1), self.policy.resid, self.tokens_per_block, self.layout.heads,
-                          read.keys, read.values, value_width, self.policy.group_size, self.max_len)  # fmt: skip
+                          read.keys, read.values, value_width, self.policy.group_size)  # fmt: skip
 
     # -- protocol -------------------------------------------------------------------------------------
     def positions(self) -> torch.Tensor:
@@ -176,7 +178,7 @@ class QuantizedCache(LayerCache):
         if static and not was:
             self.counters[0], self.counters[1] = self.seen, self.stored
         elif was and not static:
-            self.seen, self.stored = self.counters.tolist()
+            self.seen, self.stored = self.counters[:2].tolist()
 
     def attend_one(self, q, new, positions, read: Read, scale):
         """One decode step with the attention read straight from the stored blocks (the C kernels of

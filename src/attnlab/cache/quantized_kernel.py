@@ -3,7 +3,7 @@ compiled-graph op, `attnlab::quantized_attend`, which takes every tensor it writ
 
 A `KernelPlan` is the static description of one cache (its parts, their formats and widths, the residual
 ring, which buffers are K and V); the state is tensors: the stored blocks and the residual ring of each part,
-and `counters` = [tokens seen, tokens stored] (int64). `step` attends one token and writes it:
+and `counters` = [tokens seen, tokens stored, max_len] (int64). `step` attends one token and writes it:
 
     out = plan.step(q, rows, store, recent, counters, scale)
 """
@@ -44,7 +44,6 @@ class KernelPlan:
     values: str  # the buffer read as V (its parts within value_width)
     value_width: int
     group: int
-    max_len: int  # tokens the cache has room for
 
     def to_spec(self) -> str:
         """The plan as a string of names and numbers (no quotes: inductor's C++ wrapper writes it into a C++
@@ -130,13 +129,12 @@ class KernelPlan:
         self, q: torch.Tensor, rows: list[torch.Tensor], store: list[list[torch.Tensor]], recent: list[torch.Tensor],
         counters: torch.Tensor, scale: float,
     ) -> torch.Tensor:  # fmt: skip
-        """One decode step on the state tensors: attend, write the token, advance counters [seen, stored]."""
+        """One decode step on the state tensors: attend, write the token, advance counters [seen, stored] (and
+        check [max_len], the tokens the cache has room for)."""
         values = counters.numpy()  # a view: reads and writes without tensor indexing's per-call cost
-        seen, stored = int(values[0]), int(values[1])
-        if seen + 1 > self.max_len:  # the C quantizer writes where it is told: check before it does
-            raise InputError(
-                f"KV cache is full: {seen + 1} tokens exceed its max_len={self.max_len} (make a larger cache)"
-            )
+        seen, stored, max_len = int(values[0]), int(values[1]), int(values[2])
+        if seen + 1 > max_len:  # the C quantizer writes where it is told: check before it does
+            raise InputError(f"KV cache is full: {seen + 1} tokens exceed its max_len={max_len} (make a larger cache)")
         out = self.attend(q, rows, store, recent, seen, stored, scale)
         values[1] = self.write(rows, store, recent, seen, stored)
         values[0] = seen + 1
@@ -173,7 +171,7 @@ def quantized_attend(
 ) -> torch.Tensor:
     """KernelPlan.parse(spec).step as one op for a compiled decode step: reads and writes the cache's stored
     blocks (`store`, each part's arrays in order, flattened), its residual ring (`recent`, one per part) and
-    `counters` [seen, stored], all in place; returns the attention output (B, H, 1, value_width)."""
+    `counters` [seen, stored] (max_len read), all in place; returns the attention output (B, H, 1, value_width)."""
     plan = KernelPlan.parse(spec)
     grouped, i = [], 0
     for part in plan.parts:
