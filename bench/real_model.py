@@ -7,9 +7,10 @@ caches, at 1 and 2 threads.
                                [--impls attnlab,transformers,llama.cpp] [--weights fp32,q8_0,native]
                                [--kv fp32,q8_0,q4_0] [--models REF,...] [--repeats 2] [--data-dir DIR] [--no-record]
 
-decode   after an untimed prefill of C tokens of WikiText-2 raw test, N single-token steps (attnlab: `generate`'s
-         own loop, compiled step included, timed token by token through its callback after a warm-up run at the
-         same cache size; transformers: its forward with past_key_values; llama.cpp: `Llama.eval([token])`), tok/s
+decode   after an untimed prefill of C - N - 1 tokens of WikiText-2 raw test, N single-token steps, the last at
+         C tokens of context (attnlab: `generate`'s own loop, compiled step included, timed token by token
+         through its callback after a warm-up run; transformers: its forward with past_key_values; llama.cpp:
+         `Llama.eval([token])`), tok/s
          = N / seconds, median of rounds. Bytes per token: the weights read (every matrix once; the embedding's one
          row is left out unless it is also the LM head) plus the KV cache read at context C, against the machine's
          read bandwidth measured in the same run (a 1 GiB fp32 sum), as a share of what the bandwidth allows.
@@ -240,7 +241,7 @@ def main() -> None:
         if "transformers" in impls:
             runners.append(Transformers(path))
         for context in contexts:
-            prompt = text[:, :context]
+            prompt = text[:, : context - n - 1]  # the last step decodes at C tokens of context (8,192 = SmolLM2's max)
             speeds = {}
             for runner in runners:
                 runner.decode(prompt, 2)  # warm-up (attnlab: compiles its step for this cache size)
