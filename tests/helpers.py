@@ -86,3 +86,17 @@ def error_line(capsys, command: str, *fragments) -> str:
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     return lines[0]
+
+
+def gguf_name(hf: str) -> str:
+    """The GGUF tensor name of a Hugging Face Llama tensor name (model.layers.3.self_attn.q_proj.weight ->
+    blk.3.attn_q.weight), by attnlab.interop.gguf's own tables."""
+    from attnlab.interop.gguf import BLOCK_NAMES, TOP_LEVEL_NAMES
+
+    top = {hf_name: name for name, hf_name in TOP_LEVEL_NAMES.items()}
+    if hf in top:
+        return top[hf]
+    parts = {hf_name: name for name, hf_name in BLOCK_NAMES.items()}
+    layer, rest = hf[len("model.layers.") :].split(".", 1)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{parts[part]}.{kind}"

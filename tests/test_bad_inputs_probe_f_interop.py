@@ -18,14 +18,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import fails, tiny_model
+from helpers import fails, gguf_name, tiny_model
 from safetensors.torch import load_file, save_file
 
 import attnlab
 from attnlab.cli import main
 from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.interop.export import export_hf, replace_folder
-from attnlab.interop.gguf import BLOCK_NAMES, TOP_LEVEL_NAMES
 from attnlab.interop.hf import hf_targets
 from attnlab.interop.references import model_config_of
 from attnlab.interop.tokenizer import tokenizer_from_gguf
@@ -37,20 +36,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 Q = gguf.GGMLQuantizationType
 TOKENS = ["<|endoftext|>"] + [chr(c) for c in range(33, 127)] + ["ab", "cd"]  # 97: the tiny model's vocabulary
-GGUF_NAMES = {hf: name for name, hf in TOP_LEVEL_NAMES.items()}
-GGUF_PARTS = {hf: name for name, hf in BLOCK_NAMES.items()}
 
 
 def small_model(**config):
     return tiny_model(d_model=64, n_heads=2, n_layers=1, max_seq_len=64, **config)
-
-
-def gguf_name(hf: str) -> str:
-    if hf in GGUF_NAMES:
-        return GGUF_NAMES[hf]
-    layer, rest = hf[len("model.layers.") :].split(".", 1)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{GGUF_PARTS[part]}.{kind}"
 
 
 def write_gguf(path, *, tokens=TOKENS, types=None, merges=(), context=True, poison=None, quant=Q.F32):

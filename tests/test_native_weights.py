@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SIBLING_DATA
-from helpers import tiny_model
+from helpers import gguf_name, tiny_model
 
 import attnlab
 from attnlab.errors import InputError
-from attnlab.interop.gguf import BLOCK_NAMES, TOP_LEVEL_NAMES, load_gguf, native_layers, open_gguf
+from attnlab.interop.gguf import load_gguf, native_layers, open_gguf
 from attnlab.interop.hf import hf_targets
 from attnlab.model.qlinear import QuantizedEmbedding, QuantizedLinear
 
@@ -23,17 +23,7 @@ Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_NAMES = {hf: name for name, hf in TOP_LEVEL_NAMES.items()}
-GGUF_PARTS = {hf: name for name, hf in BLOCK_NAMES.items()}
 TOKENS = ["<|endoftext|>"] + [chr(c) for c in range(33, 127)] + ["ab", "cd"]  # 97: the tiny model's vocabulary
-
-
-def gguf_name(hf: str) -> str:
-    if hf in GGUF_NAMES:
-        return GGUF_NAMES[hf]
-    layer, rest = hf[len("model.layers.") :].split(".", 1)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{GGUF_PARTS[part]}.{kind}"
 
 
 def write_gguf(path, model, types: dict[str, Q]):
