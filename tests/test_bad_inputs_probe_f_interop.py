@@ -139,7 +139,7 @@ def test_a_file_put_in_the_export_folder_while_exporting_is_kept(tmp_path, expor
 
 def test_gguf_merges_naming_a_token_not_in_the_list_are_one_line(tmp_path, capsys):
     path = write_gguf(tmp_path / "bad_merge.gguf", merges=["a b", "zzz qqq"])
-    fails(capsys, generate(path), "bad_merge.gguf", "tokenizer.ggml.merges[1]='zzz qqq'", "'zzz'",
+    assert fails(capsys, generate(path), "bad_merge.gguf", "tokenizer.ggml.merges[1]='zzz qqq'", "'zzz'",
           "not in tokenizer.ggml.tokens")  # fmt: skip
     short = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": TOKENS[:50], "tokenizer.ggml.merges": ["a b"]}
     with pytest.raises(DataError, match=r"short.gguf: tokenizer.ggml.merges\[0\]='a b' names the token 'a'"):
@@ -166,7 +166,7 @@ def test_a_gguf_token_list_that_differs_from_the_embedding_is_refused(tmp_path, 
     """Ids the model emits that decode to nothing, or tokenizer ids past the embedding (the prompt was blamed)."""
     path = write_gguf(tmp_path / "tok.gguf", tokens=tokens)
     argv = generate(path) if command == "generate" else ["info", str(path)]
-    fails(capsys, argv, "tok.gguf", "tokenizer.ggml.tokens", *named)
+    assert fails(capsys, argv, "tok.gguf", "tokenizer.ggml.tokens", *named)
 
 
 # ----------------------------------------------------------------------------- HF-tok_addedbig
@@ -177,7 +177,7 @@ def test_hf_tokenizer_ids_past_the_vocabulary_are_refused_at_load(tmp_path, caps
     config["added_tokens"].append({"id": 500, "content": "<|big|>", "single_word": False, "lstrip": False,
                                    "rstrip": False, "normalized": False, "special": True})  # fmt: skip
     (hf_copy / "tokenizer.json").write_text(json.dumps(config))
-    fails(capsys, ["generate", str(hf_copy), "a<|big|>", "--max-new-tokens", "1"], "model/tokenizer.json",
+    assert fails(capsys, ["generate", str(hf_copy), "a<|big|>", "--max-new-tokens", "1"], "model/tokenizer.json",
           "'<|big|>' has id 97", "97 embedding rows")  # fmt: skip
     # More embedding rows than tokenizer ids is how many Hugging Face models pad their vocabulary: that loads.
     _, _, tokenizer = attnlab.load_model(good_gguf)
@@ -191,8 +191,8 @@ def test_hf_tokenizer_ids_past_the_vocabulary_are_refused_at_load(tmp_path, caps
 
 def test_a_gguf_without_a_context_length_is_refused(tmp_path, capsys):
     path = write_gguf(tmp_path / "no_ctx.gguf", context=False)
-    fails(capsys, ["info", str(path)], "no_ctx.gguf", "metadata llama.context_length is missing")
-    fails(capsys, generate(path), "llama.context_length is missing")
+    assert fails(capsys, ["info", str(path)], "no_ctx.gguf", "metadata llama.context_length is missing")
+    assert fails(capsys, generate(path), "llama.context_length is missing")
 
 
 # ----------------------------------------------------------------------------- GG-nan_weights, HF-st_nan, RET-nan-model
@@ -203,7 +203,7 @@ def test_a_gguf_without_a_context_length_is_refused(tmp_path, capsys):
 def test_non_finite_gguf_weights_are_refused_naming_the_tensor(tmp_path, capsys, value, weights):
     """In a Q8_0 matrix (native keeps its blocks: their scales are checked) and in the library call alike."""
     path = write_gguf(tmp_path / "bad.gguf", poison=("attn_q", value), quant=Q.Q8_0)
-    fails(capsys, generate(path, "--weights", weights), "bad.gguf", "blk.0.attn_q.weight", "NaN or infinite")
+    assert fails(capsys, generate(path, "--weights", weights), "bad.gguf", "blk.0.attn_q.weight", "NaN or infinite")
     with pytest.raises(DataError, match="bad.gguf.*blk.0.attn_q.weight.*NaN or infinite"):
         attnlab.load_model(path, weights=weights)
 
@@ -212,7 +212,7 @@ def test_non_finite_safetensors_weights_are_refused(capsys, hf_copy):
     tensors = load_file(hf_copy / "model.safetensors")
     tensors["model.layers.0.self_attn.q_proj.weight"][3, 5] = float("nan")
     save_file(tensors, hf_copy / "model.safetensors")
-    fails(capsys, generate(hf_copy), "model/model.safetensors", "'model.layers.0.self_attn.q_proj.weight'",
+    assert fails(capsys, generate(hf_copy), "model/model.safetensors", "'model.layers.0.self_attn.q_proj.weight'",
           "holds 1 NaN or infinite values")  # fmt: skip
 
 
@@ -220,7 +220,7 @@ def test_a_conversion_of_non_finite_weights_is_refused_and_writes_nothing(tmp_pa
     path = write_gguf(tmp_path / "nan.gguf", poison=("ffn_down", float("nan")))
     out = tmp_path / "converted"
     argv = ["convert", str(path), "--attention", "kind=mha,n_kv_heads=1", "--out", str(out), "--eval-tokens", "0"]
-    fails(capsys, argv, "nan.gguf", "blk.0.ffn_down.weight", "NaN or infinite")
+    assert fails(capsys, argv, "nan.gguf", "blk.0.ffn_down.weight", "NaN or infinite")
     assert not out.exists()
 
 
@@ -231,7 +231,7 @@ def test_integer_weight_tensors_are_refused(capsys, hf_copy):
     tensors = load_file(hf_copy / "model.safetensors")
     tensors["model.layers.0.mlp.up_proj.weight"] = (tensors["model.layers.0.mlp.up_proj.weight"] * 100).to(torch.int8)
     save_file(tensors, hf_copy / "model.safetensors")
-    fails(capsys, generate(hf_copy), "'model.layers.0.mlp.up_proj.weight' is int8, not floating point",
+    assert fails(capsys, generate(hf_copy), "'model.layers.0.mlp.up_proj.weight' is int8, not floating point",
           "quantized checkpoint")  # fmt: skip
 
 
@@ -257,11 +257,11 @@ def test_an_index_naming_a_shard_by_a_non_string_is_one_line(capsys, hf_copy):
     index = shard(hf_copy)
     index["weight_map"]["model.norm.weight"] = 7
     (hf_copy / "model.safetensors.index.json").write_text(json.dumps(index))
-    fails(capsys, generate(hf_copy), "model.safetensors.index.json", "weight_map['model.norm.weight']=7",
+    assert fails(capsys, generate(hf_copy), "model.safetensors.index.json", "weight_map['model.norm.weight']=7",
           "must be the name of a shard file")  # fmt: skip
     index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
     (hf_copy / "model.safetensors.index.json").write_text(json.dumps(index))
-    fails(capsys, generate(hf_copy), "weight_map['model.norm.weight']=\"../elsewhere.safetensors\"")
+    assert fails(capsys, generate(hf_copy), "weight_map['model.norm.weight']=\"../elsewhere.safetensors\"")
 
 
 def test_a_folder_with_model_safetensors_and_shards_reads_model_safetensors_as_transformers_does(hf_copy):
@@ -287,7 +287,7 @@ def test_a_chat_template_file_that_is_not_utf8_is_one_line(capsys, hf_copy):
     settings.pop("chat_template", None)
     (hf_copy / "tokenizer_config.json").write_text(json.dumps(settings))
     (hf_copy / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
-    fails(capsys, generate(hf_copy, "--chat"), "model/chat_template.jinja", "not UTF-8 text")
+    assert fails(capsys, generate(hf_copy, "--chat"), "model/chat_template.jinja", "not UTF-8 text")
 
 
 # ----------------------------------------------------------------------------- FIFO-*, RET-fifo-model, PERM-hf-*
@@ -319,14 +319,14 @@ def test_a_fifo_in_a_model_folder_is_named_not_read(capsys, hf_copy, name):
     (hf_copy / name).unlink()
     os.mkfifo(hf_copy / name)
     with deadline(20):
-        fails(capsys, generate(hf_copy), f"model/{name}: is a FIFO (named pipe), where a file is expected")
+        assert fails(capsys, generate(hf_copy), f"model/{name}: is a FIFO (named pipe), where a file is expected")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_a_fifo_given_as_a_model_is_not_called_missing(tmp_path, capsys):
     os.mkfifo(tmp_path / "fifo.gguf")
     with deadline(20):
-        fails(capsys, ["info", str(tmp_path / "fifo.gguf")], "fifo.gguf: is a FIFO (named pipe)")
+        assert fails(capsys, ["info", str(tmp_path / "fifo.gguf")], "fifo.gguf: is a FIFO (named pipe)")
         with pytest.raises(DataError, match="is a FIFO") as error:  # validate's and the retrofit's path
             model_config_of(tmp_path / "fifo.gguf")
     assert "no such file" not in str(error.value)

@@ -38,4 +38,4 @@ def test_a_path_part_longer_than_the_file_system_allows_is_one_line(tmp_path, mo
 def test_a_path_longer_than_path_max_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     deep = "/".join(["y" * 200] * 25)  # 5,000+ bytes, each part within NAME_MAX
-    fails(capsys, ["info", f"{deep}/x.yaml"], "file name too long", "the whole path is", "4096")
+    assert fails(capsys, ["info", f"{deep}/x.yaml"], "file name too long", "the whole path is", "4096")

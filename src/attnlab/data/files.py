@@ -268,17 +268,28 @@ def lock_holder(path: Path) -> str | None:
     return None
 
 
+FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket",
+              stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}  # fmt: skip
+
+
+def file_kind(path: str | Path) -> str | None:
+    """What is at `path` when it is not a regular file (symbolic links followed): "a folder", "a FIFO (named
+    pipe)", a socket or a device (FILE_KINDS); None for a regular file. os.stat's OSError when nothing is there.
+    Reading a fifo waits for a writer without end, and a device is no file to keep."""
+    mode = os.stat(path).st_mode
+    return None if stat.S_ISREG(mode) else FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
 def special_file(path: str | Path) -> str | None:
-    """What `path` is when something other than a regular file is there (symbolic links followed): "a folder" or
-    "not a regular file (a fifo, device or socket)"; None when it is a regular file or nothing is there. Reading a
-    fifo waits for a writer without end, and a device is no file to keep."""
+    """file_kind in a task file's or lock file's words: "a folder" or "not a regular file (a fifo, device or
+    socket)"; None when it is a regular file or nothing (reachable) is there, which whatever opens it says."""
     try:
-        mode = os.stat(path).st_mode
-    except OSError:  # nothing there (or nothing reachable): said by whatever opens it
+        kind = file_kind(path)
+    except OSError:
         return None
-    if stat.S_ISREG(mode):
-        return None
-    return "a folder" if stat.S_ISDIR(mode) else "not a regular file (a fifo, device or socket)"
+    if kind is None or kind == "a folder":
+        return kind
+    return "not a regular file (a fifo, device or socket)"
 
 
 def lock_file_problem(path: str | Path) -> str | None:

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from attnlab.data.files import atomic_write_text
+from attnlab.data.files import atomic_write_text, file_kind
 from attnlab.data.tokenizers import Tokenizer
 from attnlab.errors import DataError, InputError
 
@@ -145,23 +143,17 @@ class PretrainedTokenizer(Tokenizer):
 # ----------------------------------------------------------------------------- Hugging Face folders
 
 
-# What a path that is not a regular file is, by its stat.S_IFMT type.
-FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket",
-              stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}  # fmt: skip
-
-
 def regular_file(path: str | Path, fix: str = "put the file itself there") -> bool:
     """Whether `path` is a regular file (a symbolic link is followed): False when nothing is there (or a link points
     nowhere); DataError (one line saying what it is) when something else is: a folder, or a FIFO, socket or device,
     which reading would block on forever or fail on (`fix` says what to do). A file that cannot be read
     (permissions) is still a regular file: reading it raises the PermissionError that names it."""
     try:
-        mode = os.stat(path).st_mode
+        kind = file_kind(path)
     except (FileNotFoundError, NotADirectoryError):
         return False
-    if stat.S_ISREG(mode):
+    if kind is None:
         return True
-    kind = FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
     raise DataError(f"{path}: is {kind}, where a file is expected ({fix})")
 
 
