@@ -470,11 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ref", help="a model reference: " + REFERENCE_HELP)
     p.add_argument("--hf", required=True, metavar="DIR", help="the folder to write (new or empty, else --overwrite)")
     p.add_argument("--dtype", default="fp32", help="the weights' dtype: fp32, fp16 or bf16 (default fp32)")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace DIR when it holds an earlier export (a folder with other files is refused, never deleted)",
-    )
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it holds an earlier export, nothing else")
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("convert", help="give a model another attention or memory, initialised from its weights")
