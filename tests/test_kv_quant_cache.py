@@ -12,6 +12,7 @@ from attnlab.cache.dense import DenseCache
 from attnlab.errors import ConfigError, InputError
 from attnlab.generate import can_compile_on_cpu
 from attnlab.kernels import cpu as cpu_kernels
+from attnlab.kernels.cpu import ops as cpp_ops
 
 MHA = {"kind": "mha", "n_kv_heads": 2}  # a token's k row: 2 heads x 16 = 32 values, one block
 DECOUPLED = {"kind": "decoupled", "d_sem": 32, "d_geo": 64, "d_v": 64}  # rows: k_sem 32, k_geo 64, v 64
@@ -289,11 +290,24 @@ def test_kernel_path_is_skipped_where_it_does_not_apply(monkeypatch):
 STATIC_CASES = [c for c in KERNEL_CASES if c[0] is not MLA or "resid" in c[1]]
 
 
+@pytest.fixture(params=["python", "cpp"])
+def static_operator(request, monkeypatch):
+    """The static step's operator: attnlab::quantized_attend (Python) or attnlab_cpp::quantized_attend (ops.cpp,
+    where it builds). Yields the exception type its errors have (C++ operators raise RuntimeError)."""
+    if request.param == "python":
+        monkeypatch.setattr(cpp_ops, "usable", lambda: False)
+        yield InputError
+    else:
+        if not cpp_ops.load():
+            pytest.skip("the C++ operators do not build here")
+        yield RuntimeError
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no working C compiler for the CPU kernels")
 @pytest.mark.parametrize(("attention", "text"), STATIC_CASES, ids=[f"{a['kind']}-{t}" for a, t in STATIC_CASES])
-def test_static_mode_steps_equal_the_eager_kernel_steps(attention, text):
+def test_static_mode_steps_equal_the_eager_kernel_steps(attention, text, static_operator):
     """The static step (forward_at, attention as the quantized_attend op, run eagerly here) computes exactly what
-    the eager kernel path computes, and leaves the cache in the same state."""
+    the eager kernel path computes, and leaves the cache in the same state, with either operator."""
     from attnlab.generate import static_decode_step
 
     model, ids = model_for(attention), tokens(40)
@@ -362,10 +376,11 @@ def test_copies_of_a_quantized_cache_hold_their_own_state():
 def test_the_static_op_declares_every_tensor_it_writes():
     """The op takes the cache's stored blocks, residual ring and counters as arguments and declares them mutated,
     so a compiled graph cannot drop or reorder the write (no global table of caches)."""
-    schema = torch.ops.attnlab.quantized_attend.default._schema
-    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    assert written == ["store", "recent", "counters"]
-    assert not schema.returns[0].alias_info  # a new tensor
+    for op in (torch.ops.attnlab.quantized_attend, torch.ops.attnlab_cpp.quantized_attend):  # Python, C++
+        schema = op.default._schema
+        written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        assert written == ["store", "recent", "counters"]
+        assert not schema.returns[0].alias_info  # a new tensor
 
 
 @pytest.mark.skipif(
@@ -377,21 +392,22 @@ def test_the_static_op_declares_every_tensor_it_writes():
     [(MHA, "k=q8_0,v=q4_0,resid=4"), (DECOUPLED, "ksem=q4_0,kgeo=q8_0,v=q4_0,resid=8"), (MLA, "latent=q4_0")],
     ids=["mha", "decoupled", "mla"],
 )
-def test_compiled_generate_with_a_quantized_cache_gives_the_eager_tokens(attention, text, monkeypatch):
-    from attnlab.cache.quantized_kernel import KernelPlan
+def test_compiled_generate_with_a_quantized_cache_gives_the_eager_tokens(attention, text, static_operator):
+    from torch.profiler import profile
 
+    name = "attnlab_cpp::quantized_attend" if static_operator is RuntimeError else "attnlab::quantized_attend"
     model, prompt = model_for(attention), tokens(30, batch=1)[0]
     want = attnlab.generate(model, prompt, max_new_tokens=24, kv_policy=text, compile=False)
-    static_steps = []
-    step = KernelPlan.step  # only the static op runs whole steps (the eager path attends and writes apart)
-    monkeypatch.setattr(KernelPlan, "step", lambda self, *a: static_steps.append(1) or step(self, *a))
-    got = attnlab.generate(model, prompt, max_new_tokens=24, kv_policy=text, compile=True)
+    assert torch.equal(attnlab.generate(model, prompt, max_new_tokens=24, kv_policy=text, compile=True), want)
+    with profile() as prof:  # counts every operator's calls (the compiled step's only: compiled already)
+        got = attnlab.generate(model, prompt, max_new_tokens=24, kv_policy=text, compile=True)
     assert torch.equal(got, want)
-    assert len(static_steps) == 23 * model.cfg.n_layers  # every decode step went through the static op
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get(name) == 23 * model.cfg.n_layers  # every decode step went through the static op
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no working C compiler for the CPU kernels")
-def test_a_full_static_quantized_cache_is_an_input_error_not_a_write_past_its_arrays():
+def test_a_full_static_quantized_cache_is_an_error_not_a_write_past_its_arrays(static_operator):
     from attnlab.generate import static_decode_step
 
     model = model_for(MHA)
@@ -404,5 +420,5 @@ def test_a_full_static_quantized_cache_is_an_input_error_not_a_write_past_its_ar
         for t in range(20, 24):  # room for 4 more
             static_decode_step(model, ids[:, t : t + 1], positions, cache.layers)
             positions += 1
-        with pytest.raises(InputError, match="KV cache is full: 25 tokens exceed its max_len=24"):
+        with pytest.raises(static_operator, match="KV cache is full: 25 tokens exceed its max_len=24"):
             static_decode_step(model, ids[:, 24:25], positions, cache.layers)

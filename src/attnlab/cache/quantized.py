@@ -23,7 +23,7 @@ import torch
 from attnlab.cache.base import LayerCache
 from attnlab.cache.codecs import FORMAT_OF_DTYPE, Codec, KVPolicy
 from attnlab.cache.layout import CacheLayout, Read
-from attnlab.cache.quantized_kernel import KernelPlan, PlanPart
+from attnlab.cache.quantized_kernel import KernelPlan, PlanPart, attend_static
 from attnlab.errors import ConfigError, InputError
 from attnlab.kernels import cpu as cpu_kernels
 
@@ -198,7 +198,7 @@ class QuantizedCache(LayerCache):
             rows = self.new_rows(new)
             store = [array for p in self.parts for array in self.store[p.name]]
             recent = [self.recent[p.name] for p in self.parts]
-            return torch.ops.attnlab.quantized_attend(q, rows, store, recent, self.counters, self.plan_spec, scale)
+            return attend_static(q, rows, store, recent, self.counters, self.plan_spec, scale)
         if (
             not self.kernel_reads
             or positions.shape[0] != 1

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab import quant
 from attnlab.cache.codecs import Codec
 from attnlab.errors import InputError
 from attnlab.kernels import cpu as cpu_kernels
+from attnlab.kernels.cpu import ops as cpp_ops
 
 
 @dataclass(frozen=True)
@@ -186,3 +188,27 @@ torch.library.impl("attnlab::quantized_attend", "CPU", func=quantized_attend)
 @torch.library.register_fake("attnlab::quantized_attend")
 def _(q, rows, store, recent, counters, spec, scale):
     return q.new_empty(q.shape[0], q.shape[1], 1, KernelPlan.parse(spec).value_width)
+
+
+# The same step as a C++ operator (attnlab.kernels.cpu.ops, ops.cpp): no Python in a compiled step's call. It takes
+# attnlab.quant's NF4 tables as inputs, so that they exist once.
+torch.library.define(
+    "attnlab_cpp::quantized_attend",
+    "(Tensor q, Tensor[] rows, Tensor(a!)[] store, Tensor(b!)[] recent, Tensor(c!) counters, str spec, "
+    "float scale, Tensor nf4_below, Tensor nf4_inside) -> Tensor",
+)
+
+
+@torch.library.register_fake("attnlab_cpp::quantized_attend")
+def _(q, rows, store, recent, counters, spec, scale, nf4_below, nf4_inside):
+    return q.new_empty(q.shape[0], q.shape[1], 1, KernelPlan.parse(spec).value_width)
+
+
+def attend_static(q, rows, store, recent, counters, spec: str, scale: float) -> torch.Tensor:
+    """`quantized_attend` through the C++ operator where it is built (attnlab.kernels.cpu.ops.usable), else the
+    Python one: the same bits."""
+    if cpp_ops.usable():
+        return torch.ops.attnlab_cpp.quantized_attend(
+            q, rows, store, recent, counters, spec, scale, quant._NF4_BELOW, quant._NF4_INSIDE
+        )
+    return torch.ops.attnlab.quantized_attend(q, rows, store, recent, counters, spec, scale)

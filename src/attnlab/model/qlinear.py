@@ -11,8 +11,9 @@ bytes per block, so a state dict of another format fails load_state_dict's shape
 The activations stay float32: y is a float32 matmul over the dequantized W, summed in another order. On the CPU
 in float32 (no gradient) the forward is one op, `attnlab::qlinear`, which runs the C kernels
 (attnlab.kernels.cpu.qmatmul) or, without a compiler, dequantizes W and calls F.linear; a compiled decode step
-(attnlab.generate) keeps it as one call. Elsewhere (CUDA, bf16, a gradient through x) W is dequantized to x's
-dtype and F.linear runs.
+(attnlab.generate) keeps it as one call. For the few rows of decoding the same kernel runs as a C++ operator,
+`attnlab_cpp::qlinear` (attnlab.kernels.cpu.ops: the same bits, without Python's cost per call), where it builds.
+Elsewhere (CUDA, bf16, a gradient through x) W is dequantized to x's dtype and F.linear runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from attnlab import quant
 from attnlab.errors import AttnlabWarning, InputError
+from attnlab.kernels.cpu import ops as cpp_ops
 from attnlab.kernels.cpu import qmatmul
 
 FORMATS = ("fp16", *quant.WEIGHT_FORMATS)
@@ -97,6 +99,15 @@ def _(x, blocks, bias, fmt):
     return x.new_empty(*x.shape[:-1], blocks.shape[0])
 
 
+# The same kernel as a C++ operator (attnlab.kernels.cpu.ops, ops.cpp), for the few rows of decoding.
+torch.library.define("attnlab_cpp::qlinear", "(Tensor x, Tensor blocks, Tensor? bias, str fmt) -> Tensor")
+
+
+@torch.library.register_fake("attnlab_cpp::qlinear")
+def _(x, blocks, bias, fmt):
+    return x.new_empty(*x.shape[:-1], blocks.shape[0])
+
+
 @torch.library.register_fake("attnlab::qdequantize")
 def _(blocks, fmt, in_features):
     return blocks.new_empty(blocks.shape[0], in_features, dtype=torch.float32)
@@ -141,6 +152,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _kernel_usable(x):
+            if x.numel() < qmatmul.GEMM_MIN_ROWS * self.in_features and cpp_ops.usable():  # decoding
+                return torch.ops.attnlab_cpp.qlinear(x, self.blocks, self.bias, self.fmt)
             return torch.ops.attnlab.qlinear(x, self.blocks, self.bias, self.fmt)
         return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 

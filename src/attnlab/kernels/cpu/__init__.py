@@ -71,25 +71,39 @@ def build(directory: Path | None = None, extra_flags: tuple[str, ...] = (), sour
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (install gcc or clang, or set CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources may #include
     flags = " ".join((*FLAGS, *extra_flags)).encode()
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, flags, version.encode(), _cpu_flags().encode()]))
-    directory = directory or kernel_dir()
-    target = directory / f"{source.stem}-{platform.machine()}-{key.hexdigest()[:16]}.so"
+
+    def make(target: str, folder: str) -> None:
+        for threads in THREADS:
+            command = [cc, *FLAGS, *extra_flags, *threads, "-o", target, str(source), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode == 0:
+                return
+        raise RuntimeError(f"{cc} failed on {source.name}: {result.stderr.strip()[:2000]}")
+
+    return cached_build(directory or kernel_dir(), source.stem, [source, flags, compiler_version(cc)], make)
+
+
+def compiler_version(compiler: str) -> bytes:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout.encode()
+
+
+def cached_build(directory: Path, stem: str, key_parts: list, make: Callable[[str, str], None]) -> Path:
+    """The library `<stem>-<machine>-<hash>.so` in `directory`, hashing key_parts (paths are read, bytes taken as
+    they are), this folder's headers and the CPU's flags; made when missing by make(target, scratch folder),
+    which writes target (a temporary name, renamed into place once made: atomic)."""
+    parts = [p.read_bytes() if isinstance(p, Path) else p for p in key_parts]
+    headers = [h.read_bytes() for h in sorted(SOURCE.parent.glob("*.h"))]  # what the sources may #include
+    key = hashlib.sha256(b"\0".join([*parts, *headers, _cpu_flags().encode()]))
+    target = directory / f"{stem}-{platform.machine()}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{source.stem}-", suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stem}-", suffix=".so")
     os.close(fd)
     try:
-        for threads in THREADS:
-            command = [cc, *FLAGS, *extra_flags, *threads, "-o", tmp, str(source), "-lm"]
-            result = subprocess.run(command, capture_output=True, text=True, check=False)
-            if result.returncode == 0:
-                break
-        else:
-            raise RuntimeError(f"{cc} failed on {source.name}: {result.stderr.strip()[:2000]}")
+        with tempfile.TemporaryDirectory(dir=directory, prefix=f".{stem}-") as scratch:
+            make(tmp, scratch)
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):
@@ -97,18 +111,19 @@ def build(directory: Path | None = None, extra_flags: tuple[str, ...] = (), sour
     return target
 
 
-def compiled(source: Path, load: Callable[[Path], ctypes.CDLL]) -> ctypes.CDLL | None:
-    """`source` built (`build`) and loaded by `load` (which declares its functions), or None: turned off, no
-    compiler, or the build failed (warned). When the cache folder cannot be used (read-only, full, a file), it is
-    built in a temporary folder, removed once loaded (warned)."""
-    if os.environ.get("ATTNLAB_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+def compiled(source: Path, load: Callable[[Path], object], builder: Callable[..., Path] | None = None):
+    """`source` built (by `builder(folder or None)`, default `build`) and loaded by `load` (which declares its
+    functions), or None: turned off, no compiler, or the build failed (warned). When the cache folder cannot be
+    used (read-only, full, a file), it is built in a temporary folder, removed once loaded (warned)."""
+    if turned_off():
         return None
+    builder = builder or functools.partial(build, source=source)
     try:
         try:
-            return load(build(source=source))
+            return load(builder(None))
         except OSError as err:
             with tempfile.TemporaryDirectory(prefix="attnlab-kernels-") as folder:
-                lib = load(build(Path(folder), source=source))  # the loaded library outlives its file
+                lib = load(builder(Path(folder)))  # the loaded library outlives its file
             warnings.warn(f"attnlab CPU kernels: cannot use the cache {kernel_dir()} ({err.strerror or err}): built "
                           "for this run only (make it writable, or set XDG_CACHE_HOME, to keep them)", AttnlabWarning,
                           stacklevel=3)  # fmt: skip
@@ -116,6 +131,11 @@ def compiled(source: Path, load: Callable[[Path], ctypes.CDLL]) -> ctypes.CDLL |
     except (OSError, RuntimeError) as err:
         warnings.warn(f"attnlab CPU kernels unavailable, using the PyTorch path: {err}", AttnlabWarning, stacklevel=3)
         return None
+
+
+def turned_off() -> bool:
+    """Whether ATTNLAB_CPU_KERNELS turns the kernels off (0, false, no, off)."""
+    return os.environ.get("ATTNLAB_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
 
 
 @functools.cache
