@@ -165,3 +165,18 @@ def test_layers_share_the_rope_table_a_stream_grows():
         model(torch.randint(0, 97, (1, 100)))  # 100 positions through a model made for 32
     tables = {block.attn.rotary.cos.data_ptr() for block in model.blocks}
     assert len(tables) == 1 and model.blocks[0].attn.rotary.max_seq_len >= 100
+
+
+def test_layers_share_one_rope_table_from_construction():
+    """Every layer of a model holds the same cos/sin tables (SmolLM2's 30 layers held 63 MB of copies), and the
+    shared table equals one computed for a lone Rotary of another width-alike model."""
+    from attnlab.ops.rope import Rotary, inverse_frequencies
+
+    model = model_for(ATTENTION["mha-gqa"], None, n_layers=3)
+    rotaries = [block.attn.rotary for block in model.blocks]
+    assert len({r.cos.data_ptr() for r in rotaries}) == 1 and len({r.sin.data_ptr() for r in rotaries}) == 1
+    first = rotaries[0]
+    angles = torch.arange(first.max_seq_len, dtype=torch.float32)[:, None] * inverse_frequencies(first.dim, first.base)
+    torch.testing.assert_close(first.cos, angles.cos(), rtol=0, atol=0)
+    other = Rotary(first.dim, first.base * 2, first.max_seq_len)  # another base: its own table
+    assert other.cos.data_ptr() != first.cos.data_ptr() and not torch.equal(other.cos, first.cos)

@@ -123,17 +123,10 @@ class Transformer(nn.Module):
 
     def extend_positions(self, length: int) -> None:
         """Grows the RoPE tables to cover positions 0..length-1 (streams through a memory), at least doubling them
-        each time. Layers whose tables are alike (width, base, dtype, device) share one grown table."""
-        grown: dict[tuple, Rotary] = {}
+        each time. Layers whose tables are alike share one grown table (Rotary.extend)."""
         for module in self.modules():
-            if not isinstance(module, Rotary) or module.max_seq_len >= length:
-                continue
-            key = (module.dim, module.base, module.cos.dtype, module.cos.device)
-            if key not in grown:
+            if isinstance(module, Rotary) and module.max_seq_len < length:
                 module.extend(max(length, 2 * module.max_seq_len))
-                grown[key] = module
-            else:  # the same values: alias the table grown for the first such layer
-                module.cos, module.sin, module.max_seq_len = grown[key].cos, grown[key].sin, grown[key].max_seq_len
         self.positions_covered = min(m.max_seq_len for m in self.modules() if isinstance(m, Rotary))
 
     def forward_at(

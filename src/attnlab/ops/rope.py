@@ -4,6 +4,7 @@ scaling (linear, Llama 3.1's, or llama.cpp's per-pair factors)."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -60,6 +61,9 @@ def shift_rotation(x: torch.Tensor, shift: torch.Tensor, base: float, interleave
     return rotate(x, cos, sin, interleaved)
 
 
+_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # Rotary's shared cos/sin tables
+
+
 class Rotary(nn.Module):
     """Precomputed cos/sin tables for `dim` rotated channels, looked up by absolute position.
 
@@ -81,11 +85,19 @@ class Rotary(nn.Module):
         """Tables for positions 0..length-1 (never shrinks; the rows already there keep their values)."""
         if self.max_seq_len >= length:
             return
-        # Same float32 arithmetic as transformers' Llama, so imported models match to 1e-6.
-        inv_freq = inverse_frequencies(self.dim, self.base, self.scaling)
-        angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None]  # (S, dim/2)
-        self.cos = angles.cos().to(self.cos.device, self.cos.dtype)  # the buffers keep the module's device, dtype
-        self.sin = angles.sin().to(self.sin.device, self.sin.dtype)
+        # One pair of tables per (frequencies, length, device, dtype), shared by every layer that asks for it:
+        # SmolLM2-135M's 30 layers held 63 MB of identical tables. Nothing writes into them.
+        key = (self.dim, self.base, repr(self.scaling), length, str(self.cos.device), self.cos.dtype)
+        tables = [_TABLES.get((*key, name)) for name in ("cos", "sin")]
+        if any(t is None for t in tables):
+            # Same float32 arithmetic as transformers' Llama, so imported models match to 1e-6.
+            inv_freq = inverse_frequencies(self.dim, self.base, self.scaling)
+            angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None]  # (S, dim/2)
+            device, dtype = self.cos.device, self.cos.dtype  # the buffers keep the module's device and dtype
+            tables = [angles.cos().to(device, dtype), angles.sin().to(device, dtype)]
+            for name, table in zip(("cos", "sin"), tables, strict=True):
+                _TABLES[(*key, name)] = table
+        self.cos, self.sin = tables
         self.max_seq_len = length
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
