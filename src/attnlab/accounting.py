@@ -70,9 +70,12 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
     if cfg.memory.kind != "none":  # preallocated: the same bytes at any length from recent_window tokens on
         memory = {**cfg.memory.to_dict(), "slots": cfg.memory.slots,
                   "unbounded_kv_bytes_per_layer": int(sum(fields.values()) * width * held)}  # fmt: skip
-        capacity = cfg.memory.slots
-        # A cache for seq_len tokens cuts a longer recent window to seq_len slots (cache.build_cache).
-        held = capacity - cfg.memory.recent_window + min(cfg.memory.recent_window, seq_len)
+        if cfg.memory.slots is None:  # quest, a press at prefill: it holds (up to) every token
+            memory["read_slots"] = cfg.memory.read_slots
+        else:
+            capacity = cfg.memory.slots
+            # A cache for seq_len tokens cuts a longer recent window to seq_len slots (cache.build_cache).
+            held = capacity - cfg.memory.recent_window + min(cfg.memory.recent_window, seq_len)
     policy = as_policy(policy)
     if policy is None:
         per_field = {name: n * width for name, n in fields.items()}  # bytes per token per layer
@@ -106,6 +109,21 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
     if policy is not None:
         out["kv_policy"] = str(policy)
     return out
+
+
+def memory_note(report: dict) -> str:
+    """The line `attnlab info` prints about a kv_report's memory (report["memory"] not None)."""
+    memory = report["memory"]
+    unbounded = memory["unbounded_kv_bytes_per_layer"]
+    if memory["kind"] == "quest":
+        return (f"quest memory: holds every token, as the variant's own cache ({unbounded:,} bytes per layer); a "
+                f"decode step reads at most {memory['read_slots']} of them per KV head")  # fmt: skip
+    if memory["slots"] is None:  # a press at prefill: the prompt compressed once, every later token appended
+        return (f"{memory['kind']} memory: compresses the prompt once, then holds every new token; at most the "
+                f"variant's own cache ({unbounded:,} bytes per layer)")  # fmt: skip
+    ratio = unbounded / report["kv_bytes_per_layer"]
+    return (f"{memory['kind']} memory: {memory['slots']} slots per layer at any length; the variant's own cache "
+            f"would hold {unbounded:,} bytes per layer, {ratio:.1f}x")  # fmt: skip
 
 
 def _number(x: float) -> int | float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.accounting import info
+from attnlab.accounting import info, memory_note
 from attnlab.attention.registry import REGISTRY
 from attnlab.cli_errors import Parser, fail, interrupted, link_loop, os_error_line, too_deep_line, warning_printer
 from attnlab.cli_models import cmd_convert, cmd_export, cmd_kv_eval, cmd_kv_tune, key_values, unquantized_note
@@ -181,13 +181,8 @@ def cmd_info(args) -> int:
     note = unquantized_note(cfg, report, args.kv_policy)
     if note:
         print(f"  ({note})")
-    memory = report["memory"]
-    if memory is not None:
-        ratio = memory["unbounded_kv_bytes_per_layer"] / report["kv_bytes_per_layer"]
-        print(
-            f"  ({memory['kind']} memory: {memory['slots']} slots per layer at any length; the variant's own "
-            f"cache would hold {_fmt(memory['unbounded_kv_bytes_per_layer'])} bytes per layer, {ratio:.1f}x)"
-        )
+    if report["memory"] is not None:
+        print(f"  ({memory_note(report)})")
     elif report["capacity"] is not None:
         print(f"  (bounded cache: at most {report['capacity']} tokens per layer)")
     return 0

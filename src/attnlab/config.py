@@ -24,7 +24,7 @@ from attnlab.config_checks import (
     unknown_key_problem,
     value_problem,
 )
-from attnlab.config_memory import MEMORY_KINDS, MEMORY_OPTIONS, MEMORY_PRESETS, UNSET, MemoryConfig  # noqa: F401
+from attnlab.config_memory import MEMORY_KINDS, MEMORY_OPTIONS, MEMORY_PRESETS, PRESSES, UNSET, MemoryConfig  # noqa: F401
 from attnlab.errors import ConfigError
 from attnlab.paths import brief
 

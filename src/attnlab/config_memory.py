@@ -11,7 +11,8 @@ from typing import Any, ClassVar
 from attnlab.config_checks import MAX_WIDTH, field_problems, unknown_key_problem
 from attnlab.errors import ConfigError
 
-MEMORY_KINDS = ("none", "window", "streaming", "h2o", "bounded")
+MEMORY_KINDS = ("none", "window", "streaming", "h2o", "bounded", "quest", "snapkv", "tova", "knorm")
+PRESSES = ("snapkv", "tova", "knorm")  # kvpress's scorer presses as memory kinds (cache/presses.py)
 # The options each memory kind reads (besides kind); another kind's option is refused, not ignored.
 MEMORY_OPTIONS = {
     "none": (),
@@ -22,6 +23,10 @@ MEMORY_OPTIONS = {
                 "tau_match", "write_policy", "detach_evicted", "preset", "tau_gate_summary", "exact_candidates",
                 "summary_candidates", "write_bias", "exact_refresh", "summary_routing", "summary_energy_scale",
                 "summary_update", "eta_logit_init"),
+    "quest": ("recent_window", "block", "sink_tokens", "page_size", "pages"),
+    "snapkv": ("block", "budget", "compression_ratio", "press_at", "window_size", "kernel_size"),
+    "tova": ("block", "budget", "compression_ratio", "press_at"),
+    "knorm": ("block", "budget", "compression_ratio", "press_at"),
 }  # fmt: skip
 # What `memory.preset` fills in for the bounded memory's options a config leaves out: attnlab's choices (the paper's
 # text, §3.2-3.3), or those of the authors' package coda-gqa-l 1.3.1 that produced the paper's numbers
@@ -57,8 +62,15 @@ class MemoryConfig:
     accumulated attention + the recent window. bounded (CoDA-GQA-L §3.2): recent window + `exact_slots`
     landmark bank (novelty-filtered LRU, value-routed) + `summary_slots` EMA prototype bank, fed by the
     tokens leaving the window whose write gate g = sigmoid(W_write x) >= tau_gate (write_policy gated;
-    `none` offers every token with g = 1). An option of another kind (MEMORY_OPTIONS) set away from its
-    default is an error: it would do nothing but change the config's hash.
+    `none` offers every token with g = 1). quest (dynamic sparse attention, Tang et al. 2024, with the Longformer
+    pattern): keeps every token, and each query reads only the `pages` pages of `page_size` tokens whose
+    per-channel key bounds promise the largest scores, plus the recent window and the first `sink_tokens` tokens
+    (cache/sparse.py); it holds as much as the dense cache and reads less. snapkv, tova, knorm (kvpress's presses,
+    cache/presses.py): each KV head keeps the `budget` tokens (or 1 - `compression_ratio` of them) that score best:
+    SnapKV's pooled attention from the last `window_size` queries, TOVA's attention from the newest query, the
+    smallest key norms; `press_at` prefill compresses once, after the first chunk (kvpress's setting), decode
+    after every update that leaves more than the budget. An option of another kind
+    (MEMORY_OPTIONS) set away from its default is an error: it would do nothing but change the config's hash.
 
     The bounded memory's options that differ between the paper's text and the authors' code (cache/banks.py):
 
@@ -117,6 +129,13 @@ class MemoryConfig:
     summary_energy_scale: bool = UNSET
     summary_update: str = UNSET
     eta_logit_init: float = UNSET
+    page_size: int = 16  # quest: tokens per page (its keys' min/max bound a query's scores over the page)
+    pages: int = 8  # quest: pages each query reads besides the recent window and the sinks (per KV head)
+    budget: int | None = None  # presses: tokens each KV head keeps at most (or compression_ratio)
+    compression_ratio: float | None = None  # presses: the fraction of a chunk's tokens dropped (kvpress's ratio)
+    press_at: str = "prefill"  # presses: `prefill` compresses once after the first chunk, `decode` after every update
+    window_size: int = 64  # snapkv: the last queries whose attention scores the keys (kept whatever their score)
+    kernel_size: int = 5  # snapkv: the width of the average pooling over neighbouring keys' scores
     int_limit: ClassVar[int] = MAX_WIDTH
 
     def __post_init__(self) -> None:
@@ -153,6 +172,10 @@ class MemoryConfig:
                 bank = key.split("_")[0]
                 problems.append(f"memory.{key}={getattr(self, key)} must be >= 1 (or null: every token leaving "
                                 f"the window; no {bank} bank at all is {bank}_slots: 0)")  # fmt: skip
+        if self.kind == "quest":
+            problems += self._quest_problems()
+        if self.kind in PRESSES:
+            problems += self._press_problems()
         if self.block is not None and self.block < 1:
             problems.append(f"memory.block={self.block} must be >= 1 (or leave it out: recent_window)")
         choices = {"positions": ("absolute", "cache"), "write_policy": ("none", "gated"),
@@ -167,6 +190,40 @@ class MemoryConfig:
                             f"write_policy {self.write_policy!r} there is no write gate to bias)")  # fmt: skip
         if problems:
             raise ConfigError(problems)
+
+    def _quest_problems(self) -> list[str]:
+        problems = []
+        for key in ("page_size", "pages"):
+            if getattr(self, key) < 1:
+                problems.append(f"memory.{key}={getattr(self, key)} must be >= 1")
+        if not problems and self.recent_window % self.page_size:
+            fits = self.page_size * max(1, round(self.recent_window / self.page_size))
+            problems.append(
+                f"memory.page_size={self.page_size} must divide memory.recent_window={self.recent_window}: the window "
+                f"covers whole pages (use recent_window {fits}, or a page_size that divides {self.recent_window})"
+            )
+        return problems
+
+    def _press_problems(self) -> list[str]:
+        problems = []
+        if (self.budget is None) == (self.compression_ratio is None):
+            problems.append(f"memory.kind={self.kind} needs exactly one of memory.budget (tokens kept per KV head) and "
+                            "memory.compression_ratio (the fraction dropped, as kvpress's)")  # fmt: skip
+        if self.budget is not None and self.budget < 1:
+            problems.append(f"memory.budget={self.budget} must be >= 1 (tokens kept per KV head)")
+        if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
+            problems.append(
+                f"memory.compression_ratio={self.compression_ratio} must be in [0, 1) (the fraction dropped)"
+            )
+        if self.press_at not in ("prefill", "decode"):
+            problems.append(f"memory.press_at={self.press_at!r} is not known (use 'prefill' or 'decode')")
+        if self.window_size < 1:
+            problems.append(f"memory.window_size={self.window_size} must be >= 1")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            problems.append(
+                f"memory.kernel_size={self.kernel_size} must be odd and >= 1 (the pooling keeps the length)"
+            )
+        return problems
 
     def _fill_preset(self) -> list[str]:
         """Sets every option left out (UNSET) to the preset's value; the problem with the preset, if any."""
@@ -184,16 +241,29 @@ class MemoryConfig:
 
     @property
     def slots(self) -> int | None:
-        """Slots per layer (and sequence) the memory holds at most; None for kind none (the variant's cache)."""
+        """Slots per layer (and sequence) the memory holds at most; None for kind none (the variant's cache) and
+        quest (it keeps every token)."""
         extra = {"window": 0, "streaming": self.sink_tokens, "h2o": self.heavy_slots}
-        if self.kind == "none":
+        if self.kind in PRESSES:  # bounded only when it compresses to a budget at every update
+            return self.budget if self.press_at == "decode" else None
+        if self.kind in ("none", "quest"):
             return None
         if self.kind == "bounded":
             return self.recent_window + self.exact_slots + self.summary_slots
         return self.recent_window + extra[self.kind]
 
     @property
+    def read_slots(self) -> int | None:
+        """Tokens a decode step reads per layer and KV head at most: the slots of a bounded memory; for quest its
+        pages, recent window and sinks; None for kind none (every token)."""
+        if self.kind == "quest":
+            return self.pages * self.page_size + self.recent_window + self.sink_tokens
+        return self.slots
+
+    @property
     def block_size(self) -> int:
+        if self.kind in PRESSES:  # a press compresses after a chunk: a sequence is one chunk unless `block` says
+            return self.block if self.block is not None else MAX_WIDTH
         return self.block if self.block is not None else self.recent_window
 
     @property
@@ -205,7 +275,9 @@ class MemoryConfig:
         out = dataclasses.asdict(self)
         # Options added later are left out at attnlab's defaults: configs written before them keep their hash.
         # Under another preset every option it fills is kept (read back, a left-out one would take its value).
-        later = {"block": None, "positions": "absolute", "preset": "attnlab"}
+        later = {"block": None, "positions": "absolute", "preset": "attnlab", "page_size": 16, "pages": 8,
+                 "budget": None, "compression_ratio": None, "press_at": "prefill", "window_size": 64,
+                 "kernel_size": 5}  # fmt: skip
         if self.preset == "attnlab":
             later.update({k: v for k, v in MEMORY_PRESETS["attnlab"].items() if k != "tau_gate"})
         for key, default in later.items():

@@ -113,7 +113,7 @@ class CoDA(Attention):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None, write=None):
         h, scale, norm = self.n_heads, 1 / math.sqrt(self.head_dim), self.head_norm
         q, k, v, lam = self.project(x, positions)
-        if fused_usable(x, self) and (cache is None or not cache.per_sequence):
+        if fused_usable(x, self) and (cache is None or not (cache.per_sequence or cache.selects)):
             from attnlab.kernels.diff_attention import diff_attention  # optional: needs triton
 
             held = read_cache(cache, {"k": k, "v": v}, positions, write=write)

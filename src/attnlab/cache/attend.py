@@ -35,7 +35,7 @@ class Held:
     def shared_positions(self) -> bool:
         """Whether every sequence holds the same slots under the plain causal rule (fused kernels build such
         masks themselves from positions)."""
-        return self.cache is None or not self.cache.per_sequence
+        return self.cache is None or not (self.cache.per_sequence or self.cache.selects)
 
 
 def read_cache(
@@ -70,6 +70,8 @@ def attend_held(
     if null is not None:
         k, v = prepend_null(k, null[0]), prepend_null(v, null[1])
     cache = held.cache
+    if observe and cache is not None and cache.selects:  # quest: each query's pages, from the queries
+        held.mask = cache.resolve(q, k, scale, held.mask, null is not None)  # later maps (DIFF's) use it too
     if observe and cache is not None and cache.wants_probs:
         held.mask = cache.resolve(q, k, scale, held.mask, null is not None)  # later maps (DIFF's) use it too
         y, probs = attend_with_probs(q, k, v, held.mask, scale)

@@ -9,7 +9,7 @@ right after a ring buffer wraps or a memory replaces a slot.
     mask(q_pos, k_pos, window, null)  visibility of those slots: (mask, is_causal) for `attend`
     observe(probs)                 the attention probabilities over them, for caches that want them (H2O)
     attend_one(q, new, positions, read, scale)  one decode step done by the cache itself (a kernel), or None
-    positions(), nbytes(), overhead_nbytes(), capacity
+    positions(), nbytes(), overhead_nbytes(), read_nbytes(), capacity
     supports_static(), set_static(static)      a static-shape mode for generate's compiled decode step
 
 `attnlab.cache.attend` runs a query through any cache with these methods alone.
@@ -44,6 +44,8 @@ class LayerCache(ABC):
     static: bool = False  # in static mode `update` returns every slot (empty ones at -1): fixed shapes
     wants_probs: bool = False  # observe() needs the attention probabilities (H2O)
     per_sequence: bool = False  # positions() is (B, S): the held tokens differ per sequence (memories)
+    selects: bool = False  # `resolve` picks each query's visible slots from the queries (quest): the mask is not
+    # the causal rule on positions, so kernels that build masks from positions do not apply
 
     def __init__(self, layout: CacheLayout):
         self.layout = layout
@@ -67,6 +69,10 @@ class LayerCache(ABC):
         """Bytes of bookkeeping beside the cached tensors (slot positions, scores)."""
         return 0
 
+    def read_nbytes(self) -> int:
+        """Bytes of cached tensors the next decode step reads. Default: every byte held (`nbytes`)."""
+        return self.nbytes()
+
     def mask(
         self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None, null: bool = False
     ) -> tuple[torch.Tensor | None, bool]:
@@ -80,7 +86,8 @@ class LayerCache(ABC):
         """The mask a chunk's queries q (B, H, T, D) attend with over the keys k (B, H_kv, S, D) (a null
         key first when `null`), given the one `mask` built from positions. A cache whose evictions depend on
         the attention itself (H2O) decides them here, query by query, so that a chunk sees what token-by-token
-        decoding would; called only when `wants_probs`, before `observe`. Default: `mask`."""
+        decoding would, and a cache that reads only some slots per query (quest) chooses them; called only when
+        `wants_probs` (before `observe`) or `selects`. Default: `mask`."""
         return mask
 
     def observe(self, probs: torch.Tensor) -> None:

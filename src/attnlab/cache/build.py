@@ -12,9 +12,11 @@ from attnlab.cache.codecs import KVPolicy, as_policy
 from attnlab.cache.dense import DenseCache
 from attnlab.cache.layout import CacheLayout
 from attnlab.cache.memories import H2OCache, StreamingCache, WindowCache
+from attnlab.cache.presses import PressCache
 from attnlab.cache.quantized import QuantizedCache, QuantizedRingCache
 from attnlab.cache.ring import RingCache
-from attnlab.config import MemoryConfig
+from attnlab.cache.sparse import QuestCache
+from attnlab.config import PRESSES, MemoryConfig
 from attnlab.errors import ConfigError
 
 MEMORIES = {"window": WindowCache, "streaming": StreamingCache, "h2o": H2OCache, "bounded": BoundedCache}
@@ -22,6 +24,11 @@ MEMORIES = {"window": WindowCache, "streaming": StreamingCache, "h2o": H2OCache,
 
 def check_memory_policy(policy: KVPolicy, memory: MemoryConfig) -> None:
     """Raises ConfigError for the parts of a KV policy a memory cannot honour."""
+    if memory.kind in ("quest", *PRESSES):
+        raise ConfigError(
+            f"memory.kind={memory.kind} keeps its keys at full precision: kv policy {policy} cannot be combined with "
+            "it yet (leave the policy out, or use memory.kind none with the policy)"
+        )
     problems = []
     if policy.resid:
         problems.append(
@@ -56,6 +63,10 @@ def build_cache(
                               f"hides every slot memory.kind={memory.kind} keeps beyond it")  # fmt: skip
         if policy is not None:
             check_memory_policy(policy, memory)
+        if memory.kind == "quest":  # every token kept; a request shorter than it reads reads all (= dense)
+            return QuestCache(layout, batch, memory, dtype, device, max_len)
+        if memory.kind in PRESSES:  # kvpress's presses: each KV head keeps its best tokens (cache/presses.py)
+            return PressCache(layout, batch, memory, dtype, device, max_len)
         if max_len is None or max_len >= memory.recent_window:
             return MEMORIES[memory.kind](layout, batch, memory, dtype, device, policy)
         # A sequence of at most max_len tokens never fills a longer window: a ring of max_len slots holds the same

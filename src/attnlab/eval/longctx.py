@@ -455,6 +455,4 @@ def run_stream_loss(
 
 def memory_slots(memory) -> int | None:
     """Tokens a memory holds per layer (its budget), None without one."""
-    extra = {"window": 0, "streaming": memory.sink_tokens, "h2o": memory.heavy_slots,
-             "bounded": memory.exact_slots + memory.summary_slots}  # fmt: skip
-    return None if memory.kind == "none" else memory.recent_window + extra[memory.kind]
+    return memory.read_slots  # quest: the tokens a step reads (it holds every one)

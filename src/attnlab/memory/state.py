@@ -33,6 +33,7 @@ from safetensors.torch import save as save_tensors
 from attnlab import __version__
 from attnlab.cache.base import ModelCache
 from attnlab.cache.memories import MemoryCache
+from attnlab.config import PRESSES
 from attnlab.data.files import atomic_write_bytes
 from attnlab.errors import AttnlabWarning, DataError, InputError
 
@@ -53,11 +54,10 @@ class MemoryStateError(DataError):
 def require_memory(model) -> None:
     """Raises InputError unless the model has a bounded memory (only those have a fixed-size state)."""
     memory = model.cfg.memory
-    if memory.kind == "none":
+    if memory.slots is None or memory.kind in PRESSES:  # kind none, quest, a press: no fixed-size state
         raise InputError(
-            "this model has no bounded memory (memory.kind=none): its KV cache grows with the text, so there is "
-            "no fixed-size state to save or load; use a model trained with memory.kind window, streaming, h2o "
-            "or bounded"
+            f"this model has no bounded memory (memory.kind={memory.kind}): only memory.kind window, streaming, "
+            "h2o and bounded keep a fixed-size state to save or load; use a model trained with one of those"
         )
 
 

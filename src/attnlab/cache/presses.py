@@ -1,0 +1,187 @@
+"""KV presses as memory kinds (memory.kind snapkv, tova, knorm): each KV head keeps the tokens that score best.
+
+The presses researchers compare a KV scheme against, as NVIDIA's kvpress 0.5.5 defines them (its ScorerPress:
+scores (B, H_kv, S), the best n_kept per KV head, the same count for every head), on attnlab's cache contract, so
+that they run with every attention variant and inside attnlab's harness:
+
+    knorm   score = -||k||: the smallest key norms are kept (Devoto et al. 2024; keys as cached, after RoPE)
+    tova    the newest query's attention, softmax in fp32 over every held key, averaged over all query heads
+            (one ranking for every KV head), the newest token always kept (Oren et al. 2024)
+    snapkv  the attention of the last `window_size` queries over the keys before them (softmax in fp32 over
+            every key a query sees, the window's columns then dropped without renormalising), averaged over
+            those queries, average-pooled over `kernel_size` neighbouring keys (zero padding counted), averaged
+            over the query heads of each KV head; the window's own tokens always kept (Li et al. 2024)
+
+n_kept is `budget`, or kvpress's max(1, int(S * (1 - compression_ratio))) for S held tokens. `press_at`:
+
+    prefill  (kvpress's setting) the first chunk, from an empty cache, attends in full, then each KV head keeps
+             its n_kept; later chunks and decode steps are appended and nothing is dropped again
+    decode   after every update that leaves more than n_kept tokens (a ratio counts every token seen so far:
+             kvpress's CompressionRatioDecodingPress), so with a budget the cache holds at most `budget` tokens
+             between steps. A chunk's queries all see the chunk (the drop comes after the chunk's attention), so
+             a chunk equals token-by-token decoding only when nothing is dropped inside it.
+
+Kept tokens keep their positions (and their keys their RoPE rotation): later tokens continue the stream's
+positions, as in kvpress's pipeline. Slots stay in position order (SnapKV's pooling in decode mode runs over the
+held keys in that order). The scores are computed from the queries and keys of the attention call the variant
+makes (`resolve`): DBA's [k_sem | k_geo], MLA's latent and RoPE key (absorbed path), DIFF's signal stream, CoDA's
+two streams as the call's query heads. kvpress's ExpectedAttentionPress needs statistics of the un-rotated queries
+of the hidden states, which a cache never sees: it is not offered.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.cache.base import LayerCache, Write
+from attnlab.config import MemoryConfig
+from attnlab.errors import InputError
+from attnlab.ops.attend import grouped_logits
+from attnlab.ops.masks import with_null_column
+
+
+def n_kept(held: int, memory: MemoryConfig) -> int:
+    """Tokens each KV head keeps of `held`: the budget, or kvpress's max(1, int(held * (1 - ratio)))."""
+    if memory.budget is not None:
+        return min(held, memory.budget)
+    return max(1, int(held * (1.0 - memory.compression_ratio)))
+
+
+def knorm_scores(k: torch.Tensor) -> torch.Tensor:
+    """k (B, H_kv, S, D) -> (B, H_kv, S): minus each key's L2 norm (in fp32)."""
+    return -torch.linalg.vector_norm(k.float(), dim=-1)
+
+
+def tova_scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """The newest query's attention averaged over every query head, for each KV head alike; the newest key
+    (the last column) scored +inf. q (B, H, 1, D) the newest query, k (B, H_kv, S, D), visible (B, H_kv, S)."""
+    logits = grouped_logits(q, k, scale)[..., 0, :]  # (B, H_kv, G, S)
+    logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
+    probs = logits.softmax(dim=-1).flatten(1, 2)  # (B, H, S)
+    scores = probs.mean(dim=1, keepdim=True).expand(-1, k.shape[1], -1).clone()  # (B, H_kv, S)
+    scores[..., -1] = float("inf")
+    return scores
+
+
+def snapkv_scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float, kernel_size: int):
+    """SnapKV's scores: q (B, H, w, D) the observation window's queries, the newest w keys being theirs (kept,
+    +inf); k (B, H_kv, S, D); visible (B, H_kv, w, S) what each window query sees. Returns (B, H_kv, S)."""
+    window = q.shape[2]
+    logits = grouped_logits(q, k, scale).masked_fill(~visible[:, :, None], float("-inf"))  # (B, H_kv, G, w, S)
+    probs = logits.softmax(dim=-1)[..., : k.shape[2] - window]  # the window's columns dropped, not renormalised
+    scores = probs.mean(dim=-2)  # (B, H_kv, G, S - w): the mean over the window's queries
+    batch, n_kv, group, length = scores.shape
+    pooled = F.avg_pool1d(scores.reshape(batch, n_kv * group, length), kernel_size, stride=1,
+                          padding=kernel_size // 2)  # fmt: skip
+    scores = pooled.reshape(batch, n_kv, group, length).mean(dim=2)  # (B, H_kv, S - w)
+    return torch.cat((scores, scores.new_full((batch, n_kv, window), float("inf"))), dim=-1)
+
+
+class PressCache(LayerCache):
+    """Every buffer of the layout per KV head, (B, H_kv, S, width) (H_kv = 1 for MLA's shared latent), with each
+    slot's position per head, (B, H_kv, S); a press drops slots per KV head after a chunk's attention."""
+
+    selects = True  # `resolve` gets the queries: it scores the held keys and drops the worst after the chunk
+    per_sequence = True
+
+    def __init__(self, layout, batch: int, memory: MemoryConfig, dtype: torch.dtype, device=None,
+                 max_len: int | None = None):  # fmt: skip
+        super().__init__(layout)
+        self.memory, self.max_len, self.dtype, self.seen = memory, max_len, dtype, 0
+        self.capacity = memory.slots
+        heads = layout.heads
+        self.buffers = {name: torch.zeros(batch, heads, 0, layout.buffer_width(name), dtype=dtype, device=device)
+                        for name, _ in layout.buffers}  # fmt: skip
+        self.slot_positions = torch.zeros(batch, heads, 0, dtype=torch.long, device=device)
+        self.window_queries: torch.Tensor | None = None  # snapkv in decode mode: the last window_size queries
+        self.window_positions: torch.Tensor | None = None
+        self._chunk: tuple[torch.Tensor, bool] | None = None  # the chunk's positions, and whether it compresses
+
+    def positions(self) -> torch.Tensor:
+        """(B, H_kv, S): each KV head holds its own tokens."""
+        return self.slot_positions
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+    def overhead_nbytes(self) -> int:
+        queries = 0 if self.window_queries is None else self.window_queries.nbytes + self.window_positions.nbytes
+        return self.slot_positions.nbytes + queries
+
+    def update(self, new: dict[str, torch.Tensor], positions: torch.Tensor, write: Write | None = None):
+        start, length = self.seen, positions.shape[0]
+        if self.max_len is not None and start + length > self.max_len:
+            raise InputError(f"KV cache is full: {start + length} tokens exceed its max_len={self.max_len} "
+                             "(make a larger cache)")  # fmt: skip
+        headless = self.layout.kv_heads is None
+        batch, heads = self.slot_positions.shape[:2]
+        held = {}
+        for name, t in new.items():
+            t = t[:, None] if headless else t  # (B, H_kv, T, width)
+            held[name] = torch.cat((self.buffers[name].to(t.dtype), t), dim=2)
+            self.buffers[name] = held[name].detach().to(self.dtype)
+        self.slot_positions = torch.cat((self.slot_positions, positions.expand(batch, heads, -1)), dim=2)
+        self.seen += length
+        compress = start == 0 if self.memory.press_at == "prefill" else True
+        self._chunk = (positions, compress)
+        out = {name: t[:, 0] for name, t in held.items()} if headless else held
+        return out, self.slot_positions
+
+    def mask(self, q_pos, k_pos, window=None, null=False):
+        """(B, H_kv, Tq, S): a held token is visible to the queries at or after its position."""
+        mask = k_pos[:, :, None, :] <= q_pos[None, None, :, None]
+        return (with_null_column(mask) if null else mask), False
+
+    @torch.no_grad()
+    def resolve(self, q, k, scale, mask, null):
+        """Scores the held keys k (B, H_kv, null + S, D) with the chunk's queries q (B, H, T, D) and drops the worst
+        slots of each KV head (after this call the attention reads the tensors `update` returned, unchanged)."""
+        positions, compress = self._chunk
+        self._chunk = None
+        k = k[:, :, int(null) :]
+        visible = mask[..., int(null) :]  # (B, H_kv, T, S)
+        kind = self.memory.kind
+        if kind == "snapkv" and self.memory.press_at == "decode":
+            self._remember_queries(q, positions)
+        held = k.shape[2]
+        kept = n_kept(self.seen if self.memory.press_at == "decode" and self.memory.budget is None else held,
+                      self.memory)  # fmt: skip
+        if not compress or kept >= held:
+            return mask
+        if kind == "knorm":
+            scores = knorm_scores(k)
+        elif kind == "tova":
+            scores = tova_scores(q[:, :, -1:], k, visible[:, :, -1], scale)
+        else:
+            scores = self._snapkv(q, k, positions, visible, scale)
+        self._keep(scores, kept)
+        return mask
+
+    def _snapkv(self, q, k, positions, visible, scale) -> torch.Tensor:
+        """SnapKV's scores over the held keys: the chunk's last window_size queries (prefill), or the last
+        window_size queries seen so far (decode), each seeing the held keys at or before its position."""
+        if self.window_queries is None:
+            window = min(self.memory.window_size, q.shape[2])
+            return snapkv_scores(q[:, :, -window:], k, visible[:, :, -window:], scale, self.memory.kernel_size)
+        window = self.window_queries.shape[2]
+        query_positions = self.window_positions
+        k_pos = self.slot_positions
+        seen = k_pos[:, :, None, :] <= query_positions[None, None, :, None]  # (B, H_kv, w, S)
+        # The window's own tokens are the newest w held (positions above every older query's) : kept.
+        return snapkv_scores(self.window_queries.to(q.dtype), k, seen, scale, self.memory.kernel_size)
+
+    def _remember_queries(self, q: torch.Tensor, positions: torch.Tensor) -> None:
+        window = self.memory.window_size
+        if self.window_queries is None:
+            self.window_queries, self.window_positions = q[:, :, -window:], positions[-window:]
+            return
+        self.window_queries = torch.cat((self.window_queries, q), dim=2)[:, :, -window:]
+        self.window_positions = torch.cat((self.window_positions, positions))[-window:]
+
+    def _keep(self, scores: torch.Tensor, kept: int) -> None:
+        """Keeps the `kept` best slots of each KV head (scores (B, H_kv, S)), in position order."""
+        index = scores.topk(kept, dim=-1).indices.sort(dim=-1).values  # (B, H_kv, kept)
+        self.slot_positions = self.slot_positions.gather(2, index)
+        for name, b in self.buffers.items():
+            self.buffers[name] = b.gather(2, index[..., None].expand(-1, -1, -1, b.shape[-1]))

@@ -1,0 +1,211 @@
+"""Dynamic sparse attention (memory.kind quest): every token is kept, each query reads only some of them.
+
+Quest (Tang et al. 2024, "Query-Aware Sparsity for Efficient Long-Context LLM Inference") with the Longformer
+pattern (Beltagy et al. 2020: a local window plus global tokens). The keys are cut into pages of P tokens at
+fixed positions (page j holds positions [jP, (j+1)P)); each complete page keeps the per-channel minimum and
+maximum of its keys. For a query q, the score q.k of any key in page j is at most
+
+    U_j(q) = sum_c max(q_c min_jc, q_c max_jc) = relu(q) . max_j + min(q, 0) . min_j      (Quest §3.2)
+
+A query at position t reads:
+  - the recent window, positions (t - W, t] (W a multiple of P, so the newest page is always read whole);
+  - the first `sink_tokens` positions (global tokens);
+  - the K pages with the largest bound among the *candidates*: pages holding a token older than the window
+    (jP <= t - W) that are not all sinks. A chosen page that straddles the window's start adds its older
+    tokens; nothing is read twice.
+
+With GQA the selection is made per KV head, on the sum of the bounds of its group's query heads, so a group
+reads one set of pages (the bytes a step reads are per KV head). When K covers every candidate page a query
+reads every earlier token: the cache then equals the dense cache (tests/test_sparse.py).
+
+The same rule applies to a chunk's queries one by one (masks), so a sequence scored in blocks equals token-by-
+token decoding. A decode step of a variant whose step is one attention call (layout.read) gathers only the
+chosen rows (`attend_one`): it reads K*P + W + sinks tokens and the page bounds, not the whole cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.cache.base import LayerCache, Write
+from attnlab.cache.layout import CacheLayout, Read
+from attnlab.config import MemoryConfig
+from attnlab.errors import InputError
+from attnlab.ops.attend import attend
+
+INITIAL_SLOTS = 256  # a stream's cache (max_len None) starts here and doubles
+
+
+def page_bounds(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of q.k over each page, summed over each KV head's group of query heads.
+
+    q (B, H, T, D); key_min, key_max (B, H_kv, n, D) per page. Returns (B, H_kv, T, n) in fp32."""
+    batch, n_heads, length, dim = q.shape
+    n_kv, pages = key_min.shape[1], key_min.shape[2]
+    grouped = q.float().reshape(batch, n_kv, (n_heads // n_kv) * length, dim)  # (B, H_kv, G*T, D)
+    bound = grouped.clamp(min=0) @ key_max.float().transpose(-1, -2)
+    bound = bound + grouped.clamp(max=0) @ key_min.float().transpose(-1, -2)  # (B, H_kv, G*T, n)
+    return bound.reshape(batch, n_kv, n_heads // n_kv, length, pages).sum(dim=2)
+
+
+def chosen_pages(bound: torch.Tensor, q_pos: torch.Tensor, memory: MemoryConfig) -> torch.Tensor:
+    """(B, H_kv, T, n) bool: the pages each query reads besides its window and the sinks. bound (B, H_kv, T, n)
+    from `page_bounds`; q_pos (T,) the queries' positions. Ties go to the earlier page (a stable sort)."""
+    size, window, sinks = memory.page_size, memory.recent_window, memory.sink_tokens
+    start = torch.arange(bound.shape[-1], device=bound.device) * size  # (n,) each page's first position
+    candidate = (start[None, :] <= q_pos[:, None] - window) & (start[None, :] + size > sinks)  # (T, n)
+    if bound.shape[-1] <= memory.pages:
+        return candidate.expand_as(bound)
+    ranked = bound.masked_fill(~candidate, float("-inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., : memory.pages]
+    chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, order, True)
+    return chosen & candidate
+
+
+def key_extremes(keys: torch.Tensor, pages: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel min and max of the first `pages` pages of keys (B, H_kv, S, D): (B, H_kv, pages, D) each."""
+    paged = keys[:, :, : pages * size].unflatten(2, (pages, size))  # (B, H_kv, pages, P, D)
+    return paged.amin(dim=3), paged.amax(dim=3)
+
+
+class QuestCache(LayerCache):
+    """Every token of the layout's buffers (slot = position), plus the min/max of each complete page of the keys
+    that a decode step reads (`read.keys`); grows by doubling when made for a stream (max_len None)."""
+
+    selects = True
+
+    def __init__(self, layout: CacheLayout, batch: int, memory: MemoryConfig, dtype: torch.dtype, device=None,
+                 max_len: int | None = None):  # fmt: skip
+        super().__init__(layout)
+        self.memory, self.max_len, self.length = memory, max_len, 0
+        slots = max_len if max_len is not None else INITIAL_SLOTS
+        self.buffers = {name: torch.zeros(shape, dtype=dtype, device=device)
+                        for name, shape in layout.shapes(batch, slots).items()}  # fmt: skip
+        self.keys = layout.read.keys if layout.read is not None else None  # the buffer whose pages are bounded
+        self.complete_pages = 0
+        self.key_min = self.key_max = None  # (B, H_kv, pages, width): filled as pages complete
+        if self.keys is not None:
+            shape = self._heads(self.buffers[self.keys]).shape
+            extremes = (shape[0], shape[1], -(-slots // memory.page_size), shape[3])
+            self.key_min = torch.zeros(extremes, dtype=dtype, device=device)
+            self.key_max = torch.zeros(extremes, dtype=dtype, device=device)
+        self._q_pos: torch.Tensor | None = None
+
+    @staticmethod
+    def _heads(x: torch.Tensor) -> torch.Tensor:
+        """(B, S, w) (one row per token for every head) -> (B, 1, S, w); (B, H, S, w) unchanged."""
+        return x[:, None] if x.dim() == 3 else x
+
+    # ------------------------------------------------------------------ protocol
+
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.length, device=next(iter(self.buffers.values())).device)
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+    def overhead_nbytes(self) -> int:
+        return 0 if self.key_min is None else self.key_min.nbytes + self.key_max.nbytes
+
+    def read_nbytes(self) -> int:
+        """Bytes the next decode step reads: at most K pages, the window and the sinks of every buffer, plus the
+        bounds of every complete page."""
+        tokens = min(self.length + 1, self.memory.read_slots)
+        per_token = sum(b[..., :1, :].nbytes for b in self.buffers.values())
+        pages = (self.length + 1) // self.memory.page_size
+        bounds = 0 if self.key_min is None else 2 * self.key_min[:, :, :pages].nbytes
+        return tokens * per_token + bounds
+
+    def update(self, new: dict[str, torch.Tensor], positions: torch.Tensor, write: Write | None = None):
+        self._store(new, positions)
+        self._q_pos = positions
+        held = {name: b[..., : self.length, :].to(new[name].dtype) for name, b in self.buffers.items()}
+        return held, self.positions()
+
+    def resolve(self, q, k, scale, mask, null):
+        """The mask of each query: causal, and within its window, the sinks or its chosen pages. q (B, H, T, D),
+        k (B, H_kv, null + S, D) the keys it is scored against (bounds from these: any variant's keys)."""
+        q_pos, self._q_pos = self._q_pos, None
+        k = k[:, :, int(null) :]
+        size = self.memory.page_size
+        pages = k.shape[2] // size
+        key_min, key_max = key_extremes(k, pages, size)
+        chosen = chosen_pages(page_bounds(q, key_min, key_max), q_pos, self.memory)  # (B, H_kv, T, n)
+        k_pos = torch.arange(k.shape[2], device=k.device)
+        query = q_pos[:, None]
+        visible = ((query - k_pos[None, :]) < self.memory.recent_window) | (k_pos[None, :] < self.memory.sink_tokens)
+        visible = visible & (k_pos[None, :] <= query)  # (T, S)
+        by_page = chosen.repeat_interleave(size, dim=-1)  # (B, H_kv, T, n * P)
+        pad = k.shape[2] - by_page.shape[-1]  # the newest, incomplete page: always in the window
+        by_page = torch.nn.functional.pad(by_page, (0, pad))
+        visible = visible | (by_page & (k_pos <= query))
+        if null:
+            visible = torch.cat((visible.new_ones(*visible.shape[:-1], 1), visible), dim=-1)
+        return visible
+
+    def attend_one(self, q: torch.Tensor, new: dict[str, torch.Tensor], positions: torch.Tensor, read: Read,
+                   scale: float) -> torch.Tensor | None:  # fmt: skip
+        """A decode step reading only the chosen rows: the window, the sinks and the chosen pages' tokens that
+        are neither, gathered per KV head."""
+        if positions.shape[0] != 1 or self.key_min is None:
+            return None
+        self._store(new, positions)
+        t, memory = self.length - 1, self.memory
+        size, window, sinks = memory.page_size, memory.recent_window, memory.sink_tokens
+        keys, values = self._heads(self.buffers[read.keys]), self._heads(self.buffers[read.values])
+        device, dtype = keys.device, q.dtype
+        if t < window + sinks or self.complete_pages <= memory.pages:  # every earlier token is read anyway
+            k, v = keys[:, :, : t + 1].to(dtype), values[:, :, : t + 1].to(dtype)
+            return attend(q, k, v[..., : read.value_width], None, scale)
+        bound = page_bounds(q, self.key_min[:, :, : self.complete_pages], self.key_max[:, :, : self.complete_pages])
+        chosen = chosen_pages(bound, positions, memory)[:, :, 0]  # (B, H_kv, n)
+        order = torch.sort(chosen.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., : memory.pages]
+        picked = chosen.gather(-1, order)  # (B, H_kv, K): False where fewer than K pages are candidates
+        offsets = torch.arange(size, device=device)
+        page_rows = (order[..., None] * size + offsets).flatten(-2)  # (B, H_kv, K*P)
+        # A chosen page's tokens that are sinks or in the window are read through those instead.
+        page_ok = picked.repeat_interleave(size, dim=-1) & (page_rows >= sinks) & (page_rows <= t - window)
+        recent = torch.arange(t - window + 1, t + 1, device=device)  # (W,), all >= sinks here
+        rows = torch.cat((page_rows, recent.expand(*page_rows.shape[:2], -1),
+                          torch.arange(sinks, device=device).expand(*page_rows.shape[:2], -1)), dim=-1)  # fmt: skip
+        ok = torch.cat((page_ok, page_ok.new_ones(*page_ok.shape[:2], window + sinks)), dim=-1)  # (B, H_kv, N)
+        k = keys.gather(2, rows[..., None].expand(-1, -1, -1, keys.shape[-1])).to(dtype)
+        v = values.gather(2, rows[..., None].expand(-1, -1, -1, values.shape[-1])).to(dtype)
+        return attend(q, k, v[..., : read.value_width], ok[:, :, None, :], scale)
+
+    # ------------------------------------------------------------------ storage
+
+    def _store(self, new: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
+        start, end = self.length, self.length + positions.shape[0]
+        if int(positions[0]) != start:
+            raise InputError(f"quest cache: a chunk at position {int(positions[0])} does not continue the "
+                             f"{start} tokens held (positions must follow on)")  # fmt: skip
+        if self.max_len is not None and end > self.max_len:
+            raise InputError(f"KV cache is full: {end} tokens exceed its max_len={self.max_len} (make a larger cache)")
+        capacity = next(iter(self.buffers.values())).shape[-2]
+        if end > capacity:
+            self._grow(max(end, 2 * capacity))
+        for name, value in new.items():
+            self.buffers[name][..., start:end, :] = value
+        self.length = end
+        pages = end // self.memory.page_size
+        if self.key_min is not None and pages > self.complete_pages:
+            lo = self.complete_pages * self.memory.page_size
+            keys = self._heads(self.buffers[self.keys])[:, :, lo : pages * self.memory.page_size]
+            low, high = key_extremes(keys, pages - self.complete_pages, self.memory.page_size)
+            self.key_min[:, :, self.complete_pages : pages] = low
+            self.key_max[:, :, self.complete_pages : pages] = high
+            self.complete_pages = pages
+
+    def _grow(self, slots: int) -> None:
+        for name, b in self.buffers.items():
+            grown = b.new_zeros(*b.shape[:-2], slots, b.shape[-1])
+            grown[..., : b.shape[-2], :] = b
+            self.buffers[name] = grown
+        if self.key_min is not None:
+            pages = -(-slots // self.memory.page_size)
+            for attr in ("key_min", "key_max"):
+                b = getattr(self, attr)
+                grown = b.new_zeros(*b.shape[:2], pages, b.shape[-1])
+                grown[:, :, : b.shape[2]] = b
+                setattr(self, attr, grown)

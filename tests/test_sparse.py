@@ -1,0 +1,133 @@
+"""memory.kind quest (cache/sparse.py): Quest's page selection with a recent window and sinks, against a plain
+reference written with loops; exact identities (every page chosen = the dense cache); chunked = token by token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import kv_layout, tiny_config, tiny_model
+
+from attnlab.accounting import kv_report
+from attnlab.cache import attend_cache
+from attnlab.cache.build import build_cache
+from attnlab.cache.sparse import QuestCache
+from attnlab.config import MemoryConfig
+from attnlab.errors import ConfigError
+
+ATTENTION = {
+    "mha": {"kind": "mha"},
+    "mha-gqa": {"kind": "mha", "n_kv_heads": 2},
+    "decoupled": {"kind": "decoupled", "d_sem": 16, "d_geo": 32},
+    "mla": {"kind": "mla", "d_latent": 32},
+    "diff": {"kind": "diff"},
+    "coda": {"kind": "coda", "gate_bias": 0.0},
+}
+
+
+def reference(q, k, v, memory: MemoryConfig, scale: float) -> torch.Tensor:
+    """Quest by hand: for each sequence, KV head and query position t, the candidate pages (a token older than
+    the window, not all sinks) ranked by the sum over the group's query heads of sum_c max(q_c min_c, q_c max_c),
+    the best `pages` of them (ties: the earlier page), then softmax over the window, the sinks and those pages."""
+    batch, n_heads, length, _ = q.shape
+    n_kv, size, window, sinks = k.shape[1], memory.page_size, memory.recent_window, memory.sink_tokens
+    group = n_heads // n_kv
+    out = torch.zeros(batch, n_heads, length, v.shape[-1])
+    for b in range(batch):
+        for kv in range(n_kv):
+            heads = range(kv * group, (kv + 1) * group)
+            for t in range(length):
+                candidates = [j for j in range(length // size) if j * size <= t - window and (j + 1) * size > sinks]
+
+                def bound(j, t=t, b=b, kv=kv, heads=heads):
+                    page = k[b, kv, j * size : (j + 1) * size]  # (P, D)
+                    low, high = page.min(dim=0).values, page.max(dim=0).values
+                    return sum(float(torch.maximum(q[b, h, t] * low, q[b, h, t] * high).sum()) for h in heads)
+
+                chosen = sorted(candidates, key=lambda j: (-bound(j), j))[: memory.pages]
+                visible = [s for s in range(t + 1) if t - s < window or s < sinks or s // size in chosen]
+                for h in heads:
+                    scores = (k[b, kv, visible] @ q[b, h, t]) * scale
+                    out[b, h, t] = scores.softmax(dim=0) @ v[b, kv, visible]
+    return out
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("chunks", [[40], [1] * 40, [5, 13, 1, 21]], ids=["one chunk", "token by token", "uneven"])
+def test_quest_equals_the_plain_reference(sinks, chunks):
+    torch.manual_seed(0)
+    memory = MemoryConfig(kind="quest", recent_window=8, page_size=4, pages=2, sink_tokens=sinks)
+    q, k, v = torch.randn(2, 4, 40, 8), torch.randn(2, 2, 40, 8), torch.randn(2, 2, 40, 8)
+    layout = kv_layout(2, 8)
+    cache = build_cache(layout, 2, None, torch.float32, memory=memory)
+    assert isinstance(cache, QuestCache)
+    outs, start = [], 0
+    for n in chunks:
+        positions = torch.arange(start, start + n)
+        part = {"k": k[:, :, start : start + n], "v": v[:, :, start : start + n]}
+        outs.append(attend_cache(cache, q[:, :, start : start + n], part, positions, layout.read, 0.35))
+        start += n
+    torch.testing.assert_close(torch.cat(outs, dim=2), reference(q, k, v, memory, 0.35), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_every_page_chosen_equals_the_dense_cache(name):
+    """pages covering every page: each query reads every earlier token, so the logits are the dense model's."""
+    memory = {"kind": "quest", "recent_window": 8, "page_size": 4, "pages": 16, "sink_tokens": 0}
+    tokens = torch.randint(0, 97, (2, 60), generator=torch.Generator().manual_seed(1))
+    dense = tiny_model(ATTENTION[name], perturb=True)
+    quest = tiny_model(ATTENTION[name], memory, perturb=True)
+    quest.load_state_dict(dense.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(quest(tokens)[0], dense(tokens)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_quest_chunked_equals_token_by_token(name):
+    """A sequence scored in blocks (one mask per query) equals decoding it one token at a time (the gathered
+    decode step where the variant has one, else the masks), with real sparsity: 2 of up to 14 pages."""
+    memory = {"kind": "quest", "recent_window": 8, "page_size": 4, "pages": 2, "sink_tokens": 1}
+    model = tiny_model(ATTENTION[name], memory, perturb=True)
+    tokens = torch.randint(0, 97, (2, 60), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole = model(tokens)[0]
+        cache = model.new_cache(2)
+        steps = torch.cat([model(tokens[:, t : t + 1], cache)[0] for t in range(60)], dim=1)
+        dense = tiny_model(ATTENTION[name], perturb=True)
+        dense.load_state_dict(model.state_dict())
+        full = dense(tokens)[0]
+    torch.testing.assert_close(steps, whole, rtol=1e-4, atol=1e-4)
+    assert (whole[:, 12:] - full[:, 12:]).abs().max() > 1e-3  # the selection matters: it is not the dense model
+    torch.testing.assert_close(whole[:, :12], full[:, :12], rtol=1e-5, atol=1e-5)  # window + sinks cover these
+
+
+def test_a_stream_grows_the_cache_and_reads_a_bounded_number_of_tokens():
+    memory = MemoryConfig(kind="quest", recent_window=16, page_size=8, pages=4, sink_tokens=4)
+    model = tiny_model(None, memory, perturb=True)
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 300)), cache)  # past max_seq_len 64 and the first 256 slots
+    layer = cache.layers[0]
+    assert layer.length == 300 and layer.complete_pages == 300 // 8
+    per_token = 2 * 4 * 16 * 4  # k and v, 4 heads of 16, fp32
+    assert layer.read_nbytes() == (4 * 8 + 16 + 4) * per_token + 2 * (301 // 8) * 4 * 16 * 4
+    assert layer.nbytes() >= 300 * per_token > layer.read_nbytes()
+
+
+def test_accounting_holds_every_token_and_reads_at_most_read_slots():
+    cfg = tiny_config(None, {"kind": "quest", "recent_window": 16, "page_size": 8, "pages": 4})
+    info = kv_report(cfg, "fp32", seq_len=64)
+    dense = kv_report(tiny_config(None), "fp32", seq_len=64)
+    assert info["kv_bytes_per_layer"] == dense["kv_bytes_per_layer"]
+    assert info["memory"]["read_slots"] == 4 * 8 + 16 + 4
+
+
+def test_quest_options_are_checked():
+    with pytest.raises(ConfigError, match=r"page_size=6 must divide memory.recent_window=16: .*use recent_window 18"):
+        MemoryConfig(kind="quest", recent_window=16, page_size=6)
+    with pytest.raises(ConfigError, match="memory.pages=0 must be >= 1"):
+        MemoryConfig(kind="quest", pages=0)
+    with pytest.raises(ConfigError, match="memory.page_size belongs to memory.kind quest, not streaming"):
+        MemoryConfig(kind="streaming", page_size=4)
+    model = tiny_model(None, {"kind": "quest", "recent_window": 16, "page_size": 8})
+    with pytest.raises(ConfigError, match="quest keeps its keys at full precision"):
+        model.new_cache(1, 64, policy="k=q8_0,v=q8_0")
