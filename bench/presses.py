@@ -1,0 +1,177 @@
+"""KV presses against NVIDIA's kvpress on the same pretrained model and tokens (issue 17, item 4).
+
+    python bench/presses.py --hf DIR [--ref models/SmolLM2-135M-Instruct.Q4_1.gguf] [--contexts 1024,2048,4096]
+                            [--ratios 0.5,0.75] [--slots 128,256] [--presses streaming,snapkv,tova,knorm]
+                            [--windows 2] [--continuation 128] [--data-dir DIR] [--no-record]
+
+Each window: C tokens of WikiText-2 raw test text as the context, the next `--continuation` tokens scored. The
+context is prefilled with the press (kvpress: `with press(model)`, then the continuation as one forward over the
+pressed cache with its true positions, as kvpress's pipeline does; attnlab: the model with `memory.kind <press>`,
+`press_at: prefill`), and the NLL (nats per token) of the continuation is recorded; the first continuation token is
+predicted from the prefill, before any press. Budgets: a compression ratio (the fraction dropped), or a number of
+slots per KV head (kvpress: the ratio 1 - (slots + 0.5) / C, whose int() keeps exactly `slots`).
+
+`streaming` is defined differently in the two: kvpress's StreamingLLMPress keeps 4 sinks and the newest tokens
+once, after a full-attention prefill, and appends the continuation; attnlab's `streaming` memory (4 sinks + a
+recent window of the same slots) slides during the prefill and the continuation too. Both are shown.
+
+kvpress 0.5.5 pins transformers below 5.3: run this in an environment with attnlab's `presses` extra (a venv of its
+own: `pip install torch==2.13.0 && pip install -e '.[presses]'`). --hf is SmolLM2 as a Hugging Face folder, made
+from the same GGUF by `attnlab export models/SmolLM2-135M-Instruct.Q4_1.gguf --hf DIR`, so both read the same
+weights. Without kvpress the attnlab rows run alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import OtherLoad, environment, finish, print_table, row  # noqa: E402
+
+import attnlab  # noqa: E402
+from attnlab.config import MemoryConfig  # noqa: E402
+from attnlab.eval.perplexity import dataset_tokens  # noqa: E402
+
+SMOLLM2 = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+SINKS = 4
+
+
+def continuation_nll(first_logits: torch.Tensor, logits: torch.Tensor, continuation: torch.Tensor) -> float:
+    """Mean NLL of `continuation` (T,): token 0 from first_logits (V,), token j from logits[j - 1] ((T, V))."""
+    predictions = torch.cat((first_logits[None], logits[:-1]), dim=0).float()
+    return F.cross_entropy(predictions, continuation).item()
+
+
+def attnlab_nll(model, memory: MemoryConfig | None, context, continuation) -> tuple[float, int]:
+    """(NLL, tokens held per KV head in layer 0 after the continuation) with `memory` (None: the dense cache)."""
+    if memory is not None:
+        pressed = attnlab.build_model(model.cfg.replace(memory=memory)).eval()
+        pressed.load_state_dict(model.state_dict(), assign=True)  # the same tensors, no copy
+        model = pressed
+    with torch.no_grad():
+        cache = model.new_cache(1, None if memory is not None else len(context) + len(continuation))
+        first = model(context[None], cache)[0][0, -1]
+        logits = model(continuation[None], cache)[0][0]
+    held = cache.layers[0].positions().shape[-1]
+    return continuation_nll(first, logits, continuation), held
+
+
+def kvpress_nll(hf, press, context, continuation) -> float:
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache()
+        if press is None:
+            first = hf(context[None], past_key_values=cache).logits[0, -1]
+        else:
+            with press(hf):
+                first = hf(context[None], past_key_values=cache).logits[0, -1]
+        positions = torch.arange(len(context), len(context) + len(continuation))[None]
+        logits = hf(continuation[None], past_key_values=cache, position_ids=positions).logits[0]
+    return continuation_nll(first, logits, continuation)
+
+
+def budgets(context: int, ratios: list[float], slots: list[int]) -> list[tuple[str, float, int]]:
+    """(label, kvpress ratio, slots kept per KV head) for each budget that leaves something to drop."""
+    out = [(f"ratio {r:g}", r, max(1, int(context * (1.0 - r)))) for r in ratios]
+    out += [(f"{s} slots", 1.0 - (s + 0.5) / context, s) for s in slots if s < context]
+    return out
+
+
+def attnlab_memory(press: str, ratio: float, slots: int, label: str) -> MemoryConfig:
+    if press == "streaming":
+        return MemoryConfig(kind="streaming", sink_tokens=SINKS, recent_window=slots - SINKS)
+    budget = {"budget": slots} if label.endswith("slots") else {"compression_ratio": ratio}
+    return MemoryConfig(kind=press, **budget)
+
+
+def kvpress_press(press: str, ratio: float):
+    import kvpress
+
+    make = {"streaming": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=SINKS),
+            "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio),
+            "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
+            "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio)}  # fmt: skip
+    return make[press]()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ref", default=SMOLLM2)
+    parser.add_argument("--hf", help="the same model as a Hugging Face folder (attnlab export REF --hf DIR)")
+    parser.add_argument("--contexts", default="1024,2048,4096")
+    parser.add_argument("--ratios", default="0.5,0.75")
+    parser.add_argument("--slots", default="128,256")
+    parser.add_argument("--presses", default="streaming,snapkv,tova,knorm")
+    parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--continuation", type=int, default=128)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args(argv)
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    contexts, slots = ints(args.contexts), ints(args.slots)
+    ratios = [float(x) for x in args.ratios.split(",") if x]
+    presses = [p for p in args.presses.split(",") if p]
+
+    cfg, model, tokenizer = attnlab.load_model(args.ref, data_dir=args.data_dir)
+    stream = torch.as_tensor(dataset_tokens(tokenizer, "wikitext2-raw", "test", args.data_dir))
+    hf, versions = None, {"attnlab": attnlab.__version__}
+    if importlib.util.find_spec("kvpress") is None or args.hf is None:
+        print("kvpress rows skipped: " + ("no --hf folder" if args.hf is None else "kvpress is not installed"))
+    else:
+        import kvpress
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32).eval()
+        versions.update(kvpress=kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+                        transformers=transformers.__version__)  # fmt: skip
+    print("versions:", versions)
+    env, records, table = environment(), [], []
+    load = OtherLoad()
+    for context in contexts:
+        span = context + args.continuation
+        for window in range(args.windows):
+            tokens = stream[window * span : (window + 1) * span]
+            if len(tokens) < span:
+                break
+            ctx, cont = tokens[:context], tokens[context:]
+            base = {"context": context, "window": window, "continuation": args.continuation, **versions}
+            dense, _ = attnlab_nll(model, None, ctx, cont)
+            records.append(row("presses", cfg.config_hash(), env, **base, press="none", budget="full",
+                               impl="attnlab", nll=dense))  # fmt: skip
+            hf_dense = kvpress_nll(hf, None, ctx, cont) if hf is not None else None
+            if hf is not None:
+                records.append(row("presses", cfg.config_hash(), env, **base, press="none", budget="full",
+                                   impl="kvpress", nll=hf_dense))  # fmt: skip
+            table.append([context, window, "none", "full", dense, hf_dense, None])
+            for press in presses:
+                for label, ratio, kept in budgets(context, ratios, slots):
+                    ours, held = attnlab_nll(model, attnlab_memory(press, ratio, kept, label), ctx, cont)
+                    theirs = kvpress_nll(hf, kvpress_press(press, ratio), ctx, cont) if hf is not None else None
+                    for impl, nll in (("attnlab", ours), ("kvpress", theirs)):
+                        if nll is not None:
+                            records.append(row("presses", cfg.config_hash(), env, **base, press=press,
+                                               budget=label, slots=kept, held_after=held, impl=impl,
+                                               nll=nll, dense_nll=dense))  # fmt: skip
+                    delta = None if theirs is None else ours - theirs
+                    table.append([context, window, press, label, ours, theirs, delta])
+                    print(
+                        f"C={context} w={window} {press:9s} {label:10s} attnlab {ours:.4f}"
+                        + ("" if theirs is None else f" kvpress {theirs:.4f} diff {delta:+.4f}"),
+                        flush=True,
+                    )
+    print_table(["context", "window", "press", "budget", "attnlab NLL", "kvpress NLL", "diff"], table, ".4f")
+    finish("presses", records, load.fraction(), record=not args.no_record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Decode speed of content-selected KV caches on a real model (issue 17, item 5): SmolLM2-135M at long contexts,
+the dense cache against quest (dynamic sparse attention) at a share of the pages and the presses at a budget, in one
+run, as ratios to the dense cache.
+
+    python bench/sparse_decode.py [--ref models/SmolLM2-135M-Instruct.Q4_1.gguf] [--weights native]
+                                  [--contexts 4096,8192] [--shares 0.25,0.125] [--page-size 16]
+                                  [--kinds dense,quest,tova,knorm] [--steps 16] [--rounds 3] [--data-dir DIR]
+                                  [--no-record]
+
+After an untimed prefill of C - steps tokens of WikiText-2 raw test text, `--steps` single-token decode steps (eager,
+fed the text's own next tokens), the last at C tokens of context; tok/s = steps / seconds, the median of `--rounds`
+rounds (each round prefills afresh).
+quest reads `share` of the pages (pages of `--page-size`; recent window 64 and 4 sinks on top); a press keeps the same
+number of tokens (`budget`, press_at decode). Bytes: what one step reads from the KV cache of every layer
+(`read_nbytes()`), and what the cache holds (`nbytes()`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import OtherLoad, environment, finish, median, print_table, row  # noqa: E402
+
+import attnlab  # noqa: E402
+from attnlab.config import MemoryConfig  # noqa: E402
+from attnlab.eval.perplexity import dataset_tokens  # noqa: E402
+
+SMOLLM2 = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+WINDOW, SINKS, CHUNK = 64, 4, 512
+
+
+def memory_for(kind: str, context: int, share: float, page_size: int) -> MemoryConfig | None:
+    if kind == "dense":
+        return None
+    pages = max(1, int(context * share) // page_size)
+    if kind == "quest":
+        return MemoryConfig(kind="quest", recent_window=WINDOW, page_size=page_size, pages=pages, sink_tokens=SINKS)
+    return MemoryConfig(kind=kind, budget=pages * page_size + WINDOW + SINKS, press_at="decode")
+
+
+def with_memory(model, memory: MemoryConfig | None):
+    """The model reading through `memory`: these memories have no parameters, so the same modules (native weight
+    blocks included) serve, under a config that names the memory (read by new_cache and forward)."""
+    if memory is None:
+        return model
+    out = copy.copy(model)  # shares every submodule, parameter and buffer
+    out.cfg = model.cfg.replace(memory=memory)
+    return out
+
+
+@torch.no_grad()
+def decode_rate(model, tokens: torch.Tensor, context: int, steps: int, rounds: int) -> tuple[float, int, int]:
+    """(tok/s median over rounds, bytes read by the last step, bytes held) decoding up to `context` tokens."""
+    rates = []
+    for _ in range(rounds):
+        dense = model.cfg.memory.kind == "none"
+        cache = model.new_cache(1, context if dense else None)
+        prefill = context - steps
+        for start in range(0, prefill, CHUNK):
+            model(tokens[None, start : min(prefill, start + CHUNK)], cache)
+        began = time.perf_counter()
+        for t in range(prefill, context):
+            model(tokens[None, t : t + 1], cache)
+        rates.append(steps / (time.perf_counter() - began))
+    read = sum(layer.read_nbytes() for layer in cache.layers)
+    return median(rates), read, cache.nbytes()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ref", default=SMOLLM2)
+    parser.add_argument("--weights", default="native")
+    parser.add_argument("--contexts", default="4096,8192")
+    parser.add_argument("--shares", default="0.25,0.125")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kinds", default="dense,quest,tova,knorm")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args(argv)
+    contexts = [int(x) for x in args.contexts.split(",") if x]
+    shares = [float(x) for x in args.shares.split(",") if x]
+    kinds = [k for k in args.kinds.split(",") if k]
+
+    cfg, model, tokenizer = attnlab.load_model(args.ref, data_dir=args.data_dir, weights=args.weights)
+    stream = torch.as_tensor(dataset_tokens(tokenizer, "wikitext2-raw", "test", args.data_dir))
+    env, records, table, load = environment(), [], [], OtherLoad()
+    for context in contexts:
+        tokens = stream[:context]
+        dense_rate = None
+        for kind in kinds:
+            for share in [1.0] if kind == "dense" else shares:
+                memory = memory_for(kind, context, share, args.page_size)
+                rate, read, held = decode_rate(with_memory(model, memory), tokens, context, args.steps, args.rounds)
+                dense_rate = rate if kind == "dense" else dense_rate
+                ratio = None if dense_rate is None else rate / dense_rate
+                other = load.lap()
+                records.append(row("sparse_decode", cfg.config_hash(), env, context=context, kind=kind, share=share,
+                                   weights=args.weights, tok_s=rate, ratio_to_dense=ratio, read_bytes=read,
+                                   held_bytes=held, other_load=other))  # fmt: skip
+                table.append([context, kind, share, rate, ratio, read / 1e6, held / 1e6, other])
+                print(
+                    f"C={context} {kind:6s} share {share:<6g} {rate:7.2f} tok/s  x{ratio or 1:.2f}  "
+                    f"reads {read / 1e6:.1f} MB holds {held / 1e6:.1f} MB  other load {other or 0:.0%}",
+                    flush=True,
+                )
+    print_table(["context", "kind", "share", "tok/s", "x dense", "MB read/step", "MB held", "other load"], table, ".3g")
+    finish("sparse_decode", records, load.fraction(), record=not args.no_record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
