@@ -415,6 +415,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.trainable, list):  # as YAML and JSON give it; a tuple keeps the config hashable
             object.__setattr__(self, "trainable", tuple(self.trainable))
+        if isinstance(self.trainable, str):
+            raise ConfigError(f"train.trainable must be a list of name patterns, got the string {self.trainable!r} "
+                              f"(write [{json.dumps(self.trainable)}])")  # fmt: skip
         problems = field_problems(self, "train.")
         if problems:
             raise ConfigError(problems)
@@ -423,7 +426,8 @@ class TrainConfig:
             or not self.trainable
             or not all(isinstance(p, str) and p.strip() for p in self.trainable)
         ):
-            raise ConfigError(f"train.trainable={brief(list(self.trainable))} must be a non-empty list of parameter "
+            shown = list(self.trainable) if isinstance(self.trainable, tuple) else self.trainable
+            raise ConfigError(f"train.trainable={brief(shown)} must be a non-empty list of parameter "
                               "name patterns, e.g. ['blocks.*.attn.*'] (or leave it out)")  # fmt: skip
         for key in ("seq_len", "batch_size", "grad_accum", "steps", "eval_every", "log_every", "checkpoint_every",
                     "eval_tokens"):  # fmt: skip

@@ -53,6 +53,7 @@ the trainer refuses them as well). Whether a local data file exists depends on -
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -200,9 +201,31 @@ def _check_keys(data: Any, allowed: tuple[str, ...], where: str, problems: list[
     return out
 
 
-def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict, pretrained: bool = False) -> None:
+def _run_tokenizer(ref: str) -> str | None:
+    """The data.tokenizer an attnlab run or checkpoint folder was trained with (its config.json's), else None."""
+    try:
+        config = json.loads((Path(ref) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    data = config.get("data") if isinstance(config, dict) else None
+    return data.get("tokenizer") if isinstance(data, dict) and isinstance(data.get("tokenizer"), str) else None
+
+
+def _given_keys(layers) -> dict[str, set]:
+    """The keys of the model and data sections the given layers (a target, a phase, the --set overrides) write."""
+    keys: dict[str, set] = {"model": set(), "data": set()}
+    for layer in layers:
+        for section in keys:
+            value = layer.get(section) if isinstance(layer, dict) else None
+            keys[section] |= set(value) if isinstance(value, dict) else set()
+    return keys
+
+
+def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict, pretrained: bool = False,
+                      inherited: tuple[str, set] = ("", set())) -> None:  # fmt: skip
     """Validates one fully merged {model, data, train} config; records problems; fills spec. `pretrained`: the
-    model section holds changes to a pretrained model's config (checked against that model by the runner)."""
+    model section holds changes to a pretrained model's config (checked against that model by the runner).
+    inherited: (the target's name, the model keys it takes from `defaults` alone), to blame them on defaults."""
     if isinstance(config.get("train"), dict) and "seed" in config["train"]:
         problems.append(
             f"{where}: train.seed={brief(config['train']['seed'])} would be ignored: each run's seed comes from the "
@@ -212,8 +235,12 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
         spec["data"] = section_from_dict(DataConfig, config.get("data"), "data.")
     except ConfigError as e:
         problems.extend(f"{where}: {p}" for p in e.problems)
+    train = config.get("train")
+    if isinstance(train, dict) and isinstance(train.get("trainable"), str):  # not a list: not one per character
+        problems.append(f"{where}: {trainable_string_problem(train['trainable'])}")
+        train = {key: value for key, value in train.items() if key != "trainable"}
     try:
-        spec["train"] = section_from_dict(TrainConfig, config.get("train"), "train.")
+        spec["train"] = section_from_dict(TrainConfig, train, "train.")
     except ConfigError as e:
         problems.extend(f"{where}: {p}" for p in e.problems)
     model = config.get("model")
@@ -224,8 +251,16 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
         return
     tokenizer = spec["data"].tokenizer if "data" in spec else "gpt2"
     if pretrained:  # the whole config is the model's with these changes: checked once the model is read
+        fixed = [key for key in model if key not in PRETRAINED_CHANGES and key in inherited[1]]
+        if fixed:
+            keys = ", ".join(f"defaults.model.{key}" for key in fixed)
+            problems.append(
+                f"{keys} (inherited by target {inherited[0]}, which starts from a pretrained model): a pretrained "
+                f"model's {', '.join(fixed)} {'is' if len(fixed) == 1 else 'are'} fixed by its weights; move "
+                f"{'it' if len(fixed) == 1 else 'them'} into the other targets' model sections"
+            )
         for key in model:
-            if key not in PRETRAINED_CHANGES:
+            if key not in PRETRAINED_CHANGES and key not in inherited[1]:
                 problems.append(
                     f"{where}.model.{key}: a pretrained model's {key} is fixed by its weights (a target with "
                     f"init_from a model may change {', '.join(PRETRAINED_CHANGES)})"
@@ -277,6 +312,12 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
             f"{where}: model.vocab_size={cfg.vocab_size} is smaller than tokenizer {tokenizer}'s "
             f"{FIXED_VOCAB[tokenizer]} (leave vocab_size out to take the tokenizer's)"
         )
+
+
+def trainable_string_problem(value: str) -> str:
+    """train.trainable given as one string (YAML `trainable: blocks.*`, `--set train.trainable=blocks.*`)."""
+    return (f"train.trainable must be a list of name patterns, got the string {value!r} "
+            f"(write [{json.dumps(value)}])")  # fmt: skip
 
 
 def _pretrained_source(value: Any, where: str, problems: list[str]) -> dict:
@@ -501,8 +542,19 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                 problems.append(f"{where}.phases: the name {phase_name!r} is given twice (names must be unique)")
             phase_names.append(phase_name)
             merged = deep_merge(deep_merge(base, {k: v for k, v in phase.items() if k in SECTION_KEYS}), overrides)
-            if source is not None and source["model"] is not None and "tokenizer" not in merged.get("data", {}):
-                merged.setdefault("data", {})["tokenizer"] = source["model"]  # the pretrained model's own
+            own = _given_keys((target, phase, overrides))  # what the target, phase or --set wrote (not defaults)
+            if (
+                source is not None
+                and source["model"] is not None
+                and (
+                    "tokenizer" not in merged.get("data", {})
+                    or (
+                        "tokenizer" not in own["data"]
+                        and merged["data"]["tokenizer"] == _run_tokenizer(source["model"])
+                    )
+                )
+            ):  # the pretrained model's own (data.tokenizer in `defaults` naming the tokenizer it was trained with)
+                merged.setdefault("data", {})["tokenizer"] = source["model"]
             model_section = merged.get("model")
             if inherited is not None and isinstance(model_section, dict) and "attention" not in model_section:
                 merged["model"] = {**model_section, "attention": copy.deepcopy(inherited)}
@@ -510,9 +562,12 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                 attentions[name_] = merged["model"].get("attention")
             spec: dict = {}
             found: list[str] = []
-            _resolve_sections(merged, phase_where if len(phases) > 1 else where, found, spec, source is not None)
+            from_defaults = set(merged.get("model") or {}) - own["model"] if source is not None else set()
+            _resolve_sections(merged, phase_where if len(phases) > 1 else where, found, spec, source is not None,
+                              (name_, from_defaults))  # fmt: skip
             undefined = undefined_keys(merged, variables)  # each said once (undefined variable), not again
-            problems += [p for p in found if not any(f" {key}=" in p or f".{key}=" in p for key in undefined)]
+            problems += [p for p in found if not any(f" {key}=" in p or f".{key}=" in p for key in undefined)
+                         and p not in problems]  # fmt: skip
             if len(spec) == 3:
                 for seed in seeds:
                     runs.append(RunSpec(name_, seed, phase_name, spec["model"], spec["data"],

@@ -23,7 +23,7 @@ import yaml
 from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import downloads_allowed, lock_file_problem, read_json_object
-from attnlab.data.prepared import cache_key, default_cache_dir, folder_name
+from attnlab.data.prepared import cache_key, default_cache_dir, folder_name, folder_problem
 from attnlab.data.pretrained import tokenizer_from_folder
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
 from attnlab.errors import ConfigError, DataError
@@ -39,10 +39,10 @@ from attnlab.retrofit import (
     model_tokenizer,
     run_config,
 )
-from attnlab.train.checkpoint import find_checkpoint, write_json_atomic
-from attnlab.train.distributed import barrier, init_distributed, prepare_rank0_first
+from attnlab.train.checkpoint import find_checkpoint, step_folders, write_json_atomic
+from attnlab.train.distributed import barrier, dist_env, init_distributed, prepare_rank0_first
 from attnlab.train.lock import LOCK_NAME, busy_problem, run_lock
-from attnlab.train.loop import full_config, pick_device, train
+from attnlab.train.loop import full_config, pick_device, train, vocab_problem
 from attnlab.train.resume import check_resume, config_differences, data_change, data_fingerprint, source_file_change
 from attnlab.train.signals import first_interrupt_only
 
@@ -125,10 +125,42 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
                 missing.append(f"{e}{offline}")
     if missing:
         raise DataError("; ".join(missing))
-    problems = check_pretrained(runs, list(manifest.runs), data_dir)  # reads the models' metadata, not weights
+    problem = prepared_problems(runs, data_dir)
+    if problem:
+        raise DataError(problem)
+    problems = vocab_problems(runs, data_dir)
+    problems += check_pretrained(runs, list(manifest.runs), data_dir)  # reads the models' metadata, not weights
     if problems:
         raise ConfigError(problems, source=str(manifest.path))
     return downloads
+
+
+def prepared_problems(runs: list[RunSpec], data_dir: str | None) -> str | None:
+    """The line the first preparation would refuse the runs with because a file stands where its folder goes in the
+    cache (XDG_CACHE_HOME naming a file), said before anything starts (dry runs too)."""
+    for data in dict.fromkeys(spec.data for spec in runs):
+        if names_model(data.tokenizer):  # its folder's name needs the model's tokenizer: the cache's own is checked
+            problem = folder_problem(default_cache_dir())
+        else:
+            folder = default_cache_dir() / folder_name(data, cache_key(data, data_dir))
+            problem = None if (folder / "meta.json").exists() else folder_problem(folder)
+        if problem:
+            return problem
+    return None
+
+
+def vocab_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
+    """A model.vocab_size below the vocabulary of the data's tokenizer, where the data is prepared already (a fitted
+    tokenizer's size is known only then), refused with train's line before any run starts."""
+    problems = []
+    for spec in runs:
+        given = spec.model.get("vocab_size") if spec.source is None else None
+        meta = _prepared_meta(spec.data, data_dir) if isinstance(given, int) else None
+        known = meta.get("vocab_size") if meta else None
+        problem = vocab_problem(given, known) if isinstance(known, int) else None
+        if problem and f"targets.{spec.target}: {problem}" not in problems:
+            problems.append(f"targets.{spec.target}: {problem}")
+    return problems
 
 
 def finished_run(run_dir: Path, config: dict, source=None) -> dict | None:
@@ -147,6 +179,60 @@ def finished_run(run_dir: Path, config: dict, source=None) -> dict | None:
             "use another --out directory or delete that folder", source=str(source) if source else None
         )  # fmt: skip
     return summary
+
+
+def interrupted_run_problem(run_dir: Path, config: dict) -> str | None:
+    """For --no-resume, which restarts an interrupted run (its checkpoints and metrics are replaced): the one line
+    refusing it when the interrupted run in run_dir was made with another config than `config` (nothing of another
+    experiment is deleted without being asked); None when run_dir holds no checkpoint, or one of this config."""
+    step, saved = interrupted_config(run_dir)
+    differences = config_differences(saved, config, saved_as="saved") if saved is not None else []
+    if not differences:
+        return None
+    more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
+    return (f"{run_dir} holds an interrupted run made with another config, checkpointed at step {step} "
+            f"({differences[0]}{more}): --no-resume would delete it; use another --out directory, or delete that "
+            "folder")  # fmt: skip
+
+
+def interrupted_config(run_dir: Path) -> tuple[int, dict | None]:
+    """(the newest checkpoint's step, the config it was trained with: its config.json, else the run's), or (0, None)
+    when run_dir holds no checkpoint or neither config can be read."""
+    folders = step_folders(run_dir / "checkpoints")
+    if not folders:
+        return 0, None
+    for path in (folders[-1] / "config.json", run_dir / "config.json"):
+        try:
+            return int(folders[-1].name[5:]), read_json_object(path)
+        except DataError:
+            continue
+    return 0, None
+
+
+def run_folder_problem(out_root: str | Path) -> str | None:
+    """--out naming a run's folder (or a folder inside one): the manifest's runs would nest inside that run."""
+    path = Path(out_root).absolute()
+    for folder in (path, *path.parents):
+        if _is_run_folder(folder):
+            shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
+            where = "is" if folder == path else f"is inside {shown}, which is"
+            return (
+                f"--out {out_root} {where} a run's folder (it holds config.json and its checkpoints): runs go "
+                "to OUT/<manifest>/<target>/seed<S>; give the folder that holds your runs, e.g. --out runs"
+            )
+    return None
+
+
+def _is_run_folder(folder: Path) -> bool:
+    """Whether folder holds a run train() wrote: its config.json (model, data and train), and checkpoints/ or
+    summary.json."""
+    if not ((folder / "checkpoints").is_dir() or (folder / "summary.json").is_file()):
+        return False
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
 
 
 def _missing_folders(path: Path) -> list[Path]:
@@ -213,6 +299,11 @@ def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_di
             summary = finished_run(run_dir, config) if config is not None else None
             loss = f" (val loss {summary.get('val_loss', float('nan')):.4f})" if summary else ""
             return f"done already{loss}, would be skipped ({run_dir})"
+        if not resume:
+            config = _dry_config(spec, converted, meta, interrupted_config(run_dir)[1] or {})
+            problem = interrupted_run_problem(run_dir, config) if config is not None else None
+            if problem:
+                return f"would be refused: {problem}"
         checkpoint = find_checkpoint(run_dir) if resume else None
         if checkpoint is not None:
             config = _dry_config(spec, converted, meta, checkpoint.config)
@@ -269,6 +360,10 @@ def run_manifest(
 def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume, progress, log, convert_only):
     if Path(out_root).exists() and not Path(out_root).is_dir():
         raise ConfigError(f"--out {out_root}: a file, not a folder (runs are written into a folder)")
+    problem = run_folder_problem(out_root)
+    if problem:
+        raise ConfigError(problem)
+    env = dist_env()  # torchrun's variables, checked before anything else (a dry run never joins a process group)
     root = Path(out_root) / manifest.name
     runs = select_runs(manifest, targets, seeds)
     downloads = check_runs(manifest, runs, out_root, data_dir)
@@ -276,7 +371,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         for plan in downloads:
             log(f"data: {plan} first")
     # Under torchrun every rank runs this loop; rank 0 alone writes files and prints.
-    dist_info = init_distributed(pick_device(runs[0].train.device).type) if runs else None
+    dist_info = env if dry_run else init_distributed(pick_device(runs[0].train.device).type) if runs else None
     if dist_info is not None and not dist_info.is_main:
         log = lambda *a, **k: None  # noqa: E731
     prepared_by_data: dict = {}
@@ -356,6 +451,9 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
                     log(f"{label}: done already (val loss {summary.get('val_loss', float('nan')):.4f}), skipped")
                     summaries.append(summary)
                     continue
+                problem = None if resume else interrupted_run_problem(run_dir, config)
+                if problem:
+                    raise ConfigError(problem, source=str(manifest.path))
                 checkpoint = find_checkpoint(run_dir) if resume else None
                 if checkpoint is not None:  # before anything is written or said: a refusal leaves the folder as it was
                     check_resume(checkpoint, config, spec.data.source, prepared)

@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import logging
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -426,14 +427,39 @@ def _build(data_cfg: DataConfig, folder: Path, data_dir, download, model_tokeniz
         download=download,
     )
     log.info("preparing %s with %s into %s", data_cfg.source, data_cfg.tokenizer, folder)
+    problem = folder_problem(folder)
+    if problem:
+        raise DataError(problem)
+    made = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # a file where the cache expects a folder
-        raise DataError(f"{folder}: a file stands where the prepared data's folder goes (or one of its parents); "
-                        "remove it, or set XDG_CACHE_HOME to another cache") from None  # fmt: skip
+        raise DataError(FILE_IN_THE_WAY.format(folder=folder)) from None
     except FileNotFoundError as e:  # a cache under a folder that cannot hold folders (e.g. /proc)
         raise DataError(f"{folder}: cannot create the prepared data's folder ({e.strerror or e}); set "
                         "XDG_CACHE_HOME to a writable folder") from None  # fmt: skip
+    try:
+        return _fill(data_cfg, folder, source, data_dir, download, model_tokenizer, started)
+    except BaseException:
+        if made and not (folder / "meta.json").exists():  # a refused preparation leaves no folder behind
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+FILE_IN_THE_WAY = ("{folder}: a file stands where the prepared data's folder goes (or one of its parents); remove it, "
+                   "or set XDG_CACHE_HOME to another cache")  # fmt: skip
+
+
+def folder_problem(folder: Path) -> str | None:
+    """The line refusing a prepared data folder that cannot be made because a file stands where it or one of its
+    parents goes (XDG_CACHE_HOME naming a file, say), checked before anything is prepared (run --dry-run too)."""
+    for path in (folder, *folder.parents):
+        if path.exists() or path.is_symlink():
+            return None if path.is_dir() else FILE_IN_THE_WAY.format(folder=folder)
+    return None
+
+
+def _fill(data_cfg: DataConfig, folder: Path, source, data_dir, download, model_tokenizer, started) -> Prepared:
     (folder / "meta.json").unlink(missing_ok=True)
     remove_stale_temporaries(folder)  # .bin files of a prepare that was killed mid-write (possibly large)
     name = data_cfg.tokenizer

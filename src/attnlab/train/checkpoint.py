@@ -80,7 +80,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, trainer: dict, config: dict
             with atomic_path(final, durable=True) as tmp:  # the folder, all its files flushed, then renamed
                 tmp.mkdir()
                 metadata = {"step": str(trainer["step"]), CHECKSUMS_KEY: CHECKSUMS}
-                save_model(unwrap(model), str(tmp / WEIGHTS), metadata=metadata)
+                save_weights(model, tmp / WEIGHTS, metadata)
                 writing = OPTIMIZER
                 state = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
                 torch.save(state, tmp / OPTIMIZER)
@@ -115,7 +115,7 @@ def save_model_folder(folder: str | Path, model, config: dict, extra=None) -> Pa
     try:
         with atomic_path(folder, durable=True) as tmp:
             tmp.mkdir(parents=True)
-            save_model(unwrap(model), str(tmp / WEIGHTS), metadata={CHECKSUMS_KEY: CHECKSUMS})
+            save_weights(model, tmp / WEIGHTS, {CHECKSUMS_KEY: CHECKSUMS})
             writing = CONFIG
             (tmp / CONFIG).write_text(json.dumps(config, indent=1))
             shutil.copymode(tmp / CONFIG, tmp / WEIGHTS)  # safetensors makes it 0o600
@@ -128,6 +128,39 @@ def save_model_folder(folder: str | Path, model, config: dict, extra=None) -> Pa
     except (OSError, RuntimeError, SafetensorError) as e:
         raise CheckpointError(f"could not write {folder}: {writing}: {_why(e)}; nothing was written") from None
     return folder
+
+
+def save_weights(model, path: Path, metadata: dict[str, str]) -> None:
+    """The model's weights as safetensors, byte for byte the same for the same weights and metadata: safetensors
+    writes its metadata in a hash map's order, which changes from one save to the next (and the sha256 with it, which
+    bench takes as the weights' identity), so the header is rewritten with its keys in a fixed order."""
+    save_model(unwrap(model), str(path), metadata=metadata)
+    canonical_header(path)
+
+
+def canonical_header(path: Path) -> None:
+    """Rewrites a safetensors file's JSON header with sorted metadata and the tensors in the order of their data
+    (the data itself is not moved); in place when the header keeps its length, as it does when only its order
+    changed."""
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        metadata = header.pop("__metadata__", None)
+        ordered = dict(sorted(header.items(), key=lambda item: (item[1]["data_offsets"], item[0])))
+        if metadata is not None:
+            ordered = {"__metadata__": dict(sorted(metadata.items())), **ordered}
+        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)  # safetensors pads the header so that the data starts 8-byte aligned
+        if len(text) == size:
+            f.seek(8)
+            f.write(text)
+            return
+    rewritten = path.with_name(path.name + ".header")
+    with open(path, "rb") as source, open(rewritten, "wb") as target:
+        source.seek(8 + size)
+        target.write(len(text).to_bytes(8, "little") + text)
+        shutil.copyfileobj(source, target, 1 << 24)
+    rewritten.replace(path)
 
 
 def _fingerprint(path: Path) -> dict:
@@ -316,14 +349,38 @@ def find_checkpoint(run_dir: Path, tag: str = "last") -> Checkpoint | None:
         return None
     path = root / pointer["dir"]
     if not path.is_dir():
-        raise CheckpointError(f"{path}: incomplete or corrupt checkpoint (the folder {tag}.json names is missing); "
-                              "delete it to start over")  # fmt: skip
+        raise CheckpointError(_stale_pointer(root, tag, pointer["dir"]))
     recorded = recorded_checksums(path)
     trainer, config = _read_json(path, TRAINER, recorded), _read_json(path, CONFIG, recorded)
     if not isinstance(trainer, dict) or not isinstance(config, dict):
         raise CheckpointError(f"{path}: incomplete or corrupt checkpoint (trainer.json and config.json must hold "
                               "objects); delete it to start over")  # fmt: skip
     return Checkpoint(path, pointer["step"], trainer, config)
+
+
+def step_folders(root: Path) -> list[Path]:
+    """The checkpoint folders (step-N holding model.safetensors) under a run's checkpoints/, oldest step first."""
+    if not Path(root).is_dir():
+        return []
+    found = [p for p in Path(root).iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / WEIGHTS).is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def _pointer_text(folder: Path) -> str:
+    return json.dumps({"dir": folder.name, "step": int(folder.name[5:])})
+
+
+def _stale_pointer(root: Path, tag: str, missing: str) -> str:
+    """The one line for a pointer (last.json, best.json) naming a checkpoint folder that is not there."""
+    pointer = root / f"{tag}.json"
+    folders = step_folders(root)
+    if not folders:
+        return (f"{pointer} names {missing}, which is missing (an incomplete or corrupt checkpoint), and no other "
+                f"checkpoint is in {root}; delete {root} to train the run again from the start")  # fmt: skip
+    newest = folders[-1]
+    resumes = f" (the run then resumes from step {int(newest.name[5:])})" if tag == "last" else ""
+    return (f"{pointer} names {missing}, which is missing (a stale pointer), but {newest.name} is intact: write "
+            f"{_pointer_text(newest)} into {pointer.name} to use it{resumes}, or give {newest} itself")  # fmt: skip
 
 
 def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
@@ -396,6 +453,12 @@ def load_checkpoint(path: str | Path, tag: str = "best") -> LoadedCheckpoint:
     )
     folder = checkpoint.path if checkpoint else path
     if checkpoint is None and not (folder / WEIGHTS).exists():
+        folders = step_folders(path / "checkpoints")
+        if folders:  # a run whose pointers are gone: its checkpoint folders are still there
+            raise CheckpointError(
+                f"{path}: no last.json or best.json in {path / 'checkpoints'}, but {folders[-1].name} is there: give "
+                f"{folders[-1]} itself, or write {_pointer_text(folders[-1])} into {path / 'checkpoints'}/last.json"
+            )
         raise CheckpointError(
             f"{path}: no checkpoint here (expected a run directory or a folder with model.safetensors)"
         )

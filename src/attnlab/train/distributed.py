@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from attnlab.data import prepare
+from attnlab.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -26,13 +27,45 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(device_type: str) -> DistInfo:
-    """Joins the process group torchrun set up (gloo on CPU, nccl on CUDA); a no-op for one process."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
+def _whole(name: str, low: int, text: str | None = None) -> int:
+    text = os.environ[name] if text is None else text
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise ConfigError(f"${name}={text!r} must be a whole number >= {low} (start distributed runs with torchrun)")
+    return value
+
+
+def dist_env() -> DistInfo:
+    """The process group torchrun describes in the environment ($WORLD_SIZE, $RANK, $LOCAL_RANK, $MASTER_ADDR),
+    checked before anything joins it: ConfigError naming the variable. One process when $WORLD_SIZE is unset (or
+    empty, or 1)."""
+    text = os.environ.get("WORLD_SIZE", "").strip()
+    world_size = _whole("WORLD_SIZE", 1) if text else 1
+    if world_size == 1:
         return DistInfo()
-    info = DistInfo(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
+    missing = [f"${name}" for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name, "").strip()]
+    if missing:
+        needs = ", ".join(missing[:-1]) + (" and " if len(missing) > 1 else "") + missing[-1]
+        raise ConfigError(f"$WORLD_SIZE={world_size} needs {needs} (start with torchrun, or unset $WORLD_SIZE)")
+    rank = _whole("RANK", 0)
+    if rank >= world_size:
+        raise ConfigError(f"$RANK={rank} must be below $WORLD_SIZE={world_size} (start with torchrun)")
+    local_rank = _whole("LOCAL_RANK", 0) if os.environ.get("LOCAL_RANK", "").strip() else 0
+    if os.environ.get("MASTER_PORT", "").strip():
+        port = _whole("MASTER_PORT", 1)
+        if port > 65535:
+            raise ConfigError(f"$MASTER_PORT={port} must be a port number from 1 to 65535 (start with torchrun)")
+    return DistInfo(rank, world_size, local_rank)
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Joins the process group torchrun set up (gloo on CPU, nccl on CUDA); a no-op for one process. The
+    environment is checked first (dist_env)."""
+    info = dist_env()
+    if info.enabled and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     return info
 

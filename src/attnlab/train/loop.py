@@ -56,6 +56,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def vocab_problem(model_vocab: int, tokenizer_vocab: int) -> str | None:
+    """A model.vocab_size too small for the prepared data's tokenizer (checked by train and run --dry-run)."""
+    if model_vocab >= tokenizer_vocab:
+        return None
+    return (f"model vocab_size={model_vocab} is smaller than the tokenizer's {tokenizer_vocab} (leave vocab_size "
+            "out of the manifest to take the tokenizer's)")  # fmt: skip
+
+
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """bf16 autocast only where the device is fast at it: on this kind of CPU bf16 matmuls run ~300x
     slower than fp32, so `auto` means fp32 on the CPU."""
@@ -143,11 +151,9 @@ def train(
         raise ConfigError(f"train.seq_len={train_cfg.seq_len} exceeds model max_seq_len={model_cfg.max_seq_len}")
     prepared = prepared or prepare_rank0_first(data_cfg, data_dir, dist_info)
     prepared.verify()  # every split's sha256 and id range, before anything is written
-    if model_cfg.vocab_size < prepared.vocab_size:
-        raise ConfigError(
-            f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {prepared.vocab_size} "
-            "(leave vocab_size out of the manifest to take the tokenizer's)"
-        )
+    problem = vocab_problem(model_cfg.vocab_size, prepared.vocab_size)
+    if problem:
+        raise ConfigError(problem)
     problem = batch_memory_problem(model_cfg, train_cfg, model_cfg.vocab_size)
     if problem:
         raise ConfigError(problem)

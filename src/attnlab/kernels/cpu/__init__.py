@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from attnlab import quant
-from attnlab.errors import AttnlabWarning
+from attnlab.errors import AttnlabWarning, ConfigError
 from attnlab.paths import cache_dir
 
 SOURCE = Path(__file__).with_name("qattn.c")
@@ -133,9 +133,17 @@ def compiled(source: Path, load: Callable[[Path], object], builder: Callable[...
         return None
 
 
+OFF, ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
 def turned_off() -> bool:
-    """Whether ATTNLAB_CPU_KERNELS turns the kernels off (0, false, no, off)."""
-    return os.environ.get("ATTNLAB_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
+    """Whether ATTNLAB_CPU_KERNELS turns the kernels off (0, false, no, off; unset, empty or 1, true, yes, on: on).
+    ConfigError for any other value (a typo would otherwise silently mean "on")."""
+    value = os.environ.get("ATTNLAB_CPU_KERNELS", "").strip().lower()
+    if value and value not in OFF + ON:
+        raise ConfigError(f"$ATTNLAB_CPU_KERNELS={os.environ['ATTNLAB_CPU_KERNELS']!r} is not one of "
+                          f"{', '.join(OFF)} (kernels off) or {', '.join(ON)} (on, the default)")  # fmt: skip
+    return value in OFF
 
 
 @functools.cache
