@@ -222,6 +222,8 @@ def test_a_file_as_the_cache_is_refused_by_the_dry_run_as_by_the_run(tmp_path, c
     lines = [fails(capsys, ["run", str(path), "--out", str(tmp_path / "out"), *flag], f"{afile}/attnlab/prepared/",
                    "a file stands where the prepared data's folder goes") for flag in (["--dry-run"], [])]  # fmt: skip
     assert lines[0] == lines[1] and afile.read_text() == "x\n"
+    assert main(["validate", str(path)]) == 2  # validate names each problem as `FILE: problem`
+    assert "a file stands where the prepared data's folder goes" in capsys.readouterr().err
 
 
 def test_a_vocab_size_below_the_prepared_tokenizers_is_refused_by_the_dry_run(tmp_path, capsys, text):
@@ -231,6 +233,8 @@ def test_a_vocab_size_below_the_prepared_tokenizers_is_refused_by_the_dry_run(tm
     line = "targets.base: model vocab_size=10 is smaller than the tokenizer's "
     lines = [fails(capsys, [*argv, *flag], line) for flag in (["--dry-run"], ["--no-progress"])]
     assert lines[0] == lines[1] and not (tmp_path / "out").exists()
+    assert main(["validate", str(path), "--set", "model.vocab_size=10"]) == 2
+    assert f"{path}: {line}" in capsys.readouterr().err
 
 
 def test_a_refused_preparation_leaves_no_folder_in_the_cache(tmp_path):

@@ -20,10 +20,11 @@ from attnlab.accounting import info, memory_note
 from attnlab.attention.registry import REGISTRY
 from attnlab.cli_errors import Parser, fail, interrupted, link_loop, os_error_line, too_deep_line, warning_printer
 from attnlab.cli_models import cmd_convert, cmd_export, cmd_kv_eval, cmd_kv_tune, key_values, unquantized_note
+from attnlab.cli_validate import LINK_LOOP, cmd_validate
 from attnlab.compare import compare
 from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT
-from attnlab.config_io import load_config, memory_from_dict, read_yaml
+from attnlab.config_io import load_config, memory_from_dict, other_config
 from attnlab.data.files import special_file
 from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
@@ -38,11 +39,10 @@ from attnlab.generate import generate
 from attnlab.interop.convert import PAIR_RULES
 from attnlab.interop.references import model_config_of
 from attnlab.interop.tokenizer import warn_unknown
-from attnlab.manifest import file_kind, load_manifest
+from attnlab.manifest import load_manifest
 from attnlab.memory import MemoryStore, ingest, query
 from attnlab.paths import check_data_dirs
-from attnlab.retrofit import check_pretrained
-from attnlab.runner import local_source_problems, run_manifest
+from attnlab.runner import run_manifest
 
 
 def cmd_list(args) -> int:
@@ -52,45 +52,6 @@ def cmd_list(args) -> int:
             default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
             print(f"    {f.name}: {f.type} ({default})")
     return 0
-
-
-LINK_LOOP = "a symbolic link loop (too many levels of symbolic links): point the link at the file itself"
-
-
-def cmd_validate(args) -> int:
-    status = 0
-    for path in args.files:
-        try:
-            if link_loop(path):
-                raise ConfigError(LINK_LOOP, source=str(path))
-            kind = file_kind(path)
-            if kind == "manifest":
-                manifest = load_manifest(path, args.set)
-                problems = check_pretrained(list(manifest.runs), list(manifest.runs), args.data_dir)
-                if args.data_dir:  # where the data is was said: its local files must be there, as `run` checks
-                    problems += local_source_problems(list(manifest.runs), args.data_dir)
-                if problems:
-                    raise ConfigError(problems, source=str(path))
-                print(f"{path}: ok (manifest {manifest.name}: {len(manifest.targets)} targets, "
-                      f"{len(manifest.seeds)} seeds, {len(manifest.runs)} runs)")  # fmt: skip
-                continue
-            if kind == "bench":
-                plan = load_plan([str(path)], sets=args.set, need_checkpoints=False)
-                print(f"{path}: ok (benchmark manifest {plan.name}: {len(plan.benchmarks)} benchmarks, "
-                      f"{len(plan.checkpoints)} checkpoints found)")  # fmt: skip
-                continue
-            if kind == "probes":
-                suite = load_suite(path)
-                print(f"{path}: ok (probe suite {suite.name}: {len(suite.cases)} cases)")
-                continue
-            cfg = load_config(path)
-        except ConfigError as e:
-            for problem in e.problems:
-                print(f"{path}: {problem}", file=sys.stderr)
-            status = 2
-            continue
-        print(f"{path}: ok ({cfg.attention.kind}, {cfg.n_layers} layers, d_model {cfg.d_model})")
-    return status
 
 
 def cmd_run(args) -> int:
@@ -133,17 +94,16 @@ CONFIG_SUFFIXES = (".yaml", ".yml", ".json")  # what `info` reads as a model con
 
 
 def config_file(path: str) -> ModelConfig:
-    """A model config file (load_config); a JSON file of something else (a checkpoint's config.json, best.json) is
-    one line saying what `info` takes, not every key it lacks."""
+    """A model config file (load_config); a file of something else (a run's config.yaml or config.json, a Hugging
+    Face config.json, best.json) is one line saying what `info` takes, not every key it lacks."""
     try:
         return load_config(path)
     except ConfigError:
-        data = read_yaml(path) if Path(path).suffix.lower() == ".json" else None  # (its own errors were said)
-        own = {"vocab_size", "d_model", "n_layers"}  # a Hugging Face config.json has model_type (and vocab_size)
-        if isinstance(data, dict) and (not own & data.keys() or "model_type" in data):
-            raise ConfigError("not a model config: `attnlab info` takes a model config file (.yaml or .json, keys "
-                              f"vocab_size, d_model, ...) or a model reference: {REFERENCE_HELP} (for a checkpoint "
-                              "or a Hugging Face model, give its folder)", source=path) from None  # fmt: skip
+        what = other_config(path)
+        if what is not None:
+            raise ConfigError(f"{what}: `attnlab info` takes a model config file (.yaml or .json, keys vocab_size, "
+                              f"d_model, ...) or a model reference: {REFERENCE_HELP} (for a run, a checkpoint or a "
+                              "Hugging Face model, give its folder)", source=path) from None  # fmt: skip
         raise
 
 
@@ -233,6 +193,8 @@ def cmd_probes(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.list:
+        if args.targets:  # a stray target would be silently ignored
+            raise InputError(f"--list takes no manifest or checkpoint ({' '.join(args.targets)}): give --list alone")
         for name, fn in BENCHMARKS.items():
             params = ", ".join(f"{k}={v!r}" for k, v in parameters(name).items())
             print(f"{name}: {fn.__doc__.splitlines()[0]}\n    {params}")

@@ -217,10 +217,38 @@ def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: s
     groups, notes = group_runs(runs)
     runs = [{**run, "row": name} for name, members in groups.items() for run in members]  # the plot's names
     out_dir = Path(out_dir or runs_dir)
+    paths = {"markdown": out_dir / "compare.md", "csv": out_dir / "compare.csv", "plot": out_dir / "val_loss.png"}
+    check_outputs(paths.values())  # nothing written while one of them is the user's own
     out_dir.mkdir(parents=True, exist_ok=True)
     markdown = to_markdown(rows, notes)
-    paths = {"markdown": out_dir / "compare.md", "csv": out_dir / "compare.csv", "plot": out_dir / "val_loss.png"}
     atomic_write_text(paths["markdown"], markdown)
     atomic_write_text(paths["csv"], to_csv(rows))
-    plot_val_loss(runs, paths["plot"])
+    try:
+        plot_val_loss(runs, paths["plot"])
+    except OSError as e:  # (the image library names no file: a file size limit would name nothing)
+        paths["plot"].unlink(missing_ok=True)  # no half-written PNG left
+        if e.filename is None:
+            e.filename = str(paths["plot"])
+        raise
     return {"rows": rows, "text": markdown, **paths}
+
+
+# How compare's own files begin: another file at their place is the user's, never replaced.
+OWN_START = {"compare.md": b"| target | seeds | params |", "compare.csv": b"target,seeds,params,",
+             "val_loss.png": b"\x89PNG"}  # fmt: skip
+
+
+def check_outputs(paths) -> None:
+    """Refuses (InputError, naming it) a folder or other non-file where compare writes a file, and a file there
+    that compare did not write (the user's own compare.md is never replaced)."""
+    for path in paths:
+        if path.exists() and not path.is_file():
+            what = "a folder" if path.is_dir() else "not a regular file"
+            raise InputError(f"{path}: {what} where compare writes its {path.name}: move it away, or give another "
+                             "--out")  # fmt: skip
+        if path.is_file():
+            with path.open("rb") as file:
+                start = file.read(len(OWN_START[path.name]))
+            if start != OWN_START[path.name]:
+                raise InputError(f"{path}: not a file attnlab compare wrote (it would be replaced): move it away, "
+                                 "or give another --out")  # fmt: skip

@@ -146,3 +146,37 @@ def read_yaml(path: str | Path) -> Any:
 def load_config(path: str | Path) -> ModelConfig:
     """Reads a model config YAML file (top-level keys = ModelConfig fields, or one `model:` key)."""
     return model_config_from_dict(read_yaml(path), source=str(path))
+
+
+GGUF_MAGIC = b"GGUF"
+MODEL_KEYS = {"vocab_size", "d_model", "n_layers"}  # a model config has some of these (a Hugging Face one, model_type)
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` is a regular file beginning as a GGUF model file does."""
+    try:
+        with open(path, "rb") as file:
+            return Path(path).is_file() and file.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def other_config(path: str | Path) -> str | None:
+    """What a YAML or JSON file that a model config's checks refused is, when it is recognisably something else: a
+    GGUF model file, an attnlab run's or checkpoint's saved config (model, data, train), a Hugging Face config.json,
+    or a mapping without a model config's keys. None when it looks like a model config with mistakes (whose
+    problems are then the ones to say). Read errors were said by the checks already: they give None here."""
+    if is_gguf(path):
+        return "a GGUF model file, not a config"
+    try:
+        data = read_yaml(path)
+    except ConfigError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    if "model_type" in data:
+        return "a Hugging Face model's config (model_type), not an attnlab model config"
+    if isinstance(data.get("model"), dict) and ({"data", "train"} & data.keys()):
+        return "an attnlab run's saved config (model, data, train), not a model config"
+    json_file = Path(path).suffix.lower() == ".json"  # (a YAML file's keys mistyped get their nearest names)
+    return "not a model config" if json_file and not MODEL_KEYS & data.keys() else None

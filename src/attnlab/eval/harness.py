@@ -41,6 +41,13 @@ from attnlab.config_io import parse_yaml, read_yaml, yaml_problem
 from attnlab.data.files import folder_lock
 from attnlab.errors import ConfigError, InputError
 from attnlab.eval.analysis import region_problems, run_attention_maps, run_effective_rank
+from attnlab.eval.bench_checks import (
+    cache_memory_problem,
+    context_note,
+    context_problem,
+    parameter_problems,
+    unmeasured_problem,
+)
 from attnlab.eval.kvquant import MIN_SEQ_LEN, SEQ_LEN_NEED, run_kv_eval
 from attnlab.eval.loading import load_for_eval
 from attnlab.eval.longctx import context_sweep as sweep
@@ -50,8 +57,8 @@ from attnlab.eval.perplexity import run_perplexity
 from attnlab.eval.probes import load_suite, probe_records, run_probes
 from attnlab.eval.records import append_records, distinct_labels, read_records, records_folder
 from attnlab.eval.speed import run_latency, run_memory
+from attnlab.interop.references import model_config_of, resolve
 from attnlab.interop.references import reference_label as run_label
-from attnlab.interop.references import resolve
 from attnlab.paths import brief, check_name
 from attnlab.train.checkpoint import WEIGHTS, find_checkpoint, recorded_checksums
 
@@ -209,6 +216,7 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
                     problem = f"is not one of {', '.join(choices)}"
                 if problem:
                     problems.append(f"{where}.{name}.{key}={brief(value)} {problem}")
+        problems += parameter_problems(name, params or {}, where)
         if name == "needle" and isinstance(params, dict):
             problems += needle_problems(params, f"{where}.{name}")
         seq_len = (params or {}).get("seq_len") if name == "kv_quant" else None
@@ -440,6 +448,7 @@ def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
         existing = read_records(records_path) if records_path.exists() else []
         recorded = {_key(r): r.get("weights") for r in existing}  # the latest record's weights, per key
         labels = plan_labels(plan.checkpoints, existing, plan.data_dir)
+        plans = []  # (checkpoint, weights, label, todo): what each checkpoint still has to measure
         for checkpoint in plan.checkpoints:
             if (Path(checkpoint) / "checkpoints").exists() and not (Path(checkpoint) / "summary.json").exists():
                 log(f"{checkpoint}: training has not finished (no summary.json), skipped")
@@ -455,10 +464,30 @@ def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
                         f"measured: skipped (remove them from {records_path} to measure again)")  # fmt: skip
                 else:
                     todo.append((name, params, full, key in recorded))
-            if not todo:  # every benchmark recorded: the model is not even loaded
-                continue
+            if todo:  # every benchmark recorded: the model is not even loaded
+                plans.append((checkpoint, weights, label, todo))
+        for checkpoint, _, label, todo in plans:  # lengths and caches checked from the configs, before any loading
+            cfg = model_config_of(checkpoint, plan.data_dir)
+            problems = [
+                p
+                for name, params, full, _ in todo
+                for p in (
+                    context_problem(name, full, cfg, label, given=params),
+                    cache_memory_problem(name, full, cfg, label),
+                )
+                if p
+            ]
+            if problems:
+                raise InputError("; ".join(problems))
+        for checkpoint, weights, label, todo in plans:
             model = load_for_eval(checkpoint, data_dir=plan.data_dir)
             model.name = label  # unique in this bench and its folder's records
+            train_seq_len = model.config.get("train", {}).get("seq_len") or model.cfg.max_seq_len
+            problems = (context_problem(name, full, model.cfg, label, train_seq_len, params)
+                        for name, params, full, _ in todo)  # fmt: skip
+            problem = next((p for p in problems if p), None)
+            if problem:
+                raise InputError(problem)
             for name, params, full, again in todo:
                 if again:
                     log(
@@ -467,10 +496,16 @@ def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
                     )
                 else:
                     log(f"{label} {name} ...")
+                note = context_note(name, full, model.cfg, label, train_seq_len)
+                if note:
+                    log(note)
                 try:
                     records = BENCHMARKS[name](model, out_dir, plan.data_dir, **params)
                 except (ConfigError, InputError) as e:  # a parameter the benchmark refused once it ran: name it
                     raise type(e)(named_parameters(name, str(e), full, model.name)) from None
+                problem = unmeasured_problem(name, records, label)
+                if problem:
+                    raise InputError(problem)
                 for record in records:
                     record["params"] = full
                     record["benchmark"] = name  # the harness's name for it (e.g. rope_extrapolation)

@@ -238,8 +238,11 @@ def run_needle(
                 if prompt is None:
                     break
                 results.append(needle_trial(model.model, tokenizer, prompt, key))
-            if not results:
-                rows.append(make_record("needle", model, status="too_short", **cell))
+            if not results:  # the tokens its fixed parts take (intro, needle, question, answer): the least length
+                fixed = [intro and tokenizer.encode(intro), tokenizer.encode(" " + needle.format(key=keys[0])),
+                         tokenizer.encode("\n" + question), tokenizer.encode(" " + keys[0])]  # fmt: skip
+                needs = sum(len(part or []) for part in fixed)
+                rows.append(make_record("needle", model, status="too_short", needs=needs, **cell))
                 continue
             done += results
             summary = _needle_summary(results)

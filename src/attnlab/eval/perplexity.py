@@ -165,6 +165,10 @@ def run_perplexity(eval_model, split: str = "test", seq_len: int | None = None, 
     tokens, dataset, tokenizer = eval_tokens(eval_model, split, data_dir, dataset)
     seq_len = seq_len or eval_model.config.get("train", {}).get("seq_len") or eval_model.cfg.max_seq_len
     windows = window_losses(eval_model.model, tokens, seq_len, stride, max_tokens)
+    if len(windows) < 2 and max_tokens is not None and max_tokens < len(tokens) - 1:  # a zero-width interval
+        raise InputError(f"max_tokens={max_tokens} scores a single window of seq_len={seq_len} tokens: the bootstrap "
+                         f"interval over windows needs two at least (give max_tokens > {seq_len}, or a shorter "
+                         "seq_len)")  # fmt: skip
     summary = summarize_losses(windows)
     scored = tokens[: summary["tokens"] + 1]  # what the windows' scored losses depend on (inputs and targets)
     return make_record(

@@ -7,6 +7,7 @@ one query's attention over the prompt, layers as rows. region_mass_bars: mass on
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,14 @@ def _pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    quiet_missing_glyphs()
     return plt
+
+
+def quiet_missing_glyphs() -> None:
+    """Names in a script the plot's font lacks (a CJK target name) are drawn as boxes, not said in matplotlib's
+    two-line UserWarning per glyph: the figure is still right, its legend names are in the tables."""
+    warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font", category=UserWarning)
 
 
 def _save(fig, path) -> Path:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from attnlab.data.files import atomic_write_text, read_json_lines
 from attnlab.errors import AttnlabWarning, DataError, InputError
+from attnlab.eval.bench_checks import status_notes
 from attnlab.eval.paired import paired_rows
-from attnlab.eval.plots import plot_val_loss, rank_spectra, region_mass_bars
+from attnlab.eval.plots import plot_val_loss, quiet_missing_glyphs, rank_spectra, region_mass_bars
 from attnlab.eval.records import distinct_labels, latest_records, read_records, record_problem
 from attnlab.eval.stats import paired_comparison
 
@@ -262,6 +263,7 @@ def _figure():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    quiet_missing_glyphs()
     return plt
 
 
@@ -401,6 +403,12 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
             which = f"record {number} ({record['benchmark']}, {record['model']})"
             raise DataError(f"{records_path}: {which}: {problem} (the file was changed); repair or remove that line, "
                             "or run the benchmark again")  # fmt: skip
+    for name, folder in (("tables", True), ("report.md", False), ("report.html", False)):  # before anything is written
+        place = out_dir / name
+        if os.path.lexists(place) and place.is_dir() != folder:
+            what = "a folder" if place.is_dir() else "a file" if place.is_file() else "not a regular file"
+            raise InputError(f"{place}: {what} where the report writes its {name}{' folder' * folder}: move it away, "
+                             "then run the report again")  # fmt: skip
     records, notes = _latest_and_distinct(records, records_path)
     models = list(dict.fromkeys(r["model"] for r in records))
     pairs = list(dict.fromkeys(pairs))  # a pair given twice is compared once (its rows would be the same twice)
@@ -448,6 +456,7 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
     if untabled:
         notes.append("Not in this report (no table or plot draws them): " + ", ".join(
             f"{n} {name} record{'s' * (n > 1)}" for name, n in untabled.items()) + ".")  # fmt: skip
+    notes += status_notes(records)  # records that measured nothing (too_long, too_short, oom, ...), and why
     parts += [f"Note: {note}\n" for note in notes]
     for t in tables:
         parts += [f"## {t.title}", "", t.markdown(), ""]

@@ -149,8 +149,9 @@ def run_latency(
     (all sequences of the batch; new_tokens - 1 timed steps after the first token), each as every repeat plus
     median, min, max and quartiles, after `warmup` untimed runs. Prompts whose L + new_tokens - 1 passes
     max_seq_len are too_long; out of memory is oom."""
-    if new_tokens < 2 or repeats < 1 or warmup < 0:
-        raise InputError(f"new_tokens={new_tokens} must be >= 2, repeats={repeats} >= 1 and warmup={warmup} >= 0")
+    for name, value, least in (("new_tokens", new_tokens, 2), ("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if value < least:  # the one violated, not every condition
+            raise InputError(f"{name}={value} must be >= {least}")
     cfg, device, n_runs = model.cfg, model.device, warmup + repeats
     rows = []
     for length in sorted(prompt_lengths):

@@ -1,0 +1,73 @@
+"""`attnlab validate FILE...`: the checks `attnlab run` and `attnlab bench` make on a file, without running anything:
+one line per problem, naming the file; a file that is something else (a GGUF model, a run's or a Hugging Face
+model's saved config) is said to be, in one line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from attnlab.cli_errors import link_loop
+from attnlab.config_io import is_gguf, load_config, other_config
+from attnlab.errors import ConfigError
+from attnlab.eval.harness import load_plan
+from attnlab.eval.probes import load_suite
+from attnlab.manifest import file_kind, load_manifest
+from attnlab.retrofit import check_pretrained
+from attnlab.runner import local_source_problems, prepared_problems, vocab_problems
+
+LINK_LOOP = "a symbolic link loop (too many levels of symbolic links): point the link at the file itself"
+
+
+VALIDATE_TAKES = "`attnlab validate` takes model configs, experiment and benchmark manifests and probe suites"
+
+
+def cmd_validate(args) -> int:
+    status = 0
+    for path in args.files:
+        kind = None
+        try:
+            if link_loop(path):
+                raise ConfigError(LINK_LOOP, source=str(path))
+            if is_gguf(path):
+                raise ConfigError(f"a GGUF model file, not a config: {VALIDATE_TAKES} (for a model's parameters and "
+                                  f"KV cache: attnlab info {path})", source=str(path))  # fmt: skip
+            kind = file_kind(path)
+            if args.set and kind not in ("manifest", "bench"):  # a --set nothing would read is not silently ignored
+                raise ConfigError("--set applies to experiment and benchmark manifests only (this is a "
+                                  f"{'probe suite' if kind == 'probes' else 'model config'}: edit the file)",
+                                  source=str(path))  # fmt: skip
+            if kind == "manifest":
+                manifest = load_manifest(path, args.set)
+                problems = check_pretrained(list(manifest.runs), list(manifest.runs), args.data_dir)
+                if args.data_dir:  # where the data is was said: its local files must be there, as `run` checks
+                    problems += local_source_problems(list(manifest.runs), args.data_dir)
+                problems += vocab_problems(list(manifest.runs), args.data_dir)  # as run and --dry-run refuse them
+                cache_problem = prepared_problems(list(manifest.runs), args.data_dir)
+                problems += [cache_problem] if cache_problem else []
+                if problems:
+                    raise ConfigError(problems, source=str(path))
+                print(f"{path}: ok (manifest {manifest.name}: {len(manifest.targets)} targets, "
+                      f"{len(manifest.seeds)} seeds, {len(manifest.runs)} runs)")  # fmt: skip
+                continue
+            if kind == "bench":
+                plan = load_plan([str(path)], sets=args.set, need_checkpoints=False)
+                print(f"{path}: ok (benchmark manifest {plan.name}: {len(plan.benchmarks)} benchmarks, "
+                      f"{len(plan.checkpoints)} checkpoints found)")  # fmt: skip
+                continue
+            if kind == "probes":
+                suite = load_suite(path)
+                print(f"{path}: ok (probe suite {suite.name}: {len(suite.cases)} cases)")
+                continue
+            cfg = load_config(path)
+        except ConfigError as error:
+            problems = error.problems
+            what = other_config(path) if kind == "model" else None
+            if what is not None:  # one line for a file that is something else, not each model key it lacks
+                problems = [f"{what}: {VALIDATE_TAKES} (for this model: attnlab info {Path(path).parent})"]
+            for problem in problems:
+                print(f"{path}: {problem}", file=sys.stderr)
+            status = 2
+            continue
+        print(f"{path}: ok ({cfg.attention.kind}, {cfg.n_layers} layers, d_model {cfg.d_model})")
+    return status

@@ -1,0 +1,172 @@
+"""What `attnlab bench` refuses before it measures: parameters that cannot measure anything together, lengths past a
+model's context that would only be recorded as not measured, caches far beyond this machine's memory.
+
+A benchmark whose every cell would be recorded too_long (or too_short) measured nothing: it is refused, as a
+perplexity window past the context is, naming the benchmark, the lengths and the limit. A benchmark some of whose
+cells fall past the context measures the others, and says which it left (`context_notes`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from attnlab.accounting import kv_report
+from attnlab.train.budget import _size, machine_memory
+
+MIN_PERPLEXITY_TOKENS = 2  # a bootstrap interval over windows needs two windows at least
+
+
+def parameter_problems(name: str, params: dict, where: str = "benchmarks") -> list[str]:
+    """Parameters of one benchmark that its code would refuse once the model is loaded: said before loading, each
+    violated condition alone (params: the ones given; values of the wrong type are checked elsewhere)."""
+    problems = []
+
+    def whole(key):
+        value = params.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    if name == "latency":
+        new_tokens = whole("new_tokens")
+        if new_tokens is not None and new_tokens < 2:
+            problems.append(f"{where}.latency.new_tokens={new_tokens} must be >= 2 (the first token ends the prefill; "
+                            "the decode speed is timed over the tokens after it)")  # fmt: skip
+    if name == "perplexity":
+        max_tokens = whole("max_tokens")
+        if max_tokens is not None and max_tokens < MIN_PERPLEXITY_TOKENS:
+            problems.append(f"{where}.perplexity.max_tokens={max_tokens} is too few for an interval: the bootstrap "
+                            f"over windows needs two windows, {MIN_PERPLEXITY_TOKENS} tokens at the least (give more, "
+                            "or leave max_tokens out for the whole split)")  # fmt: skip
+    return problems
+
+
+def _join(values) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def context_cells(name: str, full: dict, cfg, train_seq_len: int | None = None) -> tuple[list, list, str] | None:
+    """(every cell, the cells past the model's context, how the limit reads) for the benchmarks whose lengths are
+    checked against max_seq_len, as their code marks cells too_long; None for the others (and for
+    rope_extrapolation without train_seq_len)."""
+    limit = cfg.max_seq_len
+    memory = cfg.memory.kind != "none"
+    if name == "latency":
+        new = full["new_tokens"]
+        cells = sorted(full["prompt_lengths"])
+        return cells, [n for n in cells if n + new - 1 > limit], f"+ {new} new tokens"
+    if name in ("memory", "context_sweep", "needle") and full.get("lengths") is not None:
+        cells = sorted(full["lengths"])
+        return cells, [n for n in cells if n > limit], ""
+    if name == "stream_loss":
+        cells = [full["length"]]
+        return cells, [n for n in cells if n > limit and not memory], ""
+    if name == "rope_extrapolation" and train_seq_len:
+        cells = list(full["factors"])
+        return cells, [f for f in cells if round(f * train_seq_len) > limit], f"x the training context {train_seq_len}"
+    return None
+
+
+GIVES_CELLS = {"latency": ("prompt_lengths", "new_tokens"), "rope_extrapolation": ("factors",),
+               "stream_loss": ("length",)}  # the parameters that make the cells (else `lengths`)  # fmt: skip
+
+
+def context_problem(name: str, full: dict, cfg, label: str, train_seq_len: int | None = None,
+                    given: dict | None = None) -> str | None:  # fmt: skip
+    """Why benchmark `name` with parameters `full` cannot run on this model: every cell past its context (nothing
+    would be measured), or a cell past it that the user asked for (`given`: the parameters given, not defaulted).
+    None when it can (defaults past the context are recorded too_long and said: context_note)."""
+    found = context_cells(name, full, cfg, train_seq_len)
+    if found is None or not found[1]:
+        return None
+    cells, past, how = found
+    asked = any(key in (given or {}) for key in GIVES_CELLS.get(name, ("lengths",)))
+    if len(past) < len(cells) and not asked:
+        return None
+    what = "nothing would be measured" if len(past) == len(cells) else "it would not be measured"
+    limit, one = cfg.max_seq_len, len(past) == 1
+    exceed = "exceeds" if one else "exceed"
+    if name == "latency":
+        longest = max(0, limit - full["new_tokens"] + 1)
+        return (f"benchmarks.latency: prompt {_join(past)} + {full['new_tokens']} new tokens exceed {label}'s "
+                f"max_seq_len {limit} ({what}): give prompt lengths <= {longest}, or fewer new_tokens")  # fmt: skip
+    if name == "rope_extrapolation":
+        return (f"benchmarks.rope_extrapolation.factors={_list(cells)}: {_join(past)} {how} {exceed} {label}'s "
+                f"max_seq_len {limit} ({what}): give factors <= {limit / train_seq_len:g}")  # fmt: skip
+    key = "length" if name == "stream_loss" else "lengths"
+    shown = cells[0] if name == "stream_loss" else _list(cells)
+    return (
+        f"benchmarks.{name}.{key}={shown}: {_join(past)} {exceed} {label}'s max_seq_len {limit} ({what}): give "
+        f"{key} <= {limit}" + (" (a model with a memory reads past it)" if name == "stream_loss" else "")
+    )
+
+
+def _list(values) -> str:
+    return "[" + _join(values) + "]"
+
+
+def context_note(name: str, full: dict, cfg, label: str, train_seq_len: int | None = None) -> str | None:
+    """A line saying which cells of a benchmark fall past the model's context (recorded too_long, not measured)
+    while others are measured, or None."""
+    found = context_cells(name, full, cfg, train_seq_len)
+    if found is None or not found[1]:
+        return None
+    _, past, how = found
+    what = {"latency": "prompt_lengths", "rope_extrapolation": "factors", "stream_loss": "length"}.get(name, "lengths")
+    return (f"{label} {name}: {what} {_join(past)}{' ' + how if how else ''} exceed max_seq_len {cfg.max_seq_len}: "
+            "recorded as too_long, not measured")  # fmt: skip
+
+
+def cache_memory_problem(name: str, full: dict, cfg, label: str) -> str | None:
+    """A KV cache the memory or latency benchmark would allocate, far beyond this machine's memory (RAM plus GPUs),
+    refused before loading rather than failing in the allocator: the largest batch that fits, or None."""
+    if name == "memory":
+        batches, lengths, dtype = [full["batch_size"]], full["lengths"], full.get("cache_dtype") or "fp32"
+        key = "batch_size"
+    elif name == "latency":
+        batches, dtype, key = full["batch_sizes"], "fp32", "batch_sizes"
+        lengths = [n + full["new_tokens"] - 1 for n in full["prompt_lengths"]]
+    else:
+        return None
+    lengths = [n for n in lengths if n <= cfg.max_seq_len] or None
+    have = machine_memory()
+    if lengths is None or have is None:
+        return None
+    per_sequence = kv_report(cfg, dtype, max(lengths), full.get("kv_policy"))["kv_bytes"]
+    batch = max(batches)
+    if per_sequence * batch <= have:
+        return None
+    most = max(1, have // max(1, per_sequence))
+    return (
+        f"benchmarks.{name}.{key}={batch:,} needs {_size(per_sequence * batch)} of KV cache on {label} "
+        f"({max(lengths):,} tokens); this machine has {_size(have)} (give at most {most:,})"
+    )
+
+
+def unmeasured_problem(name: str, records: list[dict], label: str) -> str | None:
+    """A benchmark that ran and recorded no cell as measured, every one too short (needle: a length too short
+    for its prompt): why, or None."""
+    statuses = Counter(r.get("status", "ok") for r in records)
+    if not records or statuses.get("ok") or set(statuses) != {"too_short"}:
+        return None
+    lengths = sorted({r["length"] for r in records if isinstance(r.get("length"), int)})
+    needs = max((r["needs"] for r in records if isinstance(r.get("needs"), int)), default=None)
+    least = f"lengths >= {needs}" if needs else "longer lengths"
+    limit = next((r["max_seq_len"] for r in records if isinstance(r.get("max_seq_len"), int)), None)
+    if needs and limit and needs > limit:
+        least += f", more than its max_seq_len {limit}: this model cannot hold the needle's prompt"
+    return (f"benchmarks.{name}: lengths {_join(lengths)} are too short on {label} to hold the prompt (the needle, "
+            f"its question and the answer) with any filler (nothing would be measured): give {least}")  # fmt: skip
+
+
+def status_notes(records: list[dict]) -> list[str]:
+    """Report notes: per benchmark and model, the records that measured nothing (status other than ok) and why."""
+    counts: Counter = Counter(
+        (r["benchmark"], r["model"], r["status"]) for r in records if r.get("status", "ok") != "ok"
+    )
+    why = {"too_long": "past the model's context (max_seq_len)", "too_short": "too short to hold the prompt",
+           "oom": "out of memory", "not_enough_text": "more tokens than the held-out text has",
+           "over_budget": "over the KV byte budget"}  # fmt: skip
+    return [
+        f"{n} {benchmark} record{'s' * (n > 1)} of {model} measured nothing: {status}"
+        f"{' (' + why[status] + ')' if status in why else ''}."
+        for (benchmark, model, status), n in counts.items()
+    ]
