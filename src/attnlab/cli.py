@@ -31,7 +31,15 @@ from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
 from attnlab.eval.loading import WEIGHTS
 from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
-from attnlab.eval.probes import comparison_record, load_suite, probe_records, run_probes, summarize, summary_table
+from attnlab.eval.probes import (
+    comparison_record,
+    distinct_names,
+    load_suite,
+    probe_records,
+    run_probes,
+    summarize,
+    summary_table,
+)
 from attnlab.eval.records import records_folder
 from attnlab.eval.report import build_report
 from attnlab.eval.stats import paired_comparison
@@ -175,8 +183,10 @@ def cmd_probes(args) -> int:
         raise InputError(f"--seed {args.seed} must be from 0 to 2**32 - 1 (the bootstrap's seed)")
     records_folder(args.out, "probes.jsonl")  # before the models are loaded and probed
     suite, out, runs = load_suite(args.suite), Path(args.out), []
-    for path in [args.checkpoint] + ([args.checkpoint_b] if args.checkpoint_b else []):
-        model = load_for_eval(path, data_dir=args.data_dir, weights=args.weights)
+    paths = [args.checkpoint] + ([args.checkpoint_b] if args.checkpoint_b else [])
+    models = [load_for_eval(path, data_dir=args.data_dir, weights=args.weights) for path in paths]
+    distinct_names(models)  # two runs both named base/seed0 are told apart by their folders
+    for model in models:
         rows = run_probes(model, suite)
         print(summary_table(summarize(rows), title=f"{model.name} on {suite.name} ({len(rows)} cases)"))
         append_records(out / "probes.jsonl", probe_records(model, suite, rows))

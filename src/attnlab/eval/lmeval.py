@@ -35,23 +35,29 @@ generate_until decodes through the same cache. Without a policy, a batch is one 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import torch
-import yaml
 
 from attnlab.cache.codecs import as_policy
 from attnlab.data.files import atomic_write_text
 from attnlab.data.pretrained import PretrainedTokenizer
 from attnlab.errors import ConfigError, DataError, InputError
+from attnlab.eval.lmeval_tasks import (
+    attach,
+    build_tasks,
+    check_task_files,
+    leaf_tasks,
+    offline_line,
+    task_file,
+    task_manager,
+    task_specs,
+)
 from attnlab.eval.loading import EvalModel, load_for_eval
 from attnlab.generate import check_sampling, decode_step, prefill, sample
-from attnlab.paths import find_data_file
 
 try:
     import lm_eval
@@ -59,9 +65,6 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.loggers.utils import get_commit_from_path
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-    from lm_eval.tasks import TaskManager
-    from lm_eval.tasks._index import Kind
-    from lm_eval.tasks._yaml_loader import load_yaml
     from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
 except ImportError as e:  # an optional extra: the core never imports this module
     raise ConfigError(
@@ -125,6 +128,8 @@ class AttnlabLM(TemplateLM):
         )  # fmt: skip
         check_sampling(seed=seed)
         self.seed = seed
+        self.task_files: dict[str, str] = {}  # task name -> its YAML file, to name it in an error (run_lm_eval)
+        self._instances = None  # the loglikelihood requests being scored, to name a task and item in an error
 
     # ------------------------------------------------------------------------- what lm-eval reads
 
@@ -211,14 +216,37 @@ class AttnlabLM(TemplateLM):
                 batches.append([i])
         return batches
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """TemplateLM's (the pairs encoded, then _loglikelihood_tokens), the Instances kept to name an item. No
+        "Tokenizing inputs" bar: it is over at once, and would stand before an error's one line."""
+        self._instances = requests
+        try:
+            return super().loglikelihood(requests, disable_tqdm=True)
+        finally:
+            self._instances = None
+
+    def _too_long(self, i: int, n: int) -> InputError:
+        """The error for request i, whose continuation of n tokens cannot be read within max_length: naming its
+        task file and item when lm-eval's Instances are known."""
+        where = ""
+        if self._instances is not None and i < len(self._instances):
+            instance = self._instances[i]
+            name = instance.task_name
+            where = f"{self.task_files.get(name, name)}: item {instance.doc_id}: "
+        longer = (
+            " (or a larger max_length: the model has a bounded memory)" if self.model.cfg.memory.kind != "none" else ""
+        )
+        fix = f"evaluate the task with a model of longer max_seq_len{longer}"
+        return InputError(f"{where}a continuation of {n} tokens exceeds max_length={self.max_length}: {fix}")
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(summed log p(continuation | context), is_greedy) per (cache key, context ids, continuation ids)."""
         windows, n_cont = [], []
-        for _, context, continuation in requests:
+        for i, (_, context, continuation) in enumerate(requests):
             if not context or not continuation:
                 raise InputError("a loglikelihood request needs at least one context and one continuation token")
             if len(continuation) > self.max_length:
-                raise InputError(f"a continuation of {len(continuation)} tokens exceeds max_length={self.max_length}")
+                raise self._too_long(i, len(continuation))
             windows.append((context + continuation)[-(self.max_length + 1) :])  # the last token is only a target
             n_cont.append(len(continuation))
         # The model reads window[:-1]; the logits of its positions context_len - 1 .. end score the continuation.
@@ -315,150 +343,13 @@ class AttnlabLM(TemplateLM):
 # ----------------------------------------------------------------------------- tasks and runs
 
 
-def _resolved_files(files: Any, data_dir: str | Path | None, source: str = "") -> Any:
-    """data_files with every relative path looked up in the data directory (find_data_file); absolute paths,
-    URLs and glob patterns as they are. A relative path that leaves the data directory (`../x`): ConfigError
-    naming the task file `source`."""
-    if isinstance(files, str):
-        plain = not (Path(files).is_absolute() or "://" in files or any(c in files for c in "*?["))
-        if plain and ".." in Path(files).parts:
-            why = "leaves the data directory (a relative data file is looked up inside --data-dir)"
-            raise ConfigError(f"data file {files!r} {why}: give a path inside it, or an absolute path", source=source)
-        if Path(files).is_absolute() and not any(c in files for c in "*?[") and not Path(files).is_file():
-            raise DataError(f"{source}: data file {files} is not a file (give the path of the task's data file)")
-        return str(find_data_file(files, data_dir)) if plain else files
-    if isinstance(files, list):
-        return [_resolved_files(f, data_dir, source) for f in files]
-    if isinstance(files, dict):
-        return {split: _resolved_files(f, data_dir, source) for split, f in files.items()}
-    return files
-
-
-class _TaskFileLoader(yaml.SafeLoader):
-    """Reads a task YAML without running anything: every tag (`!function module.name`) is read as plain data
-    and recorded in `tags`."""
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        self.tags: list[str] = []
-
-
-def _any_tag(loader: _TaskFileLoader, suffix: str, node):
-    loader.tags.append("!" + suffix)
-    if isinstance(node, yaml.ScalarNode):
-        return loader.construct_scalar(node)
-    if isinstance(node, yaml.SequenceNode):
-        return loader.construct_sequence(node)
-    return loader.construct_mapping(node)
-
-
-_TaskFileLoader.add_multi_constructor("!", _any_tag)
-
-
-def check_task_files(folders: list[str]) -> dict[Path, str]:
-    """Every task YAML file of the include_path folders (and the files they `include`), read without running
-    anything: a file using the `!function` tag (lm-eval would import and run Python code next to it) is refused
-    (ConfigError naming it); {file: why} for files that are not valid YAML (named when a task is not found)."""
-    broken: dict[Path, str] = {}
-    todo = [f for folder in folders for f in sorted(Path(folder).rglob("*")) if f.suffix in (".yaml", ".yml")]
-    seen: set[Path] = set()
-    while todo:
-        path = todo.pop(0)
-        if path.resolve() in seen or not path.is_file():
-            continue
-        seen.add(path.resolve())
-        loader = _TaskFileLoader(path.read_text(encoding="utf-8", errors="replace"))
-        try:
-            data = loader.get_single_data()
-        except yaml.YAMLError as e:
-            broken[path] = " ".join(str(e).split())
-            continue
-        finally:
-            loader.dispose()
-        if any(tag == "!function" for tag in loader.tags):
-            raise ConfigError(f"{path}: uses the !function tag, which would import and run Python code: attnlab "
-                              f"does not run code from task files (remove it, or run lm-eval itself)")  # fmt: skip
-        include = data.get("include") if isinstance(data, dict) else None
-        if isinstance(include, str) and not Path(include).is_absolute():
-            todo.append(path.parent / include)
-    return broken
-
-
-def task_manager(include_path: list[str], tasks: list[str]) -> TaskManager:
-    """lm-eval's TaskManager over the include_path folders, with lm-eval's own ~15,000 tasks too (indexing them
-    takes seconds) unless every task asked for is a plain task of those folders."""
-    if include_path:
-        local = TaskManager(include_path=include_path, include_defaults=False)
-        if all(name in local.task_index and local.task_index[name].kind is Kind.TASK for name in tasks):
-            return local
-    return TaskManager(include_path=include_path or None)
-
-
-def task_specs(manager: TaskManager, tasks: list[str], data_dir: str | Path | None = None,
-               broken: dict[Path, str] | None = None) -> list[str | dict]:  # fmt: skip
-    """What simple_evaluate loads per task name: the name, or for a YAML task whose dataset_kwargs.data_files
-    holds relative paths, its whole config with those paths found in the data directory (so a task file can
-    name `eval/arc_easy/ARC-Easy-validation.json`, as attnlab's own tasks do). Unknown names: ConfigError."""
-    if not tasks:
-        raise ConfigError("give at least one lm-eval task")
-    problems = []
-    for name in tasks:
-        if name not in manager.all_tasks:
-            close = difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.6)
-            hint = f"did you mean {', '.join(map(repr, close))}?" if close else "a task of an include_path folder?"
-            problems.append(f"unknown lm-eval task {name!r} ({hint})")
-    if problems and broken:  # the task may be in a file lm-eval could not read
-        files = "; ".join(f"{path}: not valid YAML ({why})" for path, why in broken.items())
-        problems.append(f"{files} (fix the task file)")
-    if problems:
-        raise ConfigError(problems)
-    specs: list[str | dict] = []
-    for name in tasks:
-        entry = manager.task_index[name]
-        if entry.kind is not Kind.TASK or entry.yaml_path is None:
-            specs.append(name)
-            continue
-        cfg = load_yaml(entry.yaml_path, resolve_func=True)
-        dataset_kwargs = cfg.get("dataset_kwargs") or {}
-        files = dataset_kwargs.get("data_files")
-        resolved = _resolved_files(files, data_dir, str(entry.yaml_path))
-        if resolved == files:
-            specs.append(name)
-        else:
-            specs.append({**cfg, "task": name, "dataset_kwargs": {**dataset_kwargs, "data_files": resolved}})
-    return specs
-
-
-LOCAL_TASKS = "configs/lm_eval"  # attnlab's copies of lm-eval tasks over files of the data directory (`<task>_local`)
-
-
-def _offline_line(tasks: list[str], specs: list, manager: TaskManager, error: Exception) -> str:
-    """One line for tasks whose data `datasets` could not fetch from the Hugging Face Hub (no network, or
-    $HF_HUB_OFFLINE): the tasks and their datasets, and the local task to use instead."""
-    hub = []
-    for name, spec in zip(tasks, specs, strict=True):
-        if isinstance(spec, dict):
-            continue  # its data files are local
-        entry = manager.task_index[name]
-        dataset = load_yaml(entry.yaml_path, resolve_func=True).get("dataset_path") if entry.yaml_path else None
-        hub.append(f"{name!r}" + (f" (Hub dataset {dataset})" if dataset else ""))
-    folder = next((f for f in (Path(LOCAL_TASKS), Path(__file__).resolve().parents[3] / LOCAL_TASKS) if f.is_dir()),
-                  Path(LOCAL_TASKS))  # fmt: skip
-    local = [f"{name}_local" for name in tasks if (folder / f"{name}_local.yaml").is_file()]
-    hint = (
-        f"use the local copy: --include-path {folder} --tasks {','.join(local)} (its files in the data directory)"
-        if local
-        else "connect to the network, or give a task over local files with --include-path"
-    )
-    what = ", ".join(hub) or ", ".join(map(repr, tasks))
-    return (f"lm-eval task {what}: its data is on the Hugging Face Hub and could not be reached "
-            f"({' '.join(str(error).split())}); {hint}")  # fmt: skip
-
-
 def table(results: dict) -> str:
     """lm-eval's own markdown table of the results (and of the groups, when tasks were grouped)."""
     text = make_table(results)
     return text + ("\n" + make_table(results, "groups") if results.get("groups") else "")
+
+
+RESULT_FILES = ("lm_eval.json", "lm_eval_samples.jsonl")
 
 
 def write_results(out_dir: str | Path, results: dict) -> tuple[Path, Path]:
@@ -468,7 +359,7 @@ def write_results(out_dir: str | Path, results: dict) -> tuple[Path, Path]:
     summary = {key: value for key, value in results.items() if key != "samples"}
     rows = [{"task": task, **row} for task, items in (results.get("samples") or {}).items() for row in items]
     dump = lambda obj, **kw: json.dumps(obj, default=handle_non_serializable, ensure_ascii=False, **kw)  # noqa: E731
-    summary_path, samples_path = out_dir / "lm_eval.json", out_dir / "lm_eval_samples.jsonl"
+    summary_path, samples_path = (out_dir / name for name in RESULT_FILES)
     atomic_write_text(summary_path, dump(summary, indent=1) + "\n")
     atomic_write_text(samples_path, "".join(dump(row) + "\n" for row in rows))
     return summary_path, samples_path
@@ -495,6 +386,24 @@ def _quiet_git():
         lm_eval.evaluator.get_git_commit_hash = own
 
 
+@contextlib.contextmanager
+def _one_line(tasks: list[str], manager, num_fewshot: int | None):
+    """lm-eval's own exceptions that are the user's to fix, as one typed error: a Hub dataset out of reach (offline),
+    more few-shot examples than a task holds, task data `datasets` could not load."""
+    try:
+        yield
+    except ConnectionError as e:  # a task whose data is on the Hugging Face Hub, offline: name it and the local task
+        raise DataError(offline_line(tasks, manager, e)) from None
+    except ValueError as e:
+        if num_fewshot is None or "Sample larger than population" not in str(e):
+            raise
+        # random.sample of more few-shot examples than the task's few-shot split holds
+        raise ConfigError(f"num_fewshot={num_fewshot:,} (--num-fewshot) is more few-shot examples than the "
+                          f"few-shot split of {', '.join(map(repr, tasks))} holds (lm-eval draws them from the "
+                          "task's fewshot, training or validation split, never the item itself): give fewer"
+                          ) from None  # fmt: skip
+
+
 def run_lm_eval(
     ref: str | Path | EvalModel,
     tasks: list[str],
@@ -510,8 +419,11 @@ def run_lm_eval(
 ) -> dict:
     """lm-eval's `simple_evaluate` on a model reference (or a loaded EvalModel) through `AttnlabLM`: its results
     dict, per-item samples under results["samples"]. include_path: folders of task YAMLs besides lm-eval's own;
-    a relative data file in one of them is looked up in the data directory (task_specs). out_dir: also write
-    the results there (write_results). weights: how a reference's weights are held (attnlab.eval.loading)."""
+    a relative data file in one of them is looked up in the data directory (a group's members' too). Before the
+    model is loaded the tasks are built and every item to evaluate rendered (lmeval_tasks.build_tasks): a task
+    file's mistake is one ConfigError or DataError naming the file and key. out_dir: also write the results there
+    (write_results); a folder that already holds them is refused, never overwritten. weights: how a reference's
+    weights are held (attnlab.eval.loading)."""
     if limit is not None and (isinstance(limit, bool) or not limit > 0 or (limit >= 1 and limit != int(limit))):
         raise ConfigError(f"limit={limit!r} must be a whole number >= 1 (or a fraction in (0, 1))")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
@@ -522,39 +434,34 @@ def run_lm_eval(
             raise ConfigError(f"include_path {path} is not a folder (give a folder of lm-eval task YAML files)")
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():  # before the evaluation
         raise ConfigError(f"--out {out_dir}: exists and is not a folder (give a folder for lm_eval.json)")
+    for name in RESULT_FILES if out_dir is not None else ():  # an earlier evaluation's results are never replaced
+        if (Path(out_dir) / name).exists():
+            raise ConfigError(f"--out {out_dir}: already holds {name} (an earlier evaluation's results, which this "
+                              "one would replace): give another --out folder")  # fmt: skip
     broken = check_task_files([str(p) for p in paths])  # before lm-eval reads them (and imports !function code)
-    manager = task_manager([str(p) for p in paths], list(tasks))
-    specs = task_specs(manager, list(tasks), data_dir, broken)  # checks the names before the model is loaded
-    model = ref if isinstance(ref, EvalModel) else load_for_eval(ref, data_dir=data_dir, weights=weights)
-    lm = AttnlabLM(model, kv_policy=kv_policy, batch_size=batch_size)
+    manager = attach(task_manager([str(p) for p in paths], list(tasks)), data_dir)
+    names = task_specs(manager, list(tasks), data_dir, broken)  # checks the names before the model is loaded
     import datasets  # lm-eval's own dependency
 
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # "Generating validation split" bars would hide an error's one line
     try:
-        with _quiet_git():  # no "fatal: not a git repository" line from lm-eval's version record
+        with _one_line(tasks, manager, num_fewshot):
+            built = build_tasks(manager, names, limit)  # the task files and their items, before the model is loaded
+        model = ref if isinstance(ref, EvalModel) else load_for_eval(ref, data_dir=data_dir, weights=weights)
+        lm = AttnlabLM(model, kv_policy=kv_policy, batch_size=batch_size)
+        lm.task_files = {task.task_name: task_file(manager, task.task_name) for task in leaf_tasks(built)}
+        for task in leaf_tasks(built):  # a generation setting this model cannot follow, before lm-eval starts
+            if task.config.output_type == "generate_until":
+                try:
+                    lm._sampling(dict(task.config.generation_kwargs or {}))
+                except (ConfigError, InputError) as e:
+                    raise ConfigError(f"generation_kwargs: {e}", source=lm.task_files[task.task_name]) from None
+        with _one_line(tasks, manager, num_fewshot), _quiet_git():  # no "fatal: not a git repository" line
             results = lm_eval.simple_evaluate(
-                model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=True,
+                model=lm, tasks=built, num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=True,
                 bootstrap_iters=bootstrap_iters, batch_size=batch_size,
             )  # fmt: skip
-    except ConnectionError as e:  # a task whose data is on the Hugging Face Hub, offline: name it and the local task
-        raise DataError(_offline_line(tasks, specs, manager, e)) from None
-    except Exception as e:  # a task's data files `datasets` could not load: one line naming them, not its traceback
-        if num_fewshot is not None and isinstance(e, ValueError) and "Sample larger than population" in str(e):
-            # random.sample of more few-shot examples than the task's few-shot split holds
-            raise ConfigError(f"num_fewshot={num_fewshot:,} (--num-fewshot) is more few-shot examples than the "
-                              f"few-shot split of {', '.join(map(repr, tasks))} holds (lm-eval draws them from the "
-                              "task's fewshot, training or validation split, never the item itself): give fewer"
-                              ) from None  # fmt: skip
-        if type(e).__module__.split(".")[0] not in ("datasets", "pyarrow", "fsspec"):
-            raise
-        cause = e.__cause__ or e
-        sources = [f"{manager.task_index[s['task']].yaml_path} (data files {s['dataset_kwargs']['data_files']})"
-                   for s in specs if isinstance(s, dict)] or [", ".join(map(str, tasks))]  # fmt: skip
-        raise DataError(
-            f"{'; '.join(sources)}: the task data could not be loaded "
-            f"({type(cause).__name__}: {' '.join(str(cause).split())}): fix the data file"
-        ) from None
     finally:
         if bars:
             datasets.enable_progress_bars()

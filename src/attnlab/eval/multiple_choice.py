@@ -381,6 +381,15 @@ def run_multiple_choice(
     path = Path(path) if path is not None else find_data_file(spec.file, data_dir)
     items = spec.load(path)[:limit]
     encoded = [encode_item(model.tokenizer, item) for item in items]
+    for index, (item, pairs) in enumerate(zip(items, encoded, strict=True)):  # before any item is scored
+        longest = max(range(len(pairs)), key=lambda i: len(pairs[i][1]))
+        if len(pairs[longest][1]) > model.model.cfg.max_seq_len:
+            stop = f", or --limit {index} to stop before it" if index else ""
+            raise InputError(
+                f"{path}: item {item.id} (number {index + 1}): choice {longest} encodes to {len(pairs[longest][1])} "
+                f"tokens, more than the model's max_seq_len={model.model.cfg.max_seq_len}, so it cannot be scored: "
+                f"evaluate {spec.name} with a model of longer max_seq_len{stop}"
+            )  # fmt: skip
     lls = loglikelihoods(model.model, [pair for pairs in encoded for pair in pairs], batch_size)
     max_len, rows, offset = model.model.cfg.max_seq_len, [], 0
     for index, (item, pairs) in enumerate(zip(items, encoded, strict=True)):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 import re
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -43,10 +44,11 @@ from typing import Any
 
 from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import read_yaml
-from attnlab.errors import ConfigError, InputError, LengthWarning
-from attnlab.eval.records import make_record
+from attnlab.errors import AttnlabWarning, ConfigError, InputError, LengthWarning
+from attnlab.eval.records import distinct_labels, make_record
 from attnlab.eval.scoring import continuation_logprobs, greedy_text
 from attnlab.eval.stats import wilson_interval
+from attnlab.interop.tokenizer import unknown_line, unknown_pieces
 from attnlab.paths import brief
 
 KINDS = ("exact", "first_line", "contains", "first_integer", "choice")
@@ -337,6 +339,35 @@ def answer_room_problem(model, suite: ProbeSuite) -> str | None:
     return None
 
 
+def warn_unknown_cases(model, suite: ProbeSuite) -> int:
+    """One AttnlabWarning when the prompts (and options) of `suite` hold characters or words the model's char or
+    word vocabulary reads as <unk> (as `generate` warns about a prompt): which cases and pieces; how many pieces."""
+    pieces, cases = [], []
+    for case in suite.cases:
+        found = [p for text in (case.prompt, *(case.options or ())) for p in unknown_pieces(model.tokenizer, text)]
+        if found:
+            pieces.extend(found)
+            cases.append(case.id)
+    if pieces:
+        listed = ", ".join(cases[:5]) + (", ..." if len(cases) > 5 else "")
+        what = f"{suite.source}: the text of case{'' if len(cases) == 1 else 's'} {listed}"
+        warnings.warn(f"{unknown_line(model.tokenizer, pieces, what)}, so {model.name} scores them over <unk> (use "
+                      "text its vocabulary holds)", AttnlabWarning, stacklevel=3)  # fmt: skip
+    return len(pieces)
+
+
+def distinct_names(models: list) -> None:
+    """Gives EvalModels that share a name (runs/a/base/seed0 and runs/b/base/seed0, both base/seed0) the last
+    folders of their paths that tell them apart, as bench labels them (records.distinct_labels), so that their
+    tables and records do not mix them up. The same model given twice keeps its name."""
+    paths = [str(m.path) if str(m.path).startswith("hf:") else os.path.realpath(m.path) for m in models]
+    if len(set(paths)) < len(paths):
+        return
+    labels = distinct_labels(dict(zip(paths, (m.name for m in models), strict=True)))
+    for model, path in zip(models, paths, strict=True):
+        model.name = labels[path]
+
+
 def run_probes(model, suite: ProbeSuite) -> list[dict]:
     """Runs every case of `suite` on an EvalModel; one row per case (see `run_case`).
 
@@ -348,6 +379,7 @@ def run_probes(model, suite: ProbeSuite) -> list[dict]:
     problem = answer_room_problem(model, suite)
     if problem:
         raise InputError(problem)
+    warn_unknown_cases(model, suite)
     rows = [run_case(model.model, model.tokenizer, case) for case in suite.cases]
     cut = [row["id"] for row in rows if row["truncated"]]
     if cut:

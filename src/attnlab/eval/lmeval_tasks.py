@@ -1,0 +1,364 @@
+"""lm-eval task files for attnlab.eval.lmeval: read without running code, their relative data files found in the data
+directory (single tasks and group members alike), and built and checked before the model is loaded, so that a
+mistake in a task YAML ends in one line naming the file and key (a ConfigError or DataError), not lm-eval's or
+jinja's traceback halfway through an evaluation."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from attnlab.errors import AttnlabError, ConfigError, DataError
+from attnlab.paths import find_data_file
+
+try:
+    import jinja2
+    from lm_eval.api.group import Group
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._factory import TaskFactory
+    from lm_eval.tasks._index import Entry, Kind
+    from lm_eval.tasks._yaml_loader import load_yaml
+except ImportError as e:  # an optional extra: the core never imports this module
+    raise ConfigError(
+        f"lm-evaluation-harness is not installed ({e}): pip install 'attnlab[lmeval]' (lm-eval==0.4.13)"
+    ) from None
+
+LOCAL_TASKS = "configs/lm_eval"  # attnlab's copies of lm-eval tasks over files of the data directory (`<task>_local`)
+SPLIT_KEYS = ("test_split", "validation_split", "training_split", "fewshot_split")
+TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice")  # what every item of a task renders
+
+
+def _resolved_files(files: Any, data_dir: str | Path | None, source: str = "") -> Any:
+    """data_files with every relative path looked up in the data directory (find_data_file); absolute paths,
+    URLs and glob patterns as they are. A relative path that leaves the data directory (`../x`): ConfigError
+    naming the task file `source`."""
+    if isinstance(files, str):
+        plain = not (Path(files).is_absolute() or "://" in files or any(c in files for c in "*?["))
+        if plain and ".." in Path(files).parts:
+            why = "leaves the data directory (a relative data file is looked up inside --data-dir)"
+            raise ConfigError(f"data file {files!r} {why}: give a path inside it, or an absolute path", source=source)
+        if Path(files).is_absolute() and not any(c in files for c in "*?[") and not Path(files).is_file():
+            raise DataError(f"{source}: data file {files} is not a file (give the path of the task's data file)")
+        return str(find_data_file(files, data_dir)) if plain else files
+    if isinstance(files, list):
+        return [_resolved_files(f, data_dir, source) for f in files]
+    if isinstance(files, dict):
+        return {split: _resolved_files(f, data_dir, source) for split, f in files.items()}
+    return files
+
+
+class _TaskFileLoader(yaml.SafeLoader):
+    """Reads a task YAML without running anything: every tag (`!function module.name`) is read as plain data
+    and recorded in `tags`."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.tags: list[str] = []
+
+
+def _any_tag(loader: _TaskFileLoader, suffix: str, node):
+    loader.tags.append("!" + suffix)
+    if isinstance(node, yaml.ScalarNode):
+        return loader.construct_scalar(node)
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node)
+    return loader.construct_mapping(node)
+
+
+_TaskFileLoader.add_multi_constructor("!", _any_tag)
+
+
+def _read_task_file(path: Path) -> tuple[Any, list[str]]:
+    """(the YAML data, its tags) of a task file, read without running anything; yaml.YAMLError if it is not YAML."""
+    loader = _TaskFileLoader(path.read_text(encoding="utf-8", errors="replace"))
+    try:
+        return loader.get_single_data(), loader.tags
+    finally:
+        loader.dispose()
+
+
+def check_task_files(folders: list[str]) -> dict[Path, str]:
+    """Every task YAML file of the include_path folders (and the files they `include`), read without running
+    anything: a file using the `!function` tag (lm-eval would import and run Python code next to it) is refused
+    (ConfigError naming it); {file: what is wrong} for files that are not valid YAML or `include` a missing file
+    (lm-eval then skips them: named when a task is not found)."""
+    broken: dict[Path, str] = {}
+    todo = [f for folder in folders for f in sorted(Path(folder).rglob("*")) if f.suffix in (".yaml", ".yml")]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop(0)
+        if path.resolve() in seen or not path.is_file():
+            continue
+        seen.add(path.resolve())
+        try:
+            data, tags = _read_task_file(path)
+        except yaml.YAMLError as e:
+            broken[path] = f"not valid YAML ({' '.join(str(e).split())})"
+            continue
+        if any(tag == "!function" for tag in tags):
+            raise ConfigError(f"{path}: uses the !function tag, which would import and run Python code: attnlab "
+                              f"does not run code from task files (remove it, or run lm-eval itself)")  # fmt: skip
+        include = data.get("include") if isinstance(data, dict) else None
+        if isinstance(include, str):
+            target = Path(include) if Path(include).is_absolute() else path.parent / include
+            if not target.is_file():
+                broken[path] = f"include: {include}: no such file {target} (give the file it builds on)"
+            else:
+                todo.append(target)
+    return broken
+
+
+def _declares(path: Path, name: str) -> bool:
+    """Whether the task file `path` is the one of task `name` (its `task:`, or its file name if it cannot be read)."""
+    try:
+        data, _ = _read_task_file(path)
+    except yaml.YAMLError:
+        return path.stem == name
+    declared = data.get("task", data.get("group")) if isinstance(data, dict) else None
+    return declared == name if isinstance(declared, str) else path.stem == name
+
+
+def task_manager(include_path: list[str], tasks: list[str]) -> TaskManager:
+    """lm-eval's TaskManager over the include_path folders, with lm-eval's own ~15,000 tasks too (indexing them
+    takes seconds) unless every task asked for is a task of those folders (or a group of such tasks)."""
+    if include_path:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if all(_all_local(local, name) for name in tasks):
+            return local
+    return TaskManager(include_path=include_path or None)
+
+
+def _all_local(manager: TaskManager, name: str, seen: tuple[str, ...] = ()) -> bool:
+    """Whether `name` is a task of `manager`, or a group of it whose members (named) all are."""
+    entry = manager.task_index.get(name)
+    if entry is None or name in seen:
+        return False
+    if entry.kind is Kind.TASK:
+        return True
+    if entry.kind is not Kind.GROUP or not entry.yaml_path:
+        return False
+    members = load_yaml(entry.yaml_path, resolve_func=True).get("task")
+    return isinstance(members, list) and all(
+        isinstance(m, str) and _all_local(manager, m, (*seen, name)) for m in members
+    )
+
+
+def task_specs(manager: TaskManager, tasks: list[str], data_dir: str | Path | None = None,
+               broken: dict[Path, str] | None = None) -> list[str]:  # fmt: skip
+    """The task names, checked: an unknown name is a ConfigError (naming the task file lm-eval skipped because it
+    is broken, when one declares that task). data_dir: unused (the TaskManager's factory from `attach` finds a
+    task's relative data files in the data directory as it builds the task)."""
+    if not tasks:
+        raise ConfigError("give at least one lm-eval task")
+    problems = []
+    broken = broken or {}
+    for name in tasks:
+        if name in manager.all_tasks:
+            continue
+        own = [f"{path}: {why} (fix the task file)" for path, why in broken.items() if _declares(path, name)]
+        if own:
+            problems.extend(own)
+            continue
+        close = difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(map(repr, close))}?" if close else "a task of an include_path folder?"
+        problems.append(f"unknown lm-eval task {name!r} ({hint})")
+        if broken:  # the task may be in a file lm-eval could not read
+            problems.extend(f"{path}: {why} (fix the task file)" for path, why in broken.items())
+    for name in [] if problems else tasks:
+        problems.extend(_member_problems(manager, name))
+    if problems:
+        raise ConfigError(list(dict.fromkeys(problems)))
+    return list(tasks)
+
+
+def _member_problems(manager: TaskManager, name: str, seen: tuple[str, ...] = ()) -> list[str]:
+    """Members of group `name` (and of its member groups) that name no task lm-eval knows: lm-eval would build
+    each as an empty inline task and fail with a TypeError."""
+    entry = manager.task_index.get(name)
+    if entry is None or entry.kind is not Kind.GROUP or not entry.yaml_path or name in seen:
+        return []
+    members = load_yaml(entry.yaml_path, resolve_func=True).get("task")
+    problems = []
+    for member in members if isinstance(members, list) else []:
+        if isinstance(member, str) and member not in manager.task_index:
+            close = difflib.get_close_matches(member, manager.all_tasks, n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(map(repr, close))}?" if close else "a task of an include_path folder?"
+            problems.append(f"{entry.yaml_path}: task: member {member!r} is no lm-eval task ({hint})")
+        elif isinstance(member, str):
+            problems.extend(_member_problems(manager, member, (*seen, name)))
+    return problems
+
+
+def task_file(manager: TaskManager, name: str) -> str:
+    """The YAML file of task `name` (its name when lm-eval defines it otherwise)."""
+    entry = manager.task_index.get(name)
+    return str(entry.yaml_path) if entry is not None and entry.yaml_path else name
+
+
+def _template_key(cfg: dict, error: jinja2.TemplateError) -> str | None:
+    """The key of a task config whose Jinja template `error` comes from: the one that does not compile (a syntax
+    error), or the one that names the undefined field."""
+    templates = {k: v for k, v in cfg.items() if isinstance(v, str) and ("{{" in v or "{%" in v)}
+    env = jinja2.Environment()
+    for key, text in templates.items():
+        if isinstance(error, jinja2.TemplateSyntaxError):
+            try:
+                env.parse(text)
+            except jinja2.TemplateSyntaxError:
+                return key
+        elif isinstance(error, jinja2.UndefinedError):
+            field = str(error).split("'")[1] if str(error).count("'") >= 2 else ""
+            if field and field in text:
+                return key
+    return None
+
+
+def _task_problem(cfg: dict, source: str, error: Exception) -> AttnlabError | None:
+    """A one-line error naming `source` (the task file) and its key for lm-eval's or jinja's exception `error` from
+    building a task of config `cfg`; None for an exception that is not about the task file."""
+    if isinstance(error, jinja2.TemplateError):
+        key = _template_key(cfg, error)
+        where = f"{key}: " if key else ""
+        text = f" {cfg[key]!r}" if key else ""
+        why = " ".join(str(error).split())
+        what = "a field no item has" if isinstance(error, jinja2.UndefinedError) else "a Jinja syntax error"
+        return ConfigError(f"{where}template{text} has {what} ({why}): fix the template", source=source)
+    if isinstance(error, KeyError) and error.args:
+        keys = [k for k in SPLIT_KEYS if cfg.get(k) == error.args[0]]
+        if keys:
+            files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+            has = f" (data_files names {', '.join(map(str, files))})" if isinstance(files, dict) else ""
+            return ConfigError(f"{keys[0]}: the task data has no split {error.args[0]!r}{has}: name a split it "
+                               "has", source=source)  # fmt: skip
+        return None
+    if type(error).__module__.split(".")[0] in ("datasets", "pyarrow", "fsspec"):  # `datasets` could not load it
+        cause = error.__cause__ or error
+        files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+        return DataError(f"{source} (data files {files}): the task data could not be loaded "
+                         f"({type(cause).__name__}: {' '.join(str(cause).split())}): fix the data file")  # fmt: skip
+    if isinstance(error, ValueError):  # lm-eval's checks of a task config (an unknown output_type, ...)
+        return ConfigError(f"{' '.join(str(error).split())} (fix the task file)", source=source)
+    return None
+
+
+class _Factory(TaskFactory):
+    """lm-eval's TaskFactory that finds a task's relative data files in the data directory (a task asked for by
+    name and a member of a group alike) and turns a mistake of a task file into one typed error naming it."""
+
+    def __init__(self, meta: dict, data_dir: str | Path | None, index: dict[str, Entry]):
+        super().__init__(meta=meta)
+        self.data_dir, self.index = data_dir, index
+
+    def _source(self, entry: Entry, cfg: dict) -> str:
+        if entry.yaml_path:
+            return str(entry.yaml_path)
+        own = self.index.get(str(cfg.get("task")))
+        return str(own.yaml_path) if own is not None and own.yaml_path else f"task {cfg.get('task')!r}"
+
+    def _load_full_config(self, entry: Entry, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        cfg = super()._load_full_config(entry, overrides)
+        kwargs = cfg.get("dataset_kwargs")
+        if isinstance(kwargs, dict) and kwargs.get("data_files") is not None:
+            files = _resolved_files(kwargs["data_files"], self.data_dir, self._source(entry, cfg))
+            cfg["dataset_kwargs"] = {**kwargs, "data_files": files}
+        return cfg
+
+    def _build_task(self, entry: Entry, overrides: dict[str, Any] | None) -> Task:
+        try:
+            return super()._build_task(entry, overrides)
+        except AttnlabError:
+            raise
+        except Exception as e:  # re-raised unless it is one of the task file's mistakes _task_problem knows
+            cfg = self._load_full_config(entry, overrides)
+            problem = _task_problem(cfg, self._source(entry, cfg), e)
+            if problem is None:
+                raise
+            raise problem from None
+
+
+def attach(manager: TaskManager, data_dir: str | Path | None) -> TaskManager:
+    """`manager` building its tasks through _Factory (relative data files found in `data_dir`)."""
+    manager._factory = _Factory(manager._factory._meta, data_dir, manager.task_index)
+    return manager
+
+
+def _n_docs(n: int, limit: int | float | None) -> int:
+    """How many items lm-eval evaluates of a task of n items under `limit` (a count, or a fraction)."""
+    if limit is None:
+        return n
+    return min(n, int(math.ceil(n * limit)) if limit < 1 else int(limit))
+
+
+def check_items(task: Task, source: str, limit: int | float | None) -> None:
+    """Render every item lm-eval will evaluate of `task`: a template naming a field an item lacks, or (multiple
+    choice) a target that is neither one of the item's choices nor an index below their number, is a ConfigError
+    naming the task file, the key and the item (lm-eval would stop with a traceback, or score the item wrong)."""
+    docs = task.eval_docs
+    multiple_choice = task.config.output_type == "multiple_choice"
+    cfg = {key: getattr(task.config, key, None) for key in TEMPLATE_KEYS}
+    for doc_id in range(_n_docs(len(docs), limit)):
+        doc = docs[doc_id]
+        try:
+            task.doc_to_text(doc)
+            target = task.doc_to_target(doc)
+            choices = task.doc_to_choice(doc) if multiple_choice else None
+        except jinja2.TemplateError as e:
+            problem = _task_problem(cfg, source, e)
+            raise ConfigError(f"item {doc_id}: {problem.problems[0]}", source=source) from None
+        if not multiple_choice:
+            continue
+        for gold in target if isinstance(target, list) else [target]:
+            if (isinstance(gold, int) and 0 <= gold < len(choices)) or (isinstance(gold, str) and gold in choices):
+                continue
+            raise ConfigError(
+                f"doc_to_target {cfg['doc_to_target']!r} gives {gold!r} for item {doc_id}, which is neither one of "
+                f"its {len(choices)} choices nor an index below {len(choices)}: fix doc_to_target (lm-eval would "
+                "score such items wrong)", source=source,
+            )  # fmt: skip
+
+
+def build_tasks(manager: TaskManager, names: list[str], limit: int | float | None) -> list[Task | Group]:
+    """The tasks (and groups) `names`, built by lm-eval (their data read) and their items checked (check_items),
+    before any model is loaded: what simple_evaluate then evaluates."""
+    built: list[Task | Group] = []
+    for name in names:
+        obj = manager._load_spec(name)
+        built.extend(obj if isinstance(obj, list) else [obj])
+    for obj in built:
+        for task in obj.get_all_tasks() if isinstance(obj, Group) else [obj]:
+            check_items(task, task_file(manager, task.task_name), limit)
+    return built
+
+
+def leaf_tasks(built: list[Task | Group]) -> list[Task]:
+    """Every task of `built`, groups opened."""
+    return [task for obj in built for task in (obj.get_all_tasks() if isinstance(obj, Group) else [obj])]
+
+
+def offline_line(tasks: list[str], manager: TaskManager, error: Exception) -> str:
+    """One line for tasks whose data `datasets` could not fetch from the Hugging Face Hub (no network, or
+    $HF_HUB_OFFLINE): the tasks and their datasets, and the local task to use instead."""
+    hub = []
+    for name in tasks:
+        entry = manager.task_index[name]
+        cfg = load_yaml(entry.yaml_path, resolve_func=True) if entry.yaml_path else {}
+        if (cfg.get("dataset_kwargs") or {}).get("data_files"):
+            continue  # its data files are local
+        dataset = cfg.get("dataset_path")
+        hub.append(f"{name!r}" + (f" (Hub dataset {dataset})" if dataset else ""))
+    folder = next((f for f in (Path(LOCAL_TASKS), Path(__file__).resolve().parents[3] / LOCAL_TASKS) if f.is_dir()),
+                  Path(LOCAL_TASKS))  # fmt: skip
+    local = [f"{name}_local" for name in tasks if (folder / f"{name}_local.yaml").is_file()]
+    hint = (
+        f"use the local copy: --include-path {folder} --tasks {','.join(local)} (its files in the data directory)"
+        if local
+        else "connect to the network, or give a task over local files with --include-path"
+    )
+    what = ", ".join(hub) or ", ".join(map(repr, tasks))
+    return (f"lm-eval task {what}: its data is on the Hugging Face Hub and could not be reached "
+            f"({' '.join(str(error).split())}); {hint}")  # fmt: skip
