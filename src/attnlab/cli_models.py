@@ -16,14 +16,25 @@ from attnlab.cache.codecs import FORMATS, KVPolicy
 from attnlab.cli_errors import one_line
 from attnlab.config import source_problem
 from attnlab.config_io import parse_yaml
-from attnlab.errors import ConfigError, DataError, InputError
+from attnlab.data.files import remove_stale_temporaries
+from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
+from attnlab.errors import AttnlabError, ConfigError, DataError, InputError
 from attnlab.eval import append_records, load_for_eval, make_record
-from attnlab.eval.kvquant import MIN_SEQ_LEN, SEQ_LEN_NEED, held_out_windows, run_kv_eval, split_problem, table, tune
+from attnlab.eval.kvquant import (
+    MIN_SEQ_LEN,
+    SEQ_LEN_NEED,
+    held_out_windows,
+    run_kv_eval,
+    split_problem,
+    table,
+    too_large,
+    tune,
+)
 from attnlab.eval.perplexity import dataset_tokens, summarize_losses, window_losses
 from attnlab.eval.records import records_folder, records_target
-from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion
+from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion, target_config
 from attnlab.interop.export import export
-from attnlab.interop.references import resolve
+from attnlab.interop.references import model_config_of, resolve
 from attnlab.interop.tokenizer import warn_unknown_tokens
 from attnlab.manifest import MIN_CALIBRATION_TOKENS, calibration_tokens_problem
 
@@ -65,6 +76,17 @@ def records_file(out: str) -> Path:
     return target
 
 
+def check_writable(flag: str, path: Path) -> None:
+    """InputError (one line naming `flag`) when `path` (a file to append to, or a file or folder to make) cannot be
+    written: said before the work, not after it. A path that does not exist yet needs its nearest existing folder
+    writable (the folders between are made)."""
+    target = path if path.exists() else next((p for p in path.absolute().parents if p.exists()), None)
+    if target is not None and not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
+        what = "the file" if target == path else f"its folder {target}"
+        raise InputError(f"{flag} {path}: {what} is not writable by this user (permission denied): give a path you "
+                         "can write to")  # fmt: skip
+
+
 def check_kv_dataset(args) -> None:
     """--dataset and --split checked before the model is loaded: a reference without a held-out split of its own
     (a .gguf file, a Hugging Face model) needs --dataset; a dataset without split files has train and val only."""
@@ -73,9 +95,20 @@ def check_kv_dataset(args) -> None:
         if kind != "run":
             no_dataset(args.checkpoint)
         return
+    check_dataset_path("--dataset", args.dataset, args.data_dir)
     problem = split_problem(args.dataset, args.split)
     if problem:
         raise InputError(f"--dataset {problem}: give --split val to score the held-out part (or --split train)")
+
+
+def check_dataset_path(flag: str, dataset: str, data_dir) -> None:
+    """A --dataset that is not a named dataset must be a text file (DataError naming it otherwise): said before its
+    splits are, since a folder or device has none."""
+    if dataset not in NAMED_SOURCES:
+        try:
+            local_path(dataset, data_dir)
+        except DataError as e:
+            raise DataError(f"{flag} {dataset}: {one_line(e)}") from None
 
 
 def no_dataset(ref) -> None:
@@ -102,6 +135,8 @@ def check_kv_arguments(args) -> Path | None:
                          f"holds {args.seq_len} inputs and one more target): give --tokens >= {args.seq_len + 1}, or "
                          "a smaller --seq-len")  # fmt: skip
     records = records_file(args.out) if args.out else None
+    if records is not None:
+        check_writable("--out", records)
     check_kv_dataset(args)
     return records
 
@@ -153,14 +188,19 @@ def cmd_kv_tune(args) -> int:
     records = check_kv_arguments(args)
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights)
     check_kv_model(args, model)
+    memory = model.model.cfg.memory.kind
+    if memory != "none" and any(resids):  # before minutes of measuring
+        raise InputError(f"--resids {args.resids}: a model with a memory (memory.kind={memory}) stores every slot, "
+                         "the recent window's too, in the policy's formats: it takes --resids 0")  # fmt: skip
     windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir, args.dataset)
     result = tune(model.model, windows, args.budget, args.max_dnll, formats=formats, resids=resids, chunk=args.chunk,
                   dtype=args.dtype)  # fmt: skip
-    print(table(result["verified"]))
+    print(table(result["verified"], at_seq_len=True))
     best = result["best"]
     verdict = "meets" if result["meets_max_dnll"] else "EXCEEDS"
     limit = f" (--max-dnll {args.max_dnll:g}: {verdict})" if args.max_dnll is not None else ""
-    print(f"best under {args.budget:g} bytes/token: {best['policy']}  dNLL {best['dnll']:+.5f}{limit}")
+    print(f"best under {args.budget:g} bytes/token held at seq_len {args.seq_len} (column B/tok@{args.seq_len}): "
+          f"{best['policy']}  dNLL {best['dnll']:+.5f}{limit}")  # fmt: skip
     if records:
         rows = [make_record("kv_tune", model, budget=args.budget, max_dnll=args.max_dnll, role=role, **row)
                 for role, group in (("sensitivity", result["sensitivity"]), ("verified", result["verified"]))
@@ -192,9 +232,77 @@ def cmd_export(args) -> int:
     return 0
 
 
+# convert's defaults (cli.py's): a value other than these was given by the user, and must do something
+CONVERT_DEFAULTS = {"rope_pairs": "energy", "calibration_tokens": 4096, "calibrate_on": "wikitext2-nounk",
+                    "seq_len": 512, "dataset": "wikitext2-raw"}  # fmt: skip
+
+
+def given(args, key: str) -> bool:
+    """Whether convert's option `key` was given (a value other than its default; None = not given)."""
+    value = getattr(args, key)
+    return value is not None and value != CONVERT_DEFAULTS[key]
+
+
+def check_convert_flags(args, attention: dict | None) -> None:
+    """convert's options that would do nothing for this conversion, refused (InputError, one line) before the model
+    is loaded."""
+    kind = (attention or {}).get("kind")
+    flag = lambda key: f"--{key.replace('_', '-')} {getattr(args, key)}"  # noqa: E731
+    if kind not in LOW_RANK:
+        this = f"this one is {kind}" if kind else "this one keeps the source's attention kind"
+        for key in ("rope_pairs", "calibration_tokens", "calibrate_on"):
+            if given(args, key) and getattr(args, key) != 0:  # (--calibration-tokens 0: no calibration, as is)
+                raise InputError(f"{flag(key)} applies to bottleneck/decoupled/mla conversions ({this}): leave "
+                                 "it out")  # fmt: skip
+    elif args.calibration_tokens == 0 and given(args, "calibrate_on"):
+        raise InputError(f"{flag('calibrate_on')} does nothing with --calibration-tokens 0 (the factorisations "
+                         "then fit the weights alone): leave one of them out")  # fmt: skip
+    if args.eval_tokens == 0:
+        for key in ("seq_len", "dataset"):
+            if given(args, key):
+                raise InputError(f"{flag(key)} applies to the perplexity that --eval-tokens 0 skips: leave it out, "
+                                 "or give --eval-tokens")  # fmt: skip
+
+
+def calibration_error(args, e: DataError) -> DataError:
+    """The one line for calibration text that could not be read (`e`): missing, or there but damaged."""
+    if not text_found(args.calibrate_on, args.data_dir):
+        return DataError(f"calibration text for the factorisations (--calibrate-on {args.calibrate_on}, train split) "
+                         f"was not found: give --data-dir, or --calibration-tokens 0 to fit the weights alone "
+                         f"({one_line(e)})")  # fmt: skip
+    return DataError(f"--calibrate-on {args.calibrate_on} (the factorisations' calibration text, its train split): "
+                     f"{one_line(e)}; or give --calibration-tokens 0 to fit the weights alone")  # fmt: skip
+
+
+def text_found(source: str, data_dir) -> bool:
+    """Whether the files of `source` (a named dataset or a file) are here: a reading error is then damage, not a
+    missing file."""
+    if source not in NAMED_SOURCES:
+        return Path(source).expanduser().is_file()
+    try:
+        return download_plan(source, data_dir) is None
+    except DataError:  # (a download it cannot make: the files are not here)
+        return False
+
+
+def check_convert_source(args, cfg, name) -> None:
+    """convert's --seq-len within the source's context (when it was given: the default is cut to it)."""
+    if args.eval_tokens and given(args, "seq_len") and args.seq_len > cfg.max_seq_len:
+        raise InputError(f"--seq-len {args.seq_len} is more than {name}'s max_seq_len={cfg.max_seq_len}: give "
+                         f"--seq-len {cfg.max_seq_len} or less")  # fmt: skip
+
+
 def cmd_convert(args) -> int:
     if Path(args.out).exists():  # before minutes of loading and scoring
         raise InputError(f"--out {args.out}: already exists (choose another folder, or delete it first)")
+    check_writable("--out", Path(args.out))
+    try:  # the hidden .OUT.<pid>.<hex>.tmp folders of conversions killed while saving (SIGKILL, out of memory)
+        remove_stale_temporaries(Path(args.out).absolute().parent)
+    except PermissionError:  # a folder this user may write to but not list: nothing of theirs to clean
+        pass
+    for key, default in CONVERT_DEFAULTS.items():  # (cli.py may leave them unset: None)
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     for flag, value, least in (("--eval-tokens", args.eval_tokens, 0), ("--calibration-tokens",
                                args.calibration_tokens, 0), ("--seq-len", args.seq_len, 1)):  # fmt: skip
         if value < least:
@@ -209,19 +317,36 @@ def cmd_convert(args) -> int:
         raise InputError(
             "nothing to convert: give --attention and/or --memory (e.g. --attention kind=mha,n_kv_heads=1)"
         )
+    check_convert_flags(args, attention)
+    if args.eval_tokens:
+        check_dataset_path("--dataset", args.dataset, args.data_dir)
     problem = split_problem(args.dataset, "test") if args.eval_tokens else None
     if problem:
         raise InputError(f"--dataset {problem}; convert scores a test split: give a dataset with one (e.g. "
                          "wikitext2-raw), or --eval-tokens 0")  # fmt: skip
+    calibrating = args.calibration_tokens and (attention or {}).get("kind") in LOW_RANK
+    if calibrating:  # its text opened (its first document read) before the model is loaded
+        try:
+            next(iter(open_source(args.calibrate_on, args.data_dir, splits=("train",)).documents()), None)
+        except DataError as e:
+            raise calibration_error(args, e) from None
+    try:  # the source's config alone (a .gguf file's header): a target it cannot make is said before loading
+        header = model_config_of(args.ref, args.data_dir)
+    except AttnlabError:  # (loading it says what is wrong with the reference)
+        header = None
+    if header is not None:
+        check_convert_source(args, header, args.ref)
+        target_config(header, attention, memory)
     source = load_for_eval(args.ref, data_dir=args.data_dir)
+    check_convert_source(args, source.cfg, source.name)
     calibration = None
-    if args.calibration_tokens and (attention or {}).get("kind") in LOW_RANK:  # activation-aware factorisations
+    if calibrating:  # activation-aware factorisations
         try:
             calibration = dataset_tokens(source.tokenizer, args.calibrate_on, "train", args.data_dir)
+        except MemoryError:
+            raise DataError(f"--calibrate-on {too_large(args.calibrate_on, args.data_dir)}") from None
         except DataError as e:
-            raise DataError(f"calibration text for the factorisations (--calibrate-on {args.calibrate_on}, train "
-                            f"split) was not found: give --data-dir, or --calibration-tokens 0 to fit the weights "
-                            f"alone ({one_line(e)})") from None  # fmt: skip
+            raise calibration_error(args, e) from None
         calibration = calibration[: args.calibration_tokens]
         if len(calibration) < MIN_CALIBRATION_TOKENS:
             raise DataError(f"--calibrate-on {args.calibrate_on}: its train split holds {len(calibration)} "
@@ -229,7 +354,10 @@ def cmd_convert(args) -> int:
                             "calibration needs: give a longer text, or --calibration-tokens 0 to fit the weights "
                             "alone")  # fmt: skip
     # the held-out text is read before the conversion and --out is written last: a mistake leaves no --out behind
-    tokens = dataset_tokens(source.tokenizer, args.dataset, "test", args.data_dir) if args.eval_tokens else None
+    try:
+        tokens = dataset_tokens(source.tokenizer, args.dataset, "test", args.data_dir) if args.eval_tokens else None
+    except MemoryError:
+        raise DataError(f"--dataset {too_large(args.dataset, args.data_dir)}") from None
     conversion = convert_model(source.cfg, source.model, attention, memory, rope_pairs=args.rope_pairs,
                                calibration=None if calibration is None else torch.from_numpy(calibration))  # fmt: skip
     seq_len = min(args.seq_len, source.cfg.max_seq_len)

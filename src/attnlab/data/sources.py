@@ -293,7 +293,7 @@ def _tinyshakespeare(data_dir, download, val_fraction, test_fraction) -> Source:
     return Source(name="tinyshakespeare", own_splits=False, read=read, files=[path])
 
 
-def _fineweb_edu(data_dir, download, val_fraction, test_fraction, max_tokens) -> Source:
+def _fineweb_edu(data_dir, download, val_fraction, test_fraction, max_tokens, whole_split: bool = False) -> Source:
     dirs = [d / "fineweb-edu" for d in data_dirs(data_dir)]
     for folder in dirs:
         files = sorted(p for p in folder.glob("*") if p.is_file() and base_suffix(p) in (".parquet", ".jsonl"))
@@ -306,6 +306,10 @@ def _fineweb_edu(data_dir, download, val_fraction, test_fraction, max_tokens) ->
             read = _hash_split(texts, val_fraction, test_fraction)
             return Source(name="fineweb-edu", own_splits=False, read=read, files=files)
     where = f"looked for *.parquet / *.jsonl in: {', '.join(map(str, dirs))}"
+    if max_tokens is None and whole_split:  # an evaluation reads a whole split: a stream without end has no limit
+        raise DataError(f"fineweb-edu: no local files ({where}) and its stream from the HF Hub has no end, while this "
+                        "command reads a whole split and has no option to limit it: put *.parquet / *.jsonl files "
+                        "of it in one of those folders (or give --data-dir), or use another dataset")  # fmt: skip
     if not downloads_allowed(download):
         raise DataError(f"fineweb-edu: no local files ({where}); {_how_to_provide('the files')}, or allow downloads")
     try:
@@ -339,8 +343,9 @@ def local_path(source: str, data_dir: str | Path | None = None) -> Path:
                 f"source {source!r} is not a known dataset ({', '.join(NAMED_SOURCES)}) nor an existing file: {e}"
             ) from None
     if not path.is_file():
+        what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "not found"
         raise DataError(
-            f"source {str(path)!r} not found or not a file (use a known dataset: "
+            f"source {str(path)!r} {what} (use a known dataset: "
             f"{', '.join(NAMED_SOURCES)}, or a .txt / .jsonl / .parquet file)"
         )
     if base_suffix(path) not in LOCAL_SUFFIXES:
@@ -387,7 +392,8 @@ def open_source(
     """The named dataset or local file `source`; DataError (where it looked, how to provide it) when missing.
 
     The fractions apply to sources without their own splits; `max_tokens` only matters for streaming. splits:
-    the only splits needed (a dataset with its own split files then needs only those; default all).
+    the only splits needed (a dataset with its own split files then needs only those; default all): an
+    evaluation's read of one whole split, which a stream without end (fineweb-edu without max_tokens) cannot give.
     """
     if source in WIKITEXT:
         return _wikitext(source, data_dir, download, splits)
@@ -396,7 +402,7 @@ def open_source(
     if source == "tinyshakespeare":
         return _tinyshakespeare(data_dir, download, val_fraction, test_fraction)
     if source == "fineweb-edu":
-        return _fineweb_edu(data_dir, download, val_fraction, test_fraction, max_tokens)
+        return _fineweb_edu(data_dir, download, val_fraction, test_fraction, max_tokens, whole_split=splits is not None)
     path = local_path(source, data_dir)
     read = _hash_split(lambda: file_texts(path), val_fraction, test_fraction)
     return Source(name=str(path), own_splits=False, read=read, files=[path])

@@ -27,7 +27,7 @@ import torch
 
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import SHORT, Codec, KVPolicy, as_policy
-from attnlab.data.sources import SPLITS, WIKITEXT
+from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, local_path
 from attnlab.errors import AttnlabWarning, ConfigError, DataError, InputError
 from attnlab.eval.perplexity import eval_tokens
 from attnlab.eval.records import make_record
@@ -97,16 +97,36 @@ def held_out_windows(eval_model, split: str, seq_len: int, max_tokens: int, data
     problem = split_problem(dataset, split) if dataset is not None else None
     if problem:
         raise DataError(f"{problem}: score split 'val'")
-    tokens = eval_tokens(eval_model, split, data_dir, dataset)[0]
+    try:
+        tokens, source = eval_tokens(eval_model, split, data_dir, dataset)[:2]
+    except MemoryError:  # a text too large to read and tokenize as one stream here
+        raise DataError(too_large(dataset or eval_model.config.get("data", {}).get("source"), data_dir)) from None
     if max_tokens < seq_len:  # the budget, not the split, is too small
         raise InputError(f"max_tokens={max_tokens} is fewer than one window of {seq_len} tokens (seq_len {seq_len - 1} "
                          f"inputs and the last target): give max_tokens >= {seq_len} or a smaller seq_len")  # fmt: skip
     n = min(max_tokens, len(tokens)) // seq_len
     if n < 1:
-        raise DataError(f"split {split!r} has {len(tokens)} tokens, fewer than one window of seq_len={seq_len}")
+        shorter = f", or seq_len {len(tokens) - 1} or less" if len(tokens) - 1 >= MIN_SEQ_LEN else ""
+        raise DataError(f"{source}: its {split!r} split holds {len(tokens)} token(s) for {eval_model.name}'s "
+                        f"tokenizer, fewer than one window of {seq_len} (seq_len {seq_len - 1} inputs and one more "
+                        f"target): give a longer text{shorter}")  # fmt: skip
     if dataset is not None:  # (the model's own prepared split is the text it was trained to read)
         warn_unknown_tokens(eval_model.tokenizer, tokens[: n * seq_len], f"{dataset}:{split} scored")
     return torch.from_numpy(tokens[: n * seq_len].astype(np.int64)).view(n, seq_len)
+
+
+def too_large(dataset, data_dir=None) -> str:
+    """What is said when reading `dataset` as one stream of tokens runs out of memory: the file and its size."""
+    what = str(dataset)
+    if dataset is not None and dataset not in NAMED_SOURCES:
+        try:
+            path = local_path(dataset, data_dir)
+            what = f"{path} ({path.stat().st_size / 2**30:.1f} GiB)"
+        except (DataError, OSError):  # (said as given)
+            pass
+    return (f"{what}: out of memory reading and tokenizing it: the whole split is read as one stream of tokens, "
+            "which is too large for this machine: give a smaller file (e.g. its first part: head -c 100M FILE > "
+            "part.txt)")  # fmt: skip
 
 
 def evaluate_policies(
@@ -178,9 +198,11 @@ def evaluate_policies(
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    """A plain-text table of evaluate_policies rows."""
-    head = (f"{'policy':<40} {'B/token':>9} {'vs full':>8} {'dNLL':>9} {'95% interval':>21} {'ppl x':>7} {'KL':>9} "
+def table(rows: list[dict], at_seq_len: bool = False) -> str:
+    """A plain-text table of evaluate_policies rows. at_seq_len: the bytes column is the bytes held at seq_len per
+    token (residual window included, what kv-tune's --budget applies to), not the stored form's bytes per token."""
+    column = f"B/tok@{rows[0]['seq_len']}" if at_seq_len and rows else "B/token"
+    head = (f"{'policy':<40} {column:>9} {'vs full':>8} {'dNLL':>9} {'95% interval':>21} {'ppl x':>7} {'KL':>9} "
             f"{'top-1':>6} {'greedy':>6}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -188,10 +210,14 @@ def table(rows: list[dict]) -> str:
         ci = r.get("dnll_ci")
         interval = "n/a" if ci is None else f"[{ci[0]:+.5f}, {ci[1]:+.5f}]"
         lines.append(
-            f"{r['policy']:<40} {r['bytes_per_token']:>9,.0f} {r['vs_full']:>8.3f} {r['dnll']:>+9.5f} "
+            f"{r['policy']:<40} {bytes_column(r, at_seq_len):>9,.0f} {r['vs_full']:>8.3f} {r['dnll']:>+9.5f} "
             f"{interval:>21} {r['ppl_ratio']:>7.4f} {r['kl']:>9.6f} {r['top1']:>6.3f} {greedy:>6}"
         )
     return "\n".join(lines)
+
+
+def bytes_column(row: dict, at_seq_len: bool) -> float:
+    return row["bytes_at_seq_len"] / row["seq_len"] if at_seq_len else row["bytes_per_token"]
 
 
 def candidate_formats(model, tensor: str, formats: tuple[str, ...]) -> list[str]:

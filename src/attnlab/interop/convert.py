@@ -85,6 +85,11 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
     if memory is not None:
         data["memory"] = dict(memory)
     cfg = model_config_from_dict(data, source="convert")
+    window = attention.get("window")
+    if kind == "sliding" and isinstance(window, int) and window >= cfg.max_seq_len and cfg.memory.kind == "none":
+        raise ConfigError(f"convert: attention.window={window} is not less than the model's max_seq_len="
+                          f"{cfg.max_seq_len}: every token would see all earlier ones, so the conversion is plain mha "
+                          f"(give a window below {cfg.max_seq_len}, or kind=mha)")  # fmt: skip
     if kind in LOW_RANK:
         low_rank_problem(source, cfg)
     elif cfg.attention.dim(cfg) != (want := 2 * head_dim if kind == "diff" else head_dim):
@@ -160,6 +165,20 @@ def low_rank_problem(source: ModelConfig, cfg: ModelConfig) -> None:
     if kind == "decoupled" and (a.tie_qk or not a.rope or a.rope_semantic):
         raise ConfigError("convert: a decoupled conversion keeps RoPE on the geometric path only (rope: true, "
                           "rope_semantic: false) and separate semantic W_Q, W_K (tie_qk: false)")  # fmt: skip
+    if kind == "decoupled":  # wider than the source's rank: zero rows that only cost cache bytes
+        h = cfg.n_heads
+        rest = head_dim - width  # channels per head the geometric path leaves to the semantic one
+        if a.d_sem // h > max(rest, 1):  # (one channel per head is the least: zero when every pair is kept)
+            raise ConfigError(f"convert: attention.d_sem={a.d_sem} gives {a.d_sem // h} semantic channels per head, "
+                              f"more than the {rest} of the source's head_dim {head_dim} that d_geo / n_heads = "
+                              f"{width} leaves (the rest would be zeros: use at most d_sem="
+                              f"{max(rest, 1) * h})")  # fmt: skip
+        if a.value_dim // h > head_dim:
+            key = "d_v" if a.d_v is not None else "d_v (d_sem + d_geo when unset)"
+            raise ConfigError(f"convert: attention.{key}={a.value_dim} gives {a.value_dim // h} value channels per "
+                              f"head, more than the source's head_dim {head_dim} (n_heads x head_dim = "
+                              f"{h * head_dim} value channels: the rest would be zeros; use at most d_v="
+                              f"{h * head_dim})")  # fmt: skip
 
 
 def pair_rows(pairs: torch.Tensor, dim: int, interleaved: bool) -> torch.Tensor:

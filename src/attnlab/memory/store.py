@@ -168,6 +168,17 @@ def _load_model(path: str | Path, data_dir: str | None):
     return loaded
 
 
+def too_large(*docs: Path) -> str:
+    """What is said when documents run out of memory while read and tokenized (each is read whole)."""
+    try:
+        size = f" ({sum(doc.stat().st_size for doc in docs) / 2**30:.1f} GiB)"
+    except OSError:
+        size = ""
+    return (f"{', '.join(map(str, docs))}{size}: out of memory reading and tokenizing it (an ingest reads its "
+            "documents whole, as one stream of tokens): too large for this machine: ingest less text, e.g. its first "
+            "part (head -c 100M FILE > part.txt), or parts of it as separate memories (--name)")  # fmt: skip
+
+
 def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Path], name: str, chunk: int = 512,
            replace: bool = False, data_dir: str | None = None) -> Entry:  # fmt: skip
     """Reads the documents (in order, the tokenizer's end-of-text id between them) into a new memory of the
@@ -191,20 +202,29 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
             raise DataError(f"{doc}: cannot read ({e.strerror or e})") from None
         except UnicodeDecodeError as e:
             raise DataError(f"{doc}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except MemoryError:
+            raise DataError(too_large(doc)) from None
     loaded = _load_model(model_path, data_dir)
     model, tokenizer = loaded.model, loaded.tokenizer
     ids, records = [], []
     for i, (doc, raw, text) in enumerate(texts):
-        warn_unknown(tokenizer, text, str(doc))  # a char or word vocabulary reads what it lacks as <unk>
-        encoded = tokenizer.encode(text)
-        ids += ([tokenizer.eot_id] if i else []) + encoded
+        try:
+            warn_unknown(tokenizer, text, str(doc))  # a char or word vocabulary reads what it lacks as <unk>
+            encoded = tokenizer.encode(text)
+            ids += ([tokenizer.eot_id] if i else []) + encoded
+        except MemoryError:
+            raise DataError(too_large(doc)) from None
         records.append({"path": str(doc.resolve()), "sha256": hashlib.sha256(raw).hexdigest(), "tokens": len(encoded)})
     if not ids:
         names = ", ".join(str(doc) for doc, _, _ in texts)
         raise InputError(f"the documents hold no text to ingest ({names}): give files with text in them")
     model_path = str(Path(model_path).resolve())
     cache = model.new_cache(1)
-    prefill(model, torch.tensor([ids], device=loaded.device), cache, chunk)
+    try:
+        ids = torch.tensor([ids], device=loaded.device)  # (1, T)
+    except MemoryError:
+        raise DataError(too_large(*(doc for doc, _, _ in texts))) from None
+    prefill(model, ids, cache, chunk)
     final = store.root / "states" / f"{name}-{uuid.uuid4().hex[:12]}.safetensors"  # never the file of a row
     header = save_state(final, model, cache, model_path=model_path)
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
