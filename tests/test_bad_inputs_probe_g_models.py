@@ -234,3 +234,26 @@ def test_convert_removes_the_temporary_folder_a_killed_conversion_left(run, tmp_
     assert main(argv) == 0
     assert not stale.exists() and mine.read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["converted", "notes.txt"]
+
+
+def test_lm_eval_refuses_an_out_it_cannot_write_before_loading(run, tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked and access(path, mode))
+    ran = []
+    monkeypatch.setattr("attnlab.eval.lmeval.run_lm_eval", lambda *a, **k: ran.append(a))
+    assert fails(capsys, ["lm-eval", str(run), "--tasks", "arc_easy", "--out", str(locked)], f"--out {locked}",
+                 "not writable")  # fmt: skip
+    assert not ran
+
+
+def test_out_of_memory_outside_run_gives_no_training_advice(tmp_path, capsys, monkeypatch):
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr("attnlab.cli.info", exhausted)
+    config = tmp_path / "m.yaml"
+    config.write_text("vocab_size: 97\nd_model: 32\nn_layers: 1\nn_heads: 2\nmax_seq_len: 64\n")
+    line = fails(capsys, ["info", str(config)], "out of memory", "smaller inputs")
+    assert "train.batch_size" not in line

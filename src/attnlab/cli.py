@@ -19,7 +19,15 @@ import torch
 from attnlab.accounting import info, memory_note
 from attnlab.attention.registry import REGISTRY
 from attnlab.cli_errors import Parser, fail, interrupted, link_loop, os_error_line, too_deep_line, warning_printer
-from attnlab.cli_models import cmd_convert, cmd_export, cmd_kv_eval, cmd_kv_tune, key_values, unquantized_note
+from attnlab.cli_models import (
+    check_writable,
+    cmd_convert,
+    cmd_export,
+    cmd_kv_eval,
+    cmd_kv_tune,
+    key_values,
+    unquantized_note,
+)
 from attnlab.cli_validate import LINK_LOOP, cmd_validate
 from attnlab.compare import compare
 from attnlab.config import ModelConfig
@@ -250,6 +258,8 @@ def cmd_lm_eval(args) -> int:
         raise ConfigError(f"--tasks {args.tasks!r}: holds an empty task name (give names separated by single commas, "
                           "e.g. arc_easy,piqa)")  # fmt: skip
     tasks = [task for task in tasks if task]
+    if args.out:
+        check_writable("--out", Path(args.out))  # before the model loads, not after the evaluation
     results = run_lm_eval(args.checkpoint, tasks, out_dir=args.out, kv_policy=args.kv_policy, limit=args.limit,
                           num_fewshot=args.num_fewshot, data_dir=args.data_dir, include_path=args.include_path,
                           batch_size=args.batch_size, weights=args.weights)  # fmt: skip
@@ -556,8 +566,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             return fail(args.command, line)
         except MemoryError:  # numpy's and the allocator's out-of-memory: the sizes asked for, not a bug
-            return fail(args.command, "out of memory: the sizes asked for do not fit this machine (lower "
-                         "train.batch_size, seq_len, the model's size or max tokens)")  # fmt: skip
+            advice = ("lower train.batch_size, seq_len, the model's size or max tokens" if args.command == "run" else
+                      "smaller inputs: the text, --seq-len, --tokens or the batch")  # fmt: skip
+            return fail(args.command, f"out of memory: the sizes asked for do not fit this machine ({advice})")
 
 
 if __name__ == "__main__":
