@@ -16,6 +16,17 @@ from attnlab.train.loop import train
 TINY = {"vocab_size": 97, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "init_std": 0.1}
 
 
+# One tiny-model attention of each kind that reads through a cache (tests of cache kinds run over all of them).
+CACHE_VARIANTS = {
+    "mha": {"kind": "mha"},
+    "mha-gqa": {"kind": "mha", "n_kv_heads": 2},
+    "decoupled": {"kind": "decoupled", "d_sem": 16, "d_geo": 32},
+    "mla": {"kind": "mla", "d_latent": 32},
+    "diff": {"kind": "diff"},
+    "coda": {"kind": "coda", "gate_bias": 0.0},
+}
+
+
 def tiny_config(attention=None, memory=None, **config) -> ModelConfig:
     """A validated ModelConfig: TINY with `config` (ModelConfig fields) over it. attention and memory are dicts,
     parsed as from a YAML file, or config dataclasses. attention may also be a whole ModelConfig, which then stands

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import kv_layout, tiny_model
+from helpers import CACHE_VARIANTS, kv_layout, tiny_model
 
 from attnlab.cache import attend_cache
 from attnlab.cache.build import build_cache
@@ -16,14 +16,7 @@ from attnlab.config import MemoryConfig
 from attnlab.errors import ConfigError
 
 SCALE = 1 / math.sqrt(8)
-ATTENTION = {
-    "mha": {"kind": "mha"},
-    "mha-gqa": {"kind": "mha", "n_kv_heads": 2},
-    "decoupled": {"kind": "decoupled", "d_sem": 16, "d_geo": 32},
-    "mla": {"kind": "mla", "d_latent": 32},
-    "diff": {"kind": "diff"},
-    "coda": {"kind": "coda", "gate_bias": 0.0},
-}
+ATTENTION = CACHE_VARIANTS
 
 
 def softmax(xs: list[float]) -> list[float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import kv_layout, tiny_config, tiny_model
+from helpers import CACHE_VARIANTS, kv_layout, tiny_config, tiny_model
 
 from attnlab.accounting import kv_report
 from attnlab.cache import attend_cache
@@ -14,14 +14,7 @@ from attnlab.cache.sparse import QuestCache
 from attnlab.config import MemoryConfig
 from attnlab.errors import ConfigError
 
-ATTENTION = {
-    "mha": {"kind": "mha"},
-    "mha-gqa": {"kind": "mha", "n_kv_heads": 2},
-    "decoupled": {"kind": "decoupled", "d_sem": 16, "d_geo": 32},
-    "mla": {"kind": "mla", "d_latent": 32},
-    "diff": {"kind": "diff"},
-    "coda": {"kind": "coda", "gate_bias": 0.0},
-}
+ATTENTION = CACHE_VARIANTS
 
 
 def reference(q, k, v, memory: MemoryConfig, scale: float) -> torch.Tensor:
