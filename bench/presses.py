@@ -2,7 +2,8 @@
 
     python bench/presses.py --hf DIR [--ref models/SmolLM2-135M-Instruct.Q4_1.gguf] [--contexts 1024,2048,4096]
                             [--ratios 0.5,0.75] [--slots 128,256] [--presses streaming,snapkv,tova,knorm]
-                            [--windows 2] [--continuation 128] [--data-dir DIR] [--no-record]
+                            [--decode-kinds h2o,quest,tova,knorm] [--windows 2] [--continuation 128]
+                            [--data-dir DIR] [--no-record]
 
 Each window: C tokens of WikiText-2 raw test text as the context, the next `--continuation` tokens scored. The
 context is prefilled with the press (kvpress: `with press(model)`, then the continuation as one forward over the
@@ -14,6 +15,10 @@ slots per KV head (kvpress: the ratio 1 - (slots + 0.5) / C, whose int() keeps e
 `streaming` is defined differently in the two: kvpress's StreamingLLMPress keeps 4 sinks and the newest tokens
 once, after a full-attention prefill, and appends the continuation; attnlab's `streaming` memory (4 sinks + a
 recent window of the same slots) slides during the prefill and the continuation too. Both are shown.
+
+Then attnlab's selections that also act during decoding, at the same slots (attnlab only): h2o (half heavy hitters,
+half recent window), quest (reads `slots` tokens a step and keeps every one), and the presses with `press_at:
+decode` (pressed back to the budget after every update, the continuation's tokens included).
 
 kvpress 0.5.5 pins transformers below 5.3: run this in an environment with attnlab's `presses` extra (a venv of its
 own: `pip install torch==2.13.0 && pip install -e '.[presses]'`). --hf is SmolLM2 as a Hugging Face folder, made
@@ -85,6 +90,21 @@ def budgets(context: int, ratios: list[float], slots: list[int]) -> list[tuple[s
     return out
 
 
+PAGE = 16  # quest's page size in the decode-time rows
+
+
+def decode_memory(kind: str, slots: int) -> MemoryConfig:
+    """attnlab's decode-time selections at `slots` tokens per KV head (attnlab only: kvpress has no such rows).
+    h2o: half heavy hitters, half recent window; quest: a window of 64, 4 sinks, the rest in pages of 16 (it holds
+    every token and reads `slots`); a press: pressed back to `slots` after every update (press_at decode)."""
+    if kind == "h2o":
+        return MemoryConfig(kind="h2o", recent_window=slots - slots // 2, heavy_slots=slots // 2)
+    if kind == "quest":
+        return MemoryConfig(kind="quest", recent_window=64, page_size=PAGE, sink_tokens=SINKS,
+                            pages=max(1, (slots - 64 - SINKS) // PAGE))  # fmt: skip
+    return MemoryConfig(kind=kind, budget=slots, press_at="decode")
+
+
 def attnlab_memory(press: str, ratio: float, slots: int, label: str) -> MemoryConfig:
     if press == "streaming":
         return MemoryConfig(kind="streaming", sink_tokens=SINKS, recent_window=slots - SINKS)
@@ -110,6 +130,11 @@ def main(argv=None) -> int:
     parser.add_argument("--ratios", default="0.5,0.75")
     parser.add_argument("--slots", default="128,256")
     parser.add_argument("--presses", default="streaming,snapkv,tova,knorm")
+    parser.add_argument(
+        "--decode-kinds",
+        default="h2o,quest,tova,knorm",
+        help="attnlab-only rows that select during decoding too, at the same slots ('' for none)",
+    )
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--continuation", type=int, default=128)
     parser.add_argument("--data-dir", default=None)
@@ -119,6 +144,7 @@ def main(argv=None) -> int:
     contexts, slots = ints(args.contexts), ints(args.slots)
     ratios = [float(x) for x in args.ratios.split(",") if x]
     presses = [p for p in args.presses.split(",") if p]
+    decode_kinds = [k for k in args.decode_kinds.split(",") if k]
 
     cfg, model, tokenizer = attnlab.load_model(args.ref, data_dir=args.data_dir)
     stream = torch.as_tensor(dataset_tokens(tokenizer, "wikitext2-raw", "test", args.data_dir))
@@ -168,6 +194,14 @@ def main(argv=None) -> int:
                         + ("" if theirs is None else f" kvpress {theirs:.4f} diff {delta:+.4f}"),
                         flush=True,
                     )
+            for kind in decode_kinds:  # attnlab's selections during decoding, at the same slots
+                for label, _, kept in budgets(context, ratios, slots):
+                    ours, held = attnlab_nll(model, decode_memory(kind, kept), ctx, cont)
+                    records.append(row("presses", cfg.config_hash(), env, **base, press=f"{kind} (decode)",
+                                       budget=label, slots=kept, held_after=held, impl="attnlab", nll=ours,
+                                       dense_nll=dense))  # fmt: skip
+                    table.append([context, window, f"{kind} (decode)", label, ours, None, None])
+                    print(f"C={context} w={window} {kind + ' (decode)':16s} {label:10s} attnlab {ours:.4f}", flush=True)
     print_table(["context", "window", "press", "budget", "attnlab NLL", "kvpress NLL", "diff"], table, ".4f")
     finish("presses", records, load.fraction(), record=not args.no_record)
     return 0
