@@ -16,9 +16,9 @@ slots per KV head (kvpress: the ratio 1 - (slots + 0.5) / C, whose int() keeps e
 once, after a full-attention prefill, and appends the continuation; attnlab's `streaming` memory (4 sinks + a
 recent window of the same slots) slides during the prefill and the continuation too. Both are shown.
 
-Then attnlab's selections that also act during decoding, at the same slots (attnlab only): h2o (half heavy hitters,
-half recent window), quest (reads `slots` tokens a step and keeps every one), and the presses with `press_at:
-decode` (pressed back to the budget after every update, the continuation's tokens included).
+Then attnlab's selections that also act during decoding, at the same slots (attnlab only), with the continuation
+decoded token by token: h2o (half heavy hitters, half recent window), quest (reads `slots` tokens a step and keeps
+every one), and the presses with `press_at: decode` (pressed back to the budget after every step).
 
 kvpress 0.5.5 pins transformers below 5.3: run this in an environment with attnlab's `presses` extra (a venv of its
 own: `pip install torch==2.13.0 && pip install -e '.[presses]'`). --hf is SmolLM2 as a Hugging Face folder, made
@@ -54,8 +54,9 @@ def continuation_nll(first_logits: torch.Tensor, logits: torch.Tensor, continuat
     return F.cross_entropy(predictions, continuation).item()
 
 
-def attnlab_nll(model, memory: MemoryConfig | None, context, continuation) -> tuple[float, int]:
-    """(NLL, tokens held per KV head in layer 0 after the continuation) with `memory` (None: the dense cache)."""
+def attnlab_nll(model, memory: MemoryConfig | None, context, continuation, stepwise: bool = False):
+    """(NLL, tokens held per KV head in layer 0 after the continuation) with `memory` (None: the dense cache); the
+    continuation as one chunk, or token by token (`stepwise`: a decode-time selection acts at every step)."""
     if memory is not None:
         pressed = attnlab.build_model(model.cfg.replace(memory=memory)).eval()
         pressed.load_state_dict(model.state_dict(), assign=True)  # the same tensors, no copy
@@ -63,7 +64,10 @@ def attnlab_nll(model, memory: MemoryConfig | None, context, continuation) -> tu
     with torch.no_grad():
         cache = model.new_cache(1, None if memory is not None else len(context) + len(continuation))
         first = model(context[None], cache)[0][0, -1]
-        logits = model(continuation[None], cache)[0][0]
+        if stepwise:
+            logits = torch.cat([model(continuation[None, t : t + 1], cache)[0][0] for t in range(len(continuation))])
+        else:
+            logits = model(continuation[None], cache)[0][0]
     held = cache.layers[0].positions().shape[-1]
     return continuation_nll(first, logits, continuation), held
 
@@ -196,7 +200,7 @@ def main(argv=None) -> int:
                     )
             for kind in decode_kinds:  # attnlab's selections during decoding, at the same slots
                 for label, _, kept in budgets(context, ratios, slots):
-                    ours, held = attnlab_nll(model, decode_memory(kind, kept), ctx, cont)
+                    ours, held = attnlab_nll(model, decode_memory(kind, kept), ctx, cont, stepwise=True)
                     records.append(row("presses", cfg.config_hash(), env, **base, press=f"{kind} (decode)",
                                        budget=label, slots=kept, held_after=held, impl="attnlab", nll=ours,
                                        dense_nll=dense))  # fmt: skip
