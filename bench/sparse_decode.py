@@ -7,9 +7,9 @@ run, as ratios to the dense cache.
                                   [--kinds dense,quest,tova,knorm] [--steps 16] [--rounds 3] [--data-dir DIR]
                                   [--no-record]
 
-After an untimed prefill of C - steps tokens of WikiText-2 raw test text, `--steps` single-token decode steps (eager,
-fed the text's own next tokens), the last at C tokens of context; tok/s = steps / seconds, the median of `--rounds`
-rounds (each round prefills afresh).
+After an untimed prefill of C - steps * rounds tokens of WikiText-2 raw test text, `--rounds` rounds of `--steps`
+single-token decode steps (eager, fed the text's own next tokens), the last at C tokens of context; tok/s = steps /
+seconds, the median of the rounds.
 quest reads `share` of the pages (pages of `--page-size`; recent window 64 and 4 sinks on top); a press keeps the same
 number of tokens (`budget`, press_at decode). Bytes: what one step reads from the KV cache of every layer
 (`read_nbytes()`), and what the cache holds (`nbytes()`).
@@ -58,16 +58,17 @@ def with_memory(model, memory: MemoryConfig | None):
 
 @torch.no_grad()
 def decode_rate(model, tokens: torch.Tensor, context: int, steps: int, rounds: int) -> tuple[float, int, int]:
-    """(tok/s median over rounds, bytes read by the last step, bytes held) decoding up to `context` tokens."""
+    """(tok/s median over rounds, bytes read by the last step, bytes held): one prefill of context - steps * rounds
+    tokens, then `rounds` timed rounds of `steps` single-token steps, the last at `context` tokens."""
+    dense = model.cfg.memory.kind == "none"
+    cache = model.new_cache(1, context if dense else None)
+    prefill = context - steps * rounds
+    for start in range(0, prefill, CHUNK):
+        model(tokens[None, start : min(prefill, start + CHUNK)], cache)
     rates = []
-    for _ in range(rounds):
-        dense = model.cfg.memory.kind == "none"
-        cache = model.new_cache(1, context if dense else None)
-        prefill = context - steps
-        for start in range(0, prefill, CHUNK):
-            model(tokens[None, start : min(prefill, start + CHUNK)], cache)
+    for r in range(rounds):
         began = time.perf_counter()
-        for t in range(prefill, context):
+        for t in range(prefill + r * steps, prefill + (r + 1) * steps):
             model(tokens[None, t : t + 1], cache)
         rates.append(steps / (time.perf_counter() - began))
     read = sum(layer.read_nbytes() for layer in cache.layers)
