@@ -58,6 +58,13 @@ def tiny_model(
     return model.to(dtype=dtype).eval() if dtype else model.eval()
 
 
+def hat_text(folder: Path) -> Path:
+    """folder/text.txt: 60 short numbered paragraphs, a corpus for tiny char-tokenizer manifests."""
+    path = folder / "text.txt"
+    path.write_text("\n\n".join(f"the cat is on the mat and this is the hat number {i}" for i in range(60)))
+    return path
+
+
 def train_tiny_run(root: Path, model: dict, steps: int = 20, seq_len: int = 32, words: int = 30) -> Path:
     """A tiny run trained on a made-up corpus (char tokenizer) under root/runs/tiny/seed0, for tests that
     evaluate a real checkpoint folder: its path."""

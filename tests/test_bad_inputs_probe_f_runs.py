@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import fails, train_tiny_run
+from helpers import fails, hat_text, train_tiny_run
 from test_pretrained import random_model, save
 
 import attnlab
@@ -50,9 +50,7 @@ def llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text("\n\n".join(f"the cat is on the mat and this is the hat number {i}" for i in range(60)))
-    return path
+    return hat_text(tmp_path_factory.mktemp("text"))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fails, tiny_model, train_tiny_run
+from helpers import fails, hat_text, tiny_model, train_tiny_run
 
 from attnlab.cli import main
 from attnlab.config import DataConfig
@@ -51,9 +51,7 @@ def own_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text("\n\n".join(f"the cat is on the mat and this is the hat number {i}" for i in range(60)))
-    return path
+    return hat_text(tmp_path_factory.mktemp("text"))
 
 
 @pytest.fixture(scope="module")
