@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.cache.base import LayerCache, Write
+from attnlab.cache.memories import four
 from attnlab.config import MemoryConfig
 from attnlab.errors import InputError
 from attnlab.ops.attend import grouped_logits
@@ -118,7 +119,7 @@ class PressCache(LayerCache):
         batch, heads = self.slot_positions.shape[:2]
         held = {}
         for name, t in new.items():
-            t = t[:, None] if headless else t  # (B, H_kv, T, width)
+            t = four(t)  # (B, H_kv, T, width)
             held[name] = torch.cat((self.buffers[name].to(t.dtype), t), dim=2)
             self.buffers[name] = held[name].detach().to(self.dtype)
         self.slot_positions = torch.cat((self.slot_positions, positions.expand(batch, heads, -1)), dim=2)

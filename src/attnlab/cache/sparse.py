@@ -29,6 +29,7 @@ import torch
 
 from attnlab.cache.base import LayerCache, Write
 from attnlab.cache.layout import CacheLayout, Read
+from attnlab.cache.memories import four
 from attnlab.config import MemoryConfig
 from attnlab.errors import InputError
 from attnlab.ops.attend import attend
@@ -48,18 +49,22 @@ def page_bounds(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -
     return bound.reshape(batch, n_kv, n_heads // n_kv, length, pages).sum(dim=2)
 
 
-def chosen_pages(bound: torch.Tensor, q_pos: torch.Tensor, memory: MemoryConfig) -> torch.Tensor:
-    """(B, H_kv, T, n) bool: the pages each query reads besides its window and the sinks. bound (B, H_kv, T, n)
-    from `page_bounds`; q_pos (T,) the queries' positions. Ties go to the earlier page (a stable sort)."""
+def top_pages(bound: torch.Tensor, q_pos: torch.Tensor, memory: MemoryConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages each query reads besides its window and the sinks: (index (B, H_kv, T, k), valid (B, H_kv, T, k)),
+    k = min(pages, n), valid False where fewer candidates than k exist. bound (B, H_kv, T, n) from `page_bounds`;
+    q_pos (T,) the queries' positions. Ties go to the earlier page (a stable sort)."""
     size, window, sinks = memory.page_size, memory.recent_window, memory.sink_tokens
     start = torch.arange(bound.shape[-1], device=bound.device) * size  # (n,) each page's first position
     candidate = (start[None, :] <= q_pos[:, None] - window) & (start[None, :] + size > sinks)  # (T, n)
-    if bound.shape[-1] <= memory.pages:
-        return candidate.expand_as(bound)
     ranked = bound.masked_fill(~candidate, float("-inf"))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., : memory.pages]
-    chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, order, True)
-    return chosen & candidate
+    return order, candidate.expand_as(bound).gather(-1, order)
+
+
+def chosen_pages(bound: torch.Tensor, q_pos: torch.Tensor, memory: MemoryConfig) -> torch.Tensor:
+    """(B, H_kv, T, n) bool: the pages each query reads besides its window and the sinks (`top_pages` as a mask)."""
+    order, valid = top_pages(bound, q_pos, memory)
+    return torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, order, valid)
 
 
 def key_extremes(keys: torch.Tensor, pages: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,16 +90,11 @@ class QuestCache(LayerCache):
         self.complete_pages = 0
         self.key_min = self.key_max = None  # (B, H_kv, pages, width): filled as pages complete
         if self.keys is not None:
-            shape = self._heads(self.buffers[self.keys]).shape
+            shape = four(self.buffers[self.keys]).shape
             extremes = (shape[0], shape[1], -(-slots // memory.page_size), shape[3])
             self.key_min = torch.zeros(extremes, dtype=dtype, device=device)
             self.key_max = torch.zeros(extremes, dtype=dtype, device=device)
         self._q_pos: torch.Tensor | None = None
-
-    @staticmethod
-    def _heads(x: torch.Tensor) -> torch.Tensor:
-        """(B, S, w) (one row per token for every head) -> (B, 1, S, w); (B, H, S, w) unchanged."""
-        return x[:, None] if x.dim() == 3 else x
 
     # ------------------------------------------------------------------ protocol
 
@@ -152,15 +152,13 @@ class QuestCache(LayerCache):
         self._store(new, positions)
         t, memory = self.length - 1, self.memory
         size, window, sinks = memory.page_size, memory.recent_window, memory.sink_tokens
-        keys, values = self._heads(self.buffers[read.keys]), self._heads(self.buffers[read.values])
+        keys, values = four(self.buffers[read.keys]), four(self.buffers[read.values])
         device, dtype = keys.device, q.dtype
         if t < window + sinks or self.complete_pages <= memory.pages:  # every earlier token is read anyway
             k, v = keys[:, :, : t + 1].to(dtype), values[:, :, : t + 1].to(dtype)
             return attend(q, k, v[..., : read.value_width], None, scale)
         bound = page_bounds(q, self.key_min[:, :, : self.complete_pages], self.key_max[:, :, : self.complete_pages])
-        chosen = chosen_pages(bound, positions, memory)[:, :, 0]  # (B, H_kv, n)
-        order = torch.sort(chosen.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., : memory.pages]
-        picked = chosen.gather(-1, order)  # (B, H_kv, K): False where fewer than K pages are candidates
+        order, picked = (t[:, :, 0] for t in top_pages(bound, positions, memory))  # (B, H_kv, K) each
         offsets = torch.arange(size, device=device)
         page_rows = (order[..., None] * size + offsets).flatten(-2)  # (B, H_kv, K*P)
         # A chosen page's tokens that are sinks or in the window are read through those instead.
@@ -191,7 +189,7 @@ class QuestCache(LayerCache):
         pages = end // self.memory.page_size
         if self.key_min is not None and pages > self.complete_pages:
             lo = self.complete_pages * self.memory.page_size
-            keys = self._heads(self.buffers[self.keys])[:, :, lo : pages * self.memory.page_size]
+            keys = four(self.buffers[self.keys])[:, :, lo : pages * self.memory.page_size]
             low, high = key_extremes(keys, pages - self.complete_pages, self.memory.page_size)
             self.key_min[:, :, self.complete_pages : pages] = low
             self.key_max[:, :, self.complete_pages : pages] = high

@@ -110,7 +110,7 @@ def context_note(name: str, full: dict, cfg, label: str, train_seq_len: int | No
     if found is None or not found[1]:
         return None
     _, past, how = found
-    what = {"latency": "prompt_lengths", "rope_extrapolation": "factors", "stream_loss": "length"}.get(name, "lengths")
+    what = GIVES_CELLS.get(name, ("lengths",))[0]
     return (f"{label} {name}: {what} {_join(past)}{' ' + how if how else ''} exceed max_seq_len {cfg.max_seq_len}: "
             "recorded as too_long, not measured")  # fmt: skip
 

@@ -440,7 +440,7 @@ def run_stream_loss(
     tokens, origin = heldout_tokens(model, text, split, data_dir, dataset=dataset)
     memory = model.cfg.memory
     common = {"length": length, "bucket": bucket, "text": origin, "max_seq_len": model.cfg.max_seq_len,
-              "memory": memory.kind, "memory_slots": memory_slots(memory)}  # fmt: skip
+              "memory": memory.kind, "memory_slots": memory.read_slots}  # fmt: skip
     record = partial(make_record, "stream_loss", model, **common)
     if length > model.cfg.max_seq_len and memory.kind == "none":
         return [record(status="too_long")]
@@ -454,8 +454,3 @@ def run_stream_loss(
     summary = summarize_losses([(row.sum().item(), length) for row in losses])
     return [record(status="ok", streams=windows, **summary, positions=starts, bucket_loss=means,
                    bucket_ci=intervals)]  # fmt: skip
-
-
-def memory_slots(memory) -> int | None:
-    """Tokens a memory holds per layer (its budget), None without one."""
-    return memory.read_slots  # quest: the tokens a step reads (it holds every one)
