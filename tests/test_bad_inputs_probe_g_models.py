@@ -46,6 +46,9 @@ def convert(run, out, *extra) -> list[str]:
         (["--calibrate-on", "tinyshakespeare"], ["--calibrate-on tinyshakespeare applies to bottleneck/decoupled"]),
         (["--seq-len", "64", "--calibration-tokens", "0"], ["--seq-len 64", "--eval-tokens 0 skips"]),
         (["--dataset", "wikitext2"], ["--dataset wikitext2", "--eval-tokens 0 skips"]),
+        # given at their default values: still given, still doing nothing here
+        (["--rope-pairs", "energy"], ["--rope-pairs energy applies to bottleneck/decoupled/mla conversions"]),
+        (["--seq-len", "512"], ["--seq-len 512", "--eval-tokens 0 skips"]),
     ],
 )
 def test_convert_options_that_would_do_nothing_are_refused(run, tmp_path, capsys, extra, fragments):

@@ -455,18 +455,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default=None, help="the new attention, e.g. kind=mha,n_kv_heads=1 (MQA), "
                    "kind=coda,gate_bias=-20 or kind=diff; unset options keep the source's heads")  # fmt: skip
     p.add_argument("--memory", default=None, help="a memory, e.g. kind=streaming,recent_window=252")
-    p.add_argument("--rope-pairs", default="energy", choices=PAIR_RULES, help="bottleneck/decoupled: the source's "
+    p.add_argument("--rope-pairs", default=None, choices=PAIR_RULES, help="bottleneck/decoupled: the source's "
                    "RoPE pairs kept: most q-k weight energy (default), high or low frequencies, uniform")  # fmt: skip
-    p.add_argument("--calibration-tokens", type=int, default=4096, help="bottleneck/decoupled: tokens the "
+    p.add_argument("--calibration-tokens", type=int, default=None, help="bottleneck/decoupled: tokens the "
                    "factorisations are fitted on (default 4096; 0: the weights alone)")  # fmt: skip
-    p.add_argument("--calibrate-on", default="wikitext2-nounk", help="the text whose train split they come from "
+    p.add_argument("--calibrate-on", default=None, help="the text whose train split they come from "
                    "(default wikitext2-nounk: WikiText-2 train, <unk> removed)")  # fmt: skip
     p.add_argument("--out", required=True, metavar="DIR", help="the checkpoint folder to write (must not exist)")
     p.add_argument("--eval-tokens", type=int, default=8192, help="held-out tokens on which to print the original's "
                    "and the cold conversion's perplexity (default 8192; 0 skips it)")  # fmt: skip
-    p.add_argument("--dataset", default="wikitext2-raw", help="the held-out text (its test split; default "
+    p.add_argument("--dataset", default=None, help="the held-out text (its test split; default "
                    "wikitext2-raw)")  # fmt: skip
-    p.add_argument("--seq-len", type=int, default=512, help="the context of that perplexity (default 512)")
+    p.add_argument("--seq-len", type=int, default=None, help="the context of that perplexity (default 512)")
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_convert)
     add_memory_parser(sub)

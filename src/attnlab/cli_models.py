@@ -232,18 +232,21 @@ def cmd_export(args) -> int:
     return 0
 
 
-# convert's defaults (cli.py's): a value other than these was given by the user, and must do something
+# convert's defaults: cli.py leaves these options None unless given, so that an option given at its default value is
+# told from one left out (and must do something for this conversion)
 CONVERT_DEFAULTS = {"rope_pairs": "energy", "calibration_tokens": 4096, "calibrate_on": "wikitext2-nounk",
                     "seq_len": 512, "dataset": "wikitext2-raw"}  # fmt: skip
 
 
-def given(args, key: str) -> bool:
-    """Whether convert's option `key` was given (a value other than its default; None = not given)."""
-    value = getattr(args, key)
-    return value is not None and value != CONVERT_DEFAULTS[key]
+def convert_options_given(args) -> set[str]:
+    """The names of convert's defaulted options the user gave; the others take CONVERT_DEFAULTS (set on args)."""
+    given = {key for key in CONVERT_DEFAULTS if getattr(args, key) is not None}
+    for key in CONVERT_DEFAULTS.keys() - given:
+        setattr(args, key, CONVERT_DEFAULTS[key])
+    return given
 
 
-def check_convert_flags(args, attention: dict | None) -> None:
+def check_convert_flags(args, attention: dict | None, given: set[str]) -> None:
     """convert's options that would do nothing for this conversion, refused (InputError, one line) before the model
     is loaded."""
     kind = (attention or {}).get("kind")
@@ -251,15 +254,15 @@ def check_convert_flags(args, attention: dict | None) -> None:
     if kind not in LOW_RANK:
         this = f"this one is {kind}" if kind else "this one keeps the source's attention kind"
         for key in ("rope_pairs", "calibration_tokens", "calibrate_on"):
-            if given(args, key) and getattr(args, key) != 0:  # (--calibration-tokens 0: no calibration, as is)
+            if key in given and getattr(args, key) != 0:  # (--calibration-tokens 0: no calibration, as is)
                 raise InputError(f"{flag(key)} applies to bottleneck/decoupled/mla conversions ({this}): leave "
                                  "it out")  # fmt: skip
-    elif args.calibration_tokens == 0 and given(args, "calibrate_on"):
+    elif args.calibration_tokens == 0 and "calibrate_on" in given:
         raise InputError(f"{flag('calibrate_on')} does nothing with --calibration-tokens 0 (the factorisations "
                          "then fit the weights alone): leave one of them out")  # fmt: skip
     if args.eval_tokens == 0:
         for key in ("seq_len", "dataset"):
-            if given(args, key):
+            if key in given:
                 raise InputError(f"{flag(key)} applies to the perplexity that --eval-tokens 0 skips: leave it out, "
                                  "or give --eval-tokens")  # fmt: skip
 
@@ -285,9 +288,9 @@ def text_found(source: str, data_dir) -> bool:
         return False
 
 
-def check_convert_source(args, cfg, name) -> None:
+def check_convert_source(args, cfg, name, given: set[str]) -> None:
     """convert's --seq-len within the source's context (when it was given: the default is cut to it)."""
-    if args.eval_tokens and given(args, "seq_len") and args.seq_len > cfg.max_seq_len:
+    if args.eval_tokens and "seq_len" in given and args.seq_len > cfg.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len} is more than {name}'s max_seq_len={cfg.max_seq_len}: give "
                          f"--seq-len {cfg.max_seq_len} or less")  # fmt: skip
 
@@ -300,9 +303,7 @@ def cmd_convert(args) -> int:
         remove_stale_temporaries(Path(args.out).absolute().parent)
     except PermissionError:  # a folder this user may write to but not list: nothing of theirs to clean
         pass
-    for key, default in CONVERT_DEFAULTS.items():  # (cli.py may leave them unset: None)
-        if getattr(args, key) is None:
-            setattr(args, key, default)
+    given = convert_options_given(args)
     for flag, value, least in (("--eval-tokens", args.eval_tokens, 0), ("--calibration-tokens",
                                args.calibration_tokens, 0), ("--seq-len", args.seq_len, 1)):  # fmt: skip
         if value < least:
@@ -317,7 +318,7 @@ def cmd_convert(args) -> int:
         raise InputError(
             "nothing to convert: give --attention and/or --memory (e.g. --attention kind=mha,n_kv_heads=1)"
         )
-    check_convert_flags(args, attention)
+    check_convert_flags(args, attention, given)
     if args.eval_tokens:
         check_dataset_path("--dataset", args.dataset, args.data_dir)
     problem = split_problem(args.dataset, "test") if args.eval_tokens else None
@@ -335,10 +336,10 @@ def cmd_convert(args) -> int:
     except AttnlabError:  # (loading it says what is wrong with the reference)
         header = None
     if header is not None:
-        check_convert_source(args, header, args.ref)
+        check_convert_source(args, header, args.ref, given)
         target_config(header, attention, memory)
     source = load_for_eval(args.ref, data_dir=args.data_dir)
-    check_convert_source(args, source.cfg, source.name)
+    check_convert_source(args, source.cfg, source.name, given)
     calibration = None
     if calibrating:  # activation-aware factorisations
         try:
