@@ -383,6 +383,11 @@ class DataConfig:
             raise ConfigError(problems)
 
 
+def trainable_string_problem(value: str) -> str:
+    """train.trainable given as one string (YAML `trainable: blocks.*`, `--set train.trainable=blocks.*`)."""
+    return f"train.trainable must be a list of name patterns, got the string {value!r} (write [{json.dumps(value)}])"
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """How to train. Steps count optimizer updates; one update sees batch_size * grad_accum sequences."""
@@ -416,8 +421,7 @@ class TrainConfig:
         if isinstance(self.trainable, list):  # as YAML and JSON give it; a tuple keeps the config hashable
             object.__setattr__(self, "trainable", tuple(self.trainable))
         if isinstance(self.trainable, str):
-            raise ConfigError(f"train.trainable must be a list of name patterns, got the string {self.trainable!r} "
-                              f"(write [{json.dumps(self.trainable)}])")  # fmt: skip
+            raise ConfigError(trainable_string_problem(self.trainable))
         problems = field_problems(self, "train.")
         if problems:
             raise ConfigError(problems)

@@ -69,6 +69,7 @@ from attnlab.config import (
     names_model,
     section_from_dict,
     source_problem,
+    trainable_string_problem,
 )
 from attnlab.config_checks import MAX_INT, unknown_key_problem
 from attnlab.config_io import TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
@@ -312,12 +313,6 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
             f"{where}: model.vocab_size={cfg.vocab_size} is smaller than tokenizer {tokenizer}'s "
             f"{FIXED_VOCAB[tokenizer]} (leave vocab_size out to take the tokenizer's)"
         )
-
-
-def trainable_string_problem(value: str) -> str:
-    """train.trainable given as one string (YAML `trainable: blocks.*`, `--set train.trainable=blocks.*`)."""
-    return (f"train.trainable must be a list of name patterns, got the string {value!r} "
-            f"(write [{json.dumps(value)}])")  # fmt: skip
 
 
 def _pretrained_source(value: Any, where: str, problems: list[str]) -> dict:
