@@ -208,12 +208,18 @@ def test_memory_ingest_out_of_memory_names_the_document(memory_run, tmp_path, ca
 # ---------------------------------------------------------------------------------------------- --out
 
 
-@pytest.mark.parametrize("command", ["kv-eval", "convert"])
-def test_an_out_that_cannot_be_written_is_refused_before_the_work(run, tmp_path, capsys, monkeypatch, command):
-    locked = tmp_path / "locked"
-    locked.mkdir()
+@pytest.fixture
+def locked(tmp_path, monkeypatch) -> Path:
+    """A folder this user may not write to, as os.access sees it (the tests run as root, for whom modes do nothing)."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
     access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked and access(path, mode))
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != folder and access(path, mode))
+    return folder
+
+
+@pytest.mark.parametrize("command", ["kv-eval", "convert"])
+def test_an_out_that_cannot_be_written_is_refused_before_the_work(run, locked, capsys, monkeypatch, command):
     loaded = []
     monkeypatch.setattr("attnlab.cli_models.load_for_eval", lambda *a, **k: loaded.append(a))
     if command == "kv-eval":
@@ -239,11 +245,7 @@ def test_convert_removes_the_temporary_folder_a_killed_conversion_left(run, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["converted", "notes.txt"]
 
 
-def test_lm_eval_refuses_an_out_it_cannot_write_before_loading(run, tmp_path, capsys, monkeypatch):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked and access(path, mode))
+def test_lm_eval_refuses_an_out_it_cannot_write_before_loading(run, locked, capsys, monkeypatch):
     ran = []
     monkeypatch.setattr("attnlab.eval.lmeval.run_lm_eval", lambda *a, **k: ran.append(a))
     assert fails(capsys, ["lm-eval", str(run), "--tasks", "arc_easy", "--out", str(locked)], f"--out {locked}",
