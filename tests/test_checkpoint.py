@@ -37,7 +37,7 @@ def test_round_trip_restores_weights_and_optimizer(tmp_path):
     assert found.step == 1 and found.trainer["sampler"] == {"k": 1} and found.config == config
     other, other_opt = make(seed=1)
     ckpt.load_weights(other, found)
-    ckpt.load_optimizer(other_opt, found)
+    ckpt.load_optimizer(other_opt, found, other)
     for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert other.lm_head.weight is other.embed.weight  # tying survives loading

@@ -379,7 +379,7 @@ WRITER = textwrap.dedent("""
     torch.manual_seed(1)
     model = attnlab.build_model(ckpt.load_checkpoint(run).cfg)
     optimizer = build_optimizer(model, TrainConfig())
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True)["optimizer"])
+    ckpt.load_optimizer(optimizer, ckpt.find_checkpoint(run), model)
     # Ignored (Python's own default): a write past the limit fails with EFBIG; default: the kernel kills the writer.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN if ignore else signal.SIG_DFL)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

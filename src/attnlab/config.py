@@ -415,6 +415,11 @@ class TrainConfig:
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     trainable: tuple[str, ...] | None = None  # parameter-name patterns (fnmatch) to train; the rest is frozen
+    # How several processes (torchrun) share the work: ddp (a whole copy of the model, its gradients and optimizer
+    # state in each) or fsdp (FSDP2: each process holds 1/N of them, gathered a block at a time).
+    distributed: str = "ddp"
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+    cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer state in host memory; the step runs there
     int_limits: ClassVar[dict[str, int]] = {"seed": MAX_SEED}
 
     def __post_init__(self) -> None:
@@ -448,6 +453,10 @@ class TrainConfig:
             problems.append(f"train.optimizer={self.optimizer!r} is not known (use adamw or lion)")
         if self.schedule not in ("constant", "linear", "cosine"):
             problems.append(f"train.schedule={self.schedule!r} is not known (use constant, linear or cosine)")
+        if self.distributed not in ("ddp", "fsdp"):
+            problems.append(f"train.distributed={brief(self.distributed)} is not known (use ddp or fsdp)")
+        elif self.cpu_offload and self.distributed != "fsdp":
+            problems.append("train.cpu_offload=true needs train.distributed: fsdp (it offloads FSDP's shards)")
         if self.precision not in ("auto", "fp32", "bf16"):
             problems.append(f"train.precision={self.precision!r} is not known (use auto, fp32 or bf16)")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:[0-9]+)?", self.device):

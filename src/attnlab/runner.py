@@ -41,6 +41,7 @@ from attnlab.retrofit import (
 )
 from attnlab.train.checkpoint import find_checkpoint, step_folders, write_json_atomic
 from attnlab.train.distributed import barrier, dist_env, init_distributed, prepare_rank0_first
+from attnlab.train.fsdp import check_launch
 from attnlab.train.lock import LOCK_NAME, busy_problem, run_lock
 from attnlab.train.loop import full_config, pick_device, train, vocab_problem
 from attnlab.train.resume import check_resume, config_differences, data_change, data_fingerprint, source_file_change
@@ -371,7 +372,10 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         for plan in downloads:
             log(f"data: {plan} first")
     # Under torchrun every rank runs this loop; rank 0 alone writes files and prints.
-    dist_info = env if dry_run else init_distributed(pick_device(runs[0].train.device).type) if runs else None
+    for spec in runs:
+        check_launch(spec.train)  # fsdp outside torchrun: one line, also for a dry run
+    sharded = any(spec.train.distributed == "fsdp" for spec in runs)
+    dist_info = env if dry_run else init_distributed(pick_device(runs[0].train.device).type, sharded) if runs else None
     if dist_info is not None and not dist_info.is_main:
         log = lambda *a, **k: None  # noqa: E731
     prepared_by_data: dict = {}

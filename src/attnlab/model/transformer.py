@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from attnlab.attention.registry import REGISTRY
@@ -48,6 +49,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.positions_covered = cfg.max_seq_len  # RoPE positions every layer's table covers
+        self.checkpoint_blocks = False  # train.activation_checkpointing: recompute each block in the backward pass
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -145,7 +147,12 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # (B, T, d_model)
         for i, block in enumerate(self.blocks):
             cache = None if layer_caches is None else layer_caches[i]
-            x = block(x, positions, cache)[0] if run_block is None else run_block(block, x, positions, cache)
+            if run_block is not None:
+                x = run_block(block, x, positions, cache)
+            elif self.checkpoint_blocks and cache is None and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, positions, None, use_reentrant=False)[0]
+            else:
+                x = block(x, positions, cache)[0]
         if last_only:
             x = x[:, -1:]  # (B, 1, d_model)
         logits = self.lm_head(self.norm(x))  # (B, T, padded_vocab_size)

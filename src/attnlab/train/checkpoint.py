@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 
 from attnlab.config import ModelConfig
 from attnlab.config_io import model_config_from_dict
@@ -69,8 +69,11 @@ class Checkpoint:
     config: dict  # the full resolved config of the run
 
 
-def save_checkpoint(run_dir: Path, model, optimizer, trainer: dict, config: dict, tags=("last",)) -> Path:
-    """Writes step-<trainer['step']> and points each tag (last, best) at it."""
+def save_checkpoint(
+    run_dir: Path, model, optimizer, trainer: dict, config: dict, tags=("last",), gathered=None
+) -> Path:
+    """Writes step-<trainer['step']> and points each tag (last, best) at it. gathered: (weights, optimizer state) of
+    a sharded model, gathered to this process (train.fsdp), written instead of `model`'s and `optimizer`'s."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{trainer['step']:06d}"
@@ -80,9 +83,10 @@ def save_checkpoint(run_dir: Path, model, optimizer, trainer: dict, config: dict
             with atomic_path(final, durable=True) as tmp:  # the folder, all its files flushed, then renamed
                 tmp.mkdir()
                 metadata = {"step": str(trainer["step"]), CHECKSUMS_KEY: CHECKSUMS}
-                save_weights(model, tmp / WEIGHTS, metadata)
+                weights, optimizer_state = gathered or (model, named_optimizer_state(model, optimizer))
+                save_weights(weights, tmp / WEIGHTS, metadata)
                 writing = OPTIMIZER
-                state = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+                state = {"optimizer": optimizer_state, "torch_rng": torch.get_rng_state()}
                 torch.save(state, tmp / OPTIMIZER)
                 writing = TRAINER
                 (tmp / TRAINER).write_text(json.dumps(trainer, indent=1))
@@ -131,11 +135,46 @@ def save_model_folder(folder: str | Path, model, config: dict, extra=None) -> Pa
 
 
 def save_weights(model, path: Path, metadata: dict[str, str]) -> None:
-    """The model's weights as safetensors, byte for byte the same for the same weights and metadata: safetensors
-    writes its metadata in a hash map's order, which changes from one save to the next (and the sha256 with it, which
-    bench takes as the weights' identity), so the header is rewritten with its keys in a fixed order."""
-    save_model(unwrap(model), str(path), metadata=metadata)
+    """The model's weights (or a {name: tensor} dict of them, tied duplicates left out) as safetensors, byte for
+    byte the same for the same weights and metadata: safetensors writes its metadata in a hash map's order, which
+    changes from one save to the next (and the sha256 with it, which bench takes as the weights' identity), so the
+    header is rewritten with its keys in a fixed order."""
+    if isinstance(model, dict):
+        save_file({name: t.contiguous() for name, t in model.items()}, str(path), metadata=metadata)
+    else:
+        save_model(unwrap(model), str(path), metadata=metadata)
     canonical_header(path)
+
+
+def _optimized_names(model, optimizer) -> list[str]:
+    """The name of each parameter the optimizer holds, in its order (the positions its state_dict uses)."""
+    names = {id(p): name for name, p in unwrap(model).named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def named_optimizer_state(model, optimizer) -> dict:
+    """optimizer.state_dict() with each parameter's position replaced by its name (as torch.distributed.checkpoint
+    writes a sharded model's): the same file resumes one process, DDP or FSDP at any number of processes."""
+    return _by_name(optimizer.state_dict(), _optimized_names(model, optimizer))
+
+
+def _by_name(state: dict, order: list[str]) -> dict:
+    """An optimizer state by parameter position (torch's, and optimizer.pt's before names were used) keyed by
+    name."""
+    return {
+        "state": {order[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+def _by_position(state: dict, order: list[str]) -> dict:
+    """A named optimizer state keyed by the positions of this optimizer's parameters; KeyError naming a parameter
+    this optimizer does not hold."""
+    index = {name: i for i, name in enumerate(order)}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**group, "params": [index[n] for n in group["params"]]} for group in state["param_groups"]],
+    }
 
 
 def canonical_header(path: Path) -> None:
@@ -404,14 +443,25 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
                               f"{_fix(folder)}")  # fmt: skip
 
 
-def load_optimizer(optimizer, checkpoint: Checkpoint) -> None:
-    """The optimizer and torch RNG state of a checkpoint, after checking optimizer.pt against its sha256."""
+def load_optimizer(optimizer, checkpoint: Checkpoint, model) -> None:
+    """The optimizer and torch RNG state of a checkpoint, after checking optimizer.pt against its sha256. `model`:
+    the model whose parameters the optimizer holds (their names key the saved state); a sharded one (train.fsdp)
+    takes the full state into its shards."""
+    from attnlab.train.fsdp import is_sharded, load_full_optimizer
+
     path = verify_file(checkpoint.path, OPTIMIZER, recorded_checksums(checkpoint.path))
     try:
         with warnings.catch_warnings():  # torch's note on a pickle protocol: the refusal below says what matters
             warnings.simplefilter("ignore", UserWarning)
             state = torch.load(path, weights_only=True)  # never executes code: only tensors and plain data
-        optimizer.load_state_dict(state["optimizer"])
+        saved, order = state["optimizer"], _optimized_names(model, optimizer)
+        by_position = all(isinstance(key, int) for key in saved["state"]) and all(
+            isinstance(i, int) for group in saved["param_groups"] for i in group["params"]
+        )  # written before parameters were named
+        if is_sharded(unwrap(model)):
+            load_full_optimizer(unwrap(model), optimizer, _by_name(saved, order) if by_position else saved)
+        else:
+            optimizer.load_state_dict(saved if by_position else _by_position(saved, order))
         torch.set_rng_state(state["torch_rng"])
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; {_fix(path.parent)}") from None

@@ -61,11 +61,12 @@ def dist_env() -> DistInfo:
     return DistInfo(rank, world_size, local_rank)
 
 
-def init_distributed(device_type: str) -> DistInfo:
-    """Joins the process group torchrun set up (gloo on CPU, nccl on CUDA); a no-op for one process. The
-    environment is checked first (dist_env)."""
+def init_distributed(device_type: str, join: bool = False) -> DistInfo:
+    """Joins the process group torchrun set up (gloo on CPU, nccl on CUDA); a no-op for one process unless `join`
+    (FSDP shards over a group even of one process started by torchrun). The environment is checked first
+    (dist_env)."""
     info = dist_env()
-    if info.enabled and not dist.is_initialized():
+    if (info.enabled or join) and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     return info
 

@@ -11,28 +11,42 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from attnlab.accounting import kv_report, param_counts
 from attnlab.config import DataConfig, ModelConfig, TrainConfig
 from attnlab.config_checks import value_problem
-from attnlab.data import BatchSampler, eval_batches
+from attnlab.data import BatchSampler
 from attnlab.data.files import atomic_write_text
 from attnlab.data.tokenizers import tokenizer_record
 from attnlab.errors import ConfigError, DivergedError, InputError
 from attnlab.model.transformer import build_model
 from attnlab.train.budget import batch_memory_problem
 from attnlab.train.checkpoint import (
+    WEIGHTS,
     CheckpointError,
     find_checkpoint,
     load_model_from_checkpoint,
     load_optimizer,
     load_weights,
+    recorded_checksums,
     save_checkpoint,
     unwrap,
+    verify_file,
     write_json_atomic,
 )
-from attnlab.train.distributed import DistInfo, all_reduce_mean, barrier, init_distributed, prepare_rank0_first
-from attnlab.train.evaluate import evaluate_loss
+from attnlab.train.distributed import all_reduce_mean, barrier, init_distributed, prepare_rank0_first
+from attnlab.train.evaluate import evaluate_split
+from attnlab.train.fsdp import (
+    check_launch,
+    gathered_optimizer,
+    gathered_weights,
+    is_sharded,
+    load_full_weights,
+    shard,
+    sync_gradients,
+    tied_duplicates,
+)
 from attnlab.train.logging import MetricsLog
 from attnlab.train.optim import build_optimizer, freeze, lr_at
 from attnlab.train.resume import check_resume, data_fingerprint
@@ -140,12 +154,19 @@ def train(
     """
     run_dir = Path(run_dir)
     device = pick_device(train_cfg.device)
-    dist_info = init_distributed(device.type)
+    check_launch(train_cfg)
+    sharded = train_cfg.distributed == "fsdp"
+    dist_info = init_distributed(device.type, join=sharded)
     if dist_info.enabled and device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank)
     if train_cfg.batch_size % dist_info.world_size:
         raise ConfigError(
             f"train.batch_size={train_cfg.batch_size} must be divisible by the {dist_info.world_size} processes"
+        )
+    if train_cfg.activation_checkpointing and model_cfg.memory.kind != "none":
+        raise ConfigError(
+            f"train.activation_checkpointing=true: model.memory kind {model_cfg.memory.kind!r} writes "
+            "its memory as each block runs, which recomputing a block would repeat (turn one off)"
         )
     if model_cfg.max_seq_len < train_cfg.seq_len:
         raise ConfigError(f"train.seq_len={train_cfg.seq_len} exceeds model max_seq_len={model_cfg.max_seq_len}")
@@ -161,8 +182,8 @@ def train(
 
     torch.manual_seed(train_cfg.seed)
     model = build_model(model_cfg).to(device)
+    model.checkpoint_blocks = train_cfg.activation_checkpointing
     freeze(model, train_cfg.trainable)
-    optimizer = build_optimizer(model, train_cfg)
     sampler = BatchSampler(
         prepared.split("train"), train_cfg.seq_len, train_cfg.batch_size // dist_info.world_size, train_cfg.seed,
         rank=dist_info.rank, world_size=dist_info.world_size,
@@ -172,8 +193,7 @@ def train(
     if checkpoint is not None:
         check_resume(checkpoint, config, data_cfg.source, prepared)  # the same config, the same data
         # Every file is checked (sha256) before it is used; a refusal leaves the run folder as it was.
-        load_weights(model, checkpoint)
-        load_optimizer(optimizer, checkpoint)
+        load_weights(model, checkpoint)  # into the whole model, before it is sharded
         state.update(resumed_state(checkpoint, sampler))
     elif init_from is not None:
         _, previous = load_model_from_checkpoint(init_from, tag="last")
@@ -194,6 +214,14 @@ def train(
                 f"{', ...' if len(misfits) > 4 else ''}): only a bounded memory may be added between phases"
             )
 
+    dropped = tied_duplicates(model)  # what a save leaves out (a tied LM head): read before sharding
+    amp_dtype = autocast_dtype(train_cfg.precision, device)
+    if sharded:
+        shard(model, device, dist_info.world_size, amp_dtype, train_cfg.cpu_offload)
+    optimizer = build_optimizer(model, train_cfg)  # over the shards, with FSDP
+    if checkpoint is not None:
+        load_optimizer(optimizer, checkpoint, model)
+
     log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"])
     saved_tokenizer = None  # what the checkpoints record of the tokenizer saved with the run (rank 0 writes them)
     if dist_info.is_main:
@@ -206,20 +234,21 @@ def train(
     train_model = model
     if train_cfg.compile:
         train_model = torch.compile(train_model)
-    if dist_info.enabled:
+    if dist_info.enabled and not sharded:
         train_model = torch.nn.parallel.DistributedDataParallel(train_model)
-    amp_dtype = autocast_dtype(train_cfg.precision, device)
     val_tokens = prepared.split("val")
     data = data_fingerprint(prepared.meta)  # in every checkpoint: a resume on other data is refused
 
-    def run_eval() -> dict:
-        batches = eval_batches(val_tokens, train_cfg.seq_len, train_cfg.batch_size, train_cfg.eval_tokens)
-        return evaluate_loss(unwrap(model), batches, device, amp_dtype)
+    def run_eval() -> dict:  # every process scores its share of the windows
+        size = train_cfg.seq_len, train_cfg.batch_size, train_cfg.eval_tokens
+        return evaluate_split(model if sharded else unwrap(model), val_tokens, *size, device, amp_dtype, dist_info)
 
     def save(tags) -> None:
         trainer = {**state, "sampler": sampler.state_dict(), "tokenizer": saved_tokenizer, "data": data}
+        # A sharded model's full state is gathered to rank 0 (every process takes part) and saved as one model's.
+        gathered = (gathered_weights(model, dropped), gathered_optimizer(model, optimizer)) if sharded else None
         if dist_info.is_main:
-            save_checkpoint(run_dir, model, optimizer, trainer, config, tags)
+            save_checkpoint(run_dir, model, optimizer, trainer, config, tags, gathered)
         barrier(dist_info)
 
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * train_cfg.seq_len
@@ -235,18 +264,18 @@ def train(
         for micro in range(train_cfg.grad_accum):
             x, y = (t.to(device, non_blocking=True) for t in sampler.next_batch())
             sync = micro == train_cfg.grad_accum - 1 or not dist_info.enabled
-            with contextlib.nullcontext() if sync else train_model.no_sync():
+            if sharded:
+                sync_gradients(model, sync)
+            with contextlib.nullcontext() if sync or sharded else train_model.no_sync():
                 with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
                     logits, _ = train_model(x)
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
                 (loss / train_cfg.grad_accum).backward()
             step_loss += loss.detach() / train_cfg.grad_accum
-        if train_cfg.grad_clip is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
-        else:
-            grad_norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
-            )
+        # The norm over every gradient (of all shards, with FSDP); without train.grad_clip only measured.
+        trained = [p for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(trained, train_cfg.grad_clip or math.inf)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
@@ -271,43 +300,46 @@ def train(
             window_start = time.perf_counter()
         is_last = state["step"] == train_cfg.steps
         if state["step"] % train_cfg.eval_every == 0 or is_last:
-            result = run_eval() if dist_info.is_main else None
+            result = run_eval()  # the same on every process
             tags = ["last"]
-            if result is not None:
-                log.write({"step": state["step"], "tokens": state["tokens"], "val_loss": result["loss"],
-                           "val_ppl": result["ppl"]})  # fmt: skip
-                best = state["best_val_loss"]
-                if best is None or result["loss"] < best:
-                    state["best_val_loss"] = result["loss"]
-                    tags.append("best")
+            log.write({"step": state["step"], "tokens": state["tokens"], "val_loss": result["loss"],
+                       "val_ppl": result["ppl"]})  # fmt: skip
+            best = state["best_val_loss"]
+            if best is None or result["loss"] < best:
+                state["best_val_loss"] = result["loss"]
+                tags.append("best")
             save(tags)
             window_start = time.perf_counter()  # evaluation and checkpointing are not training time
         elif state["step"] % train_cfg.checkpoint_every == 0:
             save(["last"])
             window_start = time.perf_counter()
     log.close(bar)
-    summary = finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype, dist_info)
+    summary = finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype, dist_info, dropped)
     return summary
 
 
-def finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype, dist_info: DistInfo) -> dict:
-    """Final validation (and test, where the dataset has one) loss of the best checkpoint; summary.json."""
+def finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype, dist_info, dropped) -> dict:
+    """Final validation (and test, where the dataset has one) loss of the best checkpoint, scored by every process
+    (its share of the windows); summary.json."""
     summary = {"status": "complete", "steps": state["step"], "tokens": state["tokens"]}
+    best = find_checkpoint(run_dir, "best")
+    if best is not None and is_sharded(model):
+        load_full_weights(model, load_file(verify_file(best.path, WEIGHTS, recorded_checksums(best.path))), dropped)
+    elif best is not None:
+        load_weights(model, best)
+    scored = model if is_sharded(model) else unwrap(model)
+    for split in ("val", "test"):
+        if split not in prepared.splits:
+            continue
+        tokens = prepared.split(split)  # validation: the in-training windows; test: the whole split
+        budget = len(tokens) if split == "test" else train_cfg.eval_tokens
+        result = evaluate_split(scored, tokens, train_cfg.seq_len, train_cfg.batch_size, budget, device, amp_dtype,
+                                dist_info)  # fmt: skip
+        summary.update(
+            {f"{split}_loss": result["loss"], f"{split}_ppl": result["ppl"], f"{split}_tokens": result["tokens"]}
+        )
     if dist_info.is_main:
-        best = find_checkpoint(run_dir, "best")
-        if best is not None:
-            load_weights(model, best)
         model_cfg = unwrap(model).cfg
-        for split in ("val", "test"):
-            if split not in prepared.splits:
-                continue
-            tokens = prepared.split(split)  # validation: the in-training windows; test: the whole split
-            budget = len(tokens) if split == "test" else train_cfg.eval_tokens
-            batches = eval_batches(tokens, train_cfg.seq_len, train_cfg.batch_size, budget)
-            result = evaluate_loss(unwrap(model), batches, device, amp_dtype)
-            summary.update(
-                {f"{split}_loss": result["loss"], f"{split}_ppl": result["ppl"], f"{split}_tokens": result["tokens"]}
-            )
         summary.update(
             best_step=best.step if best else state["step"],
             params=param_counts(model_cfg)["total"],

@@ -17,11 +17,19 @@ from attnlab.errors import ConfigError, DataError
 HOW = "restore the data as it was to resume, or train into a new --out"
 
 
+# How the work is spread over processes and memory, not what is computed: a run saved with DDP resumes with FSDP
+# (or with activation checkpointing, to fit a smaller device) and continues with the same losses within float
+# tolerance, so changing these is not another config.
+EXECUTION_KEYS = frozenset({"train.distributed", "train.activation_checkpointing", "train.cpu_offload"})
+
+
 def config_differences(saved: dict, current: dict, prefix: str = "", saved_as: str = "checkpoint") -> list[str]:
-    """Every key whose value differs (`key: <saved_as> <saved value>, now <value>`). A key missing on one side
-    counts as None: a config saved before a field (default None) existed equals today's."""
+    """Every key whose value differs (`key: <saved_as> <saved value>, now <value>`), EXECUTION_KEYS aside. A key
+    missing on one side counts as None: a config saved before a field (default None) existed equals today's."""
     out = []
     for key in sorted(set(saved) | set(current)):
+        if f"{prefix}{key}" in EXECUTION_KEYS:
+            continue
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             out += config_differences(a, b, f"{prefix}{key}.", saved_as)
