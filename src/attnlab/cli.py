@@ -19,6 +19,7 @@ import torch
 from attnlab.accounting import info, memory_note
 from attnlab.attention.registry import REGISTRY
 from attnlab.cli_errors import Parser, fail, interrupted, link_loop, os_error_line, too_deep_line, warning_printer
+from attnlab.cli_memory import add_train_memory_flags, train_memory_report
 from attnlab.cli_models import (
     check_writable,
     cmd_convert,
@@ -136,8 +137,9 @@ def cmd_info(args) -> int:
     if args.seq_len is not None and not 1 <= args.seq_len <= MAX_INT:
         raise InputError(f"--seq-len {args.seq_len} must be in 1 .. {MAX_INT:,} (2**31 - 1) tokens")
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
+    training = train_memory_report(cfg, args) if args.train_memory else None
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report if training is None else {**report, "train_memory": training[0]}))
         return 0
     print(f"{args.config}: {report['kind']} attention, {cfg.n_layers} layers, d_model {cfg.d_model}")
     print("parameters:")
@@ -161,6 +163,8 @@ def cmd_info(args) -> int:
         print(f"  ({memory_note(report)})")
     elif report["capacity"] is not None:
         print(f"  (bounded cache: at most {report['capacity']} tokens per layer)")
+    for line in training[1] if training else []:
+        print(line)
     return 0
 
 
@@ -392,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="context length (default max_seq_len)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--kv-policy", default=None, help='quantized KV cache, e.g. "ksem=q4_0,kgeo=q8_0,v=q4_0,resid=128"')
+    add_train_memory_flags(p)
     p.set_defaults(func=cmd_info)
     kv_help = "KV policies, e.g. 'k=q8_0,v=q4_0,resid=128' (formats: fp16 bf16 q8_0 q4_0 nf4 kivi2 kivi4 kivi8)"
     for name, func, text in (

@@ -1,0 +1,71 @@
+"""`attnlab info REF --train-memory`: the per-device memory of a training step, for DDP and FSDP at N devices."""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.config import ModelConfig
+from attnlab.config_checks import MAX_INT
+from attnlab.errors import InputError
+from attnlab.model.transformer import build_model
+from attnlab.train.memory import train_memory_lines, train_memory_rows
+from attnlab.train.optim import trainable_problem
+
+MAX_DEVICES = 1 << 20
+
+
+def add_train_memory_flags(p) -> None:
+    p.add_argument("--train-memory", action="store_true",
+                   help="also print the per-device memory of a training step (one process, DDP, FSDP), at "
+                   "--seq-len")  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=8, help="--train-memory: sequences per step, all devices (8)")
+    p.add_argument("--devices", default="1,2,4,8", help="--train-memory: numbers of devices (default 1,2,4,8)")
+    p.add_argument("--trainable", default=None,
+                   help="--train-memory: parameter-name patterns trained, comma-separated (default: all)")  # fmt: skip
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "lion"], help="--train-memory: adamw or lion")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="--train-memory: compute precision (bf16: gathered weights, activations)")  # fmt: skip
+    p.add_argument("--activation-checkpointing", action="store_true", help="--train-memory: recompute each block")
+
+
+def _devices(text: str) -> list[int]:
+    counts = []
+    for item in text.split(","):
+        try:
+            n = int(item.strip())
+        except ValueError:
+            n = 0
+        if not 1 <= n <= MAX_DEVICES:
+            raise InputError(f"--devices {text!r}: {item.strip()!r} is not a number of devices from 1 to "
+                             f"{MAX_DEVICES:,} (give a list such as 1,2,4,8)")  # fmt: skip
+        counts.append(n)
+    return sorted(set(counts))
+
+
+def train_memory_report(cfg: ModelConfig, args) -> tuple[list[dict], list[str]]:
+    """(rows, lines) of --train-memory; InputError naming the flag for a bad value."""
+    devices = _devices(args.devices)
+    if not 1 <= args.batch_size <= MAX_INT:
+        raise InputError(f"--batch-size {args.batch_size} must be a number of sequences from 1 to {MAX_INT:,}")
+    uneven = [n for n in devices if args.batch_size % n]
+    if uneven:
+        raise InputError(f"--batch-size {args.batch_size} is not divisible by --devices {uneven[0]} (each device "
+                         "takes an equal share of the batch: change one of them)")  # fmt: skip
+    trainable = None
+    if args.trainable is not None:
+        trainable = tuple(p.strip() for p in args.trainable.split(",") if p.strip())
+        if not trainable:
+            raise InputError("--trainable is empty (give name patterns such as 'blocks.*.attn.*', or leave it out)")
+        with torch.device("meta"):  # the model's parameter names, nothing allocated
+            names = [name for name, _ in build_model(cfg).named_parameters()]
+        problem = trainable_problem(names, trainable)
+        if problem:
+            raise InputError(problem.replace("train.trainable", "--trainable"))
+    seq_len = args.seq_len or cfg.max_seq_len
+    rows = train_memory_rows(cfg, batch_size=args.batch_size, seq_len=seq_len, devices=devices, trainable=trainable,
+                             optimizer=args.optimizer, compute_bytes=2 if args.precision == "bf16" else 4,
+                             checkpointing=args.activation_checkpointing)  # fmt: skip
+    what = (f"batch {args.batch_size} x {seq_len} tokens over all devices, {args.precision}, {args.optimizer}, "
+            f"{'parameters ' + args.trainable if trainable else 'every parameter'} trained"
+            f"{', activation checkpointing' if args.activation_checkpointing else ''}")  # fmt: skip
+    return rows, train_memory_lines(rows, what)
