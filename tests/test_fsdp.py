@@ -197,3 +197,31 @@ def test_activation_checkpointing_with_a_memory_is_refused(tmp_path, data):
     with pytest.raises(ConfigError, match="train.activation_checkpointing=true: model.memory kind 'bounded'"):
         train(cfg, DataConfig(**data), TrainConfig(**{**TRAIN, "activation_checkpointing": True}), tmp_path / "r",
               progress=False)  # fmt: skip
+
+
+def test_a_retrofit_manifest_runs_under_torchrun_with_fsdp_unchanged(tmp_path, env):
+    """Item 3: the factorial's shape (two conversions of a pretrained model, then phase-two arms through a bounded
+    memory) trained by 2 processes with --set train.distributed=fsdp; rank 0 converts, every process trains."""
+    from test_pretrained import random_model, save
+    from test_retrofit import FACTORIAL
+
+    source = save(random_model("llama", n_kv_heads=2), tmp_path / "llama")
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("\n\n".join(f"the cat is on the mat and this is the hat {i}" for i in range(60)))
+    manifest = tmp_path / "m.yml"
+    manifest.write_text(FACTORIAL.format(corpus=corpus, source=source))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), "-m", "attnlab.cli", "run", str(manifest), "--out", str(tmp_path / "runs"),
+               "--no-progress", "--set", "train.distributed=fsdp"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for target in ("gqa", "coda", "gqa_bounded", "coda_bounded"):
+        summary = json.loads((tmp_path / "runs" / "fact" / target / "seed0" / "summary.json").read_text())
+        assert summary["status"] == "complete" and summary["steps"] == 2, target
+        config = json.loads((tmp_path / "runs" / "fact" / target / "seed0" / "config.json").read_text())
+        assert config["train"]["distributed"] == "fsdp"
+    cfg = load_checkpoint(tmp_path / "runs" / "fact" / "coda_bounded" / "seed0").cfg
+    assert (cfg.attention.kind, cfg.memory.kind) == ("coda", "bounded")

@@ -19,7 +19,7 @@ import attnlab
 from attnlab.cli import main
 from attnlab.train.memory import parameter_parts, saved_activation_bytes, training_memory
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "train_memory.py"
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "distributed.py"
 
 
 def saved_on_cpu(cfg, batch: int, seq_len: int, trainable=None) -> int:
@@ -74,7 +74,7 @@ def test_the_parts_divide_as_ddp_and_fsdp_divide_them():
 
 
 def test_the_estimate_matches_the_peak_measured_on_this_cpu():
-    """bench/train_memory.py: three steps in one process, in 2 with DDP and in 2 with FSDP (torchrun, gloo)."""
+    """bench/distributed.py: three steps in one process, in 2 with DDP and in 2 with FSDP (torchrun, gloo)."""
     shape = ["--d-model", "256", "--layers", "4", "--vocab", "8192", "--batch", "4", "--seq-len", "128"]
     done = subprocess.run([sys.executable, str(BENCH), *shape], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -15,13 +15,14 @@ nothing to estimate):
 
 With cpu_offload FSDP's shards (weights, gradients, optimizer state) live in host memory: the device holds the
 gathered weights and the activations. Allocator caching and fragmentation, the communication library's buffers and
-the framework itself come on top; bench/train_memory.py checks the total against the measured peak on the CPU.
+the framework itself come on top; bench/distributed.py checks the total against the measured peak on the CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,7 @@ def _trained(name: str, trainable: tuple[str, ...] | None) -> bool:
     return trainable is None or any(fnmatch.fnmatchcase(name, p) for p in trainable)
 
 
+@functools.lru_cache(maxsize=64)  # the rows of one table share it
 def saved_activation_bytes(
     cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False, trainable: tuple[str, ...] | None = None
 ) -> dict:
