@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hat_text
+from helpers import fails, hat_text
 from safetensors.torch import load_file
 
 import attnlab
@@ -225,3 +225,17 @@ def test_a_retrofit_manifest_runs_under_torchrun_with_fsdp_unchanged(tmp_path, e
         assert config["train"]["distributed"] == "fsdp"
     cfg = load_checkpoint(tmp_path / "runs" / "fact" / "coda_bounded" / "seed0").cfg
     assert (cfg.attention.kind, cfg.memory.kind) == ("coda", "bounded")
+
+
+def test_run_with_fsdp_outside_torchrun_is_one_line_and_exit_2(tmp_path, data, capsys):
+    manifest = tmp_path / "m.yml"
+    manifest.write_text(f"name: m\nseeds: [0]\ndefaults:\n  model: {json.dumps(MODEL)}\n  data: {json.dumps(data)}\n"
+                        f"  train: {json.dumps(TRAIN)}\ntargets:\n  base: {{}}\n")  # fmt: skip
+    for dry in ([], ["--dry-run"]):
+        fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "out"), "--set", "train.distributed=fsdp", *dry],
+              "train.distributed=fsdp needs processes started by torchrun", "torchrun --nproc_per_node N")  # fmt: skip
+    assert not (tmp_path / "out").exists()
+    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "out"), "--set", "train.distributed=fdsp"],
+          "train.distributed='fdsp' is not known (use ddp or fsdp)")  # fmt: skip
+    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "out"), "--set", "train.cpu_offload=true"],
+          "train.cpu_offload=true needs train.distributed: fsdp")  # fmt: skip
