@@ -270,3 +270,11 @@ def test_validate_and_info_say_a_runs_or_hugging_faces_config_is_not_a_model_con
     typo = tmp_path / "typo.yaml"
     typo.write_text("vocab_size: 40\nd_model: 32\nn_layers: 1\nn_heds: 4\n")  # a model config's mistakes stay said
     assert any("did you mean 'n_heads'" in line for line in validate_lines(capsys, typo))
+
+
+@pytest.mark.parametrize(("benchmark", "param"), [("perplexity", "split=nosuch"), ("kv_quant", "split=tset"),
+                                                  ("effective_rank", "split=[val]")])  # fmt: skip
+def test_a_split_no_dataset_has_is_refused_before_loading(run, tmp_path, capsys, no_loading, benchmark, param):
+    """va4: a split name no prepared dataset has (train, val or test) was only found once the model was loaded."""
+    argv = ["bench", str(run), "--benchmarks", benchmark, "--set", f"{benchmark}.{param}", "--out", str(tmp_path)]
+    fails(capsys, argv, f"benchmarks.{benchmark}.split=")

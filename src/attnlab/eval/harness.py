@@ -39,6 +39,7 @@ from attnlab.cache.codecs import KVPolicy
 from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import parse_yaml, read_yaml, yaml_problem
 from attnlab.data.files import folder_lock
+from attnlab.data.prepared import SPLIT_ALIASES
 from attnlab.errors import ConfigError, InputError
 from attnlab.eval.analysis import region_problems, run_attention_maps, run_effective_rank
 from attnlab.eval.bench_checks import (
@@ -193,7 +194,11 @@ def parameters(name: str) -> dict[str, Any]:
     return {k: p.default for k, p in list(signature.parameters.items())[3:]}
 
 
-CHOICES = {("attention_maps", "unit"): ("chars", "tokens")}  # parameters that take one of a few words
+SPLITS = ("train", "val", "test", *SPLIT_ALIASES)  # every prepared dataset's split names (or fewer)
+CHOICES = {  # parameters that take one of a few words
+    ("attention_maps", "unit"): ("chars", "tokens"),
+    **{(bench, "split"): SPLITS for bench in ("perplexity", "effective_rank", "stream_loss", "kv_quant")},
+}
 
 
 def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
@@ -212,7 +217,7 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
             else:
                 problem = parameter_problem(signature[key], value) or policy_problem(key, value)
                 choices = CHOICES.get((name, key))
-                if problem is None and choices and value not in choices:
+                if problem is None and choices and value is not None and value not in choices:
                     problem = f"is not one of {', '.join(choices)}"
                 if problem:
                     problems.append(f"{where}.{name}.{key}={brief(value)} {problem}")
