@@ -96,3 +96,6 @@ def test_info_prints_the_table_and_refuses_bad_flags(tmp_path, capsys):
           "--batch-size 6 is not divisible by --devices 4")  # fmt: skip
     fails(capsys, ["info", str(config), "--train-memory", "--trainable", "blocks.*.atn.*"],
           "--trainable 'blocks.*.atn.*' matches no parameter")  # fmt: skip
+    bounded = "kind=bounded,recent_window=16,exact_slots=4,summary_slots=4"
+    fails(capsys, ["info", str(config), "--train-memory", "--memory", bounded],
+          "on the meta device (shapes only), where memory.kind 'bounded' cannot run")  # fmt: skip

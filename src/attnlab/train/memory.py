@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.config import ModelConfig
+from attnlab.errors import InputError
 from attnlab.model.transformer import build_model
 
 FP32 = 4
@@ -100,9 +101,18 @@ def saved_activation_bytes(
 
     hooks = [h for b in model.blocks for h in (b.register_forward_pre_hook(before), b.register_forward_hook(after))]
     tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
-        logits, _ = model(tokens)
-        F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
+            logits, _ = model(tokens)
+            F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+    except (RuntimeError, NotImplementedError) as e:
+        if "meta" not in str(e):
+            raise
+        raise InputError(
+            f"the training memory is counted by running the model on the meta device (shapes only), "
+            f"where memory.kind {cfg.memory.kind!r} cannot run: it reads values the meta device does not "
+            "have (estimate the model without its memory)"
+        ) from None
     for hook in hooks:
         hook.remove()
     total = sum(saved.values())
