@@ -3,7 +3,7 @@
     python bench/presses.py --hf DIR [--ref models/SmolLM2-135M-Instruct.Q4_1.gguf] [--contexts 1024,2048,4096]
                             [--ratios 0.5,0.75] [--slots 128,256] [--presses streaming,snapkv,tova,knorm]
                             [--decode-kinds h2o,quest,tova,knorm] [--windows 2] [--continuation 128]
-                            [--data-dir DIR] [--no-record]
+                            [--data-dir DIR] [--no-record] [--passkey [--trials 2]]
 
 Each window: C tokens of WikiText-2 raw test text as the context, the next `--continuation` tokens scored. The
 context is prefilled with the press (kvpress: `with press(model)`, then the continuation as one forward over the
@@ -19,6 +19,11 @@ recent window of the same slots) slides during the prefill and the continuation 
 Then attnlab's selections that also act during decoding, at the same slots (attnlab only), with the continuation
 decoded token by token: h2o (half heavy hitters, half recent window), quest (reads `slots` tokens a step and keeps
 every one), and the presses with `press_at: decode` (pressed back to the budget after every step).
+
+--passkey: instead of the NLL, passkey retrieval at 5 depths (the `needle` benchmark's prompt, filler sentences,
+`--trials` keys per depth) at each context length and budget, through each press, attnlab's and kvpress's (the
+prompt prefilled under the press, the answer decoded greedily over the pressed cache), then attnlab's decode-time
+selections; a trial is correct when the continuation's first number is the key.
 
 kvpress 0.5.5 pins transformers below 5.3: run this in an environment with attnlab's `presses` extra (a venv of its
 own: `pip install torch==2.13.0 && pip install -e '.[presses]'`). --hf is SmolLM2 as a Hugging Face folder, made
@@ -87,6 +92,78 @@ def kvpress_nll(hf, press, context, continuation) -> float:
     return continuation_nll(first, logits, continuation)
 
 
+def attnlab_answer(model, memory: MemoryConfig | None, prompt: list[int], new: int) -> list[int]:
+    """Greedy continuation of `prompt` (new tokens) with `memory` (None: the dense cache)."""
+    if memory is not None:
+        pressed = attnlab.build_model(model.cfg.replace(memory=memory)).eval()
+        pressed.load_state_dict(model.state_dict(), assign=True)
+        model = pressed
+    return attnlab.generate(model, prompt, max_new_tokens=new, temperature=0.0, compile=False).tolist()
+
+
+def kvpress_answer(hf, press, prompt: list[int], new: int) -> list[int]:
+    """kvpress's setting: the prompt prefilled under the press, then greedy decoding over the pressed cache with
+    the true positions (nothing pressed again)."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        cache = DynamicCache()
+        if press is None:
+            logits = hf(ids, past_key_values=cache).logits[0, -1]
+        else:
+            with press(hf):
+                logits = hf(ids, past_key_values=cache).logits[0, -1]
+        for step in range(new):
+            token = int(logits.argmax())
+            out.append(token)
+            if step + 1 < new:
+                position = torch.tensor([[len(prompt) + step]])
+                logits = hf(torch.tensor([[token]]), past_key_values=cache, position_ids=position).logits[0, -1]
+    return out
+
+
+def passkey(args, model, tokenizer, hf, versions, env, records) -> list[list]:
+    """Passkey retrieval at 5 depths through each press, attnlab's and kvpress's, at each context length and
+    budget; then attnlab's decode-time selections. A trial is correct when the greedy continuation's first number
+    is the key (the `needle` benchmark's rule)."""
+    from attnlab.eval.longctx import DEPTHS, FILLER, _starts_with_key, passkey_prompt
+
+    filler = torch.as_tensor(tokenizer.encode(" " + FILLER)).numpy()
+    keys = [str(10000 + 7919 * (t + 1) % 90000) for t in range(args.trials)]
+    table = []
+    for context in [int(x) for x in args.contexts.split(",") if x]:
+        arms = [("none", "full", None, None)]
+        ratios, slots = [float(x) for x in args.ratios.split(",") if x], [int(x) for x in args.slots.split(",") if x]
+        for label, ratio, kept in budgets(context, ratios, slots):
+            for press in [p for p in args.presses.split(",") if p]:
+                theirs = kvpress_press(press, ratio) if hf is not None else None
+                arms.append((press, label, attnlab_memory(press, ratio, kept, label), theirs))
+            for kind in [k for k in args.decode_kinds.split(",") if k]:
+                arms.append((f"{kind} (decode)", label, decode_memory(kind, kept), "attnlab only"))
+        for press, label, memory, theirs in arms:
+            ours_ok, theirs_ok, trials = 0, 0, 0
+            for depth in DEPTHS:
+                for key in keys:
+                    prompt = passkey_prompt(tokenizer, filler, context, depth, key)
+                    new = len(prompt.answer) + 2
+                    ours = tokenizer.decode(attnlab_answer(model, memory, prompt.with_needle, new)[-new:])
+                    ours_ok += _starts_with_key(ours, key)
+                    if hf is not None and theirs != "attnlab only":
+                        text = tokenizer.decode(kvpress_answer(hf, theirs, prompt.with_needle, new))
+                        theirs_ok += _starts_with_key(text, key)
+                    trials += 1
+            kv = None if hf is None or theirs == "attnlab only" else theirs_ok / trials
+            records.append(row("presses_passkey", model.cfg.config_hash(), env, context=context, press=press,
+                               budget=label, trials=trials, depths=list(DEPTHS), attnlab_accuracy=ours_ok / trials,
+                               kvpress_accuracy=kv, **versions))  # fmt: skip
+            table.append([context, press, label, ours_ok / trials, kv])
+            print(f"passkey C={context} {press:16s} {label:10s} attnlab {ours_ok}/{trials}"
+                  + ("" if kv is None else f" kvpress {theirs_ok}/{trials}"), flush=True)  # fmt: skip
+    return table
+
+
 def budgets(context: int, ratios: list[float], slots: list[int]) -> list[tuple[str, float, int]]:
     """(label, kvpress ratio, slots kept per KV head) for each budget that leaves something to drop."""
     out = [(f"ratio {r:g}", r, max(1, int(context * (1.0 - r)))) for r in ratios]
@@ -143,6 +220,9 @@ def main(argv=None) -> int:
     parser.add_argument("--continuation", type=int, default=128)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--passkey", action="store_true",
+                        help="passkey retrieval at 5 depths instead of the continuation's NLL")  # fmt: skip
+    parser.add_argument("--trials", type=int, default=2, help="--passkey: keys per depth")
     args = parser.parse_args(argv)
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     contexts, slots = ints(args.contexts), ints(args.slots)
@@ -166,6 +246,11 @@ def main(argv=None) -> int:
     print("versions:", versions)
     env, records, table = environment(), [], []
     load = OtherLoad()
+    if args.passkey:
+        table = passkey(args, model, tokenizer, hf, versions, env, records)
+        print_table(["context", "press", "budget", "attnlab accuracy", "kvpress accuracy"], table, ".2f")
+        finish("presses_passkey", records, load.fraction(), record=not args.no_record)
+        return 0
     for context in contexts:
         span = context + args.continuation
         for window in range(args.windows):
