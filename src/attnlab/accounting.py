@@ -7,9 +7,11 @@ import torch
 from attnlab.cache.build import check_memory_policy
 from attnlab.cache.codecs import Codec, as_policy
 from attnlab.cache.memories import memory_codecs
+from attnlab.cache.presses import n_kept
 from attnlab.cache.quantized import slot_counts
 from attnlab.config import ModelConfig, dtype_bytes
 from attnlab.config_checks import MAX_INT
+from attnlab.config_memory import PRESSES
 from attnlab.errors import InputError
 from attnlab.model.transformer import build_model
 
@@ -53,8 +55,10 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
     stored once it left the residual window, at seq_len with the residual window in `dtype`.
     With cfg.memory (cache/memories.py) the cache holds its slots whatever the length: per layer
     2 * H_kv * slots * head_dim * dtype bytes (CoDA-GQA-L Theorem 1), its recent window cut to seq_len when
-    seq_len is shorter (a cache made for seq_len tokens holds no more); `memory` then also gives the slots
-    and what the variant's own cache would hold at seq_len, and is None otherwise.
+    seq_len is shorter (a cache made for seq_len tokens holds no more); a press at decode holds what it presses
+    to, min(seq_len, budget) or kvpress's max(1, int(seq_len * (1 - ratio))); quest and a press at prefill hold
+    every token (quest's read_slots cut to seq_len). `memory` then also gives the slots, the tokens held per layer
+    at seq_len and what the variant's own cache would hold there, and is None otherwise.
     """
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
@@ -70,12 +74,17 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
     if cfg.memory.kind != "none":  # preallocated: the same bytes at any length from recent_window tokens on
         memory = {**cfg.memory.to_dict(), "slots": cfg.memory.slots,
                   "unbounded_kv_bytes_per_layer": int(sum(fields.values()) * width * held)}  # fmt: skip
-        if cfg.memory.slots is None:  # quest, a press at prefill: it holds (up to) every token
-            memory["read_slots"] = cfg.memory.read_slots
+        if cfg.memory.kind in PRESSES and cfg.memory.press_at == "decode":
+            # Pressed after every update: to the budget, or to a share of the tokens seen (n_kept), not to a ring.
+            capacity, held = cfg.memory.slots, n_kept(seq_len, cfg.memory)
+        elif cfg.memory.slots is None:  # quest, a press at prefill: it holds (up to) every token
+            # A decode step cannot read more tokens than there are.
+            memory["read_slots"] = None if cfg.memory.read_slots is None else min(cfg.memory.read_slots, seq_len)
         else:
             capacity = cfg.memory.slots
             # A cache for seq_len tokens cuts a longer recent window to seq_len slots (cache.build_cache).
             held = capacity - cfg.memory.recent_window + min(cfg.memory.recent_window, seq_len)
+        memory["held_tokens"] = held
     policy = as_policy(policy)
     if policy is None:
         per_field = {name: n * width for name, n in fields.items()}  # bytes per token per layer
@@ -118,10 +127,18 @@ def memory_note(report: dict) -> str:
     if memory["kind"] == "quest":
         return (f"quest memory: holds every token, as the variant's own cache ({unbounded:,} bytes per layer); a "
                 f"decode step reads at most {memory['read_slots']} of them per KV head")  # fmt: skip
+    ratio = unbounded / report["kv_bytes_per_layer"]
+    if memory["kind"] in PRESSES and memory.get("press_at") == "decode":  # to_dict leaves defaults out
+        if memory.get("budget") is not None:
+            kept = f"presses to at most {memory['budget']:,} tokens per layer after every step"
+        else:
+            kept = (f"presses to max(1, int(n x {1 - memory['compression_ratio']:g})) of the n tokens seen after every "
+                    "step")  # fmt: skip
+        return (f"{memory['kind']} memory: {kept}, {memory['held_tokens']:,} at seq_len; the variant's own cache "
+                f"would hold {unbounded:,} bytes per layer, {ratio:.1f}x")  # fmt: skip
     if memory["slots"] is None:  # a press at prefill: the prompt compressed once, every later token appended
         return (f"{memory['kind']} memory: compresses the prompt once, then holds every new token; at most the "
                 f"variant's own cache ({unbounded:,} bytes per layer)")  # fmt: skip
-    ratio = unbounded / report["kv_bytes_per_layer"]
     return (f"{memory['kind']} memory: {memory['slots']} slots per layer at any length; the variant's own cache "
             f"would hold {unbounded:,} bytes per layer, {ratio:.1f}x")  # fmt: skip
 

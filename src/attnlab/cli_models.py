@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ import yaml
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import FORMATS, KVPolicy
 from attnlab.cli_errors import one_line
-from attnlab.config import source_problem
+from attnlab.config import DTYPE_BYTES, INFERENCE_MEMORIES, source_problem
 from attnlab.config_io import parse_yaml
 from attnlab.data.files import remove_stale_temporaries
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
@@ -85,6 +86,17 @@ def check_writable(flag: str, path: Path) -> None:
         what = "the file" if target == path else f"its folder {target}"
         raise InputError(f"{flag} {path}: {what} is not writable by this user (permission denied): give a path you "
                          "can write to")  # fmt: skip
+    # os.access says yes to root anywhere, also in /proc or /sys, where nothing can be made: a file made and removed
+    # in the folder that gets the result (files are written beside themselves, then renamed) tells. Its error names
+    # `path`, as the write would have, and is said as the CLI says any such error of the system.
+    folder = target if target is None or target.is_dir() else target.parent
+    if folder is not None:
+        try:
+            handle, probe = tempfile.mkstemp(dir=folder, prefix=".attnlab-write-check-")
+        except OSError as e:
+            raise type(e)(e.errno, e.strerror, str(path)) from None
+        os.close(handle)
+        os.unlink(probe)
 
 
 def check_kv_dataset(args) -> None:
@@ -130,6 +142,9 @@ def check_kv_arguments(args) -> Path | None:
             raise InputError(f"--policies: {policy!r} is an empty policy (give e.g. 'k=q8_0,v=q4_0,resid=128', "
                              f"or 'none' for the full-precision cache)")  # fmt: skip
         KVPolicy.parse(policy)  # a typo is said before the model is loaded
+    if args.dtype not in DTYPE_BYTES:  # kv-tune would name it as a policy's format; said before the model loads
+        raise InputError(f"--dtype {args.dtype!r} is not known: give one of {', '.join(DTYPE_BYTES)} (the dtype of the "
+                         "residual window and of the tensors left unquantized)")  # fmt: skip
     if args.tokens < args.seq_len + 1:
         raise InputError(f"--tokens {args.tokens} is fewer than one window of --seq-len {args.seq_len} (each window "
                          f"holds {args.seq_len} inputs and one more target): give --tokens >= {args.seq_len + 1}, or "
@@ -147,6 +162,10 @@ def check_kv_model(args, model) -> None:
     if args.dataset is None and not model.config.get("data"):
         no_dataset(args.checkpoint)
     cfg = model.model.cfg
+    if cfg.memory.kind in INFERENCE_MEMORIES:  # check_memory_policy refuses every policy, the full-precision one too
+        raise InputError(f"{model.name}: memory.kind={cfg.memory.kind} keeps its keys at full precision and takes no "
+                         "KV policy yet, so there is nothing to measure: give a model without a memory (e.g. the one "
+                         "it was converted from) or with memory.kind window, streaming, h2o or bounded")  # fmt: skip
     if cfg.memory.kind == "none" and args.seq_len > cfg.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len} is more than {model.name}'s max_seq_len={cfg.max_seq_len}: give "
                          f"--seq-len {cfg.max_seq_len} or less")  # fmt: skip

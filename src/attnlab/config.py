@@ -388,6 +388,20 @@ def trainable_string_problem(value: str) -> str:
     return f"train.trainable must be a list of name patterns, got the string {value!r} (write [{json.dumps(value)}])"
 
 
+INFERENCE_MEMORIES = ("quest", *PRESSES)  # memory kinds that only choose, at inference, which held tokens are read
+
+
+def untrainable_memory_problem(kind: Any) -> str | None:
+    """Why a model whose memory is `kind` cannot be trained, or None: quest and the presses hold every token (or
+    the best ones) and choose which a query reads; they have no parameters, and backpropagating through their
+    in-place cache edits fails deep in autograd. They are applied to a trained model instead (attnlab convert)."""
+    if kind not in INFERENCE_MEMORIES:
+        return None
+    return (f"model.memory.kind={kind} chooses at inference which held tokens attention reads: it has nothing to "
+            f"train (train without it, then apply it to the trained model: attnlab convert RUN --memory "
+            f"kind={kind},... --out FOLDER)")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """How to train. Steps count optimizer updates; one update sees batch_size * grad_accum sequences."""

@@ -10,7 +10,9 @@ that they run with every attention variant and inside attnlab's harness:
     snapkv  the attention of the last `window_size` queries over the keys before them (softmax in fp32 over
             every key a query sees, the window's columns then dropped without renormalising), averaged over
             those queries, average-pooled over `kernel_size` neighbouring keys (zero padding counted), averaged
-            over the query heads of each KV head; the window's own tokens always kept (Li et al. 2024)
+            over the query heads of each KV head; the window's own tokens always kept (Li et al. 2024), the
+            newest first when fewer can be kept (a prompt no longer than the window, which kvpress refuses, or a
+            decode-mode budget below the window)
 
 n_kept is `budget`, or kvpress's max(1, int(S * (1 - compression_ratio))) for S held tokens. `press_at`:
 
@@ -65,18 +67,30 @@ def tova_scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: 
     return scores
 
 
-def snapkv_scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float, kernel_size: int):
-    """SnapKV's scores: q (B, H, w, D) the observation window's queries, the newest w keys being theirs (kept,
-    +inf); k (B, H_kv, S, D); visible (B, H_kv, w, S) what each window query sees. Returns (B, H_kv, S)."""
-    window = q.shape[2]
+def snapkv_scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float, kernel_size: int,
+                  in_window: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """SnapKV's scores: q (B, H, w, D) the observation window's queries; k (B, H_kv, S, D); visible (B, H_kv, w, S)
+    what each window query sees; in_window (B, H_kv, S) the held tokens that are the window's own (by default the
+    newest min(w, S)). Returns (B, H_kv, S).
+
+    The window's tokens score 2 + their slot index: above any pooled probability (<= 1), so they are kept first,
+    and newest first when fewer than the window can be kept (a prompt no longer than the window, or a decode-mode
+    budget below it); when the budget covers the window this keeps what kvpress's +inf keeps. Their columns are
+    zeroed before the pooling, which is kvpress's zero padding of the columns before the window."""
+    batch, n_kv, length = k.shape[0], k.shape[1], k.shape[2]
+    if in_window is None:
+        in_window = (torch.arange(length, device=k.device) >= length - q.shape[2]).expand(batch, n_kv, length)
     logits = grouped_logits(q, k, scale).masked_fill(~visible[:, :, None], float("-inf"))  # (B, H_kv, G, w, S)
-    probs = logits.softmax(dim=-1)[..., : k.shape[2] - window]  # the window's columns dropped, not renormalised
-    scores = probs.mean(dim=-2)  # (B, H_kv, G, S - w): the mean over the window's queries
-    batch, n_kv, group, length = scores.shape
+    # A decode-mode window query whose keys were all dropped sees nothing (a NaN row): it adds nothing.
+    probs = logits.softmax(dim=-1).nan_to_num(0.0)
+    probs = probs.masked_fill(in_window[:, :, None, None], 0.0)  # the window's columns dropped, not renormalised
+    scores = probs.mean(dim=-2)  # (B, H_kv, G, S): the mean over the window's queries
+    group = scores.shape[2]
     pooled = F.avg_pool1d(scores.reshape(batch, n_kv * group, length), kernel_size, stride=1,
                           padding=kernel_size // 2)  # fmt: skip
-    scores = pooled.reshape(batch, n_kv, group, length).mean(dim=2)  # (B, H_kv, S - w)
-    return torch.cat((scores, scores.new_full((batch, n_kv, window), float("inf"))), dim=-1)
+    scores = pooled.reshape(batch, n_kv, group, length).mean(dim=2)  # (B, H_kv, S)
+    ramp = 2.0 + torch.arange(length, dtype=scores.dtype, device=scores.device)
+    return torch.where(in_window, ramp, scores)
 
 
 class PressCache(LayerCache):
@@ -165,12 +179,12 @@ class PressCache(LayerCache):
         if self.window_queries is None:
             window = min(self.memory.window_size, q.shape[2])
             return snapkv_scores(q[:, :, -window:], k, visible[:, :, -window:], scale, self.memory.kernel_size)
-        window = self.window_queries.shape[2]
         query_positions = self.window_positions
         k_pos = self.slot_positions
         seen = k_pos[:, :, None, :] <= query_positions[None, None, :, None]  # (B, H_kv, w, S)
-        # The window's own tokens are the newest w held (positions above every older query's) : kept.
-        return snapkv_scores(self.window_queries.to(q.dtype), k, seen, scale, self.memory.kernel_size)
+        # The window's own tokens are those held at its queries' positions (some may have been dropped already).
+        in_window = k_pos >= query_positions.min()
+        return snapkv_scores(self.window_queries.to(q.dtype), k, seen, scale, self.memory.kernel_size, in_window)
 
     def _remember_queries(self, q: torch.Tensor, positions: torch.Tensor) -> None:
         window = self.memory.window_size

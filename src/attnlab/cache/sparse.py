@@ -34,7 +34,7 @@ from attnlab.config import MemoryConfig
 from attnlab.errors import InputError
 from attnlab.ops.attend import attend
 
-INITIAL_SLOTS = 256  # a stream's cache (max_len None) starts here and doubles
+INITIAL_SLOTS = 256  # a cache starts here and doubles (up to its max_len, if given): a request is not a promise
 
 
 def page_bounds(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,8 @@ def key_extremes(keys: torch.Tensor, pages: int, size: int) -> tuple[torch.Tenso
 
 class QuestCache(LayerCache):
     """Every token of the layout's buffers (slot = position), plus the min/max of each complete page of the keys
-    that a decode step reads (`read.keys`); grows by doubling when made for a stream (max_len None)."""
+    that a decode step reads (`read.keys`); starts at INITIAL_SLOTS and grows by doubling, up to max_len if given
+    (generate asks for prompt + max_new_tokens, which may be far more than it will hold, or than memory has)."""
 
     selects = True
 
@@ -83,7 +84,7 @@ class QuestCache(LayerCache):
                  max_len: int | None = None):  # fmt: skip
         super().__init__(layout)
         self.memory, self.max_len, self.length = memory, max_len, 0
-        slots = max_len if max_len is not None else INITIAL_SLOTS
+        slots = INITIAL_SLOTS if max_len is None else min(max_len, INITIAL_SLOTS)
         self.buffers = {name: torch.zeros(shape, dtype=dtype, device=device)
                         for name, shape in layout.shapes(batch, slots).items()}  # fmt: skip
         self.keys = layout.read.keys if layout.read is not None else None  # the buffer whose pages are bounded
@@ -182,7 +183,7 @@ class QuestCache(LayerCache):
             raise InputError(f"KV cache is full: {end} tokens exceed its max_len={self.max_len} (make a larger cache)")
         capacity = next(iter(self.buffers.values())).shape[-2]
         if end > capacity:
-            self._grow(max(end, 2 * capacity))
+            self._grow(max(end, 2 * capacity) if self.max_len is None else min(max(end, 2 * capacity), self.max_len))
         for name, value in new.items():
             self.buffers[name][..., start:end, :] = value
         self.length = end

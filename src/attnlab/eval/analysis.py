@@ -313,6 +313,14 @@ def run_attention_maps(
     if not ids or len(ids) > eval_model.cfg.max_seq_len:
         raise InputError(f"prompt={brief(prompt)} has {len(ids)} tokens: give one of 1..{eval_model.cfg.max_seq_len} "
                          "tokens (the model's max_seq_len)")  # fmt: skip
+    memory = eval_model.cfg.memory
+    if memory.kind != "none" and len(ids) > memory.block_size:
+        # The model reads a longer prompt in blocks, the later ones through its memory: one pass's maps are not
+        # what those queries saw. The first block, from an empty memory, attends in full (the maps are right).
+        raise InputError(f"prompt={brief(prompt)} has {len(ids)} tokens: a model with memory.kind={memory.kind} "
+                         f"reads a prompt in blocks of {memory.block_size} tokens (memory.block), the later ones "
+                         "through its memory, which one pass's attention maps cannot show: give a prompt of at most "
+                         f"{memory.block_size} tokens")  # fmt: skip
     maps = attention_maps(eval_model.model, torch.tensor(ids))
     names = list(maps.maps)
     rows = []

@@ -37,7 +37,7 @@ from attnlab.accounting import kv_report
 from attnlab.config import DataConfig
 from attnlab.data import prepare
 from attnlab.errors import DataError, InputError
-from attnlab.eval.perplexity import dataset_split, summarize_losses, token_digest
+from attnlab.eval.perplexity import dataset_split, press_problem, summarize_losses, token_digest
 from attnlab.eval.records import make_record
 from attnlab.eval.scoring import continuation_logprobs
 from attnlab.eval.speed import dtype_name, run_guarded, synchronize, timed
@@ -437,6 +437,9 @@ def run_stream_loss(
     max_seq_len without a memory is too_long; text shorter than one stream is not_enough_text."""
     if length < 2 or streams < 1 or bucket < 1:
         raise InputError(f"length={length} must be >= 2, streams={streams} and bucket={bucket} >= 1")
+    problem = press_problem(model.cfg, "length", length)
+    if problem:
+        raise InputError(problem)
     tokens, origin = heldout_tokens(model, text, split, data_dir, dataset=dataset)
     memory = model.cfg.memory
     common = {"length": length, "bucket": bucket, "text": origin, "max_seq_len": model.cfg.max_seq_len,

@@ -16,12 +16,26 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attnlab.config import DataConfig
+from attnlab.config import PRESSES, DataConfig
 from attnlab.data import prepare
 from attnlab.data.sources import open_source
 from attnlab.errors import DataError, InputError
 from attnlab.eval.records import make_record
 from attnlab.eval.stats import bootstrap_ci
+
+
+def press_problem(cfg, key: str, length: int) -> str | None:
+    """Why windows of `length` tokens, each read in one pass, would not measure cfg's press (memory.kind snapkv,
+    tova, knorm), or None: a press reads a sequence as one chunk unless memory.block is shorter, and drops tokens
+    only after the chunk's attention, so every loss would be the dense model's, whatever the budget."""
+    memory = cfg.memory
+    if memory.kind not in PRESSES or memory.block_size < length:
+        return None
+    block = "memory.block unset" if memory.block is None else f"memory.block={memory.block}"
+    return (f"{key}={length}: a model with memory.kind={memory.kind} reads {length} tokens as one chunk ({block}) "
+            "and presses only after the chunk's attention, so every loss would be the dense model's: measure the "
+            "press with context_sweep (its last chunk reads through the pressed earlier ones) or needle, or convert "
+            f"with memory.block below {length} so that later blocks read through the press")  # fmt: skip
 
 
 @torch.no_grad()
@@ -139,7 +153,14 @@ def dataset_split(eval_model, dataset: str, split: str, data_dir: str | None = N
 
 def dataset_tokens(tokenizer, dataset: str, split: str, data_dir: str | None = None) -> np.ndarray:
     """`split` of `dataset` (a named dataset or local file) read as one stream by `tokenizer`."""
-    texts = [text for name, text in open_source(dataset, data_dir, splits=(split,)).documents() if name == split]
+    source = open_source(dataset, data_dir, splits=(split,))
+    texts, documents = [], 0
+    for name, text in source.documents():
+        documents += 1
+        if name == split:
+            texts.append(text)
+    if not documents and source.files:  # an empty or blank file has no split to name
+        raise DataError(f"{dataset} holds no text (it is empty, or blank lines only): give a file with text")
     if not texts:
         raise DataError(f"{dataset} has no {split!r} split here (check the split's name, or the data directory)")
     return np.asarray(tokenizer.encode("\n\n".join(texts)), dtype=np.int64)
@@ -162,8 +183,11 @@ def run_perplexity(eval_model, split: str = "test", seq_len: int | None = None, 
     """A `perplexity` record for a model on its own dataset's held-out split (never the training split unless
     asked for by name), or on `dataset` (a named dataset or file, e.g. wikitext2-raw) tokenized with its own
     tokenizer: what a pretrained model is scored on. seq_len defaults to the run's training context."""
-    tokens, dataset, tokenizer = eval_tokens(eval_model, split, data_dir, dataset)
     seq_len = seq_len or eval_model.config.get("train", {}).get("seq_len") or eval_model.cfg.max_seq_len
+    problem = press_problem(eval_model.cfg, "seq_len", seq_len)
+    if problem:
+        raise InputError(problem)
+    tokens, dataset, tokenizer = eval_tokens(eval_model, split, data_dir, dataset)
     windows = window_losses(eval_model.model, tokens, seq_len, stride, max_tokens)
     if len(windows) < 2 and max_tokens is not None and max_tokens < len(tokens) - 1:  # a zero-width interval
         raise InputError(f"max_tokens={max_tokens} scores a single window of seq_len={seq_len} tokens: the bootstrap "

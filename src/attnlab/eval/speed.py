@@ -26,6 +26,7 @@ import torch
 
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import FLOAT_FORMATS, FORMAT_OF_DTYPE
+from attnlab.config_memory import PRESSES
 from attnlab.errors import InputError
 from attnlab.eval.records import make_record
 from attnlab.generate import decode_step, prefill
@@ -237,9 +238,12 @@ def run_memory(
             continue
         kv_bytes, overhead, capacity = measured
         expected = batch_size * analytic["kv_bytes"]
+        held = length if capacity is None else min(length, capacity)
+        if model.cfg.memory.kind in PRESSES and model.cfg.memory.press_at == "decode":  # a ratio has no capacity
+            held = analytic["memory"]["held_tokens"]
         rows.append(record(
             status="ok", kv_bytes=kv_bytes, kv_bytes_analytic=expected, kv_matches_analytic=kv_bytes == expected,
             kv_bytes_per_token=analytic["kv_bytes_per_token"], cache_overhead_bytes=overhead, capacity=capacity,
-            held_tokens=length if capacity is None else min(length, capacity), **peak_memory(device),
+            held_tokens=held, **peak_memory(device),
         ))  # fmt: skip
     return rows
