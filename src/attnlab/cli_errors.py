@@ -14,6 +14,7 @@ from pathlib import Path
 
 from attnlab.data.files import TEMPORARY
 from attnlab.errors import AttnlabWarning
+from attnlab.paths import system_folder
 
 MAX_LINE = 2000  # characters of an error line; a longer message is cut (its start names the problem)
 
@@ -197,6 +198,11 @@ def os_error_line(e: OSError, args) -> str | None:
         what = "no space left on the device" if code == errno.ENOSPC else "disk quota exceeded"
         return f"{path}: {what} (free some space{hint})"
     if code == errno.ENOENT:
+        system = None if os.path.lexists(path) else system_folder(path)
+        if system is not None:  # making a file there fails as if its folder were missing
+            return (f"{path}: no such file or folder, and none can be made there: {system} is on a virtual file "
+                    f"system (such as /proc or /sys), which takes no new files (give a path in another "
+                    f"folder{hint})")  # fmt: skip
         return f"{path}: no such file or folder (check the path)"
     if code == errno.ENAMETOOLONG:
         longest = max(len(os.fsencode(part)) for part in path.parts)

@@ -17,7 +17,7 @@ import re
 import statistics
 from pathlib import Path
 
-from attnlab.data.files import atomic_write_text, read_json_lines, read_json_object
+from attnlab.data.files import atomic_write_text, read_json_lines, read_json_object, special_file
 from attnlab.errors import DataError, InputError
 from attnlab.eval.plots import plot_val_loss
 from attnlab.eval.records import distinct_labels
@@ -45,6 +45,8 @@ def collect_runs(runs_dir: str | Path) -> list[dict]:
         phase = parts[seed_at + 1 :]
         seed_dir = summary_path.parents[len(phase)]
         metrics = summary_path.parent / "metrics.jsonl"
+        for path in (summary_path, metrics, summary_path.parent / "config.json"):
+            check_run_file(path)
         curve = []
         if metrics.exists():
             for row in read_json_lines(metrics):
@@ -63,6 +65,15 @@ def collect_runs(runs_dir: str | Path) -> list[dict]:
     if not runs:
         raise DataError(f"{runs_dir}: no finished runs (<target>/seed<S>/summary.json) in it or below it ({WHERE})")
     return runs
+
+
+def check_run_file(path: Path) -> None:
+    """Refuses (DataError, naming it) a folder, fifo, device or socket where a run keeps a file: reading a fifo
+    waits for a writer without end, and a device (a link to /dev/zero) never ends."""
+    what = special_file(path)
+    if what is not None:
+        raise DataError(f"{path}: {what}, where a run keeps its {path.name}: put the run's own file back, or "
+                        "delete the run's folder and train it again")  # fmt: skip
 
 
 def _config(path: Path) -> str | None:

@@ -70,6 +70,7 @@ from attnlab.config import (
     section_from_dict,
     source_problem,
     trainable_string_problem,
+    untrainable_memory_problem,
 )
 from attnlab.config_checks import MAX_INT, unknown_key_problem
 from attnlab.config_io import TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
@@ -269,6 +270,10 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
         for key in ("attention", "memory"):
             if key in model and not isinstance(model[key], dict):
                 problems.append(f"{where}.model.{key} must be a mapping, got {brief(model[key])}")
+        memory = model.get("memory") if isinstance(model.get("memory"), dict) else {}
+        problem = untrainable_memory_problem(memory.get("kind"))
+        if problem:
+            problems.append(f"{where}: {problem}")
         spec["model"] = model
         return
     try:
@@ -278,6 +283,9 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
         return
     spec["model"] = model
     # What train() refuses before its first step, refused here (validate, run --dry-run) already.
+    problem = untrainable_memory_problem(cfg.memory.kind)
+    if problem:
+        problems.append(f"{where}: {problem}")
     if "train" in spec and spec["train"].seq_len > cfg.max_seq_len:
         memory = " (a memory model too trains on at most max_seq_len tokens)" if cfg.memory.kind != "none" else ""
         problems.append(
@@ -454,18 +462,22 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
     raw = read_yaml(path)
     problems: list[str] = []
     raw = _check_keys(raw, TOP_KEYS, "", problems)
-    name = raw.get("name")
-    if name is None:
+    # ${name} applies anywhere (manifest_vars): in the name and the seeds too, as in defaults and targets
+    variables, broken = resolve_vars(check_vars(raw.get("vars"), problems), problems)
+    name = substitute(raw.get("name"), variables, "name", problems, broken)
+    named = name is not None
+    if not named:
         name = path.stem
         problem = name_problem(name, "the manifest's name (its file name, as no `name:` is given)")
     else:
         problem = name_problem(name, "name")
     if problem:
-        problems.append(problem + ("" if "name" in raw and raw["name"] is not None else " (set `name:`)"))
-    variables, broken = resolve_vars(check_vars(raw.get("vars"), problems), problems)
+        problems.append(problem + ("" if named else " (set `name:`)"))
     defaults = _check_keys(raw.get("defaults"), SECTION_KEYS, "defaults", problems)
     defaults = substitute(defaults, variables, "defaults", problems, broken)
-    seeds = _check_seeds(raw.get("seeds", [0]), problems)
+    said = len(problems)
+    seeds = substitute(raw.get("seeds", [0]), variables, "seeds", problems, broken)
+    seeds = _check_seeds(seeds, problems) if len(problems) == said else [0]  # (an undefined variable: said once)
     targets = raw.get("targets")
     if not isinstance(targets, dict) or not targets:
         problems.append("targets must be a non-empty mapping of target names to configs")

@@ -113,3 +113,25 @@ def inside(path: str | Path, root: str | Path, what: str) -> Path:
     if not resolved.is_relative_to(base):
         raise ConfigError(f"{what} {path} resolves to {resolved}, outside {base} (use plain names, without '..')")
     return Path(path)
+
+
+def nearest_existing(path: str | Path) -> Path:
+    """The nearest of `path`'s parents that is there (the root is): where making `path` starts."""
+    return next(p for p in Path(os.path.abspath(path)).parents if os.path.lexists(p))
+
+
+def blocking_file(path: str | Path) -> Path | None:
+    """The file that stands where one of `path`'s folders goes (so that nothing can be made at `path`), or None."""
+    parent = nearest_existing(path)
+    return None if parent.is_dir() else parent
+
+
+def system_folder(path: str | Path) -> Path | None:
+    """The nearest existing parent of `path` when it is on a virtual file system (/proc, /sys: no blocks of
+    storage), which takes no new files: why making `path` failed with 'No such file or directory' though its
+    folder is there. None otherwise."""
+    parent = nearest_existing(path)
+    try:
+        return parent if parent.is_dir() and os.statvfs(parent).f_blocks == 0 else None
+    except OSError:
+        return None

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.config import ModelConfig, names_model
+from attnlab.config import ModelConfig, names_model, untrainable_memory_problem
 from attnlab.config_io import model_config_from_dict
 from attnlab.data.files import read_json_object
 from attnlab.errors import ConfigError, DataError
@@ -156,6 +156,10 @@ def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> 
             cfg = target_config_of(spec, source_cfg)
         except ConfigError as e:
             problems.append(f"{where}: {_one_line(e)} (from init_from {ref})")
+            continue
+        problem = untrainable_memory_problem(cfg.memory.kind)  # (a source folder may carry one)
+        if problem:
+            problems.append(f"{where}: {problem} (from init_from {ref})")
             continue
         if spec.train.seq_len > cfg.max_seq_len:
             problems.append(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from attnlab.compare import check_run_file
 from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import downloads_allowed, lock_file_problem, read_json_object
@@ -171,8 +172,23 @@ def finished_run(run_dir: Path, config: dict, source=None) -> dict | None:
     if not summary_path.exists():
         return None
     fix = "delete the run's folder to train it again"
+    for path in (summary_path, run_dir / "config.json"):
+        check_run_file(path)  # (a link to /dev/zero would be read without end)
     saved, summary = read_json_object(run_dir / "config.json", fix), read_json_object(summary_path, fix)
     differences = config_differences(saved, config, saved_as="saved")
+    checkpoint = find_checkpoint(run_dir) if not differences else None
+    if checkpoint is not None:
+        # The run's config.json and config.yaml are plain files anyone may edit; its last checkpoint's config.json
+        # is checksummed: the config its weights were trained with.
+        trained = config_differences(checkpoint.config, config, saved_as="trained with")
+        if trained:
+            more = f" (and {len(trained) - 1} more)" if len(trained) > 1 else ""
+            raise ConfigError(
+                f"{run_dir} holds a finished run trained with another config than its config.json says "
+                f"({trained[0]}{more}, by {checkpoint.path / 'config.json'}): the run's config.json or config.yaml "
+                "was edited after training; use another --out directory, or delete that folder to train it again",
+                source=str(source) if source else None,
+            )  # fmt: skip
     if differences:
         more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
         raise ConfigError(

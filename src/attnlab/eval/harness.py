@@ -395,10 +395,10 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         chosen_by = "--benchmarks"
     spec = {k: dict(v or {}) for k, v in spec.items()}
     for item in sets:  # --set perplexity.split=val
-        key, _, raw_value = item.partition("=")
+        key, sep, raw_value = item.partition("=")
         bench, _, param = key.partition(".")
-        if not param:
-            raise ConfigError(f"--set {item!r} must look like BENCHMARK.PARAM=VALUE")
+        if not sep or not bench or not param:  # (no `=` is not a null: that is `PARAM=`, as `run --set` reads it)
+            raise ConfigError(f"--set {brief(item)} must look like BENCHMARK.PARAM=VALUE")
         if bench in BENCHMARKS and bench not in spec:  # a --set sets a parameter: it never adds a benchmark
             how = f"add {bench} to {chosen_by}" if chosen_by else "name it in --benchmarks (with the ones you want)"
             raise ConfigError(f"--set {brief(item)}: {bench} is not among the benchmarks to run ({', '.join(spec)}): "
@@ -448,6 +448,27 @@ def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
     stay; a report shows the latest); one recorded by an attnlab that did not note the weights is kept, and said."""
     out_dir = Path(out_dir)
     records_folder(out_dir, "records.jsonl")  # a folder it can write, checked before anything runs
+    made = [p for p in (out_dir, *out_dir.parents) if not os.path.lexists(p)]  # the folders the lock makes
+    try:
+        return _run_plan(plan, out_dir, log)
+    except BaseException:
+        _remove_unused(made, out_dir)  # a bench refused (or stopped) before it wrote anything leaves no folder
+        raise
+
+
+def _remove_unused(made: list[Path], out_dir: Path) -> None:
+    """Removes the folders `made` (deepest first) when they hold nothing but the bench's lock file."""
+    if not made or not out_dir.is_dir() or set(os.listdir(out_dir)) - {LOCK}:
+        return
+    (out_dir / LOCK).unlink(missing_ok=True)
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (something else wrote there meanwhile): kept
+            return
+
+
+def _run_plan(plan: BenchPlan, out_dir: Path, log) -> Path:
     records_path = out_dir / "records.jsonl"
     with bench_lock(out_dir):
         existing = read_records(records_path) if records_path.exists() else []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 from collections import defaultdict
@@ -210,6 +211,31 @@ FIELDS: dict[str, dict[str, tuple[str, str | None]]] = {
 }  # fmt: skip
 
 
+# The range a figure can have at all (a field not named here is checked for its kind only): a loss is a mean
+# negative log-probability, a perplexity its exponential, bytes, tokens, times and speeds are never negative,
+# fractions are fractions. A record outside it was changed by hand, and would draw a plot wrong or not at all.
+AT_LEAST_0 = ("loss", "kv_bytes", "kv_bytes_analytic", "peak_rss_bytes", "bytes_per_token", "vs_full", "tokens",
+              "length", "decode_tokens_per_s_median", "decode_tokens_per_s_min", "decode_tokens_per_s_max",
+              "ttft_ms_median", "prefill_ms", "last_chunk_ms", "decode_ms_per_token", "last_chunk_loss",
+              "ppl_ratio", "window_loss", "bucket_loss")  # fmt: skip
+AT_LEAST_1 = ("ppl",)
+FRACTIONS = ("acc", "acc_norm", "accuracy", "top1", "greedy")
+
+
+def _range_problem(field: str, value) -> str | None:
+    """Why a figure that fits its kind is still impossible (below 0, a perplexity below 1, a fraction above 1)."""
+    values = value if isinstance(value, list) else [value]
+    low, high = (0, None) if field in AT_LEAST_0 else (1, None) if field in AT_LEAST_1 else (0, 1) if field in \
+        FRACTIONS else (None, None)  # fmt: skip
+    for v in values:
+        if not _number(v) or math.isnan(v):  # (NaN: a diverged model's figure, shown as such)
+            continue
+        if (low is not None and v < low) or (high is not None and v > high):
+            bound = f"between {low} and {high}" if high is not None else f">= {low}"
+            return f"field '{field}' is {_shown(value)}, which is impossible (it is {bound})"
+    return None
+
+
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -266,6 +292,9 @@ def record_problem(record: dict) -> str | None:
         if not _fits(value, kind):
             what = "a list" if kind is list else kind
             return f"field '{field}' is {_shown(value)}, not {what}"
+        problem = _range_problem(field, value)
+        if problem:
+            return problem
     losses, counts = record.get("window_loss"), record.get("window_tokens")
     if isinstance(losses, list) and isinstance(counts, list) and (len(losses) != len(counts) or not losses):
         return (f"field 'window_loss' has {len(losses)} entries and 'window_tokens' {len(counts)}: one of each per "

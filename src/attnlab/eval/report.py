@@ -447,7 +447,7 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
         "Loss by position over long streams": ("stream_loss.png", lambda path: stream_loss_plot(records, path)),
     }  # fmt: skip
     drawings.update(_analysis_plots(records, out_dir))
-    plots = {title: _drawn(out_dir / name, draw) for title, (name, draw) in drawings.items()}
+    plots = {title: _drawn(out_dir / name, draw, notes, records_path) for title, (name, draw) in drawings.items()}
     plots = {title: p for title, p in plots.items() if p}
     parts = [f"# Evaluation report: {out_dir.name}", "",
              f"{_count(len(records), 'record')}, {_count(len(models), 'checkpoint')}: {', '.join(models)}.",
@@ -525,16 +525,41 @@ def _analysis_plots(records: list[dict], out_dir: Path) -> dict:
     return out
 
 
-def _drawn(path: Path, draw) -> Path | None:
+def _drawn(path: Path, draw, notes: list[str], records_path: Path) -> Path | None:
     """draw(path) (a plot function writing a PNG at path, or nothing): its result. A write that fails (a full
-    disk, a file size limit) leaves no half-written PNG and names the file, which the image library does not."""
-    try:
-        return draw(path)
-    except OSError as e:
-        path.unlink(missing_ok=True)
-        if e.filename is None:
-            e.filename = str(path)
-        raise
+    disk, a file size limit) leaves no half-written PNG and names the file, which the image library does not.
+
+    Figures matplotlib cannot place (a perplexity near the largest float: its axis has no length) leave the plot
+    out, and what matplotlib warns of (no positive value on a log axis) is kept; either is said in a note of the
+    report and in one warning line naming the plot, not in matplotlib's own lines."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)  # (others keep their filters: a DeprecationWarning stays unsaid)
+        quiet_missing_glyphs()  # (a font's missing glyphs stay unsaid: the figure is still right)
+        try:
+            result = draw(path)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            if e.filename is None:
+                e.filename = str(path)
+            raise
+        except (ValueError, OverflowError) as e:  # raised by matplotlib's layout of such figures
+            _figure().close("all")
+            path.unlink(missing_ok=True)
+            result = None
+            lines = [f"{path.name} is not drawn: its figures are beyond what a plot can show "
+                     f"({' '.join(str(e).split())}); the tables show them"]  # fmt: skip
+        else:
+            lines = []
+    for warning in caught:
+        if issubclass(warning.category, AttnlabWarning) or not issubclass(warning.category, UserWarning):
+            warnings.warn(warning.message, warning.category, stacklevel=2)
+        else:
+            said = " ".join(str(warning.message).split()).rstrip(".")
+            lines.append(f"{path.name}: {said} (matplotlib, drawing its figures)")
+    for line in dict.fromkeys(lines):
+        notes.append(f"{line}.")
+        warnings.warn(f"{records_path}: {line}", AttnlabWarning, stacklevel=2)
+    return result
 
 
 CELL = re.compile(r"\|((?:[^|\\]|\\.)*)(?=\|)")  # a Markdown table's cells: text up to the next unescaped '|'

@@ -24,7 +24,8 @@ weight outside the attention is copied; inside it:
   tokens); see those functions.
 - any of them with a memory (`memory=`): the memory's own parameters (the bounded memory's write gate) start
   as a freshly built model's (seed 0); nothing else does. A source's own memory is kept, its per-KV-head
-  parameters (eta_logit) pooled or repeated with the keys and values.
+  parameters (eta_logit) pooled or repeated with the keys and values; given another memory kind, the source's
+  memory parameters the target has no place for are dropped, and a note says so.
 
 `Conversion.fresh` names every parameter not taken from the source.
 """
@@ -492,6 +493,13 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
             taken |= {f"blocks.{i}.attn.lambda_{n}" for n in ("q1", "k1", "q2", "k2")}
     fresh = [name for name, _ in new.named_parameters() if name not in taken]
     notes = []
+    held = new.state_dict()  # the source's own parameters outside the attention the target has no place for
+    dropped = [name for name, _ in model.named_parameters() if ".attn." not in name and name not in held]
+    if dropped:
+        names = ", ".join(sorted({n.split(".", 2)[-1] for n in dropped}))
+        whose = f"memory {new_cfg.memory.kind}" if cfg.memory.kind != new_cfg.memory.kind else "the target"
+        notes.append(f"dropped: the source's {names} ({len(dropped)} tensors, memory {cfg.memory.kind}): {whose} "
+                     "has no place for them")  # fmt: skip
     n_src, n_new = kv_heads(cfg), kv_heads(new_cfg)
     if n_new != n_src:
         how = f"mean-pooled in groups of {n_src // n_new}" if n_new < n_src else f"repeated {n_new // n_src}x"

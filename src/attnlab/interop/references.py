@@ -227,10 +227,13 @@ def hub_folder(ref: str, data_dir: str | Path | None = None) -> Path:
     """The local folder of `hf:ORG/NAME[@REVISION]`: a copy in a data directory, the Hugging Face cache, or a
     download. DataError (one line, saying where it looked) when none is available."""
     repo_id, revision = parse_hub_ref(ref)
-    looked, copy = [], None
+    looked, copy, misfit = [], None, ""
     for directory in data_dirs(data_dir):
         folder = directory / "models" / repo_id
         found = (folder / "config.json").is_file()
+        if not found and os.path.lexists(folder) and not misfit:  # said if the model is found nowhere else
+            what = "holds no config.json" if folder.is_dir() else "is a file" if folder.is_file() else "is no folder"
+            misfit = f"; {folder} {what}, not a model folder (config.json and the weights)"
         if revision is None:  # a folder in a data directory has no revision to check
             looked.append(str(folder))
             if found:
@@ -246,7 +249,7 @@ def hub_folder(ref: str, data_dir: str | Path | None = None) -> Path:
         where = ", ".join(looked) or "nowhere local (a revision was asked for)"
         raise DataError(
             f"{ref}: not found (looked in {where}) and huggingface_hub is not installed to fetch it "
-            f"(pip install huggingface_hub{', or put the model folder there' if not copy else ''}){use_copy}"
+            f"(pip install huggingface_hub{', or put the model folder there' if not copy else ''}){use_copy}{misfit}"
         ) from None
     looked.append("the Hugging Face cache")
     online = downloads_allowed()
@@ -254,7 +257,7 @@ def hub_folder(ref: str, data_dir: str | Path | None = None) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES, local_files_only=True))
     except Exception:  # huggingface_hub's LocalEntryNotFoundError and friends: not in the cache
         if not online:
-            fix = use_copy or f"; put the model folder in <data dir>/models/{repo_id}"
+            fix = use_copy or f"{misfit}; put the model folder in <data dir>/models/{repo_id}"
             raise DataError(
                 f"{ref}: not found (looked in {', '.join(looked)}) and downloads are off ($ATTNLAB_OFFLINE or "
                 f"$HF_HUB_OFFLINE){fix}"
@@ -264,5 +267,5 @@ def hub_folder(ref: str, data_dir: str | Path | None = None) -> Path:
     except Exception as e:  # network, authentication, unknown repository or revision
         reason = " ".join(str(e).split())[:300]
         raise DataError(
-            f"{ref}: not found (looked in {', '.join(looked)}) and the download failed ({reason}){use_copy}"
+            f"{ref}: not found (looked in {', '.join(looked)}) and the download failed ({reason}){use_copy}{misfit}"
         ) from None

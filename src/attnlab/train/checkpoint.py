@@ -33,9 +33,10 @@ from safetensors.torch import load_model, save_file, save_model
 
 from attnlab.config import ModelConfig
 from attnlab.config_io import model_config_from_dict
-from attnlab.data.files import atomic_path, atomic_write_text, remove_stale_temporaries, sha256_file
+from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove_stale_temporaries, sha256_file
 from attnlab.errors import AttnlabWarning, DataError
 from attnlab.model.transformer import Transformer, build_model
+from attnlab.paths import blocking_file, system_folder
 
 WEIGHTS, OPTIMIZER, TRAINER, CONFIG = "model.safetensors", "optimizer.pt", "trainer.json", "config.json"
 CHECKSUMS = "checksums.json"
@@ -115,10 +116,15 @@ def save_model_folder(folder: str | Path, model, config: dict, extra=None) -> Pa
     folder = Path(folder)
     if folder.exists():
         raise CheckpointError(f"{folder}: already exists (choose another --out, or delete it first)")
-    writing = WEIGHTS
+    in_the_way = blocking_file(folder)
+    if in_the_way is not None:
+        raise CheckpointError(f"{folder}: {in_the_way} is a file, not a folder, so nothing can be made under it "
+                              "(choose another --out)")  # fmt: skip
+    writing = "its folder"
     try:
         with atomic_path(folder, durable=True) as tmp:
             tmp.mkdir(parents=True)
+            writing = WEIGHTS
             save_weights(model, tmp / WEIGHTS, {CHECKSUMS_KEY: CHECKSUMS})
             writing = CONFIG
             (tmp / CONFIG).write_text(json.dumps(config, indent=1))
@@ -130,6 +136,12 @@ def save_model_folder(folder: str | Path, model, config: dict, extra=None) -> Pa
             files = {name: _fingerprint(tmp / name) for name in (WEIGHTS, CONFIG)}
             (tmp / CHECKSUMS).write_text(json.dumps({"format": CHECKSUMS_FORMAT, "files": files}, indent=1))
     except (OSError, RuntimeError, SafetensorError) as e:
+        system = system_folder(folder) if isinstance(e, FileNotFoundError) else None
+        if system is not None:  # (mkdir says only 'No such file or directory')
+            raise CheckpointError(
+                f"could not write {folder}: {system} is on a virtual file system (such as /proc "
+                "or /sys), which takes no new files or folders (choose another --out)"
+            ) from None
         raise CheckpointError(f"could not write {folder}: {writing}: {_why(e)}; nothing was written") from None
     return folder
 
@@ -326,11 +338,14 @@ def verify_file(folder: Path, name: str, recorded: dict | None) -> Path:
         raise CheckpointError(f"{path}: not listed in {CHECKSUMS} (the checkpoint was changed); {_fix(path.parent)}")
     expected = recorded[name]
     try:
-        size = path.stat().st_size
+        size, kind = path.stat().st_size, file_kind(path)
     except FileNotFoundError:
         raise CheckpointError(
             f"{path}: missing, but {CHECKSUMS} records it ({expected['bytes']:,} bytes); {_fix(path.parent)}"
         ) from None
+    if kind is not None:  # (a folder's size is its directory entries', no truncation)
+        raise CheckpointError(f"{path}: {kind}, where {CHECKSUMS} records a file of {expected['bytes']:,} bytes; "
+                              f"{_fix(path.parent)}")  # fmt: skip
     if size != expected["bytes"]:
         found = "empty" if size == 0 else f"{size:,} bytes"
         raise CheckpointError(

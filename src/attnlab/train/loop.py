@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from attnlab.accounting import kv_report, param_counts
-from attnlab.config import DataConfig, ModelConfig, TrainConfig
+from attnlab.config import DataConfig, ModelConfig, TrainConfig, untrainable_memory_problem
 from attnlab.config_checks import value_problem
 from attnlab.data import BatchSampler
 from attnlab.data.files import atomic_write_text
@@ -155,6 +155,9 @@ def train(
     run_dir = Path(run_dir)
     device = pick_device(train_cfg.device)
     check_launch(train_cfg)
+    problem = untrainable_memory_problem(model_cfg.memory.kind)
+    if problem:
+        raise ConfigError(problem)
     sharded = train_cfg.distributed == "fsdp"
     dist_info = init_distributed(device.type, join=sharded)
     if dist_info.enabled and device.type == "cuda":

@@ -1,11 +1,12 @@
 """CPU kernels in C: decode attention read straight from quantized KV rows (qattn.c, here), and matmuls with
 weights kept in a GGUF file's formats (qmatmul.c, wrapped by attnlab.kernels.cpu.qmatmul).
 
-Each source ships with the package and is compiled on first use with the system C compiler ($CC, else cc) for
-this machine (-O3 -march=native), into `<user cache>/attnlab/kernels/` under a name that hashes the source (and
-the headers of this folder), the flags, the compiler's version and the CPU's feature flags; then loaded with
-ctypes. Where no compiler works, `library()` is None and callers run their PyTorch path, which the kernels are
-tested against. ATTNLAB_CPU_KERNELS=0 turns them off.
+Each source ships with the package and is compiled on first use with the system C compiler ($CC, split into
+words as make splits it: CC='ccache gcc'; else cc) for this machine (-O3 -march=native), into
+`<user cache>/attnlab/kernels/` under a name that hashes the source (and the headers of this folder), the flags,
+the compiler's version and the CPU's feature flags; then loaded with ctypes. Where no compiler works, `library()`
+is None and callers run their PyTorch path, which the kernels are tested against. ATTNLAB_CPU_KERNELS=0 turns
+them off.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -50,8 +52,27 @@ def kernel_dir() -> Path:
     return cache_dir() / "kernels"
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def compiler_command(variable: str, defaults: tuple[str, ...]) -> list[str] | None:
+    """The compiler command $variable gives, split into words as make and the shell split it (CC='ccache gcc',
+    CC='gcc -m64'), else the first of `defaults` found on the PATH; None when there is none. RuntimeError naming
+    the variable when its command is not a command line or its program is not found."""
+    given = os.environ.get(variable, "")
+    try:
+        command = shlex.split(given)
+    except ValueError as e:
+        raise RuntimeError(f"${variable}={given!r} is not a command line ({e}): set {variable} to a compiler, e.g. "
+                           f"{variable}={defaults[1]} or {variable}='ccache {defaults[1]}'") from None  # fmt: skip
+    if not command:
+        found = next((path for path in map(shutil.which, defaults) if path), None)
+        return [found] if found else None
+    if shutil.which(command[0]) is None:
+        raise RuntimeError(f"${variable}={given!r}: {command[0]} is not found: set {variable} to an installed "
+                           f"compiler (with its arguments if any, e.g. {variable}='ccache {defaults[1]}')")  # fmt: skip
+    return command
+
+
+def _compiler() -> list[str] | None:
+    return compiler_command("CC", ("cc", "gcc", "clang"))
 
 
 def _cpu_flags() -> str:
@@ -75,17 +96,19 @@ def build(directory: Path | None = None, extra_flags: tuple[str, ...] = (), sour
 
     def make(target: str, folder: str) -> None:
         for threads in THREADS:
-            command = [cc, *FLAGS, *extra_flags, *threads, "-o", target, str(source), "-lm"]
+            command = [*cc, *FLAGS, *extra_flags, *threads, "-o", target, str(source), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True, check=False)
             if result.returncode == 0:
                 return
-        raise RuntimeError(f"{cc} failed on {source.name}: {result.stderr.strip()[:2000]}")
+        raise RuntimeError(f"{shlex.join(cc)} failed on {source.name}: {result.stderr.strip()[:2000]}")
 
     return cached_build(directory or kernel_dir(), source.stem, [source, flags, compiler_version(cc)], make)
 
 
-def compiler_version(compiler: str) -> bytes:
-    return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout.encode()
+def compiler_version(compiler: list[str]) -> bytes:
+    """What `compiler --version` prints, after the command's arguments when it has any (they may change the code)."""
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    return (f"{shlex.join(compiler[1:])}\n" if compiler[1:] else "").encode() + version.encode()
 
 
 def cached_build(directory: Path, stem: str, key_parts: list, make: Callable[[str, str], None]) -> Path:

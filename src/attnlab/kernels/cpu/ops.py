@@ -19,8 +19,6 @@ flags, both compilers' versions, torch's version and the CPU's flags.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -37,8 +35,8 @@ CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", f"-DTORCH
 _LOADED: list = [None]  # None: not tried yet; then whether the operators are loaded
 
 
-def _cxx() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+def _cxx() -> list[str] | None:
+    return cpu.compiler_command("CXX", ("c++", "g++", "clang++"))
 
 
 def build(directory: Path | None = None) -> Path:
@@ -58,9 +56,9 @@ def build(directory: Path | None = None) -> Path:
     def make(target: str, scratch: str) -> None:
         for threads in cpu.THREADS:  # OpenMP where the compilers have it, as the C kernels
             objects = [f"{scratch}/{source.stem}.o" for source in C_SOURCES]
-            results = [run([cc, *c_flags, *threads, "-c", "-o", f"{scratch}/{s.stem}.o", str(s)]) for s in C_SOURCES]
+            results = [run([*cc, *c_flags, *threads, "-c", "-o", f"{scratch}/{s.stem}.o", str(s)]) for s in C_SOURCES]
             if all(r.returncode == 0 for r in results):
-                results.append(run([cxx, *CXX_FLAGS, *threads, *include, "-o", target, str(SOURCE), *objects, *libs]))
+                results.append(run([*cxx, *CXX_FLAGS, *threads, *include, "-o", target, str(SOURCE), *objects, *libs]))
             failed = [r for r in results if r.returncode]
             if not failed:
                 return
