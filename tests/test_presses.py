@@ -173,5 +173,54 @@ def test_press_options_are_checked():
     with pytest.raises(ConfigError, match="memory.window_size belongs to memory.kind snapkv, not tova"):
         MemoryConfig(kind="tova", budget=8, window_size=16)
     model = tiny_model(None, {"kind": "knorm", "budget": 8})
-    with pytest.raises(ConfigError, match="knorm keeps its keys at full precision"):
-        model.new_cache(1, 64, policy="k=q8_0,v=q8_0")
+    with pytest.raises(ConfigError, match="a press stores each KV head's 16 values of k on their own"):
+        model.new_cache(1, 64, policy="k=q8_0,v=q8_0")  # 16-wide heads: no q8_0 block fits one head's row
+
+
+# ----------------------------------------------------------------------------- with a KV policy
+
+
+@pytest.mark.parametrize("name", ["mha", "mha-gqa", "decoupled", "diff", "coda"])
+@pytest.mark.parametrize("kind", ["knorm", "tova", "snapkv"])
+def test_a_float_policy_stores_what_the_press_alone_stores(kind, name):
+    """An fp32 policy takes the stored path (per-head rows encoded, gathered and decoded) with nothing lost: the
+    logits of a sequence decoded token by token through the press equal the press's without a policy."""
+    model = tiny_model(ATTENTION[name], d_model=128, n_heads=4)
+    fields = [f.name for f in model.blocks[0].attn.layout.fields]
+    memory = {"kind": kind, "budget": 12, "press_at": "decode", **({"window_size": 4} if kind == "snapkv" else {})}
+    pressed = tiny_model(ATTENTION[name], memory=memory, d_model=128, n_heads=4)
+    tokens = torch.randint(0, 97, (2, 30))
+    logits = []
+    for policy in (None, ",".join(f"{f}=fp32" for f in fields)):
+        cache = pressed.new_cache(2, policy=policy) if policy else pressed.new_cache(2)
+        with torch.no_grad():
+            logits.append(torch.cat([pressed(tokens[:, t : t + 1], cache)[0] for t in range(30)], dim=1))
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_a_press_selects_on_the_stored_keys_and_holds_their_bytes():
+    """q8_0 keys: knorm keeps the smallest norms of the keys as stored (quantized, then read back), computed by hand
+    from the codec; the cache holds exactly the kept tokens' q8_0 bytes."""
+    from attnlab.cache.codecs import Codec
+
+    layout = kv_layout(2, 32)
+    memory = MemoryConfig(kind="knorm", budget=5)
+    cache = build_cache(layout, 1, None, torch.float32, policy="k=q8_0,v=q8_0", memory=memory)
+    k, v = torch.randn(1, 2, 12, 32) * torch.linspace(0.5, 2.0, 12)[:, None], torch.randn(1, 2, 12, 32)
+    q = torch.randn(1, 2, 12, 32)
+    attend_cache(cache, q, {"k": k, "v": v}, torch.arange(12), layout.read, SCALE)
+    codec = Codec("q8_0", 32, True, 32, "k")
+    stored = codec.decode(codec.encode(k.reshape(2, 12, 32)), torch.float32).view(1, 2, 12, 32)
+    expected = (-stored.norm(dim=-1)).topk(5, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(cache.positions(), expected)
+    assert cache.nbytes() == 2 * 2 * 5 * codec.row_bytes  # k and v, 2 heads, 5 tokens, one q8_0 row each
+
+
+@pytest.mark.parametrize(
+    ("policy", "fragment"),
+    [("k=kivi4,v=q8_0", "quantizes 32 tokens together per channel"), ("k=q8_0,v=q8_0,resid=16", "leave resid"),
+     ("k=q4_0,v=q4_0", "a press stores each KV head's 16 values of k on their own, not a multiple")],
+)  # fmt: skip
+def test_a_policy_a_press_cannot_store_is_refused(policy, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        build_cache(kv_layout(2, 16), 1, None, torch.float32, policy=policy, memory=MemoryConfig(kind="tova", budget=4))

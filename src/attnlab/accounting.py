@@ -7,7 +7,7 @@ import torch
 from attnlab.cache.build import check_memory_policy
 from attnlab.cache.codecs import Codec, as_policy
 from attnlab.cache.memories import memory_codecs
-from attnlab.cache.presses import n_kept
+from attnlab.cache.presses import n_kept, press_codecs
 from attnlab.cache.quantized import slot_counts
 from attnlab.config import ModelConfig, dtype_bytes
 from attnlab.config_checks import MAX_INT
@@ -91,7 +91,11 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
         per_layer = int(sum(per_field.values()) * held)
     elif memory is not None:  # every slot, the ring's too, in its field's format
         check_memory_policy(policy, cfg.memory)
-        per_field = {name: codec.bytes_per_token for name, codec in memory_codecs(layout, policy, dtype).items()}
+        if cfg.memory.kind in PRESSES:  # each KV head's row on its own (cache/presses.py)
+            codecs = press_codecs(layout, policy, dtype)
+            per_field = {name: codec.bytes_per_token * layout.heads for name, codec in codecs.items()}
+        else:
+            per_field = {name: codec.bytes_per_token for name, codec in memory_codecs(layout, policy, dtype).items()}
         per_layer = int(sum(per_field.values()) * held)
     else:
         policy.check(list(fields))

@@ -15,7 +15,7 @@ import yaml
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import FORMATS, KVPolicy
 from attnlab.cli_errors import one_line
-from attnlab.config import DTYPE_BYTES, INFERENCE_MEMORIES, source_problem
+from attnlab.config import DTYPE_BYTES, source_problem
 from attnlab.config_io import parse_yaml
 from attnlab.data.files import remove_stale_temporaries
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
@@ -162,10 +162,11 @@ def check_kv_model(args, model) -> None:
     if args.dataset is None and not model.config.get("data"):
         no_dataset(args.checkpoint)
     cfg = model.model.cfg
-    if cfg.memory.kind in INFERENCE_MEMORIES:  # check_memory_policy refuses every policy, the full-precision one too
+    if cfg.memory.kind == "quest":  # check_memory_policy refuses every policy, the full-precision one too
         raise InputError(f"{model.name}: memory.kind={cfg.memory.kind} keeps its keys at full precision and takes no "
                          "KV policy yet, so there is nothing to measure: give a model without a memory (e.g. the one "
-                         "it was converted from) or with memory.kind window, streaming, h2o or bounded")  # fmt: skip
+                         "it was converted from) or with memory.kind window, streaming, h2o, bounded or a press "
+                         "(snapkv, tova, knorm)")  # fmt: skip
     if cfg.memory.kind == "none" and args.seq_len > cfg.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len} is more than {model.name}'s max_seq_len={cfg.max_seq_len}: give "
                          f"--seq-len {cfg.max_seq_len} or less")  # fmt: skip

@@ -27,7 +27,9 @@ Kept tokens keep their positions (and their keys their RoPE rotation): later tok
 positions, as in kvpress's pipeline. Slots stay in position order (SnapKV's pooling in decode mode runs over the
 held keys in that order). The scores are computed from the queries and keys of the attention call the variant
 makes (`resolve`): DBA's [k_sem | k_geo], MLA's latent and RoPE key (absorbed path), DIFF's signal stream, CoDA's
-two streams as the call's query heads. kvpress's ExpectedAttentionPress needs statistics of the un-rotated queries
+two streams as the call's query heads. With a KV policy every token is stored in its field's format as it comes,
+each KV head's row on its own (`press_codecs`), and the attention and the scores read the keys as stored.
+kvpress's ExpectedAttentionPress needs statistics of the un-rotated queries
 of the hidden states, which a cache never sees: it is not offered.
 """
 
@@ -37,9 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.cache.base import LayerCache, Write
+from attnlab.cache.codecs import FORMAT_OF_DTYPE, Codec, KVPolicy
 from attnlab.cache.memories import four
 from attnlab.config import MemoryConfig
-from attnlab.errors import InputError
+from attnlab.errors import ConfigError, InputError
 from attnlab.ops.attend import grouped_logits
 from attnlab.ops.masks import with_null_column
 
@@ -101,13 +104,19 @@ class PressCache(LayerCache):
     per_sequence = True
 
     def __init__(self, layout, batch: int, memory: MemoryConfig, dtype: torch.dtype, device=None,
-                 max_len: int | None = None):  # fmt: skip
+                 max_len: int | None = None, policy: KVPolicy | None = None):  # fmt: skip
         super().__init__(layout)
         self.memory, self.max_len, self.dtype, self.seen = memory, max_len, dtype, 0
         self.capacity = memory.slots
         heads = layout.heads
         self.buffers = {name: torch.zeros(batch, heads, 0, layout.buffer_width(name), dtype=dtype, device=device)
                         for name, _ in layout.buffers}  # fmt: skip
+        # With a KV policy each field of each KV head is stored per token in its format: (B * H_kv, S, ...) arrays
+        # (a head keeps its own tokens, so a token's row cannot span the heads as in the other quantized caches).
+        self.codecs = press_codecs(layout, policy, FORMAT_OF_DTYPE[dtype]) if policy is not None else None
+        if self.codecs is not None:
+            self.buffers = {}
+            self.arrays = {name: codec.allocate(batch * heads, 0, device) for name, codec in self.codecs.items()}
         self.slot_positions = torch.zeros(batch, heads, 0, dtype=torch.long, device=device)
         self.window_queries: torch.Tensor | None = None  # snapkv in decode mode: the last window_size queries
         self.window_positions: torch.Tensor | None = None
@@ -118,6 +127,8 @@ class PressCache(LayerCache):
         return self.slot_positions
 
     def nbytes(self) -> int:
+        if self.codecs is not None:
+            return sum(a.nbytes for arrays in self.arrays.values() for a in arrays)
         return sum(b.nbytes for b in self.buffers.values())
 
     def overhead_nbytes(self) -> int:
@@ -132,7 +143,9 @@ class PressCache(LayerCache):
         headless = self.layout.kv_heads is None
         batch, heads = self.slot_positions.shape[:2]
         held = {}
-        for name, t in new.items():
+        if self.codecs is not None:
+            held = self._append_stored(new)
+        for name, t in new.items() if self.codecs is None else ():
             t = four(t)  # (B, H_kv, T, width)
             held[name] = torch.cat((self.buffers[name].to(t.dtype), t), dim=2)
             self.buffers[name] = held[name].detach().to(self.dtype)
@@ -200,3 +213,59 @@ class PressCache(LayerCache):
         self.slot_positions = self.slot_positions.gather(2, index)
         for name, b in self.buffers.items():
             self.buffers[name] = b.gather(2, index[..., None].expand(-1, -1, -1, b.shape[-1]))
+        if self.codecs is not None:
+            rows = index.flatten(0, 1)  # (B * H_kv, kept)
+            for name, arrays in self.arrays.items():
+                self.arrays[name] = [a.gather(1, _rows_index(rows, a)) for a in arrays]
+
+    def _append_stored(self, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each field of the new tokens encoded into its arrays; returns every held token of each buffer as stored
+        (decoded), (B, H_kv, S, width): the attention and the press read the stored keys, as llama.cpp's do."""
+        held = {}
+        for buffer, fields in self.layout.buffers:
+            t = four(new[buffer])  # (B, H_kv, T, width)
+            batch, heads, length, _ = t.shape
+            parts = []
+            for field in fields:
+                _, lo, hi = self.layout.slices[field.name]
+                codec = self.codecs[field.name]
+                rows = t[..., lo:hi].detach().reshape(batch * heads, length, hi - lo).contiguous()
+                arrays = self.arrays[field.name]
+                self.arrays[field.name] = [torch.cat((a, e), dim=1) for a, e in zip(arrays, codec.encode(rows),
+                                                                                       strict=True)]  # fmt: skip
+                parts.append(codec.decode(self.arrays[field.name], t.dtype).view(batch, heads, -1, hi - lo))
+            held[buffer] = torch.cat(parts, dim=-1)
+        return held
+
+
+def _rows_index(rows: torch.Tensor, array: torch.Tensor) -> torch.Tensor:
+    """rows (N, kept) as a gather index along axis 1 of an (N, S, ...) storage array."""
+    return rows.view(*rows.shape, *[1] * (array.dim() - 2)).expand(-1, -1, *array.shape[2:])
+
+
+def press_codecs(layout, policy: KVPolicy, default: str) -> dict[str, Codec]:
+    """The codec of each field of a press's slots under `policy`: rows of one KV head's values (a head keeps its own
+    tokens); ConfigError for a per-channel format (several tokens quantized together), a residual window or a
+    flush (every slot is stored in its format as it comes), and a block format wider than a head's row allows."""
+    policy.check([f.name for f in layout.fields])
+    problems = []
+    if policy.resid or policy.flush != 1:
+        problems.append(f"kv policy {policy}: a press stores every token in its format as it comes (leave resid and "
+                        "flush out)")  # fmt: skip
+    codecs = {}
+    for f in layout.fields:
+        fmt = policy.format_of(f.name, default)
+        try:
+            codecs[f.name] = Codec(fmt, f.width, f.name.startswith("k"), policy.group_size, f.name)
+        except ConfigError:  # a block format: rows of 32 values
+            problems.append(f"kv policy {f.name}={fmt}: a press stores each KV head's {f.width} values of {f.name} "
+                            "on their own, not a multiple of the format's 32-value blocks (use fp16 or bf16 for "
+                            "it)")  # fmt: skip
+            continue
+        if codecs[f.name].tokens_per_block > 1:
+            problems.append(f"kv policy {f.name}={fmt} quantizes {policy.group_size} tokens together per channel, "
+                            "but a press drops single tokens (use a per-token format: fp16, bf16, q8_0, q4_0, "
+                            "nf4)")  # fmt: skip
+    if problems:
+        raise ConfigError(problems)
+    return codecs
