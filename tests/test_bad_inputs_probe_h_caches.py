@@ -229,19 +229,11 @@ def kv(command, model, run, *extra):
     return argv + (["--budget", "100"] if command == "kv-tune" else ["--policies", "none"]) + list(extra)
 
 
-@pytest.mark.parametrize("command", ["kv-eval", "kv-tune"])
-@pytest.mark.parametrize("memory", ["kind=quest,recent_window=16,page_size=8,pages=2"])
-def test_kv_commands_refuse_a_memory_that_takes_no_policy(converted, run, capsys, command, memory):
+@pytest.mark.parametrize("memory", ["kind=tova,budget=24,press_at=decode", "kind=quest,recent_window=16,page_size=8"])
+def test_kv_eval_measures_quest_and_a_press_through_a_policy(converted, run, capsys, memory):
+    """h12: kv-tune and kv-eval refused quest and the presses (they took no KV policy); both now store their tokens
+    in a policy's formats, and kv-eval measures them."""
     model = converted(memory)
-    kind = memory.split(",")[0].split("=")[1]
-    line = fails(capsys, kv(command, model, run), f"memory.kind={kind}", "takes no KV policy", "without a memory",
-                 "or a press")  # fmt: skip
-    assert "--resids 0" not in line and "leave the policy out" not in line
-
-
-def test_kv_eval_measures_a_press_through_a_policy(converted, run, capsys):
-    """A press stores its tokens in a KV policy's formats (each KV head's row on its own): kv-eval measures it."""
-    model = converted("kind=tova,budget=24,press_at=decode")
     argv = kv("kv-eval", model, run)
     argv[argv.index("--policies") + 1] = "k=fp16,v=fp16"
     assert main(argv) == 0

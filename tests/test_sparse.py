@@ -122,5 +122,53 @@ def test_quest_options_are_checked():
     with pytest.raises(ConfigError, match="memory.page_size belongs to memory.kind quest, not streaming"):
         MemoryConfig(kind="streaming", page_size=4)
     model = tiny_model(None, {"kind": "quest", "recent_window": 16, "page_size": 8})
-    with pytest.raises(ConfigError, match="quest keeps its keys at full precision"):
-        model.new_cache(1, 64, policy="k=q8_0,v=q8_0")
+    with pytest.raises(ConfigError, match="kv policy resid=8 keeps the newest tokens"):
+        model.new_cache(1, 64, policy="k=q8_0,v=q8_0,resid=8")
+    with pytest.raises(ConfigError, match="quantizes 32 tokens together, but a memory replaces single tokens"):
+        model.new_cache(1, 64, policy="k=kivi4,v=q8_0")
+
+
+# ----------------------------------------------------------------------------- with a KV policy
+
+QUEST = {"kind": "quest", "recent_window": 8, "page_size": 4, "pages": 2, "sink_tokens": 2}
+
+
+@pytest.mark.parametrize("name", list(CACHE_VARIANTS))
+def test_quest_through_a_policy_decodes_as_it_reads_in_blocks(name):
+    """A float policy takes the stored path with nothing lost (it equals quest alone); with q8_0 (where a head's
+    row fits its blocks) a sequence read in one block still equals decoding it token by token."""
+    model = tiny_model(CACHE_VARIANTS[name], QUEST, d_model=128, n_heads=4)
+    fields = [f.name for f in model.blocks[0].attn.layout.fields]
+    tokens = torch.randint(0, 97, (2, 36), generator=torch.Generator().manual_seed(0))
+
+    def logits(policy, stepwise):
+        cache = model.new_cache(2, policy=policy) if policy else model.new_cache(2)
+        with torch.no_grad():
+            if stepwise:
+                return torch.cat([model(tokens[:, t : t + 1], cache)[0] for t in range(36)], dim=1)
+            return model(tokens, cache)[0]
+
+    alone = logits(None, True)
+    torch.testing.assert_close(logits(",".join(f"{f}=fp32" for f in fields), True), alone, rtol=0, atol=1e-5)
+    if name in ("mha", "mha-gqa", "coda"):  # rows of 32 values per head: q8_0 fits
+        q8 = ",".join(f"{f}=q8_0" for f in fields)
+        stepwise = logits(q8, True)
+        torch.testing.assert_close(logits(q8, False), stepwise, rtol=0, atol=1e-4)
+        assert (stepwise - alone).abs().max() > 1e-3  # the keys and values were read as stored
+
+
+def test_quest_bounds_its_pages_on_the_stored_keys_and_holds_their_bytes():
+    from attnlab.cache.codecs import Codec
+    from attnlab.cache.sparse import key_extremes
+
+    layout = kv_layout(2, 32)
+    memory = MemoryConfig(kind="quest", recent_window=8, page_size=4, pages=1)
+    cache = build_cache(layout, 1, 16, torch.float32, policy="k=q8_0,v=q4_0", memory=memory)
+    k, v, q = torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32)
+    attend_cache(cache, q, {"k": k, "v": v}, torch.arange(16), layout.read, 0.2)
+    codec = Codec("q8_0", 64, True, 32, "k")  # a token's row over both KV heads
+    stored = codec.decode(codec.encode(k.transpose(1, 2).reshape(1, 16, 64)), torch.float32)
+    low, high = key_extremes(stored.view(1, 16, 2, 32).transpose(1, 2), 4, 4)
+    assert torch.equal(cache.key_min[:, :, :4], low) and torch.equal(cache.key_max[:, :, :4], high)
+    v_codec = Codec("q4_0", 64, False, 32, "v")
+    assert cache.nbytes() == 16 * (codec.row_bytes + v_codec.row_bytes)

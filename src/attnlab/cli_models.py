@@ -162,11 +162,6 @@ def check_kv_model(args, model) -> None:
     if args.dataset is None and not model.config.get("data"):
         no_dataset(args.checkpoint)
     cfg = model.model.cfg
-    if cfg.memory.kind == "quest":  # check_memory_policy refuses every policy, the full-precision one too
-        raise InputError(f"{model.name}: memory.kind={cfg.memory.kind} keeps its keys at full precision and takes no "
-                         "KV policy yet, so there is nothing to measure: give a model without a memory (e.g. the one "
-                         "it was converted from) or with memory.kind window, streaming, h2o, bounded or a press "
-                         "(snapkv, tova, knorm)")  # fmt: skip
     if cfg.memory.kind == "none" and args.seq_len > cfg.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len} is more than {model.name}'s max_seq_len={cfg.max_seq_len}: give "
                          f"--seq-len {cfg.max_seq_len} or less")  # fmt: skip

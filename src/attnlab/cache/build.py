@@ -24,11 +24,6 @@ MEMORIES = {"window": WindowCache, "streaming": StreamingCache, "h2o": H2OCache,
 
 def check_memory_policy(policy: KVPolicy, memory: MemoryConfig) -> None:
     """Raises ConfigError for the parts of a KV policy a memory cannot honour."""
-    if memory.kind == "quest":
-        raise ConfigError(
-            f"memory.kind={memory.kind} keeps its keys at full precision: kv policy {policy} cannot be combined with "
-            "it yet (leave the policy out, or use memory.kind none with the policy)"
-        )
     if memory.kind in PRESSES:  # its own checks (press_codecs): a press stores every token in its format
         return
     problems = []
@@ -66,7 +61,7 @@ def build_cache(
         if policy is not None:
             check_memory_policy(policy, memory)
         if memory.kind == "quest":  # every token kept; a request shorter than it reads reads all (= dense)
-            return QuestCache(layout, batch, memory, dtype, device, max_len)
+            return QuestCache(layout, batch, memory, dtype, device, max_len, policy)
         if memory.kind in PRESSES:  # kvpress's presses: each KV head keeps its best tokens (cache/presses.py)
             return PressCache(layout, batch, memory, dtype, device, max_len, policy)
         if max_len is None or max_len >= memory.recent_window:

@@ -21,6 +21,10 @@ reads every earlier token: the cache then equals the dense cache (tests/test_spa
 The same rule applies to a chunk's queries one by one (masks), so a sequence scored in blocks equals token-by-
 token decoding. A decode step of a variant whose step is one attention call (layout.read) gathers only the
 chosen rows (`attend_one`): it reads K*P + W + sinks tokens and the page bounds, not the whole cache.
+
+With a KV policy each field is stored per token in its format, one row over every KV head (as QuantizedCache
+stores it); the page bounds come from the keys as stored, and a decode step decodes only the rows it gathers
+(each KV head's rows, decoded for every head, the head's own values kept).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from __future__ import annotations
 import torch
 
 from attnlab.cache.base import LayerCache, Write
+from attnlab.cache.codecs import FORMAT_OF_DTYPE, KVPolicy
 from attnlab.cache.layout import CacheLayout, Read
-from attnlab.cache.memories import four
+from attnlab.cache.memories import four, memory_codecs
 from attnlab.config import MemoryConfig
 from attnlab.errors import InputError
 from attnlab.ops.attend import attend
@@ -81,12 +86,19 @@ class QuestCache(LayerCache):
     selects = True
 
     def __init__(self, layout: CacheLayout, batch: int, memory: MemoryConfig, dtype: torch.dtype, device=None,
-                 max_len: int | None = None):  # fmt: skip
+                 max_len: int | None = None, policy: KVPolicy | None = None):  # fmt: skip
         super().__init__(layout)
         self.memory, self.max_len, self.length = memory, max_len, 0
         slots = INITIAL_SLOTS if max_len is None else min(max_len, INITIAL_SLOTS)
         self.buffers = {name: torch.zeros(shape, dtype=dtype, device=device)
                         for name, shape in layout.shapes(batch, slots).items()}  # fmt: skip
+        # With a KV policy each field is stored per token in its format, one row over all KV heads (as the other
+        # quantized caches store it): (B, slots, ...) arrays; what a step reads is decoded from them.
+        self.codecs = memory_codecs(layout, policy, FORMAT_OF_DTYPE[dtype]) if policy is not None else None
+        self.arrays = {}
+        if self.codecs is not None:
+            self.arrays = {name: codec.allocate(batch, slots, device) for name, codec in self.codecs.items()}
+            self.buffers = {name: b[..., :0, :] for name, b in self.buffers.items()}  # their shapes and dtype only
         self.keys = layout.read.keys if layout.read is not None else None  # the buffer whose pages are bounded
         self.complete_pages = 0
         self.key_min = self.key_max = None  # (B, H_kv, pages, width): filled as pages complete
@@ -103,6 +115,8 @@ class QuestCache(LayerCache):
         return torch.arange(self.length, device=next(iter(self.buffers.values())).device)
 
     def nbytes(self) -> int:
+        if self.codecs is not None:
+            return sum(a.nbytes for arrays in self.arrays.values() for a in arrays)
         return sum(b.nbytes for b in self.buffers.values())
 
     def overhead_nbytes(self) -> int:
@@ -112,7 +126,8 @@ class QuestCache(LayerCache):
         """Bytes the next decode step reads: at most K pages, the window and the sinks of every buffer, plus the
         bounds of every complete page."""
         tokens = min(self.length + 1, self.memory.read_slots)
-        per_token = sum(b[..., :1, :].nbytes for b in self.buffers.values())
+        per_token = (sum(b[..., :1, :].nbytes for b in self.buffers.values()) if self.codecs is None
+                     else sum(codec.row_bytes for codec in self.codecs.values()))  # fmt: skip
         pages = (self.length + 1) // self.memory.page_size
         bounds = 0 if self.key_min is None else 2 * self.key_min[:, :, :pages].nbytes
         return tokens * per_token + bounds
@@ -120,7 +135,9 @@ class QuestCache(LayerCache):
     def update(self, new: dict[str, torch.Tensor], positions: torch.Tensor, write: Write | None = None):
         self._store(new, positions)
         self._q_pos = positions
-        held = {name: b[..., : self.length, :].to(new[name].dtype) for name, b in self.buffers.items()}
+        held = {name: self._read(name, 0, self.length).to(new[name].dtype) for name in self.buffers}
+        if self.layout.kv_heads is None:
+            held = {name: b[:, 0] for name, b in held.items()}
         return held, self.positions()
 
     def resolve(self, q, k, scale, mask, null):
@@ -153,10 +170,9 @@ class QuestCache(LayerCache):
         self._store(new, positions)
         t, memory = self.length - 1, self.memory
         size, window, sinks = memory.page_size, memory.recent_window, memory.sink_tokens
-        keys, values = four(self.buffers[read.keys]), four(self.buffers[read.values])
-        device, dtype = keys.device, q.dtype
+        device, dtype = q.device, q.dtype
         if t < window + sinks or self.complete_pages <= memory.pages:  # every earlier token is read anyway
-            k, v = keys[:, :, : t + 1].to(dtype), values[:, :, : t + 1].to(dtype)
+            k, v = self._read(read.keys, 0, t + 1).to(dtype), self._read(read.values, 0, t + 1).to(dtype)
             return attend(q, k, v[..., : read.value_width], None, scale)
         bound = page_bounds(q, self.key_min[:, :, : self.complete_pages], self.key_max[:, :, : self.complete_pages])
         order, picked = (t[:, :, 0] for t in top_pages(bound, positions, memory))  # (B, H_kv, K) each
@@ -168,11 +184,49 @@ class QuestCache(LayerCache):
         rows = torch.cat((page_rows, recent.expand(*page_rows.shape[:2], -1),
                           torch.arange(sinks, device=device).expand(*page_rows.shape[:2], -1)), dim=-1)  # fmt: skip
         ok = torch.cat((page_ok, page_ok.new_ones(*page_ok.shape[:2], window + sinks)), dim=-1)  # (B, H_kv, N)
-        k = keys.gather(2, rows[..., None].expand(-1, -1, -1, keys.shape[-1])).to(dtype)
-        v = values.gather(2, rows[..., None].expand(-1, -1, -1, values.shape[-1])).to(dtype)
+        k, v = self._gather(read.keys, rows).to(dtype), self._gather(read.values, rows).to(dtype)
         return attend(q, k, v[..., : read.value_width], ok[:, :, None, :], scale)
 
     # ------------------------------------------------------------------ storage
+
+    def _fields(self, buffer: str):
+        return [(f.name, *self.layout.slices[f.name][1:]) for f in dict(self.layout.buffers)[buffer]]
+
+    def _decoded(self, buffer: str, pick) -> torch.Tensor:
+        """A buffer's rows as stored, decoded: `pick(array)` selects rows on axis 1 of each storage array (a slice or
+        a gather); -> (B, n, H, width) token-major."""
+        parts = []
+        for name, lo, hi in self._fields(buffer):
+            rows = self.codecs[name].decode([pick(a) for a in self.arrays[name]], self.buffers[buffer].dtype)
+            parts.append(rows.unflatten(-1, (self.layout.heads, hi - lo)))
+        return torch.cat(parts, dim=-1)
+
+    def _read(self, buffer: str, lo: int, hi: int) -> torch.Tensor:
+        """Tokens [lo, hi) of a buffer as held, (B, H_kv, n, width) (H_kv = 1 without a head axis)."""
+        if self.codecs is None:
+            return four(self.buffers[buffer])[:, :, lo:hi]
+        return self._decoded(buffer, lambda a: a[:, lo:hi]).transpose(1, 2)
+
+    def _gather(self, buffer: str, rows: torch.Tensor) -> torch.Tensor:
+        """The tokens `rows` (B, H_kv, N) of each KV head, (B, H_kv, N, width): only those rows are read (with a
+        policy, decoded for every head and the head's own values kept)."""
+        if self.codecs is None:
+            held = four(self.buffers[buffer])
+            return held.gather(2, rows[..., None].expand(-1, -1, -1, held.shape[-1]))
+        batch, heads, count = rows.shape
+        flat = rows.flatten(1)  # (B, H_kv * N)
+        pick = lambda a: a.gather(1, flat.view(*flat.shape, *[1] * (a.dim() - 2)).expand(-1, -1, *a.shape[2:]))  # noqa: E731
+        decoded = self._decoded(buffer, pick).view(batch, heads, count, heads, -1)  # every head of every row
+        own = torch.arange(heads, device=rows.device)
+        return decoded[:, own, :, own].transpose(0, 1)  # (B, H_kv, N, width): row h's head h
+
+    def _encode(self, buffer: str, value: torch.Tensor, start: int) -> None:
+        """value (B, H_kv, T, width) of one buffer into its fields' storage arrays at slots start.."""
+        batch, heads, length, _ = value.shape
+        for name, lo, hi in self._fields(buffer):
+            rows = value[..., lo:hi].detach().transpose(1, 2).reshape(batch, length, heads * (hi - lo))
+            for array, encoded in zip(self.arrays[name], self.codecs[name].encode(rows.contiguous()), strict=True):
+                array[:, start : start + length] = encoded
 
     def _store(self, new: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
         start, end = self.length, self.length + positions.shape[0]
@@ -181,26 +235,37 @@ class QuestCache(LayerCache):
                              f"{start} tokens held (positions must follow on)")  # fmt: skip
         if self.max_len is not None and end > self.max_len:
             raise InputError(f"KV cache is full: {end} tokens exceed its max_len={self.max_len} (make a larger cache)")
-        capacity = next(iter(self.buffers.values())).shape[-2]
+        capacity = next(iter(self.buffers.values())).shape[-2] if self.codecs is None else self.capacity_slots()
         if end > capacity:
             self._grow(max(end, 2 * capacity) if self.max_len is None else min(max(end, 2 * capacity), self.max_len))
         for name, value in new.items():
-            self.buffers[name][..., start:end, :] = value
+            if self.codecs is None:
+                self.buffers[name][..., start:end, :] = value
+            else:
+                self._encode(name, four(value), start)
         self.length = end
         pages = end // self.memory.page_size
         if self.key_min is not None and pages > self.complete_pages:
             lo = self.complete_pages * self.memory.page_size
-            keys = four(self.buffers[self.keys])[:, :, lo : pages * self.memory.page_size]
+            keys = self._read(self.keys, lo, pages * self.memory.page_size)  # as stored
             low, high = key_extremes(keys, pages - self.complete_pages, self.memory.page_size)
             self.key_min[:, :, self.complete_pages : pages] = low
             self.key_max[:, :, self.complete_pages : pages] = high
             self.complete_pages = pages
 
+    def capacity_slots(self) -> int:
+        """Tokens the storage holds before it grows again (with a policy)."""
+        name = next(iter(self.arrays))
+        return self.arrays[name][0].shape[1] * self.codecs[name].tokens_per_block
+
     def _grow(self, slots: int) -> None:
-        for name, b in self.buffers.items():
+        for name, b in self.buffers.items() if self.codecs is None else ():
             grown = b.new_zeros(*b.shape[:-2], slots, b.shape[-1])
             grown[..., : b.shape[-2], :] = b
             self.buffers[name] = grown
+        for name, arrays in self.arrays.items():
+            self.arrays[name] = [torch.cat((a, a.new_zeros(a.shape[0], slots - a.shape[1], *a.shape[2:])), dim=1)
+                                 for a in arrays]  # fmt: skip
         if self.key_min is not None:
             pages = -(-slots // self.memory.page_size)
             for attr in ("key_min", "key_max"):
