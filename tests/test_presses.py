@@ -224,3 +224,25 @@ def test_a_press_selects_on_the_stored_keys_and_holds_their_bytes():
 def test_a_policy_a_press_cannot_store_is_refused(policy, fragment):
     with pytest.raises(ConfigError, match=fragment):
         build_cache(kv_layout(2, 16), 1, None, torch.float32, policy=policy, memory=MemoryConfig(kind="tova", budget=4))
+
+
+def test_a_byte_budget_is_the_budget_of_tokens_it_pays_for():
+    """budget_bytes: the tokens per KV head that many bytes of a layer hold, at the cache's dtype or in the KV
+    policy's formats; the cache then equals the same budget in tokens and never holds more bytes between steps."""
+    layout = kv_layout(2, 32)  # a token: k and v, 2 heads x 32 values
+    k, v, q = torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32), torch.randn(1, 4, 40, 32)
+    for policy, per_token, tokens in ((None, 512, 10), ("k=q8_0,v=q8_0", 136, 37)):
+        kept = []
+        for memory in (MemoryConfig(kind="knorm", budget_bytes=5120, press_at="decode"),
+                       MemoryConfig(kind="knorm", budget=tokens, press_at="decode")):  # fmt: skip
+            cache = build_cache(layout, 1, None, torch.float32, policy=policy, memory=memory)
+            for t in range(40):
+                attend_cache(cache, q[:, :, t : t + 1], {"k": k[:, :, t : t + 1], "v": v[:, :, t : t + 1]},
+                             torch.tensor([t]), layout.read, SCALE)  # fmt: skip
+                assert cache.nbytes() <= max(5120, per_token * (t + 1))
+            kept.append(cache.positions())
+        assert torch.equal(kept[0], kept[1]) and kept[0].shape[-1] == tokens == 5120 // per_token
+    with pytest.raises(ConfigError, match="budget_bytes=100 holds no token: one takes 512 bytes"):
+        build_cache(layout, 1, None, torch.float32, memory=MemoryConfig(kind="tova", budget_bytes=100))
+    with pytest.raises(ConfigError, match="needs exactly one of memory.budget .*memory.budget_bytes"):
+        MemoryConfig(kind="tova", budget=4, budget_bytes=1024)

@@ -7,7 +7,7 @@ import torch
 from attnlab.cache.build import check_memory_policy
 from attnlab.cache.codecs import Codec, as_policy
 from attnlab.cache.memories import memory_codecs
-from attnlab.cache.presses import n_kept, press_codecs
+from attnlab.cache.presses import n_kept, press_codecs, resolve_budget, token_bytes
 from attnlab.cache.quantized import slot_counts
 from attnlab.config import ModelConfig, dtype_bytes
 from attnlab.config_checks import MAX_INT
@@ -70,22 +70,26 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
     fields = layout.values_per_token()  # elements per token per layer, by cached field
     capacity = layout.window
     held = seq_len if capacity is None else min(seq_len, capacity)
-    memory = None
-    if cfg.memory.kind != "none":  # preallocated: the same bytes at any length from recent_window tokens on
-        memory = {**cfg.memory.to_dict(), "slots": cfg.memory.slots,
-                  "unbounded_kv_bytes_per_layer": int(sum(fields.values()) * width * held)}  # fmt: skip
-        if cfg.memory.kind in PRESSES and cfg.memory.press_at == "decode":
-            # Pressed after every update: to the budget, or to a share of the tokens seen (n_kept), not to a ring.
-            capacity, held = cfg.memory.slots, n_kept(seq_len, cfg.memory)
-        elif cfg.memory.slots is None:  # quest, a press at prefill: it holds (up to) every token
-            # A decode step cannot read more tokens than there are.
-            memory["read_slots"] = None if cfg.memory.read_slots is None else min(cfg.memory.read_slots, seq_len)
-        else:
-            capacity = cfg.memory.slots
-            # A cache for seq_len tokens cuts a longer recent window to seq_len slots (cache.build_cache).
-            held = capacity - cfg.memory.recent_window + min(cfg.memory.recent_window, seq_len)
-        memory["held_tokens"] = held
     policy = as_policy(policy)
+    settings = cfg.memory
+    if settings.kind in PRESSES and settings.budget_bytes is not None:  # bytes to tokens per KV head, as the cache
+        codecs = press_codecs(layout, policy, dtype) if policy is not None else None
+        settings = resolve_budget(settings, token_bytes(layout, codecs, width))
+    memory = None
+    if settings.kind != "none":  # preallocated: the same bytes at any length from recent_window tokens on
+        memory = {**settings.to_dict(), "slots": settings.slots,
+                  "unbounded_kv_bytes_per_layer": int(sum(fields.values()) * width * held)}  # fmt: skip
+        if settings.kind in PRESSES and settings.press_at == "decode":
+            # Pressed after every update: to the budget, or to a share of the tokens seen (n_kept), not to a ring.
+            capacity, held = settings.slots, n_kept(seq_len, settings)
+        elif settings.slots is None:  # quest, a press at prefill: it holds (up to) every token
+            # A decode step cannot read more tokens than there are.
+            memory["read_slots"] = None if settings.read_slots is None else min(settings.read_slots, seq_len)
+        else:
+            capacity = settings.slots
+            # A cache for seq_len tokens cuts a longer recent window to seq_len slots (cache.build_cache).
+            held = capacity - settings.recent_window + min(settings.recent_window, seq_len)
+        memory["held_tokens"] = held
     if policy is None:
         per_field = {name: n * width for name, n in fields.items()}  # bytes per token per layer
         per_layer = int(sum(per_field.values()) * held)

@@ -24,9 +24,9 @@ MEMORY_OPTIONS = {
                 "summary_candidates", "write_bias", "exact_refresh", "summary_routing", "summary_energy_scale",
                 "summary_update", "eta_logit_init"),
     "quest": ("recent_window", "block", "sink_tokens", "page_size", "pages"),
-    "snapkv": ("block", "budget", "compression_ratio", "press_at", "window_size", "kernel_size"),
-    "tova": ("block", "budget", "compression_ratio", "press_at"),
-    "knorm": ("block", "budget", "compression_ratio", "press_at"),
+    "snapkv": ("block", "budget", "budget_bytes", "compression_ratio", "press_at", "window_size", "kernel_size"),
+    "tova": ("block", "budget", "budget_bytes", "compression_ratio", "press_at"),
+    "knorm": ("block", "budget", "budget_bytes", "compression_ratio", "press_at"),
 }  # fmt: skip
 # What `memory.preset` fills in for the bounded memory's options a config leaves out: attnlab's choices (the paper's
 # text, §3.2-3.3), or those of the authors' package coda-gqa-l 1.3.1 that produced the paper's numbers
@@ -133,6 +133,9 @@ class MemoryConfig:
     pages: int = 8  # quest: pages each query reads besides the recent window and the sinks (per KV head)
     budget: int | None = None  # presses: tokens each KV head keeps at most (or compression_ratio)
     compression_ratio: float | None = None  # presses: the fraction of a chunk's tokens dropped (kvpress's ratio)
+    # presses: bytes a layer's cache holds at most (all KV heads), in tokens per KV head once the layout and the KV
+    # policy's formats say what a token costs (cache/presses.py: resolve_budget)
+    budget_bytes: int | None = None
     press_at: str = "prefill"  # presses: `prefill` compresses once after the first chunk, `decode` after every update
     window_size: int = 64  # snapkv: the last queries whose attention scores the keys (kept whatever their score)
     kernel_size: int = 5  # snapkv: the width of the average pooling over neighbouring keys' scores
@@ -206,9 +209,12 @@ class MemoryConfig:
 
     def _press_problems(self) -> list[str]:
         problems = []
-        if (self.budget is None) == (self.compression_ratio is None):
-            problems.append(f"memory.kind={self.kind} needs exactly one of memory.budget (tokens kept per KV head) and "
-                            "memory.compression_ratio (the fraction dropped, as kvpress's)")  # fmt: skip
+        if sum(x is not None for x in (self.budget, self.budget_bytes, self.compression_ratio)) != 1:
+            problems.append(f"memory.kind={self.kind} needs exactly one of memory.budget (tokens kept per KV head), "
+                            "memory.budget_bytes (bytes a layer holds) and memory.compression_ratio (the fraction "
+                            "dropped, as kvpress's)")  # fmt: skip
+        if self.budget_bytes is not None and self.budget_bytes < 1:
+            problems.append(f"memory.budget_bytes={self.budget_bytes} must be >= 1 (bytes a layer's cache holds)")
         if self.budget is not None and self.budget < 1:
             problems.append(f"memory.budget={self.budget} must be >= 1 (tokens kept per KV head)")
         if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
@@ -276,8 +282,8 @@ class MemoryConfig:
         # Options added later are left out at attnlab's defaults: configs written before them keep their hash.
         # Under another preset every option it fills is kept (read back, a left-out one would take its value).
         later = {"block": None, "positions": "absolute", "preset": "attnlab", "page_size": 16, "pages": 8,
-                 "budget": None, "compression_ratio": None, "press_at": "prefill", "window_size": 64,
-                 "kernel_size": 5}  # fmt: skip
+                 "budget": None, "budget_bytes": None, "compression_ratio": None, "press_at": "prefill",
+                 "window_size": 64, "kernel_size": 5}  # fmt: skip
         if self.preset == "attnlab":
             later.update({k: v for k, v in MEMORY_PRESETS["attnlab"].items() if k != "tau_gate"})
         for key, default in later.items():

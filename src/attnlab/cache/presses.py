@@ -35,6 +35,8 @@ of the hidden states, which a cache never sees: it is not offered.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +54,26 @@ def n_kept(held: int, memory: MemoryConfig) -> int:
     if memory.budget is not None:
         return min(held, memory.budget)
     return max(1, int(held * (1.0 - memory.compression_ratio)))
+
+
+def token_bytes(layout, codecs: dict | None, dtype_size: int) -> float:
+    """Bytes one token takes in a layer's press cache, over every KV head: its fields at `dtype_size` bytes a value,
+    or in their codecs' formats (press_codecs: one head's row each)."""
+    if codecs is None:
+        return sum(f.width for f in layout.fields) * layout.heads * dtype_size
+    return sum(codec.bytes_per_token for codec in codecs.values()) * layout.heads
+
+
+def resolve_budget(memory: MemoryConfig, per_token: float) -> MemoryConfig:
+    """`memory` with budget_bytes turned into a budget of tokens per KV head (per_token: token_bytes); ConfigError
+    when not one token fits."""
+    if memory.budget_bytes is None:
+        return memory
+    tokens = int(memory.budget_bytes // per_token)
+    if tokens < 1:
+        raise ConfigError(f"memory.budget_bytes={memory.budget_bytes} holds no token: one takes {per_token:g} bytes "
+                          "per layer here (raise budget_bytes, or store the cache in a smaller format)")  # fmt: skip
+    return dataclasses.replace(memory, budget=tokens, budget_bytes=None)
 
 
 def knorm_scores(k: torch.Tensor) -> torch.Tensor:
@@ -107,13 +129,14 @@ class PressCache(LayerCache):
                  max_len: int | None = None, policy: KVPolicy | None = None):  # fmt: skip
         super().__init__(layout)
         self.memory, self.max_len, self.dtype, self.seen = memory, max_len, dtype, 0
-        self.capacity = memory.slots
         heads = layout.heads
         self.buffers = {name: torch.zeros(batch, heads, 0, layout.buffer_width(name), dtype=dtype, device=device)
                         for name, _ in layout.buffers}  # fmt: skip
         # With a KV policy each field of each KV head is stored per token in its format: (B * H_kv, S, ...) arrays
         # (a head keeps its own tokens, so a token's row cannot span the heads as in the other quantized caches).
         self.codecs = press_codecs(layout, policy, FORMAT_OF_DTYPE[dtype]) if policy is not None else None
+        self.memory = memory = resolve_budget(memory, token_bytes(layout, self.codecs, dtype.itemsize))
+        self.capacity = memory.slots
         if self.codecs is not None:
             self.buffers = {}
             self.arrays = {name: codec.allocate(batch * heads, 0, device) for name, codec in self.codecs.items()}
