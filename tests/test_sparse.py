@@ -172,3 +172,27 @@ def test_quest_bounds_its_pages_on_the_stored_keys_and_holds_their_bytes():
     assert torch.equal(cache.key_min[:, :, :4], low) and torch.equal(cache.key_max[:, :, :4], high)
     v_codec = Codec("q4_0", 64, False, 32, "v")
     assert cache.nbytes() == 16 * (codec.row_bytes + v_codec.row_bytes)
+
+
+def test_dense_prefill_attends_the_prompt_in_full_and_selects_only_when_decoding():
+    """Quest's own setting: the prompt's queries read every earlier token (the dense model's logits); the decode
+    steps after it select (they differ from the dense model's), unless the pages cover everything (then equal)."""
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    plain = tiny_model(CACHE_VARIANTS["mha-gqa"], perturb=True)
+
+    def run(model):
+        cache = model.new_cache(2)
+        with torch.no_grad():
+            prompt = model(tokens[:, :32], cache)[0]
+            return prompt, torch.cat([model(tokens[:, t : t + 1], cache)[0] for t in range(32, 40)], dim=1)
+
+    full_prompt, full_steps = run(plain)
+    for pages, selects in ((2, True), (100, False)):
+        memory = {**QUEST, "pages": pages, "dense_prefill": True}
+        prompt, steps = run(tiny_model(CACHE_VARIANTS["mha-gqa"], memory, perturb=True))
+        torch.testing.assert_close(prompt, full_prompt, rtol=0, atol=1e-5)
+        assert ((steps - full_steps).abs().max() > 1e-3) == selects
+        if not selects:
+            torch.testing.assert_close(steps, full_steps, rtol=0, atol=1e-5)
+    selected, _ = run(tiny_model(CACHE_VARIANTS["mha-gqa"], QUEST, perturb=True))
+    assert (selected - full_prompt).abs().max() > 1e-3  # without it the prompt's queries select too

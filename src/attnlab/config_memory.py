@@ -23,7 +23,7 @@ MEMORY_OPTIONS = {
                 "tau_match", "write_policy", "detach_evicted", "preset", "tau_gate_summary", "exact_candidates",
                 "summary_candidates", "write_bias", "exact_refresh", "summary_routing", "summary_energy_scale",
                 "summary_update", "eta_logit_init"),
-    "quest": ("recent_window", "block", "sink_tokens", "page_size", "pages"),
+    "quest": ("recent_window", "block", "sink_tokens", "page_size", "pages", "dense_prefill"),
     "snapkv": ("block", "budget", "budget_bytes", "compression_ratio", "press_at", "window_size", "kernel_size"),
     "tova": ("block", "budget", "budget_bytes", "compression_ratio", "press_at"),
     "knorm": ("block", "budget", "budget_bytes", "compression_ratio", "press_at"),
@@ -131,6 +131,9 @@ class MemoryConfig:
     eta_logit_init: float = UNSET
     page_size: int = 16  # quest: tokens per page (its keys' min/max bound a query's scores over the page)
     pages: int = 8  # quest: pages each query reads besides the recent window and the sinks (per KV head)
+    # quest: a chunk of several tokens (a prompt) attends in full, as Quest's paper selects only when decoding (a
+    # sequence read in blocks then no longer equals decoding it token by token)
+    dense_prefill: bool = False
     budget: int | None = None  # presses: tokens each KV head keeps at most (or compression_ratio)
     compression_ratio: float | None = None  # presses: the fraction of a chunk's tokens dropped (kvpress's ratio)
     # presses: bytes a layer's cache holds at most (all KV heads), in tokens per KV head once the layout and the KV
@@ -282,8 +285,8 @@ class MemoryConfig:
         # Options added later are left out at attnlab's defaults: configs written before them keep their hash.
         # Under another preset every option it fills is kept (read back, a left-out one would take its value).
         later = {"block": None, "positions": "absolute", "preset": "attnlab", "page_size": 16, "pages": 8,
-                 "budget": None, "budget_bytes": None, "compression_ratio": None, "press_at": "prefill",
-                 "window_size": 64, "kernel_size": 5}  # fmt: skip
+                 "dense_prefill": False, "budget": None, "budget_bytes": None, "compression_ratio": None,
+                 "press_at": "prefill", "window_size": 64, "kernel_size": 5}  # fmt: skip
         if self.preset == "attnlab":
             later.update({k: v for k, v in MEMORY_PRESETS["attnlab"].items() if k != "tau_gate"})
         for key, default in later.items():

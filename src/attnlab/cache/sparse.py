@@ -22,6 +22,9 @@ The same rule applies to a chunk's queries one by one (masks), so a sequence sco
 token decoding. A decode step of a variant whose step is one attention call (layout.read) gathers only the
 chosen rows (`attend_one`): it reads K*P + W + sinks tokens and the page bounds, not the whole cache.
 
+`dense_prefill: true` (Quest's own setting) lets a chunk of several tokens, a prompt, attend in full: only decode
+steps select.
+
 With a KV policy each field is stored per token in its format, one row over every KV head (as QuantizedCache
 stores it); the page bounds come from the keys as stored, and a decode step decodes only the rows it gathers
 (each KV head's rows, decoded for every head, the head's own values kept).
@@ -144,6 +147,8 @@ class QuestCache(LayerCache):
         """The mask of each query: causal, and within its window, the sinks or its chosen pages. q (B, H, T, D),
         k (B, H_kv, null + S, D) the keys it is scored against (bounds from these: any variant's keys)."""
         q_pos, self._q_pos = self._q_pos, None
+        if self.memory.dense_prefill and q_pos.shape[0] > 1:  # Quest's setting: only decode steps select
+            return mask
         k = k[:, :, int(null) :]
         size = self.memory.page_size
         pages = k.shape[2] // size
