@@ -25,3 +25,45 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# The probes' shared fixtures (tests/test_bad_inputs_probe_*.py): a module opts in with
+# `pytestmark = pytest.mark.usefixtures("one_thread", "offline")` or ("one_thread", "own_cache").
+PROBE_MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
+PROCESS_VARIABLES = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "ATTNLAB_CPU_KERNELS",
+    "CC",
+    "CXX",
+)
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Nothing is fetched from the Hub."""
+    monkeypatch.setenv("ATTNLAB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def own_cache(tmp_path_factory):
+    """Prepared data and compiled kernels of a module in a folder of its own, never the user's cache; offline; no
+    torchrun, kernel or compiler variables."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        patch.setenv("ATTNLAB_OFFLINE", "1")
+        for name in PROCESS_VARIABLES:
+            patch.delenv(name, raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """A tiny trained run (PROBE_MODEL, char tokenizer, 4 steps) at <root>/runs/tiny/seed0; its text at
+    <root>/text.txt."""
+    from helpers import train_tiny_run
+
+    return train_tiny_run(tmp_path_factory.mktemp("tiny"), PROBE_MODEL, steps=4)

@@ -1,6 +1,8 @@
 """Helpers shared by test modules (import as `from helpers import ...`; tests/ is on sys.path)."""
 
+import contextlib
 import random
+import signal
 from pathlib import Path
 
 import torch
@@ -118,3 +120,20 @@ def gguf_name(hf: str) -> str:
     layer, rest = hf[len("model.layers.") :].split(".", 1)
     part, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{parts[part]}.{kind}"
+
+
+@contextlib.contextmanager
+def at_most(seconds: int):
+    """TimeoutError when the block takes longer (a read that never ends, blocked on a FIFO or a device), instead of
+    hanging the suite."""
+
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

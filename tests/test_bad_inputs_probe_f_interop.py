@@ -6,11 +6,9 @@ with a copy of the model in the data directory. Every fixture is tiny and made h
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import warnings
@@ -18,7 +16,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import fails, gguf_name, tiny_model
+from helpers import at_most, fails, gguf_name, tiny_model
 from safetensors.torch import load_file, save_file
 
 import attnlab
@@ -293,39 +291,19 @@ def test_a_chat_template_file_that_is_not_utf8_is_one_line(capsys, hf_copy):
 # ----------------------------------------------------------------------------- FIFO-*, RET-fifo-model, PERM-hf-*
 
 
-class StillBlocked(Exception):
-    """Not an OSError, which a reader might catch and report as an unreadable file."""
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """StillBlocked when the block takes longer (a read blocked on a FIFO), instead of hanging the suite."""
-
-    def expired(signum, frame):
-        raise StillBlocked(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors", "tokenizer_config.json"])
 def test_a_fifo_in_a_model_folder_is_named_not_read(capsys, hf_copy, name):
     (hf_copy / name).unlink()
     os.mkfifo(hf_copy / name)
-    with deadline(20):
+    with at_most(20):
         assert fails(capsys, generate(hf_copy), f"model/{name}: is a FIFO (named pipe), where a file is expected")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_a_fifo_given_as_a_model_is_not_called_missing(tmp_path, capsys):
     os.mkfifo(tmp_path / "fifo.gguf")
-    with deadline(20):
+    with at_most(20):
         assert fails(capsys, ["info", str(tmp_path / "fifo.gguf")], "fifo.gguf: is a FIFO (named pipe)")
         with pytest.raises(DataError, match="is a FIFO") as error:  # validate's and the retrofit's path
             model_config_of(tmp_path / "fifo.gguf")

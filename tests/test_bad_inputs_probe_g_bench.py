@@ -21,20 +21,15 @@ from attnlab.cli import main
 from attnlab.eval.bench_checks import status_notes, unmeasured_problem
 from attnlab.eval.report import build_report
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("ATTNLAB_OFFLINE", "1")
-
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A tiny trained run (char tokenizer, max_seq_len 64, train seq_len 32) at <root>/runs/tiny/seed0."""
-    return train_tiny_run(tmp_path_factory.mktemp("g"), MODEL, steps=4)
+def run(tiny_run):
+    return tiny_run
+
+
+pytestmark = pytest.mark.usefixtures("one_thread", "offline")
+
+MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
 
 
 @pytest.fixture

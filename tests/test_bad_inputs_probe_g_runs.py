@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fails, hat_text, tiny_model, train_tiny_run
+from helpers import fails, hat_text, tiny_model
 
 from attnlab.cli import main
 from attnlab.config import DataConfig
@@ -30,34 +30,22 @@ from attnlab.manifest import load_manifest
 from attnlab.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_model_folder
 from attnlab.train.distributed import dist_env
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
-MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
+@pytest.fixture(scope="module")
+def run(tiny_run):
+    return tiny_run
+
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
 A = "{d_model: 32, n_layers: 1, n_heads: 2}"
 TRAIN = "{seq_len: 16, batch_size: 2, steps: 4, lr: 1.0e-3, warmup_steps: 1, eval_every: 2, eval_tokens: 32, " \
         "log_every: 1, checkpoint_every: 2}"  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def own_cache(tmp_path_factory):
-    """Prepared data of this module in a folder of its own, never the user's cache; no torchrun variables."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-        patch.setenv("ATTNLAB_OFFLINE", "1")
-        for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ATTNLAB_CPU_KERNELS"):
-            patch.delenv(name, raising=False)
-        yield
-
-
 @pytest.fixture(scope="module")
 def text(tmp_path_factory) -> Path:
     return hat_text(tmp_path_factory.mktemp("text"))
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    """A tiny trained run (char tokenizer) at <root>/runs/tiny/seed0."""
-    return train_tiny_run(tmp_path_factory.mktemp("plain"), MODEL, steps=4)
 
 
 def manifest(tmp_path: Path, text: Path, name: str = "m", targets: str = "  base: {}\n", model: str = "") -> Path:

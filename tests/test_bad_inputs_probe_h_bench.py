@@ -9,27 +9,20 @@ import json
 import warnings
 
 import pytest
-from helpers import fails, train_tiny_run
+from helpers import fails
 
 from attnlab.cli import main
 from attnlab.errors import AttnlabWarning
 from attnlab.eval.harness import load_plan
 from attnlab.eval.report import build_report
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("ATTNLAB_OFFLINE", "1")
-
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A tiny trained run (char tokenizer, max_seq_len 64) at <root>/runs/tiny/seed0."""
-    return train_tiny_run(tmp_path_factory.mktemp("h"), MODEL, steps=4)
+def run(tiny_run):
+    return tiny_run
+
+
+pytestmark = pytest.mark.usefixtures("one_thread", "offline")
 
 
 @pytest.fixture(scope="module")

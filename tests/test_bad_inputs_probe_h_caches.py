@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import fails, tiny_config, tiny_model, train_tiny_run
+from helpers import fails, tiny_config, tiny_model
 
 from attnlab.accounting import kv_report, memory_note
 from attnlab.cache.presses import snapkv_scores
@@ -22,21 +22,15 @@ from attnlab.cli import main
 from attnlab.generate import generate
 from attnlab.ops.attend import grouped_logits
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
-GQA = {"kind": "mha", "n_kv_heads": 2}
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("ATTNLAB_OFFLINE", "1")
-
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A tiny trained run (char tokenizer, max_seq_len 64) at <root>/runs/tiny/seed0; its corpus at <root>/text.txt."""
-    return train_tiny_run(tmp_path_factory.mktemp("h"), MODEL, steps=4)
+def run(tiny_run):
+    return tiny_run
+
+
+pytestmark = pytest.mark.usefixtures("one_thread", "offline")
+
+GQA = {"kind": "mha", "n_kv_heads": 2}
 
 
 @pytest.fixture(scope="module")

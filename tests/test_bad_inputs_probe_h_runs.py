@@ -10,17 +10,15 @@ what it says."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import json
 import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import fails, hat_text, tiny_model, train_tiny_run
+from helpers import at_most, fails, hat_text, tiny_model
 
 from attnlab.cli import main
 from attnlab.cli_errors import os_error_line
@@ -32,7 +30,13 @@ from attnlab.manifest import load_manifest
 from attnlab.train.checkpoint import CheckpointError, save_model_folder
 from attnlab.train.loop import train
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+
+@pytest.fixture(scope="module")
+def run(tiny_run):
+    return tiny_run
+
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
 TRAIN = "{seq_len: 16, batch_size: 2, steps: 4, lr: 1.0e-3, warmup_steps: 1, eval_every: 2, eval_tokens: 32, " \
@@ -45,26 +49,9 @@ INFERENCE_MEMORIES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def own_cache(tmp_path_factory):
-    """Prepared data and kernels of this module in a folder of its own, never the user's cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-        patch.setenv("ATTNLAB_OFFLINE", "1")
-        for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ATTNLAB_CPU_KERNELS", "CC", "CXX"):
-            patch.delenv(name, raising=False)
-        yield
-
-
 @pytest.fixture(scope="module")
 def text(tmp_path_factory) -> Path:
     return hat_text(tmp_path_factory.mktemp("text"))
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    """A tiny trained run (char tokenizer) at <root>/runs/tiny/seed0."""
-    return train_tiny_run(tmp_path_factory.mktemp("plain"), MODEL, steps=4)
 
 
 def manifest(tmp_path: Path, text: Path, targets: str = "  base: {}\n", model: str = "", head: str = "") -> Path:
@@ -151,22 +138,6 @@ def test_converting_away_from_a_bounded_memory_says_its_weights_are_dropped(tmp_
 
 
 # ------------------------------------------------------------------ h11: compare reading a fifo or a device
-
-
-@contextlib.contextmanager
-def at_most(seconds: int):
-    """Fails the block after `seconds` (a read that never ends) instead of hanging the suite."""
-
-    def expire(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "config.json"])
