@@ -50,12 +50,15 @@ class _FusedAttention(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _fused_attention():
+def _fused_attention(active: bool = True):
     """On the meta device SDPA takes its math path, which keeps the (T x T) probabilities; a device runs the fused
     kernels, whose memory grows with T, not T^2: counted as those. PyTorch's CPU kernel needs the values as wide as
     the queries and keys (MLA's and DIFF's are not: the math path, measured), which CUDA's memory-efficient kernel
     does not: for those two the estimate is then high on GPUs."""
     plain = F.scaled_dot_product_attention
+    if not active:  # a real device runs its own kernels
+        yield
+        return
 
     def sdpa(q, k, v, *args, **kwargs):
         return _FusedAttention.apply(q, k, v) if q.shape[-1] == v.shape[-1] else plain(q, k, v, *args, **kwargs)
@@ -71,15 +74,10 @@ def _trained(name: str, trainable: tuple[str, ...] | None) -> bool:
     return trainable is None or any(fnmatch.fnmatchcase(name, p) for p in trainable)
 
 
-@functools.lru_cache(maxsize=64)  # the rows of one table share it
-def saved_activation_bytes(
-    cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False, trainable: tuple[str, ...] | None = None
-) -> dict:
-    """Bytes autograd saves for the backward pass of one forward pass and loss at (batch, seq_len), on the meta
-    device: {"saved": all of them, "logits": one fp32 copy of the logits}; with `checkpointing`, each block's input
-    and one block's internals instead of every block's. Frozen parameters (not matching `trainable`) need no
-    gradient, so what only their gradient would need is not saved."""
-    with torch.device("meta"):
+def _count_saved(cfg: ModelConfig, batch: int, seq_len: int, trainable, device: str) -> tuple[int, list[int]]:
+    """(bytes autograd saves for a forward pass and loss at (batch, seq_len), those of each block call), weights
+    aside, on `device` (meta: shapes only)."""
+    with torch.device(device):
         model = build_model(cfg).train()
     for name, p in model.named_parameters():
         p.requires_grad_(_trained(name, trainable))
@@ -100,22 +98,45 @@ def saved_activation_bytes(
         per_block[-1] += sum(saved.values())
 
     hooks = [h for b in model.blocks for h in (b.register_forward_pre_hook(before), b.register_forward_hook(after))]
-    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device) if device != "meta" else (
+        torch.zeros(batch, seq_len, dtype=torch.long, device=device))  # fmt: skip
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention(device == "meta"):
             logits, _ = model(tokens)
             F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(saved.values()), per_block
+
+
+@functools.lru_cache(maxsize=64)  # the rows of one table share it
+def saved_activation_bytes(
+    cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False, trainable: tuple[str, ...] | None = None
+) -> dict:
+    """Bytes autograd saves for the backward pass of one forward pass and loss at (batch, seq_len), on the meta
+    device: {"saved": all of them, "logits": one fp32 copy of the logits}; with `checkpointing`, each block's input
+    and one block's internals instead of every block's. Frozen parameters (not matching `trainable`) need no
+    gradient, so what only their gradient would need is not saved.
+
+    A memory the meta device cannot run (bounded, streaming: they read values) is counted on the CPU instead, for
+    one and two sequences through one and two blocks, which gives the bytes outside the blocks and those of a
+    block, each a part shared by the batch and a part per sequence; then scaled to the layers and the batch. The
+    bounded banks' writes depend on the values, and so what they save: within a few percent."""
+    try:
+        total, per_block = _count_saved(cfg, batch, seq_len, trainable, "meta")
     except (RuntimeError, NotImplementedError) as e:
         if "meta" not in str(e):
             raise
-        raise InputError(
-            f"the training memory is counted by running the model on the meta device (shapes only), "
-            f"where memory.kind {cfg.memory.kind!r} cannot run: it reads values the meta device does not "
-            "have (estimate the model without its memory)"
-        ) from None
-    for hook in hooks:
-        hook.remove()
-    total = sum(saved.values())
+        if checkpointing:
+            raise InputError(f"activation checkpointing does not apply to a model with memory.kind "
+                             f"{cfg.memory.kind!r} (training refuses it): leave it out") from None  # fmt: skip
+        counts = {(layers, b): _count_saved(cfg.replace(n_layers=layers), b, seq_len, trainable, "cpu")[0]
+                  for layers in (1, 2) for b in (1, 2)}  # fmt: skip
+        slope = {b: counts[2, b] - counts[1, b] for b in (1, 2)}  # a block's bytes, at 1 and 2 sequences
+        base = {b: counts[1, b] - slope[b] for b in (1, 2)}  # the rest (embedding, head, loss)
+        at = lambda v: v[1] + (batch - 1) * (v[2] - v[1])  # noqa: E731  (linear in the batch; masks are shared)
+        return {"saved": at(base) + cfg.n_layers * at(slope), "logits": batch * seq_len * cfg.vocab_size * FP32}
     if checkpointing:
         block_input = batch * seq_len * cfg.d_model * FP32
         total = total - sum(per_block) + len(per_block) * block_input + max(per_block, default=0)
