@@ -239,3 +239,25 @@ def test_run_with_fsdp_outside_torchrun_is_one_line_and_exit_2(tmp_path, data, c
           "train.distributed='fdsp' is not known (use ddp or fsdp)")  # fmt: skip
     fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "out"), "--set", "train.cpu_offload=true"],
           "train.cpu_offload=true needs train.distributed: fsdp")  # fmt: skip
+
+
+def test_a_refusal_on_one_process_is_one_line_on_the_others_too(tmp_path, env):
+    """Probe I (i7): rank 0 refuses the data in its line; rank 1, waiting in a collective, printed gloo's traceback.
+    Each now says one line (torchrun's own summary of the failed launch follows, as it always does)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    manifest = tmp_path / "m.yml"
+    manifest.write_text(f"name: m\nseeds: [0]\ndefaults:\n  model: {json.dumps(MODEL)}\n  data: {{source: {empty}, "
+                        f"tokenizer: char}}\n  train: {json.dumps(TRAIN)}\ntargets:\n  base: {{}}\n")  # fmt: skip
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), "-m", "attnlab.cli", "run", str(manifest), "--out", str(tmp_path / "runs"),
+               "--no-progress", "--set", "train.distributed=fsdp"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "[rank1]: Traceback" not in done.stderr and "[rank0]: Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "attnlab run: error:" in line]
+    assert len(lines) == 2 and any("empty.txt" in line for line in lines), lines
+    assert any("another process ended first" in line for line in lines), lines

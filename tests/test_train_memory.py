@@ -96,9 +96,19 @@ def test_info_prints_the_table_and_refuses_bad_flags(tmp_path, capsys):
           "--batch-size 6 is not divisible by --devices 4")  # fmt: skip
     fails(capsys, ["info", str(config), "--train-memory", "--trainable", "blocks.*.atn.*"],
           "--trainable 'blocks.*.atn.*' matches no parameter")  # fmt: skip
+    window = ["--memory", "kind=window,recent_window=16", "--activation-checkpointing"]
+    refused = [
+        (["--batch-size", "4"], "--batch-size sets the training-memory estimate: add --train-memory"),
+        (["--train-memory", "--memory", "kind=snapkv,budget=8"], "it has nothing to train"),
+        (["--train-memory", *window], "--activation-checkpointing: training refuses it for a model with"),
+    ]
+    for flags, fragment in refused:
+        fails(capsys, ["info", str(config), *flags], fragment)  # probe I: i1, i2, i3
+    assert main(["info", str(config), "--train-memory", "--batch-size", "4"]) == 0  # i4: the default list fits it
+    assert [n for n, _ in re.findall(r"^\s+(\d+)\s+(one|ddp)\s", capsys.readouterr().out, re.M)] == ["1", "2", "4"]
     bounded = "kind=bounded,recent_window=16,exact_slots=4,summary_slots=4"
     fails(capsys, ["info", str(config), "--train-memory", "--memory", bounded, "--activation-checkpointing"],
-          "activation checkpointing does not apply to a model with memory.kind 'bounded'")  # fmt: skip
+          "--activation-checkpointing: training refuses it for a model with memory.kind 'bounded'")  # fmt: skip
 
 
 @pytest.mark.parametrize("memory", [{"kind": "bounded", "recent_window": 16, "exact_slots": 4, "summary_slots": 4},

@@ -18,8 +18,17 @@ import torch
 
 from attnlab.accounting import info, memory_note
 from attnlab.attention.registry import REGISTRY
-from attnlab.cli_errors import Parser, fail, interrupted, link_loop, os_error_line, too_deep_line, warning_printer
-from attnlab.cli_memory import add_train_memory_flags, train_memory_report
+from attnlab.cli_errors import (
+    Parser,
+    fail,
+    interrupted,
+    link_loop,
+    os_error_line,
+    peer_lost_line,
+    too_deep_line,
+    warning_printer,
+)
+from attnlab.cli_memory import add_train_memory_flags, check_train_memory_flags, train_memory_report
 from attnlab.cli_models import (
     check_writable,
     cmd_convert,
@@ -137,6 +146,7 @@ def cmd_info(args) -> int:
     if args.seq_len is not None and not 1 <= args.seq_len <= MAX_INT:
         raise InputError(f"--seq-len {args.seq_len} must be in 1 .. {MAX_INT:,} (2**31 - 1) tokens")
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
+    check_train_memory_flags(args)
     training = train_memory_report(cfg, args) if args.train_memory else None
     if args.json:
         print(json.dumps(report if training is None else {**report, "train_memory": training[0]}))
@@ -567,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
             return fail(args.command, line)
         except RecursionError as e:  # a file nested too deeply for the json module (a reader that does not say so)
             line = too_deep_line(e, args.command)
+            if line is None:
+                raise
+            return fail(args.command, line)
+        except RuntimeError as e:  # under torchrun: another process stopped (said in its own line) or was killed
+            line = peer_lost_line(e)
             if line is None:
                 raise
             return fail(args.command, line)

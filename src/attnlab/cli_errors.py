@@ -286,3 +286,20 @@ def warning_printer(command: str, show):
             show(message, category, filename, lineno, file, line)
 
     return showwarning
+
+
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout", "timed out")
+
+
+def peer_lost_line(error: RuntimeError) -> str | None:
+    """The one line for a process of a torchrun launch whose peer stopped (a bad input it refused in its own line,
+    or a kill) while this one waited for it in a collective; None for any other RuntimeError (a bug)."""
+    import torch.distributed as dist
+
+    text = str(error)
+    if not (dist.is_available() and dist.is_initialized()) or not any(s in text for s in PEER_LOST):
+        return None
+    rank = dist.get_rank()
+    return (f"process {rank} of this torchrun launch stopped waiting: another process ended first (its own error, "
+            "if it had one, is the line above; a killed process has none): fix that, then run the same command "
+            "again (a run resumes from its last checkpoint)")  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.config import ModelConfig
+from attnlab.config import ModelConfig, untrainable_memory_problem
 from attnlab.config_checks import MAX_INT
 from attnlab.errors import InputError
 from attnlab.model.transformer import build_model
@@ -28,6 +28,18 @@ def add_train_memory_flags(p) -> None:
     p.add_argument("--activation-checkpointing", action="store_true", help="--train-memory: recompute each block")
 
 
+DEFAULTS = {"batch_size": 8, "devices": "1,2,4,8", "trainable": None, "optimizer": "adamw", "precision": "fp32",
+            "activation_checkpointing": False}  # fmt: skip
+
+
+def check_train_memory_flags(args) -> None:
+    """A --train-memory flag given without --train-memory is one line (it would change nothing)."""
+    given = [f"--{key.replace('_', '-')}" for key, value in DEFAULTS.items() if getattr(args, key) != value]
+    if given and not args.train_memory:
+        raise InputError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} the training-memory estimate: add "
+                         "--train-memory (or leave the flag out)")  # fmt: skip
+
+
 def _devices(text: str) -> list[int]:
     counts = []
     for item in text.split(","):
@@ -44,9 +56,18 @@ def _devices(text: str) -> list[int]:
 
 def train_memory_report(cfg: ModelConfig, args) -> tuple[list[dict], list[str]]:
     """(rows, lines) of --train-memory; InputError naming the flag for a bad value."""
+    problem = untrainable_memory_problem(cfg.memory.kind)
+    if problem:  # what training refuses has no training memory
+        raise InputError(problem)
+    if args.activation_checkpointing and cfg.memory.kind != "none":
+        raise InputError(f"--activation-checkpointing: training refuses it for a model with memory.kind "
+                         f"{cfg.memory.kind!r} (its blocks write the memory as they run): leave the flag "
+                         "out")  # fmt: skip
     devices = _devices(args.devices)
     if not 1 <= args.batch_size <= MAX_INT:
         raise InputError(f"--batch-size {args.batch_size} must be a number of sequences from 1 to {MAX_INT:,}")
+    if args.devices == DEFAULTS["devices"]:  # the default list: the counts that divide the batch
+        devices = [n for n in devices if args.batch_size % n == 0]
     uneven = [n for n in devices if args.batch_size % n]
     if uneven:
         raise InputError(f"--batch-size {args.batch_size} is not divisible by --devices {uneven[0]} (each device "
