@@ -133,3 +133,31 @@ def test_a_checkpoint_folder_without_its_config_is_a_clear_error(tmp_path):
     (final / "config.json").unlink()
     with pytest.raises(ckpt.CheckpointError, match=r"config\.json: unreadable \(No such file or directory\)"):
         ckpt.load_model_from_checkpoint(final)
+
+
+@pytest.mark.parametrize("damage", ["shape", "extra", "groups"])
+def test_an_optimizer_state_of_another_model_is_refused_before_it_is_used(tmp_path, damage):
+    """Probe I (i8, i10, i11): moments of another shape, state for a parameter the optimizer does not train, or
+    groups listing none of its parameters, in an optimizer.pt whose checksum was written to match: one line naming
+    the file, not a traceback at the first step (or a silent resume)."""
+    model, opt = make()
+    one_step(model, opt)
+    ckpt.save_checkpoint(tmp_path, model, opt, {"step": 1}, {"model": model.cfg.to_dict()}, tags=("last",))
+    found = ckpt.find_checkpoint(tmp_path)
+    path = found.path / "optimizer.pt"
+    state = torch.load(path, weights_only=True)
+    name = next(iter(state["optimizer"]["state"]))
+    if damage == "shape":
+        state["optimizer"]["state"][name]["exp_avg"] = torch.zeros(3, 3)
+    elif damage == "extra":
+        state["optimizer"]["state"]["blocks.9.attn.qkv.weight"] = state["optimizer"]["state"][name]
+    else:
+        for group in state["optimizer"]["param_groups"]:
+            group["params"] = []
+    torch.save(state, path)
+    checksums = json.loads((found.path / "checksums.json").read_text())
+    checksums["files"]["optimizer.pt"] = {"bytes": path.stat().st_size, "sha256": ckpt.sha256_file(path)}
+    (found.path / "checksums.json").write_text(json.dumps(checksums))
+    other, other_opt = make(seed=1)
+    with pytest.raises(ckpt.CheckpointError, match="optimizer.pt: .*it does not belong to this run's model"):
+        ckpt.load_optimizer(other_opt, found, other)

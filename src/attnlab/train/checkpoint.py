@@ -473,6 +473,9 @@ def load_optimizer(optimizer, checkpoint: Checkpoint, model) -> None:
         by_position = all(isinstance(key, int) for key in saved["state"]) and all(
             isinstance(i, int) for group in saved["param_groups"] for i in group["params"]
         )  # written before parameters were named
+        problem = _state_problem(_by_name(saved, order) if by_position else saved, model, order)
+        if problem:
+            raise CheckpointError(f"{path}: {problem}: it does not belong to this run's model; {_fix(path.parent)}")
         if is_sharded(unwrap(model)):
             load_full_optimizer(unwrap(model), optimizer, _by_name(saved, order) if by_position else saved)
         else:
@@ -491,6 +494,25 @@ def load_optimizer(optimizer, checkpoint: Checkpoint, model) -> None:
             f"{path}: not a readable optimizer state ({type(e).__name__}{': ' + first if first else ''}): it was "
             f"truncated or damaged; {_fix(path.parent)}"
         ) from None
+
+
+def _state_problem(saved: dict, model, order: list[str]) -> str | None:
+    """What in a named optimizer state does not fit the parameters the optimizer trains: other names (missing or
+    extra) or moments of another shape (the full shape, for a sharded model)."""
+    groups = [name for group in saved["param_groups"] for name in group["params"]]
+    if sorted(groups) != sorted(order):
+        missing, extra = sorted(set(order) - set(groups)), sorted(set(groups) - set(order))
+        return f"its parameter groups list {len(groups)} parameters, the optimizer trains {len(order)}" + (
+            f" (missing {missing[0]})" if missing else f" ({extra[0]} is not trained here)" if extra else ""
+        )
+    params = dict(unwrap(model).named_parameters())
+    for name in order:  # (a parameter that never had a gradient has no state: not a problem)
+        for key, value in saved["state"].get(name, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != tuple(params[name].shape):
+                return (f"{key} of {name} has shape {list(value.shape)}, the parameter "
+                        f"{list(params[name].shape)}")  # fmt: skip
+    extra = sorted(set(saved["state"]) - set(order))
+    return f"optimizer state for {extra[0]}, which this optimizer does not train" if extra else None
 
 
 @dataclass
