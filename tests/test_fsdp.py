@@ -223,6 +223,8 @@ def test_a_retrofit_manifest_runs_under_torchrun_with_fsdp_unchanged(tmp_path, e
         assert summary["status"] == "complete" and summary["steps"] == 2, target
         config = json.loads((tmp_path / "runs" / "fact" / target / "seed0" / "config.json").read_text())
         assert config["train"]["distributed"] == "fsdp"
+    command = (tmp_path / "runs" / "fact" / "gqa" / "seed0" / "command.txt").read_text()
+    assert command.startswith("torchrun --nproc_per_node 2 -m attnlab.cli run ")  # probe I (i5): runnable again
     cfg = load_checkpoint(tmp_path / "runs" / "fact" / "coda_bounded" / "seed0").cfg
     assert (cfg.attention.kind, cfg.memory.kind) == ("coda", "bounded")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shlex
 import sys
 import time
@@ -374,6 +375,18 @@ def run_manifest(
                              convert_only)  # fmt: skip
 
 
+def command_line() -> str:
+    """The command that started this run, as one can run it again: `python -m attnlab.cli` for the module (its
+    argv[0] is cli.py's path), under torchrun with its number of processes per node."""
+    program = sys.argv[0]
+    if Path(program).name == "cli.py":
+        program = f"{Path(sys.executable).name} -m attnlab.cli"
+        if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("LOCAL_WORLD_SIZE"):
+            program = f"torchrun --nproc_per_node {os.environ['LOCAL_WORLD_SIZE']} -m attnlab.cli"
+        return " ".join([program, shlex.join(sys.argv[1:])]).strip()
+    return shlex.join(sys.argv)
+
+
 def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume, progress, log, convert_only):
     if Path(out_root).exists() and not Path(out_root).is_dir():
         raise ConfigError(f"--out {out_root}: a file, not a folder (runs are written into a folder)")
@@ -482,7 +495,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
                     f"{resuming}")  # fmt: skip
                 start = time.perf_counter()
                 files = {"config.yaml": yaml.safe_dump(config, sort_keys=False),
-                         "command.txt": shlex.join(sys.argv) + "\n"}  # fmt: skip
+                         "command.txt": command_line() + "\n"}  # fmt: skip
                 summary = train(
                     model_cfg, spec.data, spec.train, run_dir, prepared=prepared, resume=resume, init_from=init_from,
                     progress=progress, run_files=files if dist_info.is_main else None,
