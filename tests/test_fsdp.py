@@ -263,3 +263,25 @@ def test_a_refusal_on_one_process_is_one_line_on_the_others_too(tmp_path, env):
     lines = [line for line in done.stderr.splitlines() if "attnlab run: error:" in line]
     assert len(lines) == 2 and any("empty.txt" in line for line in lines), lines
     assert any("another process ended first" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("variables", "fragment"),
+    [({"RANK": "3", "MASTER_PORT": "29500"}, "$RANK=3 must be below $WORLD_SIZE=1"),
+     ({"RANK": "0", "MASTER_PORT": "99999"}, "$MASTER_PORT=99999 must be a port number"),
+     ({"RANK": "0", "MASTER_PORT": "29500", "MASTER_ADDR": "nonexistent.invalid"},
+      "$MASTER_ADDR='nonexistent.invalid' names no host")],
+)  # fmt: skip
+def test_fsdp_of_one_process_checks_torchruns_variables_before_joining(tmp_path, data, capsys, monkeypatch,
+                                                                       variables, fragment):  # fmt: skip
+    """Probe I (i14-i16): FSDP joins a group even of one process; its variables were checked only for several (a
+    traceback, a hang in the rendezvous, a hang on an address that resolves nowhere)."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    manifest = tmp_path / "m.yml"
+    manifest.write_text(f"name: m\nseeds: [0]\ndefaults:\n  model: {json.dumps(MODEL)}\n  data: {json.dumps(data)}\n"
+                        f"  train: {json.dumps(TRAIN)}\ntargets:\n  base: {{}}\n")  # fmt: skip
+    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "out"), "--set", "train.distributed=fsdp"], fragment)
+    assert not torch.distributed.is_initialized()

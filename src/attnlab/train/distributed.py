@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +39,13 @@ def _whole(name: str, low: int, text: str | None = None) -> int:
     return value
 
 
-def dist_env() -> DistInfo:
+def dist_env(join: bool = False) -> DistInfo:
     """The process group torchrun describes in the environment ($WORLD_SIZE, $RANK, $LOCAL_RANK, $MASTER_ADDR),
     checked before anything joins it: ConfigError naming the variable. One process when $WORLD_SIZE is unset (or
-    empty, or 1)."""
+    empty, or 1), unless `join` (FSDP joins a group even of one process: then checked as any)."""
     text = os.environ.get("WORLD_SIZE", "").strip()
     world_size = _whole("WORLD_SIZE", 1) if text else 1
-    if world_size == 1:
+    if world_size == 1 and not join:
         return DistInfo()
     missing = [f"${name}" for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name, "").strip()]
     if missing:
@@ -58,6 +59,12 @@ def dist_env() -> DistInfo:
         port = _whole("MASTER_PORT", 1)
         if port > 65535:
             raise ConfigError(f"$MASTER_PORT={port} must be a port number from 1 to 65535 (start with torchrun)")
+    address = os.environ["MASTER_ADDR"].strip()
+    try:  # an address that names no host would be retried without end
+        socket.getaddrinfo(address, None)
+    except (socket.gaierror, UnicodeError):
+        raise ConfigError(f"$MASTER_ADDR={address!r} names no host this machine can resolve (start with torchrun, "
+                          "or give the address of rank 0's machine)") from None  # fmt: skip
     return DistInfo(rank, world_size, local_rank)
 
 
@@ -65,7 +72,7 @@ def init_distributed(device_type: str, join: bool = False) -> DistInfo:
     """Joins the process group torchrun set up (gloo on CPU, nccl on CUDA); a no-op for one process unless `join`
     (FSDP shards over a group even of one process started by torchrun). The environment is checked first
     (dist_env)."""
-    info = dist_env()
+    info = dist_env(join)
     if (info.enabled or join) and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     return info
