@@ -266,3 +266,14 @@ def test_an_empty_or_blank_text_file_is_said_to_hold_no_text(run, tmp_path, caps
                  "--calibrate-on", *fragments)  # fmt: skip
     assert fails(capsys, ["bench", str(run), "--benchmarks", "perplexity", "--set", f"perplexity.dataset={text}",
                           "--set", "perplexity.split=train", "--out", str(tmp_path / "b")], *fragments)  # fmt: skip
+
+
+def test_a_converted_models_missing_data_names_the_fix_of_the_benchmark_at_hand(converted, tmp_path, capsys):
+    """Probe I (i12, i13): kv_quant's refusal named perplexity.dataset (refused there: not among the benchmarks);
+    effective_rank's said no fix."""
+    model = converted("kind=tova,budget=24,press_at=decode")
+    argv = ["bench", str(model), "--benchmarks", "kv_quant", "--set", "kv_quant.policies=[k=fp16]", "--set",
+            "kv_quant.split=val", "--set", "kv_quant.seq_len=32", "--out", str(tmp_path / "a")]  # fmt: skip
+    fails(capsys, argv, "benchmarks.kv_quant.dataset=wikitext2-raw")
+    fails(capsys, ["bench", str(model), "--benchmarks", "effective_rank", "--out", str(tmp_path / "b")],
+          "effective_rank reads the split the model was trained on, so give a run's folder")  # fmt: skip

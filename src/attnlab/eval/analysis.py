@@ -152,7 +152,9 @@ def run_effective_rank(eval_model, split: str = "val", n_tokens: int = 4096, seq
     tokens[offset : offset + n_tokens] cut into rows of seq_len (default: the training context)."""
     data = eval_model.config.get("data")
     if not data:
-        raise DataError(f"{eval_model.path}: no data config saved with this checkpoint: cannot find its tokens")
+        raise DataError(f"{eval_model.path}: no data config saved with this checkpoint (a converted or pretrained "
+                        "model keeps none): effective_rank reads the split the model was trained on, so give a "
+                        "run's folder (the run it was converted from)")  # fmt: skip
     max_len = eval_model.cfg.max_seq_len
     if seq_len is not None and seq_len > max_len:  # a length asked for is scored as asked, or refused
         raise InputError(f"seq_len={seq_len} is more than the model's max_seq_len={max_len}: give seq_len {max_len} "
