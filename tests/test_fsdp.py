@@ -18,6 +18,7 @@ from helpers import fails, hat_text
 from safetensors.torch import load_file
 
 import attnlab
+from attnlab.cli import main
 from attnlab.config import DataConfig, TrainConfig
 from attnlab.data.prepared import prepare
 from attnlab.errors import ConfigError
@@ -285,3 +286,26 @@ def test_fsdp_of_one_process_checks_torchruns_variables_before_joining(tmp_path,
                         f"  train: {json.dumps(TRAIN)}\ntargets:\n  base: {{}}\n")  # fmt: skip
     fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "out"), "--set", "train.distributed=fsdp"], fragment)
     assert not torch.distributed.is_initialized()
+
+
+def test_dry_run_and_validate_refuse_what_the_run_would(tmp_path, data, capsys, monkeypatch):
+    """Probe I (i18, i19): activation checkpointing with a memory, and a batch the torchrun processes do not divide,
+    were accepted by validate and --dry-run and refused only once the run started (after earlier targets)."""
+    manifest = tmp_path / "m.yml"
+    manifest.write_text(f"name: m\nseeds: [0]\ndefaults:\n  model: {json.dumps(MODEL)}\n  data: {json.dumps(data)}\n"
+                        f"  train: {json.dumps(TRAIN)}\ntargets:\n  base: {{}}\n")  # fmt: skip
+    memory = ["--set", "model.memory={kind: window, recent_window: 8}", "--set", "train.activation_checkpointing=true"]
+    fragment = "train.activation_checkpointing=true: model.memory kind 'window'"
+    assert main(["validate", str(manifest), *memory]) == 2 and fragment in capsys.readouterr().err
+    fails(capsys, ["run", str(manifest), "--dry-run", "--out", str(tmp_path / "o"), *memory], fragment)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    fails(capsys, ["run", str(manifest), "--dry-run", "--out", str(tmp_path / "o"), "--set", "train.batch_size=3"],
+          "train.batch_size=3 must be divisible by the 2 processes torchrun started")  # fmt: skip
+
+
+def test_other_commands_under_torchrun_are_refused(tmp_path, capsys, monkeypatch):
+    """Probe I (i20): bench, convert, ... under torchrun ran whole in every process and raced for their outputs."""
+    for name, value in {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    fails(capsys, ["info", str(tmp_path / "missing.yaml")], "only `attnlab run` shares its work among torchrun's")

@@ -20,6 +20,7 @@ from attnlab.accounting import info, memory_note
 from attnlab.attention.registry import REGISTRY
 from attnlab.cli_errors import (
     Parser,
+    check_torchrun,
     fail,
     interrupted,
     link_loop,
@@ -560,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             for dest in PATH_OPTIONS:  # an empty path ('' from an unset shell variable) names no file or folder
                 if getattr(args, dest, None) == "":
                     raise InputError(f"--{dest.replace('_', '-')} is empty: give a path")
+            check_torchrun(args.command)  # only `run` shares its work among torchrun's processes
             if hasattr(args, "data_dir"):
                 check_data_dirs(args.data_dir)  # --data-dir and $ATTNLAB_DATA name folders: checked before anything
             return args.func(args)

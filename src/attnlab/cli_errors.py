@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from attnlab.data.files import TEMPORARY
-from attnlab.errors import AttnlabWarning
+from attnlab.errors import AttnlabWarning, InputError
 from attnlab.paths import system_folder
 
 MAX_LINE = 2000  # characters of an error line; a longer message is cut (its start names the problem)
@@ -303,3 +303,11 @@ def peer_lost_line(error: RuntimeError) -> str | None:
     return (f"process {rank} of this torchrun launch stopped waiting: another process ended first (its own error, "
             "if it had one, is the line above; a killed process has none): fix that, then run the same command "
             "again (a run resumes from its last checkpoint)")  # fmt: skip
+
+
+def check_torchrun(command: str) -> None:
+    """Under torchrun (several processes) only `attnlab run` shares its work: any other command would run whole in
+    every process, and the twins race for the same outputs. InputError."""
+    if command != "run" and os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("WORLD_SIZE", "1") != "1":
+        raise InputError(f"only `attnlab run` shares its work among torchrun's processes: every process would run "
+                         f"`attnlab {command}` whole (start it without torchrun)")  # fmt: skip

@@ -402,6 +402,14 @@ def untrainable_memory_problem(kind: Any) -> str | None:
             f"kind={kind},... --out FOLDER)")  # fmt: skip
 
 
+def checkpointing_memory_problem(checkpointing: bool, kind: Any) -> str | None:
+    """Why train.activation_checkpointing cannot go with a model's memory, or None."""
+    if not checkpointing or kind in (None, "none"):
+        return None
+    return (f"train.activation_checkpointing=true: model.memory kind {kind!r} writes its memory as each block runs, "
+            "which recomputing a block would repeat (turn one off)")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """How to train. Steps count optimizer updates; one update sees batch_size * grad_accum sequences."""

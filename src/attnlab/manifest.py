@@ -66,6 +66,7 @@ from attnlab.config import (
     DataConfig,
     ModelConfig,
     TrainConfig,
+    checkpointing_memory_problem,
     names_model,
     section_from_dict,
     source_problem,
@@ -271,9 +272,12 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
             if key in model and not isinstance(model[key], dict):
                 problems.append(f"{where}.model.{key} must be a mapping, got {brief(model[key])}")
         memory = model.get("memory") if isinstance(model.get("memory"), dict) else {}
-        problem = untrainable_memory_problem(memory.get("kind"))
-        if problem:
-            problems.append(f"{where}: {problem}")
+        train = spec.get("train")
+        for problem in (untrainable_memory_problem(memory.get("kind")),
+                        checkpointing_memory_problem(getattr(train, "activation_checkpointing", False),
+                                                     memory.get("kind"))):  # fmt: skip
+            if problem:
+                problems.append(f"{where}: {problem}")
         spec["model"] = model
         return
     try:
@@ -283,9 +287,11 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
         return
     spec["model"] = model
     # What train() refuses before its first step, refused here (validate, run --dry-run) already.
-    problem = untrainable_memory_problem(cfg.memory.kind)
-    if problem:
-        problems.append(f"{where}: {problem}")
+    checkpointing = getattr(spec.get("train"), "activation_checkpointing", False)
+    for problem in (untrainable_memory_problem(cfg.memory.kind),
+                    checkpointing_memory_problem(checkpointing, cfg.memory.kind)):  # fmt: skip
+        if problem:
+            problems.append(f"{where}: {problem}")
     if "train" in spec and spec["train"].seq_len > cfg.max_seq_len:
         memory = " (a memory model too trains on at most max_seq_len tokens)" if cfg.memory.kind != "none" else ""
         problems.append(
