@@ -21,7 +21,7 @@ import attnlab
 from attnlab.cli import main
 from attnlab.config import DataConfig, TrainConfig
 from attnlab.data.prepared import prepare
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, InputError
 from attnlab.train.checkpoint import load_checkpoint
 from attnlab.train.loop import train
 
@@ -301,7 +301,7 @@ def test_dry_run_and_validate_refuse_what_the_run_would(tmp_path, data, capsys, 
     for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     fails(capsys, ["run", str(manifest), "--dry-run", "--out", str(tmp_path / "o"), "--set", "train.batch_size=3"],
-          "train.batch_size=3 must be divisible by the 2 processes torchrun started")  # fmt: skip
+          "targets.base: train.batch_size=3 must be divisible by the 2 processes torchrun started")  # fmt: skip
 
 
 def test_other_commands_under_torchrun_are_refused(tmp_path, capsys, monkeypatch):
@@ -309,3 +309,14 @@ def test_other_commands_under_torchrun_are_refused(tmp_path, capsys, monkeypatch
     for name, value in {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1"}.items():
         monkeypatch.setenv(name, value)
     fails(capsys, ["info", str(tmp_path / "missing.yaml")], "only `attnlab run` shares its work among torchrun's")
+
+
+def test_an_offline_variable_that_is_neither_yes_nor_no_is_one_line(tmp_path, capsys, monkeypatch):
+    """Probe I (i23): ATTNLAB_OFFLINE=maybe silently meant online."""
+    from attnlab.data.files import downloads_allowed
+
+    monkeypatch.setenv("ATTNLAB_OFFLINE", "maybe")
+    with pytest.raises(InputError, match=r"\$ATTNLAB_OFFLINE='maybe' is neither yes nor no"):
+        downloads_allowed()
+    monkeypatch.setenv("ATTNLAB_OFFLINE", "off")
+    assert downloads_allowed()

@@ -99,10 +99,11 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
     if problems:
         raise ConfigError(problems, source=str(manifest.path))
     world = dist_env().world_size  # under torchrun: each process takes an equal share of every batch
-    uneven = sorted({spec.train.batch_size for spec in runs if spec.train.batch_size % world})
+    uneven = [spec for spec in runs if spec.train.batch_size % world]
     if uneven:
-        raise ConfigError(f"train.batch_size={uneven[0]} must be divisible by the {world} processes torchrun started "
-                          "(each takes an equal share of every batch)", source=str(manifest.path))  # fmt: skip
+        raise ConfigError(f"targets.{uneven[0].target}: train.batch_size={uneven[0].train.batch_size} must be "
+                          f"divisible by the {world} processes torchrun started (each takes an equal share of every "
+                          "batch)", source=str(manifest.path))  # fmt: skip
     missing, downloads = [], []
     if data_dir and not Path(data_dir).exists():  # a typo would fall back to the cache (or a download) silently
         missing.append(f"--data-dir {data_dir}: no such folder (name the folder that holds the data files)")

@@ -181,6 +181,11 @@ def downloads_allowed(download: bool | None = None) -> bool:
     $ATTNLAB_OFFLINE, $HF_HUB_OFFLINE or $HF_DATASETS_OFFLINE is set to 1/true/yes/on."""
     if download is not None:
         return download
+    for key in OFFLINE_ENV:  # a value that is neither yes nor no would otherwise mean online, silently
+        value = os.environ.get(key, "").strip().lower()
+        if value not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+            raise InputError(f"${key}={os.environ[key]!r} is neither yes nor no (use 1 to stay offline, 0 or unset "
+                             "to allow downloads)")  # fmt: skip
     return not any(os.environ.get(key, "").strip().lower() in ("1", "true", "yes", "on") for key in OFFLINE_ENV)
 
 
