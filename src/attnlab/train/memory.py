@@ -110,6 +110,22 @@ def _count_saved(cfg: ModelConfig, batch: int, seq_len: int, trainable, device: 
     return sum(saved.values()), per_block
 
 
+CPU_COUNT_TOKENS = 1024  # a memory's activations are counted on the CPU up to this length (and 4 of its blocks),
+# then extrapolated: the count runs the memory for real, about a minute for SmolLM2's width with 256-token blocks
+
+
+def _cpu_saved(cfg: ModelConfig, batch: int, seq_len: int, trainable) -> int:
+    """saved bytes counted on the CPU for one and two sequences through one and two blocks, scaled to the batch and
+    the layers (the bytes outside the blocks and those of a block, each a part shared by the batch and a part per
+    sequence)."""
+    counts = {(layers, b): _count_saved(cfg.replace(n_layers=layers), b, seq_len, trainable, "cpu")[0]
+              for layers in (1, 2) for b in (1, 2)}  # fmt: skip
+    slope = {b: counts[2, b] - counts[1, b] for b in (1, 2)}  # a block's bytes, at 1 and 2 sequences
+    base = {b: counts[1, b] - slope[b] for b in (1, 2)}  # the rest (embedding, head, loss)
+    at = lambda v: v[1] + (batch - 1) * (v[2] - v[1])  # noqa: E731  (linear in the batch; masks are shared)
+    return at(base) + cfg.n_layers * at(slope)
+
+
 @functools.lru_cache(maxsize=64)  # the rows of one table share it
 def saved_activation_bytes(
     cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False, trainable: tuple[str, ...] | None = None
@@ -131,12 +147,13 @@ def saved_activation_bytes(
         if checkpointing:
             raise InputError(f"activation checkpointing does not apply to a model with memory.kind "
                              f"{cfg.memory.kind!r} (training refuses it): leave it out") from None  # fmt: skip
-        counts = {(layers, b): _count_saved(cfg.replace(n_layers=layers), b, seq_len, trainable, "cpu")[0]
-                  for layers in (1, 2) for b in (1, 2)}  # fmt: skip
-        slope = {b: counts[2, b] - counts[1, b] for b in (1, 2)}  # a block's bytes, at 1 and 2 sequences
-        base = {b: counts[1, b] - slope[b] for b in (1, 2)}  # the rest (embedding, head, loss)
-        at = lambda v: v[1] + (batch - 1) * (v[2] - v[1])  # noqa: E731  (linear in the batch; masks are shared)
-        return {"saved": at(base) + cfg.n_layers * at(slope), "logits": batch * seq_len * cfg.vocab_size * FP32}
+        counted = min(CPU_COUNT_TOKENS, 4 * cfg.memory.block_size)  # a few blocks: the memory's steady state
+        if seq_len <= counted:
+            saved = _cpu_saved(cfg, batch, seq_len, trainable)
+        else:  # a memory reads a stream in blocks: the bytes grow in proportion past a few blocks
+            short, long = (_cpu_saved(cfg, batch, n, trainable) for n in (counted // 2, counted))
+            saved = long + (seq_len - counted) * (long - short) // (counted // 2)
+        return {"saved": saved, "logits": batch * seq_len * cfg.vocab_size * FP32}
     if checkpointing:
         block_input = batch * seq_len * cfg.d_model * FP32
         total = total - sum(per_block) + len(per_block) * block_input + max(per_block, default=0)
