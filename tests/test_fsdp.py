@@ -60,15 +60,27 @@ def data(tmp_path_factory, env) -> dict:
     return fields
 
 
-def torchrun(nproc: int, jobs: list[dict], folder: Path, env: dict) -> subprocess.CompletedProcess:
-    spec = folder / f"jobs-{len(list(folder.glob('jobs-*')))}.json"
-    spec.write_text(json.dumps(jobs))
+def launch(nproc: int, args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N ARGS` on a free local port."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(port), str(WORKER), str(spec)]  # fmt: skip
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=folder)
+               "127.0.0.1", "--master_port", str(port), *args]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+def torchrun(nproc: int, jobs: list[dict], folder: Path, env: dict) -> subprocess.CompletedProcess:
+    spec = folder / f"jobs-{len(list(folder.glob('jobs-*')))}.json"
+    spec.write_text(json.dumps(jobs))
+    return launch(nproc, [str(WORKER), str(spec)], env, folder)
+
+
+def run_under_torchrun(manifest: Path, folder: Path, env: dict) -> subprocess.CompletedProcess:
+    """`attnlab run MANIFEST` by 2 processes with FSDP, into folder/runs."""
+    args = ["-m", "attnlab.cli", "run", str(manifest), "--out", str(folder / "runs"), "--no-progress", "--set",
+            "train.distributed=fsdp"]  # fmt: skip
+    return launch(2, args, env, folder)
 
 
 def rows(run: Path, key: str = "loss") -> dict[int, float]:
@@ -211,13 +223,7 @@ def test_a_retrofit_manifest_runs_under_torchrun_with_fsdp_unchanged(tmp_path, e
     corpus.write_text("\n\n".join(f"the cat is on the mat and this is the hat {i}" for i in range(60)))
     manifest = tmp_path / "m.yml"
     manifest.write_text(FACTORIAL.format(corpus=corpus, source=source))
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(port), "-m", "attnlab.cli", "run", str(manifest), "--out", str(tmp_path / "runs"),
-               "--no-progress", "--set", "train.distributed=fsdp"]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = run_under_torchrun(manifest, tmp_path, env)
     assert done.returncode == 0, done.stderr[-3000:]
     for target in ("gqa", "coda", "gqa_bounded", "coda_bounded"):
         summary = json.loads((tmp_path / "runs" / "fact" / target / "seed0" / "summary.json").read_text())
@@ -252,13 +258,7 @@ def test_a_refusal_on_one_process_is_one_line_on_the_others_too(tmp_path, env):
     manifest = tmp_path / "m.yml"
     manifest.write_text(f"name: m\nseeds: [0]\ndefaults:\n  model: {json.dumps(MODEL)}\n  data: {{source: {empty}, "
                         f"tokenizer: char}}\n  train: {json.dumps(TRAIN)}\ntargets:\n  base: {{}}\n")  # fmt: skip
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(port), "-m", "attnlab.cli", "run", str(manifest), "--out", str(tmp_path / "runs"),
-               "--no-progress", "--set", "train.distributed=fsdp"]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = run_under_torchrun(manifest, tmp_path, env)
     assert done.returncode != 0
     assert "[rank1]: Traceback" not in done.stderr and "[rank0]: Traceback" not in done.stderr, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if "attnlab run: error:" in line]
