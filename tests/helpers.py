@@ -137,3 +137,41 @@ def at_most(seconds: int):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def lm_task_folders(tmp_path: Path, monkeypatch, task_yaml: str, items: list[dict]) -> tuple[Path, Path]:
+    """(tasks folder, data folder) for lm-eval: tasks/mytask.yaml holding `task_yaml`, over data/x/data.jsonl holding
+    `items`; skips without lm-eval and datasets; the datasets cache inside tmp_path."""
+    import json
+
+    import pytest
+
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("lm_eval")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    tasks, data = tmp_path / "t", tmp_path / "data"
+    (data / "x").mkdir(parents=True)
+    tasks.mkdir()
+    (tasks / "mytask.yaml").write_text(task_yaml)
+    (data / "x" / "data.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    return tasks, data
+
+
+LM_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {data}
+output_type: multiple_choice
+validation_split: validation
+doc_to_text: "{{{{q}}}}"
+doc_to_target: "{{{{gold}}}}"
+doc_to_choice: "{{{{choices}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def lm_task_yaml(name: str = "mytask", data: str = "x/data.jsonl") -> str:
+    """An lm-eval multiple-choice task file over a local JSON-lines file (fields q, gold, choices)."""
+    return LM_TASK.format(name=name, data=data)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import fails, train_tiny_run
+from helpers import fails, lm_task_folders, lm_task_yaml, train_tiny_run
 
 from attnlab.cli import main
 from attnlab.errors import InputError
@@ -102,33 +102,11 @@ def test_kv_eval_refuses_an_empty_policy(run, capsys):
 # 2. lm-eval task files
 
 
-TASK = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    validation: {data}
-output_type: multiple_choice
-validation_split: validation
-doc_to_text: "{{{{q}}}}"
-doc_to_target: "{{{{gold}}}}"
-doc_to_choice: "{{{{choices}}}}"
-metric_list:
-  - metric: acc
-"""
-
-
 @pytest.fixture
 def lm_tasks(tmp_path, monkeypatch):
     """(tasks folder, data folder) with `mytask` over data/x/data.jsonl (one good item)."""
-    datasets = pytest.importorskip("datasets")
-    pytest.importorskip("lm_eval")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
-    tasks, data = tmp_path / "t", tmp_path / "data"
-    (data / "x").mkdir(parents=True)
-    tasks.mkdir()
-    (tasks / "mytask.yaml").write_text(TASK.format(name="mytask", data="x/data.jsonl"))
-    (data / "x" / "data.jsonl").write_text(json.dumps({"q": "a cat", "gold": 0, "choices": [" sat", " dog"]}) + "\n")
-    return tasks, data
+    item = {"q": "a cat", "gold": 0, "choices": [" sat", " dog"]}
+    return lm_task_folders(tmp_path, monkeypatch, lm_task_yaml(name="mytask", data="x/data.jsonl"), [item])
 
 
 def lm_eval_argv(run, tasks, data, *extra):
@@ -149,13 +127,13 @@ def test_lm_eval_refuses_a_function_tag_and_runs_no_code(run, lm_tasks, tmp_path
 
 def test_lm_eval_data_file_leaving_the_data_dir_or_unreadable(run, lm_tasks, capsys):
     tasks, data = lm_tasks
-    (tasks / "mytask.yaml").write_text(TASK.format(name="mytask", data="../../../../etc/hostname"))
+    (tasks / "mytask.yaml").write_text(lm_task_yaml(name="mytask", data="../../../../etc/hostname"))
     assert fails(
         capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "../../../../etc/hostname", "leaves the data dir"
     )
-    (tasks / "mytask.yaml").write_text(TASK.format(name="mytask", data=str(data / "absent.jsonl")))
+    (tasks / "mytask.yaml").write_text(lm_task_yaml(name="mytask", data=str(data / "absent.jsonl")))
     assert fails(capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "absent.jsonl", "is not a file")
-    (tasks / "mytask.yaml").write_text(TASK.format(name="mytask", data="x/data.jsonl"))
+    (tasks / "mytask.yaml").write_text(lm_task_yaml(name="mytask", data="x/data.jsonl"))
     (data / "x" / "data.jsonl").write_text('{"q": "a", broken\n')
     assert fails(capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "data.jsonl", "could not be loaded")
 

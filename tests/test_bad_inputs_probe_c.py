@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import fails, train_tiny_run
+from helpers import fails, lm_task_yaml, train_tiny_run
 
 from attnlab.cli import main
 from attnlab.data.sources import TINYSHAKESPEARE_URL
@@ -113,20 +113,6 @@ def test_a_download_that_could_not_happen_is_refused_before_anything_runs(tmp_pa
 
 # 2. lm-eval: no "fatal: not a git repository" line
 
-TASK = """task: mytask
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    validation: x/data.jsonl
-output_type: multiple_choice
-validation_split: validation
-doc_to_text: "{{q}}"
-doc_to_target: "{{gold}}"
-doc_to_choice: "{{choices}}"
-metric_list:
-  - metric: acc
-"""
-
 
 def test_lm_eval_prints_no_git_error_outside_a_repository(run, tmp_path, capfd, monkeypatch):
     datasets = pytest.importorskip("datasets")
@@ -139,7 +125,7 @@ def test_lm_eval_prints_no_git_error_outside_a_repository(run, tmp_path, capfd, 
     work = tmp_path / "work"
     (work / "t").mkdir(parents=True)
     (work / "data" / "x").mkdir(parents=True)
-    (work / "t" / "mytask.yaml").write_text(TASK)
+    (work / "t" / "mytask.yaml").write_text(lm_task_yaml())
     (work / "data" / "x" / "data.jsonl").write_text(json.dumps({"q": "a cat", "gold": 0, "choices": [" sat", " dog"]}))
     monkeypatch.chdir(work)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # git never looks above work/: no repository

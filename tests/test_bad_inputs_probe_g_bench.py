@@ -272,4 +272,4 @@ def test_validate_and_info_say_a_runs_or_hugging_faces_config_is_not_a_model_con
 def test_a_split_no_dataset_has_is_refused_before_loading(run, tmp_path, capsys, no_loading, benchmark, param):
     """va4: a split name no prepared dataset has (train, val or test) was only found once the model was loaded."""
     argv = ["bench", str(run), "--benchmarks", benchmark, "--set", f"{benchmark}.{param}", "--out", str(tmp_path)]
-    fails(capsys, argv, f"benchmarks.{benchmark}.split=")
+    assert fails(capsys, argv, f"benchmarks.{benchmark}.split=")

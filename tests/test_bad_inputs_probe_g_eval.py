@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import fails, tiny_model, train_tiny_run
+from helpers import fails, lm_task_folders, lm_task_yaml, tiny_model, train_tiny_run
 
 from attnlab.data.tokenizers import ByteTokenizer
 from attnlab.errors import AttnlabWarning, ConfigError, InputError
@@ -17,19 +17,6 @@ from attnlab.eval.multiple_choice import run_multiple_choice
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TASK = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    validation: x/data.jsonl
-output_type: multiple_choice
-validation_split: validation
-doc_to_text: "{{{{q}}}}"
-doc_to_target: "{{{{gold}}}}"
-doc_to_choice: "{{{{choices}}}}"
-metric_list:
-  - metric: acc
-"""
 
 ITEMS = [
     {"q": "a cat", "gold": 0, "choices": [" sat", " dog"], "key": "A"},
@@ -40,20 +27,12 @@ ITEMS = [
 @pytest.fixture
 def lm_tasks(tmp_path, monkeypatch):
     """(tasks folder, data folder): `mytask` over data/x/data.jsonl (two items), its variants written by tests."""
-    datasets = pytest.importorskip("datasets")
-    pytest.importorskip("lm_eval")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
-    tasks, data = tmp_path / "t", tmp_path / "data"
-    (data / "x").mkdir(parents=True)
-    tasks.mkdir()
-    (tasks / "mytask.yaml").write_text(TASK.format(name="mytask"))
-    (data / "x" / "data.jsonl").write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
-    return tasks, data
+    return lm_task_folders(tmp_path, monkeypatch, lm_task_yaml(), ITEMS)
 
 
 def variant(tasks: Path, name: str, old: str, new: str) -> None:
     """tasks/<name>.yaml: mytask's file named `name`, with the line holding `old` replaced by `new`."""
-    lines = TASK.format(name=name).splitlines()
+    lines = lm_task_yaml(name).splitlines()
     (tasks / f"{name}.yaml").write_text("\n".join(new if old in line else line for line in lines) + "\n")
 
 

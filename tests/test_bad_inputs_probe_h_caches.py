@@ -274,6 +274,6 @@ def test_a_converted_models_missing_data_names_the_fix_of_the_benchmark_at_hand(
     model = converted("kind=tova,budget=24,press_at=decode")
     argv = ["bench", str(model), "--benchmarks", "kv_quant", "--set", "kv_quant.policies=[k=fp16]", "--set",
             "kv_quant.split=val", "--set", "kv_quant.seq_len=32", "--out", str(tmp_path / "a")]  # fmt: skip
-    fails(capsys, argv, "benchmarks.kv_quant.dataset=wikitext2-raw")
-    fails(capsys, ["bench", str(model), "--benchmarks", "effective_rank", "--out", str(tmp_path / "b")],
+    assert fails(capsys, argv, "benchmarks.kv_quant.dataset=wikitext2-raw")
+    assert fails(capsys, ["bench", str(model), "--benchmarks", "effective_rank", "--out", str(tmp_path / "b")],
           "effective_rank reads the split the model was trained on, so give a run's folder")  # fmt: skip

@@ -308,7 +308,7 @@ def test_other_commands_under_torchrun_are_refused(tmp_path, capsys, monkeypatch
     """Probe I (i20): bench, convert, ... under torchrun ran whole in every process and raced for their outputs."""
     for name, value in {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1"}.items():
         monkeypatch.setenv(name, value)
-    fails(capsys, ["info", str(tmp_path / "missing.yaml")], "only `attnlab run` shares its work among torchrun's")
+    assert fails(capsys, ["info", str(tmp_path / "m.yaml")], "only `attnlab run` shares its work among torchrun's")
 
 
 def test_an_offline_variable_that_is_neither_yes_nor_no_is_one_line(tmp_path, capsys, monkeypatch):

@@ -202,9 +202,7 @@ def training_memory(
     moments = 2 if optimizer == "adamw" else 1
     if mode == "ddp":
         weights = FP32 * p["total"] + (compute_bytes * p["total"] if compute_bytes != FP32 else 0)  # autocast copies
-        gradients = 2 * FP32 * p["trained"]  # the gradients and DDP's buckets (one copy when alone)
-        if devices == 1:
-            gradients //= 2
+        gradients = FP32 * p["trained"] * (2 if devices > 1 else 1)  # and DDP's buckets (none when alone)
         state = moments * FP32 * p["trained"]
         host = 0
     else:
