@@ -306,9 +306,11 @@ def test_dry_run_and_validate_refuse_what_the_run_would(tmp_path, data, capsys, 
 
 def test_other_commands_under_torchrun_are_refused(tmp_path, capsys, monkeypatch):
     """Probe I (i20): bench, convert, ... under torchrun ran whole in every process and raced for their outputs."""
-    for name, value in {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1"}.items():
+    for name, value in {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "0"}.items():
         monkeypatch.setenv(name, value)
     assert fails(capsys, ["info", str(tmp_path / "m.yaml")], "only `attnlab run` shares its work among torchrun's")
+    monkeypatch.setenv("RANK", "1")  # rank 0 says it (probe I, i24)
+    assert main(["info", str(tmp_path / "m.yaml")]) == 2 and capsys.readouterr().err == ""
 
 
 def test_an_offline_variable_that_is_neither_yes_nor_no_is_one_line(tmp_path, capsys, monkeypatch):
@@ -320,3 +322,44 @@ def test_an_offline_variable_that_is_neither_yes_nor_no_is_one_line(tmp_path, ca
         downloads_allowed()
     monkeypatch.setenv("ATTNLAB_OFFLINE", "off")
     assert downloads_allowed()
+
+
+def test_a_group_set_by_hand_says_what_it_waits_for_and_stops_waiting(tmp_path, data, capsys, monkeypatch):
+    """Probe I (i17): $WORLD_SIZE=2 and $RANK=0 left in a shell, no other process: the run waited silently for
+    torch's 30 minutes. It now says what it waits for, and stops after $ATTNLAB_DIST_TIMEOUT seconds in one line."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    variables = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                 "ATTNLAB_DIST_TIMEOUT": "2"}  # fmt: skip
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    manifest = tmp_path / "m.yml"
+    manifest.write_text(f"name: m\nseeds: [0]\ndefaults:\n  model: {json.dumps(MODEL)}\n  data: {json.dumps(data)}\n"
+                        f"  train: {json.dumps(TRAIN)}\ntargets:\n  base: {{}}\n")  # fmt: skip
+    assert main(["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    said = err.strip().splitlines()
+    assert said[0] == (f"attnlab: process 0 of $WORLD_SIZE=2 (set by hand, not by torchrun) waits up to 2 s for the "
+                       f"others at 127.0.0.1:{port}")  # fmt: skip
+    assert len(said) == 2 and said[1].startswith("attnlab run: error: $WORLD_SIZE=2: the other processes never "
+                                                 f"joined at 127.0.0.1:{port} within 2 s (unset $WORLD_SIZE")  # fmt: skip
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("ATTNLAB_DIST_TIMEOUT", "soon")
+    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"],
+          "$ATTNLAB_DIST_TIMEOUT='soon' must be a whole number >= 1")  # fmt: skip
+
+
+def test_a_refusal_every_process_shares_is_said_once(tmp_path, data, env):
+    """Probe I (i24): a config refusal under torchrun was printed by every process, the same line N times. Rank 0
+    says it; the others end with exit code 2 quietly (a file one process failed to read is still said by it)."""
+    manifest = tmp_path / "m.yml"
+    manifest.write_text(f"name: m\nseeds: [0]\ndefaults:\n  model: {json.dumps(MODEL)}\n  data: {json.dumps(data)}\n"
+                        f"  train: {json.dumps(TRAIN)}\ntargets:\n  base: {{}}\n")  # fmt: skip
+    args = ["-m", "attnlab.cli", "run", str(manifest), "--out", str(tmp_path / "runs"), "--no-progress", "--set",
+            "train.batch_size=3"]  # fmt: skip
+    done = launch(2, args, env, tmp_path)
+    assert done.returncode != 0
+    assert done.stderr.count("attnlab run: error:") == 1, done.stderr[-3000:]  # (two copies can share a line)
+    assert done.stderr.count("train.batch_size=3 must be divisible by the 2 processes") == 1

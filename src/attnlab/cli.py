@@ -21,6 +21,7 @@ from attnlab.attention.registry import REGISTRY
 from attnlab.cli_errors import (
     Parser,
     check_torchrun,
+    echoed_by_rank0,
     fail,
     interrupted,
     link_loop,
@@ -566,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_data_dirs(args.data_dir)  # --data-dir and $ATTNLAB_DATA name folders: checked before anything
             return args.func(args)
         except AttnlabError as e:
+            if echoed_by_rank0(e):
+                return 2
             return fail(args.command, str(e))
         except KeyboardInterrupt:  # Ctrl-C: one line (a run resumes from its last checkpoint), exit code 130
             return interrupted(args.command)

@@ -305,6 +305,18 @@ def peer_lost_line(error: RuntimeError) -> str | None:
             "again (a run resumes from its last checkpoint)")  # fmt: skip
 
 
+def echoed_by_rank0(error: Exception) -> bool:
+    """True in the processes of a torchrun launch other than rank 0 for a ConfigError or InputError: those come from
+    the command line, the config and the environment the processes share, so rank 0 says the same line, and N
+    copies of it (then torchrun's own summary) said nothing more. A DataError (a file one process read) is said by
+    every process that met it."""
+    from attnlab.errors import ConfigError
+
+    if not isinstance(error, (ConfigError, InputError)) or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return False
+    return os.environ.get("RANK", "0").strip() not in ("", "0") and os.environ.get("WORLD_SIZE", "1").strip() != "1"
+
+
 def check_torchrun(command: str) -> None:
     """Under torchrun (several processes) only `attnlab run` shares its work: any other command would run whole in
     every process, and the twins race for the same outputs. InputError."""

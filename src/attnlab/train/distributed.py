@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -74,8 +76,31 @@ def init_distributed(device_type: str, join: bool = False) -> DistInfo:
     (dist_env)."""
     info = dist_env(join)
     if (info.enabled or join) and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if os.environ.get("TORCHELASTIC_RUN_ID") or info.world_size == 1:
+            dist.init_process_group(backend=backend)
+        else:
+            _join_by_hand(backend, info)
     return info
+
+
+def _join_by_hand(backend: str, info: DistInfo) -> None:
+    """A group described by variables set by hand (not torchrun: perhaps left over in a shell) may have no other
+    processes at all: say what this one waits for, and wait at most $ATTNLAB_DIST_TIMEOUT seconds (default 300)
+    instead of torch's 30 minutes; ConfigError when nobody came."""
+    text = os.environ.get("ATTNLAB_DIST_TIMEOUT", "").strip()
+    seconds = _whole("ATTNLAB_DIST_TIMEOUT", 1) if text else 300
+    where = f"{os.environ['MASTER_ADDR'].strip()}:{os.environ['MASTER_PORT'].strip()}"
+    print(f"attnlab: process {info.rank} of $WORLD_SIZE={info.world_size} (set by hand, not by torchrun) waits up to "
+          f"{seconds} s for the others at {where}", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=seconds))
+    except (RuntimeError, TimeoutError) as e:  # DistStoreError (a RuntimeError) when the others never came
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise ConfigError(f"$WORLD_SIZE={info.world_size}: the other processes never joined at {where} within "
+                          f"{seconds} s (unset $WORLD_SIZE and $RANK to run in one process, start with torchrun, "
+                          "or raise $ATTNLAB_DIST_TIMEOUT)") from None  # fmt: skip
 
 
 def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
