@@ -343,8 +343,8 @@ def test_a_group_set_by_hand_says_what_it_waits_for_and_stops_waiting(tmp_path, 
     said = err.strip().splitlines()
     assert said[0] == (f"attnlab: process 0 of $WORLD_SIZE=2 (set by hand, not by torchrun) waits up to 2 s for the "
                        f"others at 127.0.0.1:{port}")  # fmt: skip
-    assert len(said) == 2 and said[1].startswith("attnlab run: error: $WORLD_SIZE=2: the other processes never "
-                                                 f"joined at 127.0.0.1:{port} within 2 s (unset $WORLD_SIZE")  # fmt: skip
+    gave_up = f"attnlab run: error: $WORLD_SIZE=2: the other processes never joined at 127.0.0.1:{port} within 2 s"
+    assert len(said) == 2 and said[1].startswith(gave_up + " (unset $WORLD_SIZE"), said
     assert not torch.distributed.is_initialized()
     monkeypatch.setenv("ATTNLAB_DIST_TIMEOUT", "soon")
     fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"],
