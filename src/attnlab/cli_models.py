@@ -37,7 +37,7 @@ from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion, ta
 from attnlab.interop.export import export
 from attnlab.interop.references import model_config_of, resolve
 from attnlab.interop.tokenizer import warn_unknown_tokens
-from attnlab.manifest import MIN_CALIBRATION_TOKENS, calibration_tokens_problem
+from attnlab.manifest_pretrained import MIN_CALIBRATION_TOKENS, calibration_tokens_problem
 
 
 def key_values(flag: str, text: str, example: str) -> dict:

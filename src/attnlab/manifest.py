@@ -69,14 +69,16 @@ from attnlab.config import (
     checkpointing_memory_problem,
     names_model,
     section_from_dict,
-    source_problem,
     trainable_string_problem,
     untrainable_memory_problem,
 )
-from attnlab.config_checks import MAX_INT, unknown_key_problem
+from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
-from attnlab.interop.convert import PAIR_RULES
+from attnlab.manifest_pretrained import (
+    pretrained_model_problems,
+    pretrained_source,
+)
 from attnlab.manifest_vars import check_vars, resolve_vars, substitute, undefined_keys
 from attnlab.model.transformer import build_model
 from attnlab.paths import brief, name_problem
@@ -91,9 +93,6 @@ PHASE_KEYS = ("name", *SECTION_KEYS)
 PLACEHOLDER_VOCAB = {"gpt2": 50257, "byte": 260, "word": 33280, "char": 256}
 FIXED_VOCAB = {"gpt2": 50257, "byte": 257}  # tokenizers whose vocabulary does not depend on the data
 # init_from a pretrained model: the conversion's options (attnlab convert's) and what `model` may change
-SOURCE_DEFAULTS = {"model": None, "rope_pairs": "energy", "calibration_tokens": 4096, "calibrate_on": "wikitext2-nounk"}
-MIN_CALIBRATION_TOKENS = 2  # a calibration needs one window of 2 tokens (calibration_tokens_problem)
-PRETRAINED_CHANGES = ("attention", "memory", "max_seq_len", "name")
 
 
 @dataclass(frozen=True)
@@ -254,30 +253,7 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
         return
     tokenizer = spec["data"].tokenizer if "data" in spec else "gpt2"
     if pretrained:  # the whole config is the model's with these changes: checked once the model is read
-        fixed = [key for key in model if key not in PRETRAINED_CHANGES and key in inherited[1]]
-        if fixed:
-            keys = ", ".join(f"defaults.model.{key}" for key in fixed)
-            problems.append(
-                f"{keys} (inherited by target {inherited[0]}, which starts from a pretrained model): a pretrained "
-                f"model's {', '.join(fixed)} {'is' if len(fixed) == 1 else 'are'} fixed by its weights; move "
-                f"{'it' if len(fixed) == 1 else 'them'} into the other targets' model sections"
-            )
-        for key in model:
-            if key not in PRETRAINED_CHANGES and key not in inherited[1]:
-                problems.append(
-                    f"{where}.model.{key}: a pretrained model's {key} is fixed by its weights (a target with "
-                    f"init_from a model may change {', '.join(PRETRAINED_CHANGES)})"
-                )
-        for key in ("attention", "memory"):
-            if key in model and not isinstance(model[key], dict):
-                problems.append(f"{where}.model.{key} must be a mapping, got {brief(model[key])}")
-        memory = model.get("memory") if isinstance(model.get("memory"), dict) else {}
-        train = spec.get("train")
-        for problem in (untrainable_memory_problem(memory.get("kind")),
-                        checkpointing_memory_problem(getattr(train, "activation_checkpointing", False),
-                                                     memory.get("kind"))):  # fmt: skip
-            if problem:
-                problems.append(f"{where}: {problem}")
+        problems += pretrained_model_problems(model, where, inherited, spec.get("train"))
         spec["model"] = model
         return
     try:
@@ -327,51 +303,6 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
             f"{where}: model.vocab_size={cfg.vocab_size} is smaller than tokenizer {tokenizer}'s "
             f"{FIXED_VOCAB[tokenizer]} (leave vocab_size out to take the tokenizer's)"
         )
-
-
-def _pretrained_source(value: Any, where: str, problems: list[str]) -> dict:
-    """init_from a pretrained model: REF, or {model: REF, rope_pairs, calibration_tokens, calibrate_on}, checked and
-    completed with SOURCE_DEFAULTS (source["model"] is None after a problem)."""
-    raw = {"model": value} if isinstance(value, str) else value
-    source = dict(SOURCE_DEFAULTS)
-    for key, item in raw.items():
-        if key not in SOURCE_DEFAULTS:
-            problems.append(unknown_key_problem(str(key), list(SOURCE_DEFAULTS), f"{where}."))
-        else:
-            source[key] = item
-    model, rule, tokens, text = (source[k] for k in SOURCE_DEFAULTS)
-    if not isinstance(model, str) or not model.strip():
-        problems.append(f"{where}.model={brief(model)} must be a model reference (a .gguf file, a model folder, an "
-                        "attnlab checkpoint, hf:ORG/NAME)")  # fmt: skip
-        source["model"] = None
-    if rule not in PAIR_RULES:
-        problems.append(f"{where}.rope_pairs={brief(rule)} is not known (use {', '.join(PAIR_RULES)})")
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= MAX_INT:
-        problems.append(
-            f"{where}.calibration_tokens={brief(tokens)} must be an integer >= 0 (0: fit the weights alone)"
-        )
-    else:
-        problem = calibration_tokens_problem(tokens, f"{where}.calibration_tokens")
-        if problem:
-            problems.append(problem)
-    if not isinstance(text, str) or not text:
-        problems.append(f"{where}.calibrate_on={brief(text)} must be a dataset name or a text file")
-    else:
-        problem = source_problem(text, f"{where}.calibrate_on")  # what the run would refuse once it reads it
-        if problem:
-            problems.append(problem)
-    return source
-
-
-def calibration_tokens_problem(tokens: int, what: str) -> str | None:
-    """Why `tokens` calibration tokens (0 = none) cannot fit a low-rank conversion, or None: the inputs' second
-    moment is gathered over windows of at least MIN_CALIBRATION_TOKENS tokens (interop.convert.input_whitening
-    leaves out a last window of one token), so fewer give no window at all, and no moment."""
-    if 0 < tokens < MIN_CALIBRATION_TOKENS:
-        return (f"{what}={tokens} is too few: the factorisations fit the second moment of the attention's inputs "
-                f"over windows of at least {MIN_CALIBRATION_TOKENS} tokens (give {MIN_CALIBRATION_TOKENS} or more, "
-                "e.g. 4096, or 0 to fit the weights alone)")  # fmt: skip
-    return None
 
 
 def _check_seeds(seeds: Any, problems: list[str]) -> list[int]:
@@ -515,7 +446,7 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
         start_from, source = target.get("init_from"), None
         if isinstance(start_from, dict) or (isinstance(start_from, str) and start_from not in targets
                                             and (names_model(start_from) or start_from.startswith("."))):  # fmt: skip
-            source, start_from = _pretrained_source(start_from, f"{where}.init_from", problems), None
+            source, start_from = pretrained_source(start_from, f"{where}.init_from", problems), None
             source["target"] = name_  # whose conversion (<target>/converted) the target's runs start from
         elif start_from is not None and not isinstance(start_from, str):
             problems.append(

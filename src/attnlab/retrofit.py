@@ -28,7 +28,8 @@ from attnlab.config import ModelConfig, names_model, untrainable_memory_problem
 from attnlab.config_io import model_config_from_dict
 from attnlab.data.files import read_json_object
 from attnlab.errors import ConfigError, DataError
-from attnlab.manifest import MIN_CALIBRATION_TOKENS, PRETRAINED_CHANGES, RunSpec
+from attnlab.manifest import RunSpec
+from attnlab.manifest_pretrained import MIN_CALIBRATION_TOKENS, PRETRAINED_CHANGES
 from attnlab.model.transformer import build_model
 from attnlab.train.budget import batch_memory_problem
 from attnlab.train.optim import trainable_problem

@@ -1,0 +1,91 @@
+"""A manifest's targets that start from a pretrained model (`init_from: REF` or `init_from: {model: REF, ...}`):
+what their model sections may change (the rest is fixed by the weights), and the conversion's calibration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnlab.config import checkpointing_memory_problem, source_problem, untrainable_memory_problem
+from attnlab.config_checks import MAX_INT, unknown_key_problem
+from attnlab.interop.convert import PAIR_RULES
+from attnlab.paths import brief
+
+SOURCE_DEFAULTS = {"model": None, "rope_pairs": "energy", "calibration_tokens": 4096, "calibrate_on": "wikitext2-nounk"}
+MIN_CALIBRATION_TOKENS = 2  # a calibration needs one window of 2 tokens (calibration_tokens_problem)
+PRETRAINED_CHANGES = ("attention", "memory", "max_seq_len", "name")
+
+
+def pretrained_model_problems(model: dict, where: str, inherited: tuple[str, set], train) -> list[str]:
+    """The problems of a pretrained target's model section: changes to the model's config, checked against the model
+    itself by the runner. inherited: (the target's name, the model keys it takes from `defaults` alone), to blame
+    them on defaults; train: the target's TrainConfig, or None after a problem."""
+    problems: list[str] = []
+    fixed = [key for key in model if key not in PRETRAINED_CHANGES and key in inherited[1]]
+    if fixed:
+        keys = ", ".join(f"defaults.model.{key}" for key in fixed)
+        problems.append(
+            f"{keys} (inherited by target {inherited[0]}, which starts from a pretrained model): a pretrained "
+            f"model's {', '.join(fixed)} {'is' if len(fixed) == 1 else 'are'} fixed by its weights; move "
+            f"{'it' if len(fixed) == 1 else 'them'} into the other targets' model sections"
+        )
+    for key in model:
+        if key not in PRETRAINED_CHANGES and key not in inherited[1]:
+            problems.append(
+                f"{where}.model.{key}: a pretrained model's {key} is fixed by its weights (a target with "
+                f"init_from a model may change {', '.join(PRETRAINED_CHANGES)})"
+            )
+    for key in ("attention", "memory"):
+        if key in model and not isinstance(model[key], dict):
+            problems.append(f"{where}.model.{key} must be a mapping, got {brief(model[key])}")
+    memory = model.get("memory") if isinstance(model.get("memory"), dict) else {}
+    for problem in (untrainable_memory_problem(memory.get("kind")),
+                    checkpointing_memory_problem(getattr(train, "activation_checkpointing", False),
+                                                 memory.get("kind"))):  # fmt: skip
+        if problem:
+            problems.append(f"{where}: {problem}")
+    return problems
+
+
+def pretrained_source(value: Any, where: str, problems: list[str]) -> dict:
+    """init_from a pretrained model: REF, or {model: REF, rope_pairs, calibration_tokens, calibrate_on}, checked and
+    completed with SOURCE_DEFAULTS (source["model"] is None after a problem)."""
+    raw = {"model": value} if isinstance(value, str) else value
+    source = dict(SOURCE_DEFAULTS)
+    for key, item in raw.items():
+        if key not in SOURCE_DEFAULTS:
+            problems.append(unknown_key_problem(str(key), list(SOURCE_DEFAULTS), f"{where}."))
+        else:
+            source[key] = item
+    model, rule, tokens, text = (source[k] for k in SOURCE_DEFAULTS)
+    if not isinstance(model, str) or not model.strip():
+        problems.append(f"{where}.model={brief(model)} must be a model reference (a .gguf file, a model folder, an "
+                        "attnlab checkpoint, hf:ORG/NAME)")  # fmt: skip
+        source["model"] = None
+    if rule not in PAIR_RULES:
+        problems.append(f"{where}.rope_pairs={brief(rule)} is not known (use {', '.join(PAIR_RULES)})")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= MAX_INT:
+        problems.append(
+            f"{where}.calibration_tokens={brief(tokens)} must be an integer >= 0 (0: fit the weights alone)"
+        )
+    else:
+        problem = calibration_tokens_problem(tokens, f"{where}.calibration_tokens")
+        if problem:
+            problems.append(problem)
+    if not isinstance(text, str) or not text:
+        problems.append(f"{where}.calibrate_on={brief(text)} must be a dataset name or a text file")
+    else:
+        problem = source_problem(text, f"{where}.calibrate_on")  # what the run would refuse once it reads it
+        if problem:
+            problems.append(problem)
+    return source
+
+
+def calibration_tokens_problem(tokens: int, what: str) -> str | None:
+    """Why `tokens` calibration tokens (0 = none) cannot fit a low-rank conversion, or None: the inputs' second
+    moment is gathered over windows of at least MIN_CALIBRATION_TOKENS tokens (interop.convert.input_whitening
+    leaves out a last window of one token), so fewer give no window at all, and no moment."""
+    if 0 < tokens < MIN_CALIBRATION_TOKENS:
+        return (f"{what}={tokens} is too few: the factorisations fit the second moment of the attention's inputs "
+                f"over windows of at least {MIN_CALIBRATION_TOKENS} tokens (give {MIN_CALIBRATION_TOKENS} or more, "
+                "e.g. 4096, or 0 to fit the weights alone)")  # fmt: skip
+    return None
