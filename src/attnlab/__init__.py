@@ -6,7 +6,7 @@ from attnlab.config_io import load_config, model_config_from_dict
 from attnlab.errors import AttnlabError, ConfigError, DataError, InputError
 from attnlab.generate import generate
 from attnlab.interop import from_hf_llama, load_model
-from attnlab.model.qlinear import quantize_weights
+from attnlab.model.qlinear import quantize_weights, set_activations
 from attnlab.model.transformer import Transformer, build_model
 
 __version__ = "0.1.0"
@@ -27,4 +27,5 @@ __all__ = [
     "model_config_from_dict",
     "param_counts",
     "quantize_weights",
+    "set_activations",
 ]

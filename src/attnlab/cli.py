@@ -69,6 +69,7 @@ from attnlab.interop.references import model_config_of
 from attnlab.interop.tokenizer import warn_unknown
 from attnlab.manifest import load_manifest
 from attnlab.memory import MemoryStore, ingest, query
+from attnlab.model.qlinear import ACTIVATIONS
 from attnlab.paths import check_data_dirs
 from attnlab.runner import run_manifest
 
@@ -190,7 +191,7 @@ def cmd_mc(args) -> int:
     what = special_file(args.file) if args.file is not None else None
     if what is not None:  # before the model is loaded (a fifo would be waited on without end)
         raise InputError(f"--file {args.file}: {what}: give the task's data file (a regular file)")
-    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights)
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     rows, s = run_multiple_choice(model, args.task, path=args.file, limit=args.limit, data_dir=args.data_dir)
     print(
         f"{model.name} {s['task']} (n={s['n']}, {s['n_truncated']} contexts cut to {s['max_seq_len']} tokens): "
@@ -208,7 +209,10 @@ def cmd_probes(args) -> int:
     records_folder(args.out, "probes.jsonl")  # before the models are loaded and probed
     suite, out, runs = load_suite(args.suite), Path(args.out), []
     paths = [args.checkpoint] + ([args.checkpoint_b] if args.checkpoint_b else [])
-    models = [load_for_eval(path, data_dir=args.data_dir, weights=args.weights) for path in paths]
+    models = [
+        load_for_eval(path, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
+        for path in paths
+    ]
     distinct_names(models)  # two runs both named base/seed0 are told apart by their folders
     for model in models:
         rows = run_probes(model, suite)
@@ -244,7 +248,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights)
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ConfigError(f"{args.checkpoint}: no tokenizer saved with this checkpoint: cannot encode a prompt")
@@ -278,7 +282,7 @@ def cmd_lm_eval(args) -> int:
         check_writable("--out", Path(args.out))  # before the model loads, not after the evaluation
     results = run_lm_eval(args.checkpoint, tasks, out_dir=args.out, kv_policy=args.kv_policy, limit=args.limit,
                           num_fewshot=args.num_fewshot, data_dir=args.data_dir, include_path=args.include_path,
-                          batch_size=args.batch_size, weights=args.weights)  # fmt: skip
+                          batch_size=args.batch_size, weights=args.weights, activations=args.activations)  # fmt: skip
     print(table(results))
     if args.out:
         print(f"results: {Path(args.out) / 'lm_eval.json'}  items: {Path(args.out) / 'lm_eval_samples.jsonl'}")
@@ -492,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
             "--weights", default="fp32", choices=WEIGHTS, metavar="{" + ",".join(WEIGHTS) + "}",
             help="fp32 (default: every format dequantized, as transformers runs it); native: a GGUF file's "
                  "own F16/Q8_0/Q4_0/Q4_1 matrices, multiplied as stored; or a format to quantize to")  # fmt: skip
+        sub.choices[name].add_argument(
+            "--activations", default="fp32", choices=ACTIVATIONS, help="fp32 (default: exact against the "
+            "dequantized weights) or q8: the inputs of q8_0/q4_0/q4_1 layers quantized to 8 bits per block of 32, "
+            "as llama.cpp does (faster decoding, not exact; needs --weights native or a block format)")  # fmt: skip
     return parser
 
 

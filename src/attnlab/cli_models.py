@@ -169,7 +169,7 @@ def check_kv_model(args, model) -> None:
 
 def cmd_kv_eval(args) -> int:
     records = check_kv_arguments(args)
-    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights)
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     check_kv_model(args, model)
     rows = run_kv_eval(model, args.policies, split=args.split, seq_len=args.seq_len, max_tokens=args.tokens,
                        chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir, dataset=args.dataset)  # fmt: skip
@@ -201,7 +201,7 @@ def cmd_kv_tune(args) -> int:
     if args.max_dnll is not None and not math.isfinite(args.max_dnll):
         raise InputError(f"--max-dnll={args.max_dnll!r} must be a finite number (nats per token)")
     records = check_kv_arguments(args)
-    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights)
+    model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     check_kv_model(args, model)
     memory = model.model.cfg.memory.kind
     if memory != "none" and any(resids):  # before minutes of measuring

@@ -416,6 +416,7 @@ def run_lm_eval(
     batch_size: int = 1,
     bootstrap_iters: int = 100000,
     weights: str = "fp32",
+    activations: str = "fp32",
 ) -> dict:
     """lm-eval's `simple_evaluate` on a model reference (or a loaded EvalModel) through `AttnlabLM`: its results
     dict, per-item samples under results["samples"]. include_path: folders of task YAMLs besides lm-eval's own;
@@ -423,7 +424,7 @@ def run_lm_eval(
     model is loaded the tasks are built and every item to evaluate rendered (lmeval_tasks.build_tasks): a task
     file's mistake is one ConfigError or DataError naming the file and key. out_dir: also write the results there
     (write_results); a folder that already holds them is refused, never overwritten. weights: how a reference's
-    weights are held (attnlab.eval.loading)."""
+    weights are held and activations: what their inputs are multiplied as (attnlab.eval.loading)."""
     if limit is not None and (isinstance(limit, bool) or not limit > 0 or (limit >= 1 and limit != int(limit))):
         raise ConfigError(f"limit={limit!r} must be a whole number >= 1 (or a fraction in (0, 1))")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
@@ -448,7 +449,11 @@ def run_lm_eval(
     try:
         with _one_line(tasks, manager, num_fewshot):
             built = build_tasks(manager, names, limit)  # the task files and their items, before the model is loaded
-        model = ref if isinstance(ref, EvalModel) else load_for_eval(ref, data_dir=data_dir, weights=weights)
+        model = (
+            ref
+            if isinstance(ref, EvalModel)
+            else load_for_eval(ref, data_dir=data_dir, weights=weights, activations=activations)
+        )
         lm = AttnlabLM(model, kv_policy=kv_policy, batch_size=batch_size)
         lm.task_files = {task.task_name: task_file(manager, task.task_name) for task in leaf_tasks(built)}
         for task in leaf_tasks(built):  # a generation setting this model cannot follow, before lm-eval starts

@@ -9,7 +9,7 @@ from pathlib import Path
 from attnlab.config import ModelConfig
 from attnlab.errors import InputError
 from attnlab.interop.references import load_reference
-from attnlab.model.qlinear import FORMATS, quantize_weights
+from attnlab.model.qlinear import FORMATS, quantize_weights, set_activations
 
 # What `weights` may be: fp32 (every format dequantized, the default), native (a GGUF file's own formats kept), or a
 # format every linear layer and the embedding are quantized to after loading (attnlab.quantize_weights).
@@ -32,12 +32,13 @@ class EvalModel:
 
 
 def load_for_eval(path: str | Path, data_dir: str | None = None, tag: str = "best", device=None,
-                  weights: str = "fp32") -> EvalModel:  # fmt: skip
+                  weights: str = "fp32", activations: str = "fp32") -> EvalModel:  # fmt: skip
     """Loads a model reference: a run directory (its best checkpoint, else last), a checkpoint folder, a .gguf file,
     a Hugging Face folder or hf:ORG/NAME. A run's tokenizer comes from its `tokenizer/` folder, else from the
     prepared data of its data config; a pretrained model's from its own files. weights (WEIGHTS): fp32, native
     (a GGUF file's F16/Q8_0/Q4_0/Q4_1 matrices kept as stored), or fp16/q8_0/q4_0/q4_1 (any model's linear layers
-    and embedding quantized after loading)."""
+    and embedding quantized after loading). activations: fp32, or q8 (attnlab.set_activations: llama.cpp's 8-bit
+    activations for the quantized layers; not exact)."""
     if weights not in WEIGHTS:
         raise InputError(f"weights={weights!r} is not a choice (fp32: dequantized; native: a GGUF file's own formats; "
                          f"or a format to quantize to: {', '.join(FORMATS)})")  # fmt: skip
@@ -45,4 +46,9 @@ def load_for_eval(path: str | Path, data_dir: str | None = None, tag: str = "bes
     model = loaded.model if device is None else loaded.model.to(device)
     if weights in FORMATS:
         model = quantize_weights(model, weights)
+    if activations != "fp32":
+        try:
+            set_activations(model, activations)
+        except InputError as e:
+            raise InputError(f"--activations {activations}: {e} (given --weights {weights})") from None
     return EvalModel(loaded.label, Path(path), loaded.cfg, model, loaded.tokenizer, loaded.config, weights)

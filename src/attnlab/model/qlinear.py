@@ -8,7 +8,12 @@ llama.cpp writes and reads). A layer holds its weight W (out_features, in_featur
 (out_features, row bytes), ggml's rows, so a checkpoint (safetensors) stores plain bytes; each format has its own
 bytes per block, so a state dict of another format fails load_state_dict's shape check.
 
-The activations stay float32: y is a float32 matmul over the dequantized W, summed in another order. On the CPU
+By default the activations stay float32: y is a float32 matmul over the dequantized W, summed in another order.
+`set_activations(model, "q8")` (an opt-in, llama.cpp's arithmetic: not exact) makes every layer whose weights have
+codes (q8_0, q4_0, q4_1; fp16 layers keep float32) quantize its input first, each block of 32 values to 8-bit codes
+and a float32 scale (quantize_activations); the few rows of decoding then take integer dot products (qmatmul.c's
+attnlab_qmatmul_q8) and many rows a float32 GEMM over those values, so a token's result does not depend on how
+many came with it (up to the order of the sums). On the CPU
 in float32 (no gradient) the forward is one op, `attnlab::qlinear`, which runs the C kernels
 (attnlab.kernels.cpu.qmatmul) or, without a compiler, dequantizes W and calls F.linear; a compiled decode step
 (attnlab.generate) keeps it as one call. For the few rows of decoding the same kernel runs as a C++ operator,
@@ -30,6 +35,8 @@ from attnlab.kernels.cpu import ops as cpp_ops
 from attnlab.kernels.cpu import qmatmul
 
 FORMATS = ("fp16", *quant.WEIGHT_FORMATS)
+ACTIVATIONS = ("fp32", "q8")  # what a QuantizedLinear's input is multiplied as (set_activations)
+Q8 = ":q8"  # the ops' fmt suffix for 8-bit activations: "q4_1:q8"
 
 
 def row_bytes(fmt: str, in_features: int) -> int:
@@ -77,11 +84,28 @@ torch.library.define("attnlab::qlinear", "(Tensor x, Tensor blocks, Tensor? bias
 torch.library.define("attnlab::qdequantize", "(Tensor blocks, str fmt, int in_features) -> Tensor")
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (..., k), k a multiple of 32, as 8-bit activations: each block of 32 values becomes codes q = round(x / d)
+    (halves away from zero) with d = max|x| / 127, as ggml's Q8_0 (quant's encoder), but the scale d stays float32
+    (ggml rounds it to fp16); returns q * d in x's dtype. The codes are qmatmul.c's (attnlab_quantize_q8)."""
+    blocks = x.float().reshape(-1, quant.BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    p = blocks * torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    a = p.abs()
+    whole = a.floor()
+    whole.add_(a.sub_(whole).mul_(2).floor_()).copysign_(p)  # round half away from zero (quant._q8_0_encode)
+    return whole.mul_(d).reshape(x.shape).to(x.dtype)
+
+
 def _qlinear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> torch.Tensor:
-    """x (..., in_features) float32 -> x W^T + bias (..., out_features), W the rows `blocks` in `fmt`."""
+    """x (..., in_features) float32 -> x W^T + bias (..., out_features), W the rows `blocks` in `fmt` (with the
+    suffix Q8: x quantized first, see the module docstring)."""
+    fmt, q8 = fmt.removesuffix(Q8), fmt.endswith(Q8)
     if x.shape[-1] % quant.BLOCK == 0 and qmatmul.available():
-        return qmatmul.matmul(fmt, blocks, x, None if bias is None else bias.float())
-    return F.linear(x, dequantize_blocks(blocks, fmt, x.shape[-1]), bias)
+        return qmatmul.matmul(
+            fmt, blocks, x, None if bias is None else bias.float(), activations="q8" if q8 else "fp32"
+        )
+    return F.linear(quantize_activations(x) if q8 else x, dequantize_blocks(blocks, fmt, x.shape[-1]), bias)
 
 
 def _qdequantize(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
@@ -150,11 +174,16 @@ class QuantizedLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, fmt: str):
         return cls.from_weight(linear.weight, fmt, linear.bias)
 
+    activations = "fp32"  # or "q8" (set_activations): what x is multiplied as
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q8 = self.activations == "q8" and self.fmt != "fp16"
         if _kernel_usable(x):
+            fmt = self.fmt + Q8 if q8 else self.fmt
             if x.numel() < qmatmul.GEMM_MIN_ROWS * self.in_features and cpp_ops.usable():  # decoding
-                return torch.ops.attnlab_cpp.qlinear(x, self.blocks, self.bias, self.fmt)
-            return torch.ops.attnlab.qlinear(x, self.blocks, self.bias, self.fmt)
+                return torch.ops.attnlab_cpp.qlinear(x, self.blocks, self.bias, fmt)
+            return torch.ops.attnlab.qlinear(x, self.blocks, self.bias, fmt)
+        x = quantize_activations(x) if q8 else x
         return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -175,8 +204,9 @@ class QuantizedLinear(nn.Module):
         return self.blocks.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def extra_repr(self) -> str:
+        q8 = ", activations=q8" if self.activations == "q8" and self.fmt != "fp16" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, " + (
-            f"bias={self.bias is not None}"
+            f"bias={self.bias is not None}{q8}"
         )
 
 
@@ -259,3 +289,19 @@ def quantize_weights(model: nn.Module, fmt: str) -> nn.Module:
         warnings.warn(f"quantize_weights({fmt!r}): kept in float, in_features not a multiple of {quant.BLOCK}: "
                       f"{', '.join(kept)}", AttnlabWarning, stacklevel=3)  # fmt: skip
     return model.eval()
+
+
+def set_activations(model: nn.Module, activations: str) -> nn.Module:
+    """Sets what every QuantizedLinear of `model` multiplies its input as: "fp32" (the default: exact against the
+    dequantized weights) or "q8" (8-bit codes per block of 32, as llama.cpp: faster decoding, not exact; layers held
+    in fp16 keep float32). Returns the model. InputError for another value, or for "q8" on a model without a layer
+    whose weights have codes (nothing would change: quantize its weights first, or load them natively)."""
+    if activations not in ACTIVATIONS:
+        raise InputError(f"activations={activations!r} is not known (use {' or '.join(ACTIVATIONS)})")
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if activations == "q8" and not any(layer.fmt != "fp16" for layer in layers):
+        raise InputError("activations=q8 quantizes the inputs of layers whose weights are q8_0, q4_0 or q4_1, and "
+                         "this model has none (load it with weights native or a block format, e.g. q8_0)")  # fmt: skip
+    for layer in layers:
+        layer.activations = activations
+    return model

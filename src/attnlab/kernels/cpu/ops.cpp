@@ -30,6 +30,8 @@
 extern "C" {
 int attnlab_qmatmul(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                     const float *bias);
+int attnlab_qmatmul_q8(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+                       const float *bias);
 int attnlab_quantize(int fmt, const float *x, int64_t batch, int64_t n, int64_t width, int64_t x_bstride,
                      int64_t x_rstride, uint8_t *quants, int64_t q_bstride, int64_t q_rstride, uint8_t *scales,
                      int64_t s_bstride, int64_t s_rstride, const uint8_t *nf4_below, const float *nf4_inside);
@@ -63,6 +65,10 @@ int64_t row_bytes(int code, int64_t k) {
 }
 
 Tensor qlinear(Tensor x, Tensor blocks, std::optional<Tensor> bias, std::string fmt) {
+    const std::string q8_suffix = ":q8";  // x quantized to 8 bits first (attnlab.model.qlinear's Q8)
+    const bool q8 = fmt.size() > q8_suffix.size() && fmt.compare(fmt.size() - q8_suffix.size(), q8_suffix.size(),
+                                                                 q8_suffix) == 0;
+    if (q8) fmt = fmt.substr(0, fmt.size() - q8_suffix.size());
     const int code = weight_format(fmt);
     STD_TORCH_CHECK(x.scalar_type() == ScalarType::Float && x.is_cpu(), "attnlab_cpp::qlinear: x must be float32 on the CPU");
     const int64_t k = x.size(-1), n = blocks.size(0);
@@ -82,9 +88,10 @@ Tensor qlinear(Tensor x, Tensor blocks, std::optional<Tensor> bias, std::string 
     shape.back() = n;
     Tensor out = torch::stable::new_empty(rows, shape);
     const int64_t m = k ? rows.numel() / k : 0;
-    const int status = attnlab_qmatmul(code, static_cast<const uint8_t *>(blocks.data_ptr()), n, k,
-                                       static_cast<const float *>(rows.data_ptr()), m,
-                                       static_cast<float *>(out.mutable_data_ptr()), bias_pointer);
+    const auto kernel = q8 && code != 1 ? attnlab_qmatmul_q8 : attnlab_qmatmul;
+    const int status = kernel(code, static_cast<const uint8_t *>(blocks.data_ptr()), n, k,
+                              static_cast<const float *>(rows.data_ptr()), m,
+                              static_cast<float *>(out.mutable_data_ptr()), bias_pointer);
     STD_TORCH_CHECK(status == 0, "attnlab_cpp::qlinear: qmatmul.c refused format ", fmt, " with k=", k);
     return out;
 }

@@ -18,10 +18,18 @@
  *                       once, from memory, and decoded once per XROWS rows of x); portable C otherwise.
  *   attnlab_dequantize: rows of W -> fp32, for the embedding lookup (its looked-up rows) and for many rows of x
  *                       (attnlab.kernels.cpu.qmatmul hands those to torch's GEMM over dequantized tiles).
+ *   attnlab_qmatmul_q8: the same product with x quantized first, as llama.cpp does (an opt-in: not exact against
+ *                       the dequantized matmul): each block of 32 values of a row of x to 8-bit codes
+ *                       (attnlab_quantize_q8: ggml's Q8_0, d = max|x| / 127, q = round(x / d), halves away from
+ *                       zero), then integer dot products of the weights' codes with x's per block, scaled by the
+ *                       two scales. Q4_0, Q4_1 and Q8_0 weights (F16 has no codes). AVX-512 VNNI where present
+ *                       (vpdpbusd: 32 products of unsigned by signed bytes summed per 4 in one instruction),
+ *                       portable C otherwise; both give the same integer sums.
  *
  * Built by attnlab.kernels.cpu.build with the system C compiler; with OpenMP, the calls share the threads of
  * PyTorch's OpenMP runtime (torch.set_num_threads), sharing the rows of W out among them.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -209,6 +217,180 @@ static void tile(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int r
     }
 }
 #endif
+
+/* ---- 8-bit activations ----------------------------------------------------------------------------------------
+ * x's row of k values as k / 32 blocks: codes q (int8, -127..127), scale d (fp32: ggml stores it as fp16, attnlab
+ * keeps it exact) and the sum of the block's codes (for the 4-bit formats' offsets: Q4_0's -8, Q4_1's m). */
+static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *d, int32_t *sums) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) { /* roundf: halves away from zero, as ggml's reference quantizer */
+            const int v = (int)roundf(xb[j] * inverse);
+            q[b * 32 + j] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = scale;
+        sums[b] = sum;
+    }
+}
+
+/* x (m, k) quantized row by row (quantize_row_q8) into q (m, k), d (m, k / 32), sums (m, k / 32). Returns 0, or -1
+ * when k is not a multiple of 32. */
+int attnlab_quantize_q8(const float *x, int64_t m, int64_t k, int8_t *q, float *d, int32_t *sums) {
+    if (k % 32) return -1;
+    for (int64_t i = 0; i < m; i++) quantize_row_q8(x + i * k, k, q + i * k, d + i * (k / 32), sums + i * (k / 32));
+    return 0;
+}
+
+/* The integer sum over one block of the weight codes (Q8_0: q; Q4_0: q - 8; Q4_1: q) times x's codes, portable C.
+ * Not vectorized by GCC: GCC 12.2 with -march=native on an AVX512-VNNI CPU turns the signed-by-signed byte products
+ * of the Q8_0 loop into vpdpbusd, which reads one side as unsigned (wrong sums; seen here and tested). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-vectorize")))
+#endif
+static inline int32_t block_dot_q8_c(int fmt, const uint8_t *b, const int8_t *xq, int32_t xsum) {
+    int32_t sum = 0;
+    if (fmt == Q8_0) {
+        for (int j = 0; j < 32; j++) sum += (int32_t)(int8_t)b[2 + j] * xq[j];
+        return sum;
+    }
+    const uint8_t *nibbles = b + (fmt == Q4_0 ? 2 : 4);
+    for (int j = 0; j < 16; j++) sum += (int32_t)(nibbles[j] & 15) * xq[j] + (int32_t)(nibbles[j] >> 4) * xq[j + 16];
+    return fmt == Q4_0 ? sum - 8 * xsum : sum;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* A 4-bit block's 32 codes (0..15) as bytes in element order: byte j's low nibble is element j, its high one j + 16. */
+static inline __m256i nibbles_q8(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+/* y[i, o] for `rows` (<= ROWS) rows of W and xrows (<= XROWS) rows of x's codes: per block, the weights' bytes are
+ * loaded once and each x row's products summed by vpdpbusd (unsigned by signed bytes: signed codes, Q8_0's and
+ * Q4_0's q - 8, go in as |w| with x's codes given w's signs, so each lane sums true products: an offset summed
+ * apart would cancel only after the lanes are added, and lose their precision), then converted and scaled by
+ * d_w d_x into fp32 lanes; Q4_1's m d_x (sum of x's codes) is summed apart (its own term of the bound). */
+static inline __attribute__((always_inline)) void tile_q8_avx512(const int fmt, const int xrows, const uint8_t *w,
+                                                                 int64_t row_stride, int rows, int64_t nb,
+                                                                 const int8_t *xq, const float *xd,
+                                                                 const int32_t *xs, int64_t k, float *y,
+                                                                 int64_t y_stride, const float *bias) {
+    const int64_t bb = block_bytes(fmt);
+    __m256 acc[ROWS][XROWS];
+    float mins[ROWS][XROWS];
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < XROWS; i++) {
+            acc[r][i] = _mm256_setzero_ps();
+            mins[r][i] = 0.0f;
+        }
+    for (int64_t b = 0; b < nb; b++) /* block by block over the tile's rows: ROWS independent sums per row of x */
+        for (int r = 0; r < (rows == ROWS ? ROWS : rows); r++) {
+            const uint8_t *blk = w + r * row_stride + b * bb;
+            _mm_prefetch((const char *)(blk + ROWS * row_stride), _MM_HINT_T0); /* the next tile's (tile_avx512) */
+            const float dw = half_to_float(load_u16(blk));
+            if (fmt != Q4_1) { /* signed codes: Q8_0's, Q4_0's q - 8 */
+                const __m256i codes = fmt == Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2))
+                                                  : _mm256_sub_epi8(nibbles_q8(blk + 2), _mm256_set1_epi8(8));
+                const __m256i magnitude = _mm256_abs_epi8(codes);
+                for (int i = 0; i < xrows; i++) {
+                    const __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + i * k + b * 32));
+                    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude,
+                                                            _mm256_sign_epi8(x8, codes));
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd[i * nb + b]),
+                                                acc[r][i]);
+                }
+            } else { /* Q4_1: codes 0..15, the block's m d_x (sum of x's codes) summed apart */
+                const __m256i codes = nibbles_q8(blk + 4);
+                const float mw = half_to_float(load_u16(blk + 2));
+                for (int i = 0; i < xrows; i++) {
+                    const __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + i * k + b * 32));
+                    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, x8);
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd[i * nb + b]),
+                                                acc[r][i]);
+                    mins[r][i] += mw * (xd[i * nb + b] * (float)xs[i * nb + b]);
+                }
+            }
+        }
+    for (int i = 0; i < xrows; i++)
+        for (int r = 0; r < rows; r++) {
+            const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][i]), _mm256_extractf128_ps(acc[r][i], 1));
+            const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+            const float sum = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+            y[i * y_stride + r] = sum + mins[r][i] + (bias ? bias[r] : 0.0f);
+        }
+}
+
+#define TILE_Q8_CASES(FMT)                                                                                        \
+    switch (xrows) {                                                                                              \
+    case 1: tile_q8_avx512(FMT, 1, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
+    case 2: tile_q8_avx512(FMT, 2, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
+    case 3: tile_q8_avx512(FMT, 3, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
+    default: tile_q8_avx512(FMT, 4, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;           \
+    }
+
+static void tile_q8(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const int8_t *xq,
+                    const float *xd, const int32_t *xs, int64_t k, float *y, int64_t y_stride, const float *bias) {
+    switch (fmt) {
+    case Q4_0: TILE_Q8_CASES(Q4_0)
+    case Q4_1: TILE_Q8_CASES(Q4_1)
+    default: TILE_Q8_CASES(Q8_0)
+    }
+}
+#else
+/* Portable C: the same integer sums per block, scaled by d_w d_x (and Q4_1's m d_x sum). */
+static void tile_q8(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const int8_t *xq,
+                    const float *xd, const int32_t *xs, int64_t k, float *y, int64_t y_stride, const float *bias) {
+    const int64_t bb = block_bytes(fmt);
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < xrows; i++) {
+            float sum = 0.0f, mins = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = w + r * row_stride + b * bb;
+                const int32_t dot = block_dot_q8_c(fmt, blk, xq + i * k + b * 32, xs[i * nb + b]);
+                sum += (float)dot * (half_to_float(load_u16(blk)) * xd[i * nb + b]);
+                if (fmt == Q4_1) mins += half_to_float(load_u16(blk + 2)) * (xd[i * nb + b] * (float)xs[i * nb + b]);
+            }
+            y[i * y_stride + r] = sum + mins + (bias ? bias[r] : 0.0f);
+        }
+}
+#endif
+
+/* The integer sum of one block (block_dot_q8_c), for tests of the vector kernel: W's block `b` of row `r`. */
+int32_t attnlab_block_dot_q8(int fmt, const uint8_t *block, const int8_t *xq, int32_t xsum) {
+    return block_dot_q8_c(fmt, block, xq, xsum);
+}
+
+/* y (m, n) = x (m, k) W^T + bias with x quantized to 8 bits first (see the top of this file): Q4_0, Q4_1, Q8_0.
+ * Returns 0, -1 for a format without codes (F16) or a k that is not a multiple of 32, -2 when out of memory. */
+int attnlab_qmatmul_q8(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+                       const float *bias) {
+    if (fmt == F16 || !block_bytes(fmt) || k % 32) return -1;
+    const int64_t nb = k / 32, row_stride = nb * block_bytes(fmt), tiles = (n + ROWS - 1) / ROWS;
+    int8_t *xq = malloc((size_t)(m * k) + 1);
+    float *xd = malloc(sizeof(float) * (size_t)(m * nb) + 1);
+    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(m * nb) + 1);
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
+        return -2;
+    }
+    attnlab_quantize_q8(x, m, k, xq, xd, xs);
+#pragma omp parallel for schedule(dynamic, CHUNK) if (n * k >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t first = t * ROWS;
+        const int rows = (int)(n - first < ROWS ? n - first : ROWS);
+        for (int64_t i = 0; i < m; i += XROWS)
+            tile_q8(fmt, (int)(m - i < XROWS ? m - i : XROWS), w + first * row_stride, row_stride, rows, nb,
+                    xq + i * k, xd + i * nb, xs + i * nb, k, y + i * n + first, n, bias ? bias + first : NULL);
+    }
+    free(xq), free(xd), free(xs);
+    return 0;
+}
 
 /* y (m, n) = x (m, k) W^T + bias, W (n, k) in format fmt, k % 32 == 0; x and y contiguous, bias NULL or n floats.
  * (Few arguments: each costs ctypes a conversion, and a decode step makes about 120 calls.) Returns 0, or -1 for an

@@ -43,8 +43,13 @@ def load(path: Path) -> ctypes.CDLL:
     """A built qmatmul.c (attnlab.kernels.cpu.build(source=SOURCE)) with its functions' argument types declared."""
     lib = ctypes.CDLL(str(path))
     lib.attnlab_qmatmul.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+    lib.attnlab_qmatmul_q8.argtypes = lib.attnlab_qmatmul.argtypes
     lib.attnlab_dequantize.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr]
-    lib.attnlab_qmatmul.restype = lib.attnlab_dequantize.restype = ctypes.c_int
+    lib.attnlab_quantize_q8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
+    lib.attnlab_block_dot_q8.argtypes = [ctypes.c_int, _ptr, _ptr, ctypes.c_int32]
+    for name in ("attnlab_qmatmul", "attnlab_qmatmul_q8", "attnlab_dequantize", "attnlab_quantize_q8"):
+        getattr(lib, name).restype = ctypes.c_int
+    lib.attnlab_block_dot_q8.restype = ctypes.c_int32
     return lib
 
 
@@ -64,22 +69,55 @@ def row_bytes(fmt: str, k: int) -> int:
 
 
 def matmul(
-    fmt: str, blocks: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None, gemm: bool | None = None
+    fmt: str,
+    blocks: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gemm: bool | None = None,
+    activations: str = "fp32",
 ) -> torch.Tensor:
     """x (..., k) float32 (CPU) times W^T, W the rows `blocks` (n, row_bytes(fmt, k)) uint8, contiguous, plus bias
     (n,) float32 -> (..., n) float32. k must be a multiple of 32. gemm: torch's GEMM over dequantized tiles (True)
-    or the kernel (False); None chooses by the rows of x (GEMM_MIN_ROWS)."""
+    or the kernel (False); None chooses by the rows of x (GEMM_MIN_ROWS). activations "q8" (q8_0, q4_0, q4_1):
+    x quantized to 8 bits per block first (attnlab.model.qlinear.quantize_activations); the kernel then takes
+    integer dot products (attnlab_qmatmul_q8), the GEMM those values in float32."""
     n, k = blocks.shape[0], x.shape[-1]
+    q8 = activations == "q8" and fmt != "fp16"
     if not x.is_contiguous():
         x = x.contiguous()
     m = x.numel() // k  # rows of x
     if gemm if gemm is not None else m >= GEMM_MIN_ROWS:
-        return _gemm(fmt, blocks, x.view(m, k), bias).view(x.shape[:-1] + (n,))
+        rows = quantized(x.view(m, k)) if q8 else x.view(m, k)
+        return _gemm(fmt, blocks, rows, bias).view(x.shape[:-1] + (n,))
     out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
     bias_pointer = None if bias is None else bias.data_ptr()
-    status = _qmatmul()(FORMAT_CODES[fmt], blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), bias_pointer)
+    kernel = _qmatmul_q8() if q8 else _qmatmul()
+    status = kernel(FORMAT_CODES[fmt], blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), bias_pointer)
     _check(status, fmt, k)
     return out
+
+
+@functools.cache
+def _qmatmul_q8():
+    return library().attnlab_qmatmul_q8
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (m, k) float32, k a multiple of 32 -> qmatmul.c's 8-bit activations: codes (m, k) int8, scales (m, k / 32)
+    float32 and each block's sum of codes (m, k / 32) int32."""
+    x = x.contiguous()
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=torch.int8)
+    scales, sums = torch.empty(m, k // 32), torch.empty(m, k // 32, dtype=torch.int32)
+    _check(library().attnlab_quantize_q8(x.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), sums.data_ptr()),
+           "q8", k)  # fmt: skip
+    return codes, scales, sums
+
+
+def quantized(x: torch.Tensor) -> torch.Tensor:
+    """x (m, k) as its 8-bit activations' values, codes times scales (quantize_q8), float32."""
+    codes, scales, _ = quantize_q8(x)
+    return (codes.view(x.shape[0], -1, 32).float() * scales.unsqueeze(-1)).view(x.shape)
 
 
 def dequantize(fmt: str, blocks: torch.Tensor, k: int) -> torch.Tensor:
