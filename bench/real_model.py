@@ -4,7 +4,7 @@ and llama.cpp (llama-cpp-python, optional: skipped with a note when it is not in
 caches, at 1 and 2 threads.
 
     python bench/real_model.py [--threads 1,2] [--contexts 128,4096,8192] [--prefill 512,4096] [--new-tokens 32]
-                               [--impls attnlab,transformers,llama.cpp] [--weights fp32,q8_0,native]
+                               [--impls attnlab,transformers,llama.cpp] [--weights fp32,q8_0,native,native+q8]
                                [--kv fp32,q8_0,q4_0] [--models REF,...] [--repeats 2] [--data-dir DIR] [--no-record]
 
 decode   after an untimed prefill of C - N - 1 tokens of WikiText-2 raw test, N single-token steps, the last at
@@ -92,7 +92,8 @@ class Attnlab:
     impl = "attnlab"
 
     def __init__(self, ref: str, weights: str, kv: str, data_dir):
-        self.model = load_for_eval(ref, data_dir=data_dir, weights=weights).model
+        held, _, activations = weights.partition("+")  # native+q8: the file's weights, 8-bit activations
+        self.model = load_for_eval(ref, data_dir=data_dir, weights=held, activations=activations or "fp32").model
         self.label, self.weights, self.kv, self.policy = Path(ref).stem, weights, kv, KV_POLICIES[kv]
         self.weight_bytes = weight_bytes(self.model)
 
@@ -202,7 +203,12 @@ def main() -> None:
     parser.add_argument("--prefill", default="512,4096", help="prefill lengths")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per round")
     parser.add_argument("--impls", default="attnlab,transformers,llama.cpp")
-    parser.add_argument("--weights", default="fp32,q8_0,native", help="attnlab weights (eval.loading.WEIGHTS)")
+    parser.add_argument(
+        "--weights",
+        default="fp32,q8_0,native",
+        help="attnlab weights (eval.loading.WEIGHTS); "
+        "+q8 after one: 8-bit activations (attnlab.set_activations), e.g. native+q8",
+    )
     parser.add_argument("--kv", default="fp32,q8_0,q4_0", help="attnlab KV caches (fp32, q8_0, q4_0)")
     parser.add_argument("--llama-kv", default="f16,q8_0,q4_0", help="llama.cpp KV caches")
     parser.add_argument("--models", default="", help="other attnlab references, comma-separated (fp32 weights)")
