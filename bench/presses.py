@@ -93,12 +93,15 @@ def kvpress_nll(hf, press, context, continuation) -> float:
 
 
 def attnlab_answer(model, memory: MemoryConfig | None, prompt: list[int], new: int) -> list[int]:
-    """Greedy continuation of `prompt` (new tokens) with `memory` (None: the dense cache)."""
+    """Greedy continuation of `prompt` (new tokens) with `memory` (None: the dense cache). The prompt is prefilled
+    as one chunk, as kvpress prefills it: a press at prefill presses the first chunk only (cache/presses.py), so
+    generate's default chunks of 512 would press only the first 512 tokens of a longer prompt."""
     if memory is not None:
         pressed = attnlab.build_model(model.cfg.replace(memory=memory)).eval()
         pressed.load_state_dict(model.state_dict(), assign=True)
         model = pressed
-    return attnlab.generate(model, prompt, max_new_tokens=new, temperature=0.0, compile=False).tolist()
+    return attnlab.generate(model, prompt, max_new_tokens=new, temperature=0.0, compile=False,
+                            prefill_chunk=len(prompt)).tolist()  # fmt: skip
 
 
 def kvpress_answer(hf, press, prompt: list[int], new: int) -> list[int]:
