@@ -181,8 +181,8 @@ def test_two_probed_models_that_share_a_name_are_told_apart(tmp_path):
     assert (a.name, b.name) == ("tiny/base/seed0", "x/base/seed0")
     same = EvalModel("base/seed0", a.path, model.cfg, model, ByteTokenizer(), {})
     again = EvalModel("base/seed0", a.path, model.cfg, model, ByteTokenizer(), {})
-    distinct_names([same, again])  # the same model twice keeps its name
-    assert same.name == again.name == "base/seed0"
+    with pytest.raises(InputError, match="given twice"):  # probe J (j13): a head-to-head of a model with itself
+        distinct_names([same, again])
 
 
 def test_probe_warning_is_an_attnlab_warning(char_run):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -17,13 +19,14 @@ from attnlab.cache.codecs import FORMATS, KVPolicy
 from attnlab.cli_errors import one_line
 from attnlab.config import DTYPE_BYTES, source_problem
 from attnlab.config_io import parse_yaml
-from attnlab.data.files import remove_stale_temporaries
+from attnlab.data.files import TEMPORARY, remove_stale_temporaries
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
-from attnlab.errors import AttnlabError, ConfigError, DataError, InputError
+from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, DataError, InputError
 from attnlab.eval import append_records, load_for_eval, make_record
 from attnlab.eval.kvquant import (
     MIN_SEQ_LEN,
     SEQ_LEN_NEED,
+    chunk_problem,
     held_out_windows,
     run_kv_eval,
     split_problem,
@@ -31,7 +34,13 @@ from attnlab.eval.kvquant import (
     too_large,
     tune,
 )
-from attnlab.eval.perplexity import dataset_tokens, summarize_losses, window_losses
+from attnlab.eval.perplexity import (
+    dataset_tokens,
+    missing_split,
+    prepared_heldout,
+    summarize_losses,
+    window_losses,
+)
 from attnlab.eval.records import records_folder, records_target
 from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion, target_config
 from attnlab.interop.export import export
@@ -142,6 +151,10 @@ def check_kv_arguments(args) -> Path | None:
             raise InputError(f"--policies: {policy!r} is an empty policy (give e.g. 'k=q8_0,v=q4_0,resid=128', "
                              f"or 'none' for the full-precision cache)")  # fmt: skip
         KVPolicy.parse(policy)  # a typo is said before the model is loaded
+    policies = getattr(args, "policies", None)  # (kv-tune: None, it measures policies of its own)
+    problem = chunk_problem(args.seq_len, args.chunk)
+    if problem and (policies is None or any(KVPolicy.parse(p).formats for p in policies)):
+        raise InputError(problem)
     if args.dtype not in DTYPE_BYTES:  # kv-tune would name it as a policy's format; said before the model loads
         raise InputError(f"--dtype {args.dtype!r} is not known: give one of {', '.join(DTYPE_BYTES)} (the dtype of the "
                          "residual window and of the tensors left unquantized)")  # fmt: skip
@@ -158,9 +171,15 @@ def check_kv_arguments(args) -> Path | None:
 
 def check_kv_model(args, model) -> None:
     """--seq-len within the model's context (a model with a memory reads any length), and a held-out split to
-    read (a converted model keeps no data config), before data is read."""
+    read (a converted model keeps no data config; a run's data may have no --split), before data is read."""
     if args.dataset is None and not model.config.get("data"):
         no_dataset(args.checkpoint)
+    if args.dataset is None:  # said with the flag to give (the prepared folder alone does not say it)
+        prepared = prepared_heldout(model, args.data_dir)
+        problem = missing_split(model, prepared, args.split, f"--split {args.split}")
+        if problem:
+            has = "val" if "val" in prepared.splits else prepared.splits[-1]
+            raise InputError(f"{problem}: give --split {has}")
     cfg = model.model.cfg
     if cfg.memory.kind == "none" and args.seq_len > cfg.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len} is more than {model.name}'s max_seq_len={cfg.max_seq_len}: give "
@@ -241,7 +260,27 @@ def unquantized_note(cfg, report: dict, policy: str | None) -> str | None:
             "longer --seq-len, or a smaller resid")  # fmt: skip
 
 
+def remove_killed_temporaries(out: Path, what: str) -> None:
+    """Removes the hidden temporaries beside `out` that a `what` (conversion, export) killed while writing left
+    (SIGKILL, out of memory: .OUT.<pid>.<hex>.tmp, data.files.temp_path_beside), saying so in a warning. Those of
+    `out` itself go as soon as their process is gone from this machine, since this command is about to write `out`
+    again; the temporaries of other names only after 10 idle minutes (a writer on another machine sharing the
+    folder, whose process cannot be seen from here, is left alone)."""
+    folder = out.parent  # where temp_path_beside(out) puts them
+    try:
+        removed = remove_stale_temporaries(folder, names=re.escape(out.name), idle_seconds=0)
+        removed += remove_stale_temporaries(folder)
+    except PermissionError:  # a folder this user may write to but not list: nothing of theirs to clean
+        return
+    if removed:
+        pids = sorted({TEMPORARY.fullmatch(path.name)["pid"] for path in removed})
+        warnings.warn(f"removed {', '.join(str(path) for path in removed)}: left by a {what} or another write "
+                      f"killed before it finished (process {', '.join(pids)}, gone)", AttnlabWarning,
+                      stacklevel=2)  # fmt: skip
+
+
 def cmd_export(args) -> int:
+    remove_killed_temporaries(Path(args.hf), "export")
     exported = export(args.ref, args.hf, data_dir=args.data_dir, dtype=args.dtype, overwrite=args.overwrite)
     print(exported.summary())
     return 0
@@ -314,10 +353,7 @@ def cmd_convert(args) -> int:
     if Path(args.out).exists():  # before minutes of loading and scoring
         raise InputError(f"--out {args.out}: already exists (choose another folder, or delete it first)")
     check_writable("--out", Path(args.out))
-    try:  # the hidden .OUT.<pid>.<hex>.tmp folders of conversions killed while saving (SIGKILL, out of memory)
-        remove_stale_temporaries(Path(args.out).absolute().parent)
-    except PermissionError:  # a folder this user may write to but not list: nothing of theirs to clean
-        pass
+    remove_killed_temporaries(Path(args.out), "conversion")
     given = convert_options_given(args)
     for flag, value, least in (("--eval-tokens", args.eval_tokens, 0), ("--calibration-tokens",
                                args.calibration_tokens, 0), ("--seq-len", args.seq_len, 1)):  # fmt: skip

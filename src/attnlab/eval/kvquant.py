@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from attnlab.accounting import kv_report
-from attnlab.cache.codecs import SHORT, Codec, KVPolicy, as_policy
+from attnlab.cache.codecs import KIVI_FORMATS, SHORT, Codec, KVPolicy, as_policy
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, local_path
 from attnlab.errors import AttnlabWarning, ConfigError, DataError, InputError
 from attnlab.eval.perplexity import eval_tokens
@@ -263,6 +263,9 @@ def tune(
     """
     tensors = list(model.cfg.attention.cache_layout(model.cfg).values_per_token())
     seq_len = windows.shape[1] - 1  # inputs per window (a window also holds its last target)
+    problem = chunk_problem(seq_len, chunk)  # nothing would be measured: the pick would be on nothing
+    if problem:
+        raise InputError(problem)
     options = {t: candidate_formats(model, t, formats) for t in tensors}
     baseline = {t: dtype for t in tensors}
     sens_policies = [
@@ -272,22 +275,31 @@ def tune(
         for fmt in options[t]
         if fmt != dtype
     ]
-    log(f"kv-tune: measuring {len(sens_policies)} single-tensor policies on {windows.numel():,} tokens")
-    sensitivity = evaluate_policies(model, windows, sens_policies, chunk=chunk, greedy_prompts=0, dtype=dtype)
-    cost = {row["policy"]: row["kl"] for row in sensitivity}
-    candidates = []
+    fitting, unread = [], []  # (assignment, resid, bytes per token at seq_len, policy) under the budget
+    plain = kv_report(model.cfg, dtype, seq_len)["kv_bytes"]
+    last = last_chunk_start(seq_len, chunk)
     for resid in resids:
         for combo in itertools.product(*(options[t] for t in tensors)):
             assignment = dict(zip(tensors, combo, strict=True))
             text = policy_text(assignment, resid)
-            per_token = kv_report(model.cfg, dtype, seq_len, text)["kv_bytes"] / seq_len
-            if per_token > budget:
+            held = kv_report(model.cfg, dtype, seq_len, text)["kv_bytes"]
+            if held / seq_len > budget:
                 continue
-            predicted = sum(
-                cost[policy_text({**baseline, t: fmt}, resid)] for t, fmt in assignment.items() if fmt != dtype
-            )
-            candidates.append((predicted, per_token, text))
-    if not candidates:
+            if held != plain and first_read(model.cfg, KVPolicy.parse(text), dtype) > last:
+                unread.append(text)  # its bytes count quantized tokens no query reads: its KL would be 0 unmeasured
+                continue
+            fitting.append((assignment, resid, held / seq_len, text))
+    if unread:  # said before minutes of measuring
+        what = (f"{len(unread)} polic{'ies' if len(unread) > 1 else 'y'} under the budget ({unread[0]}"
+                f"{', ...' * (len(unread) > 1)}) quantize{'s' * (len(unread) == 1)} tokens "
+                f"no query of a window of seq_len {seq_len} reads, fed {chunk} token(s) at a time (a query reads the "
+                "tokens held before its chunk, once a whole block has left the residual window): "
+                f"{'their' if len(unread) > 1 else 'its'} KL would be 0, measured on nothing; give a longer "
+                "--seq-len, smaller --resids or a smaller --chunk")  # fmt: skip
+        if not fitting:
+            raise InputError(f"no policy under --budget {budget:g} bytes/token can be measured: {what}")
+        warnings.warn(f"left out of the choice: {what}", AttnlabWarning, stacklevel=2)
+    if not fitting:
         smallest, resid = min(
             (kv_report(model.cfg, dtype, seq_len, policy_text(dict(zip(tensors, combo, strict=True)), resid))[
                 "kv_bytes"], resid)
@@ -302,6 +314,14 @@ def tune(
                              f"(give --resids below {seq_len}, e.g. 0)")  # fmt: skip
         raise InputError(f"no policy fits --budget {budget:g} bytes/token ({tried}): raise the budget, or try smaller "
                          "--resids or --formats")  # fmt: skip
+    log(f"kv-tune: measuring {len(sens_policies)} single-tensor policies on {windows.numel():,} tokens")
+    sensitivity = evaluate_policies(model, windows, sens_policies, chunk=chunk, greedy_prompts=0, dtype=dtype)
+    cost = {row["policy"]: row["kl"] for row in sensitivity}
+    candidates = [
+        (sum(cost[policy_text({**baseline, t: fmt}, resid)] for t, fmt in assignment.items() if fmt != dtype),
+         per_token, text)
+        for assignment, resid, per_token, text in fitting
+    ]  # fmt: skip
     candidates.sort()
     chosen = [text for _, _, text in candidates[:verify]]
     log(f"kv-tune: {len(candidates)} policies fit the budget; verifying the {len(chosen)} best predicted")
@@ -311,16 +331,76 @@ def tune(
     return {"best": best, "meets_max_dnll": meets, "sensitivity": sensitivity, "verified": verified}
 
 
-def warn_unquantized(policies: list[KVPolicy | str], seq_len: int) -> None:
-    """An AttnlabWarning (one line) naming the policies that store some tensor quantized but keep every token of a
-    window of `seq_len` in their full-precision residual window (resid >= seq_len): their rows measure the
-    full-precision cache, not the formats they name."""
-    idle = [p for p in (as_policy(p) or KVPolicy() for p in policies) if p.formats and p.resid >= seq_len]
+def quantized_block(cfg, policy: KVPolicy, dtype: str = "fp16") -> tuple[int, str]:
+    """(tokens that leave the residual window together, what makes them that many): `flush` tokens, and all of a
+    cache's tokens a KIVI key group at a time when a key tensor is in a KIVI format (cache.quantized.slot_counts).
+    A memory stores every slot in its format as it comes (it takes no resid, flush or KIVI format): 1."""
+    if cfg.memory.kind != "none":
+        return 1, "one token"
+    tensors = cfg.attention.cache_layout(cfg).values_per_token()
+    grouped = any(name.startswith("k") and policy.format_of(name, dtype) in KIVI_FORMATS for name in tensors)
+    why = ([f"KIVI keys quantized group={policy.group_size} tokens at a time"] if grouped else []) + (
+        [f"flush={policy.flush}"] if policy.flush > 1 else [])  # fmt: skip
+    return math.lcm(policy.flush, policy.group_size if grouped else 1), " and ".join(why) or "one token"
+
+
+def first_read(cfg, policy: KVPolicy, dtype: str = "fp16") -> int:
+    """How many tokens a cache must hold before a query reads one of them quantized: the residual window and one
+    whole block past it (quantized_block)."""
+    return policy.resid + quantized_block(cfg, policy, dtype)[0]
+
+
+def last_chunk_start(seq_len: int, chunk: int) -> int:
+    """The first position of a window's last chunk: its queries read the most tokens held before their chunk."""
+    return (seq_len - 1) // chunk * chunk
+
+
+def chunk_problem(seq_len: int, chunk: int) -> str | None:
+    """Why windows of `seq_len` inputs fed `chunk` tokens at a time measure no KV policy, or None: every window goes
+    in as one chunk, whose queries read their own keys at full precision (nothing is read from the cache)."""
+    if chunk < seq_len:
+        return None
+    return (f"--chunk {chunk} >= --seq-len {seq_len}: each window goes in as one chunk, whose queries read its own "
+            "keys and values at full precision, so no policy's quantized cache is ever read (every row would show "
+            f"dNLL 0, KL 0): give --chunk below {seq_len} (1, the default, decodes token by token)")  # fmt: skip
+
+
+def warn_unquantized(policies: list[KVPolicy | str], seq_len: int, cfg=None, chunk: int = 1,
+                     dtype: str = "fp16") -> None:  # fmt: skip
+    """AttnlabWarnings (one line each) naming the policies that store some tensor quantized but whose rows measure
+    the full-precision cache, not the formats they name: every token of a window of `seq_len` stays in the
+    residual window (resid >= seq_len); with the model's config `cfg`, also no query holds a whole block past the
+    window before it (a KIVI group or flush too long for seq_len: first_read), or none does before its chunk of
+    `chunk` tokens (a chunk's own keys are read at full precision)."""
+    quantized = [p for p in (as_policy(p) or KVPolicy() for p in policies) if p.formats]
+    idle = [p for p in quantized if p.resid >= seq_len]
     if idle:
         warnings.warn(f"kv policy {'; '.join(map(str, idle))}: resid >= seq_len {seq_len} keeps every token in the "
                       "full-precision residual window, so nothing is quantized and the row measures the "
                       f"full-precision cache (vs full 1, dNLL 0); give a resid below {seq_len}, or a longer "
                       "seq_len", AttnlabWarning, stacklevel=3)  # fmt: skip
+    if cfg is None:
+        return
+    last = last_chunk_start(seq_len, chunk)
+    for policy in [p for p in quantized if p.resid < seq_len]:
+        first = first_read(cfg, policy, dtype)
+        if first <= last:
+            continue
+        step, why = quantized_block(cfg, policy, dtype)
+        held = f"{first} token" if first == 1 else f"{first} tokens (resid={policy.resid} at full precision, then " + (
+            "one more" if step == 1 else f"a block of {step}: {why}") + ")"  # fmt: skip
+        if first <= seq_len - 1:  # a smaller chunk would read them
+            warnings.warn(f"kv policy {policy}: fed {chunk} tokens at a time, the last chunk of a window of seq_len "
+                          f"{seq_len} starts at token {last}, and a query reads a quantized token only once the "
+                          f"cache holds {held} before its chunk (the chunk's own keys are read at full precision): "
+                          "the row measures the full-precision cache (dNLL 0, KL 0); give a smaller chunk (1 decodes "
+                          "token by token)", AttnlabWarning, stacklevel=3)  # fmt: skip
+        else:
+            warnings.warn(f"kv policy {policy}: a query reads a quantized token only once the cache holds {held}, "
+                          f"but the last query of a window of seq_len {seq_len} reads the {seq_len - 1} before it: "
+                          "nothing quantized is read and the row measures the full-precision cache (dNLL 0, KL 0); "
+                          f"give a seq_len above {first}, or a smaller resid, group or flush", AttnlabWarning,
+                          stacklevel=3)  # fmt: skip
 
 
 def run_kv_eval(eval_model, policies: list[str], split: str = "test", seq_len: int = 512, max_tokens: int = 8192,
@@ -330,7 +410,7 @@ def run_kv_eval(eval_model, policies: list[str], split: str = "test", seq_len: i
     whose residual window holds the whole window (nothing quantized) is said in a warning."""
     if seq_len < MIN_SEQ_LEN:
         raise InputError(f"seq_len={seq_len}: {SEQ_LEN_NEED}")
-    warn_unquantized(policies, seq_len)
+    warn_unquantized(policies, seq_len, eval_model.model.cfg, chunk, dtype)
     windows = held_out_windows(eval_model, split, seq_len + 1, max_tokens, data_dir, dataset)
     rows = evaluate_policies(eval_model.model, windows, policies, chunk=chunk, dtype=dtype)
     dataset = dataset or eval_model.config.get("data", {}).get("source")

@@ -49,6 +49,7 @@ from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.lmeval_tasks import (
     attach,
     build_tasks,
+    check_duplicate_tasks,
     check_task_files,
     leaf_tasks,
     offline_line,
@@ -440,6 +441,7 @@ def run_lm_eval(
             raise ConfigError(f"--out {out_dir}: already holds {name} (an earlier evaluation's results, which this "
                               "one would replace): give another --out folder")  # fmt: skip
     broken = check_task_files([str(p) for p in paths])  # before lm-eval reads them (and imports !function code)
+    check_duplicate_tasks([str(p) for p in paths], list(tasks))  # before lm-eval picks one of them by file order
     manager = attach(task_manager([str(p) for p in paths], list(tasks)), data_dir)
     names = task_specs(manager, list(tasks), data_dir, broken)  # checks the names before the model is loaded
     import datasets  # lm-eval's own dependency

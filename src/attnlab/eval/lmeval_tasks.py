@@ -113,6 +113,45 @@ def check_task_files(folders: list[str]) -> dict[Path, str]:
     return broken
 
 
+def check_duplicate_tasks(folders: list[str], tasks: list[str]) -> None:
+    """ConfigError naming the task files when two files of the include_path folders declare a task (or group) asked
+    for, or a member of a group asked for: lm-eval would index the first in file order and skip the other with a
+    log line, so which one runs would be a matter of file names. Read as lm-eval's index reads them (its `*.yaml`
+    files, `include`s merged, no code run: check_task_files refused !function first)."""
+    declared: dict[str, list[Path]] = {}
+    members: dict[str, list] = {}
+    roots: dict[Path, Path] = {}
+    for folder in folders:  # a folder given twice is read once
+        roots.setdefault(Path(folder).resolve(), Path(folder))
+    for root in roots.values():
+        for path in sorted(root.glob("**/*.yaml"), key=lambda p: p.as_posix()):
+            if any(part in ("__pycache__", ".ipynb_checkpoints") for part in path.parts):
+                continue
+            try:
+                cfg = load_yaml(path, resolve_func=False, recursive=True)
+            except Exception:  # noqa: BLE001  (lm-eval skips a file it cannot read; check_task_files names it)
+                continue
+            name = cfg.get("group") if "group" in cfg and "class" not in cfg else cfg.get("task")
+            if isinstance(name, str):
+                declared.setdefault(name, []).append(path)
+                if "group" in cfg and "class" not in cfg:
+                    members.setdefault(name, cfg.get("task") if isinstance(cfg.get("task"), list) else [])
+    problems, todo, seen = [], list(tasks), set()
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        files = declared.get(name, [])
+        if len(files) > 1:
+            problems.append(f"task {name!r} is declared by {len(files)} task files, {', '.join(map(str, files))}: "
+                            "lm-eval would run one and skip the others: give each task a name of its own "
+                            "(task: ...)")  # fmt: skip
+        todo += [m for m in members.get(name, []) if isinstance(m, str)]
+    if problems:
+        raise ConfigError(problems)
+
+
 def _declares(path: Path, name: str) -> bool:
     """Whether the task file `path` is the one of task `name` (its `task:`, or its file name if it cannot be read)."""
     try:
@@ -229,7 +268,7 @@ def _task_problem(cfg: dict, source: str, error: Exception) -> AttnlabError | No
         what = "a field no item has" if isinstance(error, jinja2.UndefinedError) else "a Jinja syntax error"
         return ConfigError(f"{where}template{text} has {what} ({why}): fix the template", source=source)
     if isinstance(error, KeyError) and error.args:
-        keys = [k for k in SPLIT_KEYS if cfg.get(k) == error.args[0]]
+        keys = [k for k in SPLIT_KEYS if error.args[0] is not None and cfg.get(k) == error.args[0]]
         if keys:
             files = (cfg.get("dataset_kwargs") or {}).get("data_files")
             has = f" (data_files names {', '.join(map(str, files))})" if isinstance(files, dict) else ""
@@ -243,6 +282,30 @@ def _task_problem(cfg: dict, source: str, error: Exception) -> AttnlabError | No
                          f"({type(cause).__name__}: {' '.join(str(cause).split())}): fix the data file")  # fmt: skip
     if isinstance(error, ValueError):  # lm-eval's checks of a task config (an unknown output_type, ...)
         return ConfigError(f"{' '.join(str(error).split())} (fix the task file)", source=source)
+    return None
+
+
+def _metric_problem(cfg: dict) -> str | None:
+    """What is wrong with a metric_list entry lm-eval cannot aggregate, or None: a metric it does not know, without
+    an `aggregation` (lm-eval looks for it in Hugging Face evaluate, then fails with KeyError: None), or an
+    aggregation it does not know."""
+    import lm_eval.api.metrics  # noqa: F401  (registers lm-eval's metrics and aggregations)
+    from lm_eval.api.registry import aggregation_registry, metric_agg_registry
+
+    entries = cfg.get("metric_list")
+    for i, entry in enumerate(entries if isinstance(entries, list) else []):
+        if not isinstance(entry, dict) or not isinstance(entry.get("metric"), str):
+            continue
+        name, aggregation = entry["metric"], entry.get("aggregation")
+        if isinstance(aggregation, str) and aggregation not in aggregation_registry:
+            known = ", ".join(sorted(aggregation_registry))
+            return f"metric_list[{i}].aggregation={aggregation!r} is not an aggregation lm-eval knows (use one of " + (
+                f"{known})")  # fmt: skip
+        if "aggregation" not in entry and name not in metric_agg_registry:
+            close = difflib.get_close_matches(name, list(metric_agg_registry), n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(map(repr, close))}?" if close else "e.g. acc, acc_norm"
+            return (f"metric_list[{i}].metric={name!r} is not a metric lm-eval knows ({hint}): name one, or give its "
+                    "aggregation (a Hugging Face evaluate metric: with hf_evaluate: true)")  # fmt: skip
     return None
 
 
@@ -270,6 +333,10 @@ class _Factory(TaskFactory):
 
     def _build_task(self, entry: Entry, overrides: dict[str, Any] | None) -> Task:
         try:
+            cfg = self._load_full_config(entry, overrides)
+            problem = _metric_problem(cfg)
+            if problem:  # before lm-eval's log lines about it and its KeyError
+                raise ConfigError(problem, source=self._source(entry, cfg))
             return super()._build_task(entry, overrides)
         except AttnlabError:
             raise

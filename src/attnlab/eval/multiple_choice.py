@@ -91,20 +91,49 @@ def _read_text(path: Path) -> str:
         raise DataError(f"{path} cannot be read as UTF-8 text ({e})") from None
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
-    """(line number, object) for every non-blank line."""
-    out = []
-    for line, raw in enumerate(_read_text(path).split("\n"), 1):  # not splitlines: U+2028 may sit in a string
+def _read_jsonl(path: Path, task: str = "", fields: str = "") -> list[tuple[int, Any]]:
+    """(line number, object) for every non-blank line. A file that is one JSON document instead (an array, such as
+    ARC's, or one object over many lines) is said to be that, for `task`, which reads one {`fields`} object a
+    line, not called invalid JSON."""
+    out, text = [], _read_text(path)
+    for line, raw in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit in a string
         if raw.strip():
             try:
                 out.append((line, json.loads(raw)))
             except json.JSONDecodeError as e:
+                _not_jsonl(path, text, task, fields, first=not out)
                 raise DataError(f"{path}:{line}: not valid JSON ({e.msg}, column {e.colno})") from None
             except RecursionError:
                 raise DataError(f"{path}:{line}: {TOO_DEEP}") from None
+            if len(out) == 1 and isinstance(out[0][1], list):  # an array on one line
+                _not_jsonl(path, text, task, fields, first=True)
     if not out:
         raise DataError(f"{path}: no items")
     return out
+
+
+def _not_jsonl(path: Path, text: str, task: str, fields: str, first: bool) -> None:
+    """DataError when `text`, read as JSONL for `task` (its items' `fields`), is one JSON document instead: what
+    it holds, said on its first line only."""
+    whole = _one_document(text) if first and task else None
+    if whole is not None:
+        raise DataError(f"{path}: {task} reads JSONL, one {{{fields}}} object a line; this file is one JSON {whole}: "
+                        f"give a {task} file")  # fmt: skip
+
+
+def _one_document(text: str) -> str | None:
+    """What a text that is one JSON document spread over lines holds ("array of N items (an arc_easy file? ...)",
+    "object spread over N lines"), or None when it is not one."""
+    try:
+        whole = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if isinstance(whole, dict):
+        return f"object spread over {text.count(chr(10)) + 1} lines"
+    if not isinstance(whole, list):
+        return None
+    arc = whole and all(isinstance(item, dict) and {"question", "answerKey"} <= item.keys() for item in whole)
+    return f"array of {len(whole)} items" + (" (an arc_easy file? `attnlab mc arc_easy` reads it)" if arc else "")
 
 
 _WS = re.compile(r"\s*")
@@ -116,7 +145,8 @@ def _read_json_array(path: Path) -> list[tuple[int, Any]]:
     text, decoder, out = _read_text(path), json.JSONDecoder(), []
     pos = _WS.match(text).end()
     if not text.startswith("[", pos):
-        raise DataError(f"{path}: expected one JSON array of items")
+        jsonl = " (this file starts with an object: JSONL, as piqa, winogrande and hellaswag read?)"
+        raise DataError(f"{path}: expected one JSON array of items{jsonl * text.startswith('{', pos)}")
     pos, line, counted = _WS.match(text, pos + 1).end(), 1, 0
     if text.startswith("]", pos):
         raise DataError(f"{path}: no items")
@@ -184,6 +214,11 @@ def _gold(value: Any, n_choices: int, key: str, path: Path, line: int) -> int:
 
 # ----------------------------------------------------------------------------- the four schemas
 
+# the fields of one item of the JSONL tasks, named when a file of another shape is given
+PIQA_FIELDS = '"query", "choices", "gold"'
+WINOGRANDE_FIELDS = '"context_options", "continuation", "gold"'
+HELLASWAG_FIELDS = '"activity_label", "ctx_a", "ctx_b", "endings", "label"'
+
 
 def load_arc_easy(path: str | Path) -> list[Item]:
     """HF `allenai/ai2_arc` schema, one JSON array: {id, question, choices: {text, label}, answerKey}."""
@@ -211,7 +246,7 @@ def load_arc_easy(path: str | Path) -> list[Item]:
 def load_piqa(path: str | Path) -> list[Item]:
     """llm-foundry jsonl: {"query": "Question: {goal}\\n", "choices": [sol1, sol2], "gold": 0|1}."""
     path, items = Path(path), []
-    for index, (line, obj) in enumerate(_read_jsonl(path)):
+    for index, (line, obj) in enumerate(_read_jsonl(path, "piqa", PIQA_FIELDS)):
         query = _get(obj, "query", str, path, line)
         if not (query.startswith("Question: ") and query.endswith("\n")):
             raise DataError(f"{path}:{line}: field 'query' must read 'Question: {{goal}}\\n', got {query[:60]!r}")
@@ -229,7 +264,7 @@ def load_winogrande(path: str | Path) -> list[Item]:
     """MosaicML schema jsonl: {"context_options": [sentence up to the blank with each option], "continuation":
     the text after the blank, "gold": index}. Partial scoring: the continuation after each context."""
     path, items = Path(path), []
-    for index, (line, obj) in enumerate(_read_jsonl(path)):
+    for index, (line, obj) in enumerate(_read_jsonl(path, "winogrande", WINOGRANDE_FIELDS)):
         contexts = _strings(obj, "context_options", path, line)
         continuation = _get(obj, "continuation", str, path, line).strip()
         if not continuation:
@@ -249,7 +284,7 @@ def hellaswag_preprocess(text: str) -> str:
 def load_hellaswag(path: str | Path) -> list[Item]:
     """rowanz/hellaswag jsonl: {ind, activity_label, ctx_a, ctx_b, endings: [4 str], label, ...}."""
     path, items = Path(path), []
-    for index, (line, obj) in enumerate(_read_jsonl(path)):
+    for index, (line, obj) in enumerate(_read_jsonl(path, "hellaswag", HELLASWAG_FIELDS)):
         label, ctx_a, ctx_b = (_get(obj, key, str, path, line) for key in ("activity_label", "ctx_a", "ctx_b"))
         endings = [hellaswag_preprocess(e) for e in _strings(obj, "endings", path, line)]
         if not all(endings):

@@ -129,17 +129,36 @@ def paired_difference(a: dict, b: dict, n_boot: int = 10000, seed: int = 0, leve
             "tokens": int(counts.sum()), "ci_level": level}  # fmt: skip
 
 
-def heldout_split(eval_model, split: str, data_dir: str | None = None) -> np.ndarray:
-    """The token ids of `split` of the dataset the checkpoint was trained on (its saved data config)."""
+def prepared_heldout(eval_model, data_dir: str | None = None):
+    """The prepared dataset the checkpoint was trained on (its saved data config): its held-out splits."""
     data = eval_model.config.get("data")
     if not data:  # InputError: the benchmark's harness names its own dataset parameter in the fix
         raise InputError(
             f"{eval_model.path}: no data config saved with this model (a converted or pretrained model keeps none): "
             "cannot find its held-out split (name a dataset: dataset=wikitext2-raw)"
         )
-    prepared = prepare(DataConfig(**data), data_dir=data_dir, tokenizer=eval_model.tokenizer)  # (a model's: needed)
-    if split not in prepared.splits:
-        raise DataError(f"split {split!r} is not in {prepared.path} (it has {', '.join(prepared.splits)})")
+    return prepare(DataConfig(**data), data_dir=data_dir, tokenizer=eval_model.tokenizer)  # (a model's: needed)
+
+
+def missing_split(eval_model, prepared, split: str, given: str) -> str | None:
+    """Why the model's own prepared data has no split `split` (given as `given`: "split='test'", "--split test"),
+    naming the model, its data and the splits it has, or None."""
+    if split in prepared.splits:
+        return None
+    source = eval_model.config.get("data", {}).get("source")
+    why = ": a source without split files of its own is divided into train and val unless data.test_fraction > 0"
+    why = why if split == "test" else ""
+    return (f"{given}: {eval_model.name}'s data ({source}, prepared in {prepared.path}) has no {split!r} split (it has "
+            f"{', '.join(prepared.splits)}{why})")  # fmt: skip
+
+
+def heldout_split(eval_model, split: str, data_dir: str | None = None) -> np.ndarray:
+    """The token ids of `split` of the dataset the checkpoint was trained on (its saved data config)."""
+    prepared = prepared_heldout(eval_model, data_dir)
+    problem = missing_split(eval_model, prepared, split, f"split={split!r}")
+    if problem:
+        has = "val" if "val" in prepared.splits else prepared.splits[-1]
+        raise InputError(f"{problem}: score one it has (e.g. split={has!r})")
     return prepared.split(split)
 
 

@@ -359,10 +359,13 @@ def warn_unknown_cases(model, suite: ProbeSuite) -> int:
 def distinct_names(models: list) -> None:
     """Gives EvalModels that share a name (runs/a/base/seed0 and runs/b/base/seed0, both base/seed0) the last
     folders of their paths that tell them apart, as bench labels them (records.distinct_labels), so that their
-    tables and records do not mix them up. The same model given twice keeps its name."""
+    tables and records do not mix them up. The same model given twice is an InputError: a head-to-head of a model
+    with itself finds no difference by construction (a typo for another checkpoint, surely)."""
     paths = [str(m.path) if str(m.path).startswith("hf:") else os.path.realpath(m.path) for m in models]
     if len(set(paths)) < len(paths):
-        return
+        twice = next(m for m, path in zip(models, paths, strict=True) if paths.count(path) > 1)
+        raise InputError(f"{twice.path} is given twice: a head-to-head of a model with itself finds no difference "
+                         "by construction: give two different checkpoints (or one, for its table alone)")  # fmt: skip
     labels = distinct_labels(dict(zip(paths, (m.name for m in models), strict=True)))
     for model, path in zip(models, paths, strict=True):
         model.name = labels[path]

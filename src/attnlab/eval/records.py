@@ -222,6 +222,31 @@ AT_LEAST_1 = ("ppl",)
 FRACTIONS = ("acc", "acc_norm", "accuracy", "top1", "greedy")
 
 
+def pair_labels(text: str, models: list[str], records_path: Path) -> tuple[str, str]:
+    """--paired A:B -> (A, B), two labels of `models`: split at the colon that leaves two of them, so that a label
+    holding ':' (from a folder named x:y) can be given as it is. InputError when no colon does (naming the label
+    not found), when two do (ambiguous), and when A is B (a model compared with itself differs by 0, always)."""
+    colons = [i for i, c in enumerate(text) if c == ":"]
+    readings = [(text[:i], text[i + 1 :]) for i in colons if text[:i] in models and text[i + 1 :] in models]
+    if len(readings) > 1:
+        both = " or ".join(f"{a!r} minus {b!r}" for a, b in readings)
+        raise InputError(f"--paired {text}: reads as {both} (labels that hold ':'): rename one of the folders so "
+                         "that the labels tell the pair apart")  # fmt: skip
+    if not readings:
+        halves = [(text[:i], text[i + 1 :]) for i in colons]
+        a, b = next((pair for pair in halves if pair[0] in models or pair[1] in models), halves[0])
+        missing = a if a not in models else b
+        colon = len(colons) > 1 or any(":" in m for m in models)
+        colon = " (a label that holds ':' is given as it is: A:B is split at the colon that leaves two of them)" * colon
+        raise InputError(f"--paired {text}: {records_path} has no records of {missing!r} (its models: "
+                         f"{', '.join(models)}){colon}")  # fmt: skip
+    a, b = readings[0]
+    if a == b:
+        raise InputError(f"--paired {text} compares {a} with itself (its difference is 0 by construction): give two "
+                         "different model labels")  # fmt: skip
+    return a, b
+
+
 def _range_problem(field: str, value) -> str | None:
     """Why a figure that fits its kind is still impossible (below 0, a perplexity below 1, a fraction above 1)."""
     values = value if isinstance(value, list) else [value]

@@ -20,7 +20,7 @@ from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.bench_checks import status_notes
 from attnlab.eval.paired import paired_rows
 from attnlab.eval.plots import plot_val_loss, quiet_missing_glyphs, rank_spectra, region_mass_bars
-from attnlab.eval.records import distinct_labels, latest_records, read_records, record_problem
+from attnlab.eval.records import distinct_labels, latest_records, pair_labels, read_records, record_problem
 from attnlab.eval.stats import paired_comparison
 
 
@@ -411,12 +411,8 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
                              "then run the report again")  # fmt: skip
     records, notes = _latest_and_distinct(records, records_path)
     models = list(dict.fromkeys(r["model"] for r in records))
-    pairs = list(dict.fromkeys(pairs))  # a pair given twice is compared once (its rows would be the same twice)
-    for a, b in pairs:
-        for name in (a, b):
-            if name not in models:
-                raise InputError(f"--paired {a}:{b}: {records_path} has no records of {name!r} (its models: "
-                                 f"{', '.join(models)})")  # fmt: skip
+    # a pair given twice is compared once (its rows would be the same twice)
+    pairs = list(dict.fromkeys(pair_labels(f"{a}:{b}", models, records_path) for a, b in pairs))
     paired, unpaired = paired_table(records, pairs)
     if unpaired and paired is None:  # nothing could be paired: said before anything is written
         raise InputError(f"{records_path}: " + "; ".join(unpaired))
