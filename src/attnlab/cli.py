@@ -20,8 +20,10 @@ from attnlab.accounting import info, memory_note
 from attnlab.attention.registry import REGISTRY
 from attnlab.cli_errors import (
     Parser,
+    check_greedy_flags,
     check_torchrun,
     echoed_by_rank0,
+    escaped_stdout,
     fail,
     interrupted,
     link_loop,
@@ -248,12 +250,13 @@ def cmd_bench(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    check_greedy_flags(args)  # before the model loads
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ConfigError(f"{args.checkpoint}: no tokenizer saved with this checkpoint: cannot encode a prompt")
-    if args.chat and not hasattr(tokenizer, "encode_chat"):
-        raise InputError(f"{args.checkpoint}: --chat needs a pretrained model with a chat template")
+    if args.chat and not getattr(tokenizer, "chat_template", None):  # named as given, not as the tokenizer names it
+        raise InputError(f"{args.checkpoint}: the model has no chat template (--chat needs one; leave it out)")
     prompt = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode_prompt(args.prompt)
     warn_unknown(tokenizer, args.prompt, "the prompt")  # a char or word vocabulary reads what it lacks as <unk>
     new_tokens = args.max_new_tokens
@@ -320,6 +323,7 @@ def cmd_memory_rm(args) -> int:
 
 
 def cmd_memory_query(args) -> int:
+    check_greedy_flags(args)
     store = MemoryStore(args.store, create=False)  # a query only reads the store
     text = query(store, args.name, args.prompt, model_path=args.model, data_dir=args.data_dir,
                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -499,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.choices[name].add_argument(
             "--activations", default="fp32", choices=ACTIVATIONS, help="fp32 (default: exact against the "
             "dequantized weights) or q8: the inputs of q8_0/q4_0/q4_1 layers quantized to 8 bits per block of 32, "
-            "as llama.cpp does (faster decoding, not exact; needs --weights native or a block format)")  # fmt: skip
+            "as llama.cpp does (not exact; needs --weights native or a block format)")  # fmt: skip
     return parser
 
 
@@ -546,7 +550,8 @@ def add_sampling_arguments(p, streams: bool) -> None:
     p.add_argument("--max-new-tokens", type=int, default=default,
                    help=f"at most this many new tokens, >= 0 (default {DEFAULT_NEW_TOKENS}, {limit})")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature, a finite number >= 0 (default 0: greedy)")  # fmt: skip
+                   help="sampling temperature, a finite number >= 0 (default 0: greedy, which --top-k, --top-p "
+                        "and --seed would not change: they need a temperature > 0)")  # fmt: skip
     p.add_argument("--top-k", type=int, default=None,
                    help="sample among the k most likely tokens, k >= 1 (default: all)")  # fmt: skip
     p.add_argument("--top-p", type=float, default=None,
@@ -563,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     the user can act on, see os_error_line) ends in one line on stderr, `attnlab <command>: error: ...`, and
     exit code 2; any other exception is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
-    with warnings.catch_warnings():  # restores warnings.showwarning and the filters on the way out
+    with warnings.catch_warnings(), escaped_stdout():  # restores showwarning, the filters and stdout on the way out
         warnings.simplefilter("always", LengthWarning)  # every cut request said, not only the first
         warnings.showwarning = warning_printer(args.command, warnings.showwarning)
         try:

@@ -7,6 +7,7 @@ are one line (Parser)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from attnlab.data.files import TEMPORARY
 from attnlab.errors import AttnlabWarning, InputError
+from attnlab.generate import greedy_ignores
 from attnlab.paths import system_folder
 
 MAX_LINE = 2000  # characters of an error line; a longer message is cut (its start names the problem)
@@ -275,6 +277,24 @@ def interrupted(command: str) -> int:
     return INTERRUPTED
 
 
+@contextlib.contextmanager
+def escaped_stdout():
+    """stdout writes what its encoding cannot hold as backslash escapes (`\\u2713`), as Python's stderr does, rather
+    than end a finished generation or query in a UnicodeEncodeError (PYTHONIOENCODING=ascii, a C or latin-1
+    locale): the text, all of it that can be shown, is still printed. Restored on the way out."""
+    stream = sys.stdout
+    errors = getattr(stream, "errors", None)
+    if errors != "strict" or not hasattr(stream, "reconfigure"):
+        yield
+        return
+    stream.reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError, OSError):  # closed (a broken pipe), nothing left to restore
+            stream.reconfigure(errors=errors)
+
+
 def warning_printer(command: str, show):
     """warnings.showwarning that prints an AttnlabWarning (e.g. a LengthWarning) as one line (`attnlab generate:
     warning: ...`)."""
@@ -315,6 +335,19 @@ def echoed_by_rank0(error: Exception) -> bool:
     if not isinstance(error, (ConfigError, InputError)) or not os.environ.get("TORCHELASTIC_RUN_ID"):
         return False
     return os.environ.get("RANK", "0").strip() not in ("", "0") and os.environ.get("WORLD_SIZE", "1").strip() != "1"
+
+
+def check_greedy_flags(args) -> None:
+    """InputError for --top-k, --top-p or --seed given without a --temperature > 0 (`generate`, `memory query`):
+    temperature 0, the default, is greedy, which they would not change, and the same text every time would pass
+    for a sample. Checked before the model loads; attnlab.generate refuses the same (greedy_ignores)."""
+    ignored = greedy_ignores(args.temperature, args.top_k, args.top_p, args.seed)
+    if ignored:
+        given = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in ignored.items())
+        applies = "applies" if len(ignored) == 1 else "apply"
+        raise InputError(f"{given} only {applies} when sampling: give --temperature > 0 too (--temperature "
+                         f"{args.temperature:g} is greedy: the most likely token every time, nothing is "
+                         "sampled)")  # fmt: skip
 
 
 def check_torchrun(command: str) -> None:

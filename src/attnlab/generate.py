@@ -232,6 +232,16 @@ def check_sampling(max_new_tokens=32, temperature=0.0, top_k=None, top_p=None, s
         raise InputError("; ".join(problems))
 
 
+def greedy_ignores(temperature, top_k=None, top_p=None, seed=None) -> dict:
+    """The sampling arguments given (top_k, top_p, seed not None) with temperature 0, which is greedy: they would
+    change nothing, and the same text whatever they say would pass for a sample. generate() refuses them (the
+    CLI's --top-k, --top-p and --seed too); lm-eval's tasks may hold them beside do_sample: false and are not
+    checked here."""
+    if _real(temperature) != 0:
+        return {}
+    return {name: value for name, value in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if value is not None}
+
+
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator) -> torch.Tensor:
     """logits (B, V) -> next tokens (B, 1). temperature 0 is greedy (argmax)."""
     if temperature == 0:
@@ -271,7 +281,8 @@ def generate(
 ) -> torch.Tensor:
     """Continues prompt(s): a list of ids or a (T,) / (B, T) tensor. Returns the new tokens, (N,) or (B, N).
 
-    Greedy when temperature is 0. Stops once every sequence has produced a stop token (the stop token
+    Greedy when temperature is 0 (top_k, top_p and seed then change nothing: given, they are refused, InputError;
+    see `greedy_ignores`). Stops once every sequence has produced a stop token (the stop token
     is included) or after max_new_tokens. `seed` makes sampling reproducible. `kv_policy` (a KVPolicy or
     a string such as "k=q8_0,v=q4_0,resid=128") stores the KV cache quantized. Bad arguments raise
     InputError (see `check_sampling`): temperature finite and >= 0, top_k >= 1, top_p in (0, 1],
@@ -299,6 +310,13 @@ def generate(
     callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
+    ignored = greedy_ignores(temperature, top_k, top_p, seed)
+    if ignored:
+        given = ", ".join(f"{name}={value!r}" for name, value in ignored.items())
+        applies = "applies" if len(ignored) == 1 else "apply"
+        raise InputError(f"{given} only {applies} when sampling: give temperature > 0 too (temperature="
+                         f"{temperature!r} is greedy: the most likely token every time, nothing is "
+                         "sampled)")  # fmt: skip
     max_new_tokens = operator.index(max_new_tokens)
     top_k = None if top_k is None else operator.index(top_k)
     seed = None if seed is None else operator.index(seed)

@@ -49,7 +49,9 @@ class DecoupledConfig(AttentionConfig):
     def problems(self, model: ModelConfig) -> list[str]:
         heads = model.n_heads
         out = check_kv_heads(self.n_kv_heads, heads)
-        for key, width in (("d_sem", self.d_sem), ("d_geo", self.d_geo), ("d_v", self.value_dim)):
+        # An unset d_v (d_sem + d_geo) is a multiple when both are: its problem is theirs, said once, under their names.
+        given = (("d_sem", self.d_sem), ("d_geo", self.d_geo)) + ((("d_v", self.d_v),) if self.d_v is not None else ())
+        for key, width in given:
             if width < 1 or width % heads:
                 out.append(f"attention.{key}={width} must be a positive multiple of n_heads={heads} (per-head width)")
         if out:

@@ -85,6 +85,16 @@ def rope_settings(hf: dict, default: float) -> tuple[float, RopeScaling | None, 
                 "them say the same"
             )
             return 10000.0, None, problems
+    theta, top = params.get("rope_theta"), hf.get("rope_theta")  # (export.py writes both, for transformers 4 and 5)
+    if theta is not None:  # with rope_theta given too, the two must agree
+        if isinstance(theta, bool) or not isinstance(theta, int | float):
+            return 10000.0, None, [f"rope_parameters.rope_theta={json.dumps(theta)} must be a number"]
+        if top is not None and float(top) != float(theta):
+            problems.append(
+                f"rope_theta={top!r} and rope_parameters.rope_theta={theta!r} disagree (transformers silently "
+                "takes rope_parameters'): keep one of them, or make them say the same"
+            )
+            return 10000.0, None, problems
     if rope_type not in ROPE_TYPES:
         problems.append(
             f"rope_type={rope_type!r} is not supported (attnlab applies plain RoPE and the linear and llama3 "
@@ -92,7 +102,7 @@ def rope_settings(hf: dict, default: float) -> tuple[float, RopeScaling | None, 
         )
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         problems.append("partial_rotary_factor != 1 is not supported (attnlab rotates every channel of a head)")
-    base = float(params.get("rope_theta", hf.get("rope_theta", default)))
+    base = float(theta if theta is not None else top if top is not None else default)
     options = {"linear": ("factor",), "llama3": LLAMA3_KEYS}.get(rope_type, ()) if rope_type in ROPE_TYPES else ()
     missing = [key for key in options if scaling.get(key) is None]
     if missing:
@@ -162,7 +172,8 @@ def config_from_hf(hf: dict, source: str = "config.json", name: str | None = Non
     cannot express (a bias on o_proj or the MLP, another activation, another RoPE scaling, per-layer attention,
     ...) is refused in one ConfigError listing every problem."""
     arch = architecture_of(hf, source)
-    hf = {**DEFAULTS[arch], **{k: v for k, v in hf.items() if v is not None}}
+    given = {k: v for k, v in hf.items() if v is not None}  # rope_settings tells a given rope_theta from a default
+    hf = {**DEFAULTS[arch], **given}
     problems = [f"{key} is missing" for key in REQUIRED_KEYS if key not in hf]
     problems += field_type_problems(hf)
     if problems:  # the checks below read these fields
@@ -174,7 +185,7 @@ def config_from_hf(hf: dict, source: str = "config.json", name: str | None = Non
             "attention_bias/mlp_bias=True is not supported (attnlab has biases on q/k/v only, as Qwen2; "
             "Llama's attention_bias puts one on o_proj too)"
         )
-    base, scaling, rope_problems = rope_settings(hf, DEFAULTS[arch]["rope_theta"])
+    base, scaling, rope_problems = rope_settings(given, DEFAULTS[arch]["rope_theta"])
     window, window_problems = attention_window(hf, arch)
     problems += rope_problems + window_problems
     if problems:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,19 +193,25 @@ def _load_run(path: Path, dtype, data_dir, tag: str) -> LoadedModel:
     loaded = load_checkpoint(path, tag=tag)
     model = loaded.model if dtype == torch.float32 else loaded.model.to(dtype)
     data = loaded.config.get("data")
-    tokenizer = None
+    record = (loaded.trainer or {}).get("tokenizer")  # what training saved in tokenizer/ (runs since it was recorded)
+    tokenizer, refitted = None, False
     if data and (loaded.run_dir / "tokenizer").is_dir():  # damaged, it is refused: never another in its place
         tokenizer = load_tokenizer(data["tokenizer"], loaded.run_dir / "tokenizer", data_dir=data_dir)
     elif data:  # a fixed tokenizer (byte, gpt2) needs no folder; a fitted one of a run from before runs saved theirs
         try:
             tokenizer = load_tokenizer(data["tokenizer"], data_dir=data_dir)
         except DataError:
-            tokenizer = prepare(DataConfig(**data), data_dir=data_dir).tokenizer
+            tokenizer, refitted = prepare(DataConfig(**data), data_dir=data_dir).tokenizer, True
+        problem = refitted_problem(record, tokenizer) if refitted and isinstance(record, dict) else None
+        if problem is not None:  # fitted again on text that has changed since: other ids, silently
+            raise DataError(f"{loaded.run_dir}: its tokenizer/ folder is gone, and the {data['tokenizer']} tokenizer "
+                            f"fitted again on {data['source']} is not the one the run was trained with ({problem}): "
+                            "the text has changed since; restore tokenizer/ from a copy of the run (or the text as "
+                            "it was)")  # fmt: skip
     elif (loaded.folder / "tokenizer" / "tokenizer.json").is_file():  # a converted pretrained model's (attnlab convert)
         tokenizer = tokenizer_from_folder(loaded.folder / "tokenizer", name=loaded.config.get("tokenizer"))
     folder = loaded.run_dir / "tokenizer"
     if data and folder.is_dir():  # another run's tokenizer copied in: other ids (or ids past the embedding)
-        record = (loaded.trainer or {}).get("tokenizer")  # what training saved there (runs since it was recorded)
         problem = tokenizer_problem(record, tokenizer, folder) if isinstance(record, dict) else None
         if tokenizer.vocab_size > loaded.cfg.vocab_size:  # (the one check a run from before the record gets)
             size = loaded.cfg.vocab_size
@@ -213,6 +220,14 @@ def _load_run(path: Path, dtype, data_dir, tag: str) -> LoadedModel:
             raise DataError(f"{folder}: {problem}: it is not the tokenizer this model was trained with (copy the run's "
                             "own tokenizer/ folder back, or delete it to use the prepared data's)")  # fmt: skip
     return LoadedModel(loaded.cfg, model, tokenizer, loaded.config, reference_label(loaded.run_dir), loaded.folder)
+
+
+def refitted_problem(record: dict, tokenizer: Tokenizer) -> str | None:
+    """Why `tokenizer`, fitted again from a run's data because its tokenizer/ folder is gone, is not the one the run
+    recorded (tokenizer_record), or None: its files, saved as training saved them, are compared with the record."""
+    with tempfile.TemporaryDirectory(prefix="attnlab-tokenizer-") as folder:
+        tokenizer.save(folder)
+        return tokenizer_problem(record, tokenizer, folder)
 
 
 def parse_hub_ref(ref: str) -> tuple[str, str | None]:

@@ -168,6 +168,28 @@ def _load_model(path: str | Path, data_dir: str | None):
     return loaded
 
 
+def recorded_model(ref: str | Path, data_dir: str | None) -> str:
+    """What a memory records of the model it was made with, so that `memory query` finds it again from anywhere:
+    a Hub reference as given (hf:ORG/NAME), anything else where it was found (a name looked up in the data
+    directory included), as an absolute path."""
+    if str(ref).startswith("hf:"):
+        return str(ref)
+    from attnlab.interop.references import resolve
+
+    return str(Path(resolve(str(ref), data_dir)[1]).resolve())
+
+
+def _gone(path: str) -> bool:
+    """Whether nothing is at `path` any more (a folder that cannot be read is still there: loading it says why)."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def too_large(*docs: Path) -> str:
     """What is said when documents run out of memory while read and tokenized (each is read whole)."""
     try:
@@ -218,7 +240,7 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
     if not ids:
         names = ", ".join(str(doc) for doc, _, _ in texts)
         raise InputError(f"the documents hold no text to ingest ({names}): give files with text in them")
-    model_path = str(Path(model_path).resolve())
+    model_path = recorded_model(model_path, data_dir)
     cache = model.new_cache(1)
     try:
         ids = torch.tensor([ids], device=loaded.device)  # (1, T)
@@ -250,6 +272,10 @@ def query(store: MemoryStore, name: str, prompt: str, model_path: str | Path | N
         raise StoreError(f"{store.path(entry)}: the state file of memory {name!r} is missing (deleted or moved): "
                          f"re-ingest the documents (attnlab memory ingest MODEL DOCS --name {name} --replace), or "
                          f"remove the entry (attnlab memory rm {name})")  # fmt: skip
+    moved = not entry.model_path.startswith("hf:") and _gone(entry.model_path)  # moved or deleted since the ingest
+    if model_path is None and moved:
+        raise StoreError(f"memory {name!r} was made with {entry.model_path}, which is gone (moved or deleted): give "
+                         "its new place with --model, or re-ingest the documents")  # fmt: skip
     loaded = _load_model(model_path or entry.model_path, data_dir)
     cache, header = load_state(store.path(entry), loaded.model)
     if header["sha256"] != entry.state_sha256:

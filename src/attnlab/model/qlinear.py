@@ -293,9 +293,10 @@ def quantize_weights(model: nn.Module, fmt: str) -> nn.Module:
 
 def set_activations(model: nn.Module, activations: str) -> nn.Module:
     """Sets what every QuantizedLinear of `model` multiplies its input as: "fp32" (the default: exact against the
-    dequantized weights) or "q8" (8-bit codes per block of 32, llama.cpp's arithmetic: integer dot products, not exact;
-    layers held in fp16 keep float32). Returns the model. InputError for another value, or for "q8" on a model without a layer
-    whose weights have codes (nothing would change: quantize its weights first, or load them natively)."""
+    dequantized weights) or "q8" (8-bit codes per block of 32, llama.cpp's arithmetic: integer dot products, not
+    exact; layers held in fp16 keep float32). Returns the model. InputError for another value, or for "q8" on a
+    model without a layer whose weights have codes (nothing would change: quantize its weights first, or load them
+    natively)."""
     if activations not in ACTIVATIONS:
         raise InputError(f"activations={activations!r} is not known (use {' or '.join(ACTIVATIONS)})")
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
