@@ -62,6 +62,7 @@ import torch
 import yaml
 
 from attnlab.config import (
+    DATA_SOURCES,
     MAX_SEED,
     DataConfig,
     ModelConfig,
@@ -76,13 +77,14 @@ from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
 from attnlab.manifest_pretrained import (
+    plain_name_problem,
     pretrained_model_problems,
     pretrained_source,
 )
 from attnlab.manifest_vars import check_vars, resolve_vars, substitute, undefined_keys
 from attnlab.model.transformer import build_model
 from attnlab.paths import brief, name_problem
-from attnlab.train.budget import batch_memory_problem
+from attnlab.train.budget import batch_memory_problem, positions_memory_problem
 from attnlab.train.optim import trainable_problem
 from attnlab.train.warm_start import architecture_problem
 
@@ -92,6 +94,7 @@ TARGET_KEYS = ("description", "phases", "init_from", *SECTION_KEYS)
 PHASE_KEYS = ("name", *SECTION_KEYS)
 PLACEHOLDER_VOCAB = {"gpt2": 50257, "byte": 260, "word": 33280, "char": 256}
 FIXED_VOCAB = {"gpt2": 50257, "byte": 257}  # tokenizers whose vocabulary does not depend on the data
+OWN_SPLITS = tuple(s for s in DATA_SOURCES if s.startswith("wikitext"))  # with val/test files (others: by hash)
 # init_from a pretrained model: the conversion's options (attnlab convert's) and what `model` may change
 
 
@@ -158,8 +161,11 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 
 def parse_set(assignments: list[str] | tuple[str, ...]) -> dict:
-    """['train.lr=3e-4', 'model.attention.d_sem=64'] -> nested dict; values parsed as YAML scalars."""
+    """['train.lr=3e-4', 'model.attention.d_sem=64'] -> nested dict; values parsed as YAML scalars. A key set twice
+    (given twice, or inside a mapping given by another --set) is refused: the last would silently win, and a key
+    given twice in a YAML file is refused too."""
     out: dict = {}
+    given: dict[tuple[str, ...], str] = {}  # each key set so far -> its value as given
     for item in assignments:
         key, sep, raw = item.partition("=")
         parts = [part.strip() for part in key.split(".")]
@@ -178,8 +184,28 @@ def parse_set(assignments: list[str] | tuple[str, ...]) -> dict:
                     f"--set {brief(item)}: {'.'.join(parts[: i + 1])} is set to a value by an earlier --set, "
                     "so it has no keys"
                 )
+        path = tuple(parts)
+        if parts[-1] in node:
+            raise ConfigError(_set_twice(path, raw, given))
         node[parts[-1]] = value
+        given[path] = raw
     return out
+
+
+def _shown(raw: str) -> str:
+    text = " ".join(raw.split())
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _set_twice(path: tuple[str, ...], raw: str, given: dict[tuple[str, ...], str]) -> str:
+    """The line refusing a --set of `path` whose key an earlier --set set already: the same key, a mapping holding
+    it, or (path naming a mapping) one of its keys."""
+    name = ".".join(path)
+    if path in given:
+        return f"--set {name} is given twice ({_shown(given[path])}, then {_shown(raw)}): give it once"
+    earlier = next(k for k in given if k[: len(path)] == path or path[: len(k)] == k)
+    return (f"--set {name}={_shown(raw)} sets what --set {'.'.join(earlier)}={_shown(given[earlier])} set before it "
+            f"(the last would silently win): give each key once")  # fmt: skip
 
 
 def _check_keys(data: Any, allowed: tuple[str, ...], where: str, problems: list[str]) -> dict:
@@ -237,6 +263,15 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
         spec["data"] = section_from_dict(DataConfig, config.get("data"), "data.")
     except ConfigError as e:
         problems.extend(f"{where}: {p}" for p in e.problems)
+    data = spec.get("data")
+    if data is not None and data.val_fraction == 0 and data.source not in OWN_SPLITS:
+        # Training scores the validation split (every eval_every steps and at the end): it would be refused then,
+        # after writing the run's folder.
+        problems.append(
+            f"{where}: data.val_fraction=0 leaves data.source={brief(data.source)} no validation split (only "
+            f"{', '.join(OWN_SPLITS)} have their own), and training scores one every train.eval_every steps and at "
+            "its end: give data.val_fraction > 0 (e.g. 0.05)"
+        )
     train = config.get("train")
     if isinstance(train, dict) and isinstance(train.get("trainable"), str):  # not a list: not one per character
         problems.append(f"{where}: {trainable_string_problem(train['trainable'])}")
@@ -292,6 +327,9 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
         problem = batch_memory_problem(cfg, spec["train"], known)
         if problem:
             problems.append(f"{where}: {problem}")
+    problem = positions_memory_problem(cfg)  # built with the model: the run would end in the allocator
+    if problem:
+        problems.append(f"{where}: {problem}")
     max_tokens = spec["data"].max_tokens if "data" in spec else None
     if "train" in spec and max_tokens is not None and max_tokens <= spec["train"].seq_len:
         problems.append(
@@ -448,6 +486,10 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                                             and (names_model(start_from) or start_from.startswith("."))):  # fmt: skip
             source, start_from = pretrained_source(start_from, f"{where}.init_from", problems), None
             source["target"] = name_  # whose conversion (<target>/converted) the target's runs start from
+            problem = plain_name_problem(source["model"], f"{where}.init_from", targets)
+            if problem and source["model"] in targets:  # {model: a} meant init_from: a
+                problems.append(problem)
+                source["model"] = None
         elif start_from is not None and not isinstance(start_from, str):
             problems.append(
                 f"{where}.init_from={brief(start_from)} must be a target name or a model reference, got "
@@ -498,7 +540,11 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                     )
                 )
             ):  # the pretrained model's own (data.tokenizer in `defaults` naming the tokenizer it was trained with)
-                merged.setdefault("data", {})["tokenizer"] = source["model"]
+                problem = plain_name_problem(source["model"], f"{where}.init_from", ())
+                if problem is None:
+                    merged.setdefault("data", {})["tokenizer"] = source["model"]
+                elif problem not in problems:  # (not data.tokenizer='NAME' is not known: the user wrote no tokenizer)
+                    problems.append(problem)
             model_section = merged.get("model")
             if inherited is not None and isinstance(model_section, dict) and "attention" not in model_section:
                 merged["model"] = {**model_section, "attention": copy.deepcopy(inherited)}

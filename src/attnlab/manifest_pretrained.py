@@ -3,9 +3,10 @@ what their model sections may change (the rest is fixed by the weights), and the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from attnlab.config import checkpointing_memory_problem, source_problem, untrainable_memory_problem
+from attnlab.config import checkpointing_memory_problem, names_model, source_problem, untrainable_memory_problem
 from attnlab.config_checks import MAX_INT, unknown_key_problem
 from attnlab.interop.convert import PAIR_RULES
 from attnlab.paths import brief
@@ -78,6 +79,19 @@ def pretrained_source(value: Any, where: str, problems: list[str]) -> dict:
         if problem:
             problems.append(problem)
     return source
+
+
+def plain_name_problem(ref: Any, where: str, targets) -> str | None:
+    """init_from {model: NAME} with a plain name (no folder separator, not .gguf, not hf:): the mapping form takes a
+    model reference, which data.tokenizer then defaults to, and a plain name is no tokenizer (a model is named there
+    by a path with a /). A target's name is said to be one (init_from: NAME names a target). None for other refs."""
+    if not isinstance(ref, str) or not ref.strip() or names_model(ref):
+        return None
+    if ref in targets and not Path(ref).exists():
+        return (f"{where}.model={ref!r}: no such model file or folder (the mapping form takes a model reference; a "
+                f"target is named as init_from: {ref})")  # fmt: skip
+    return (f"{where}.model={ref!r} is not a model reference: name a model folder by a path with a / (./{ref} for "
+            "one in the working directory), a model file by its .gguf name, a Hub model as hf:ORG/NAME")  # fmt: skip
 
 
 def calibration_tokens_problem(tokens: int, what: str) -> str | None:

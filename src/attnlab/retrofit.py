@@ -31,7 +31,7 @@ from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import RunSpec
 from attnlab.manifest_pretrained import MIN_CALIBRATION_TOKENS, PRETRAINED_CHANGES
 from attnlab.model.transformer import build_model
-from attnlab.train.budget import batch_memory_problem
+from attnlab.train.budget import batch_memory_problem, positions_memory_problem
 from attnlab.train.optim import trainable_problem
 
 CONVERTED = "converted"
@@ -167,7 +167,7 @@ def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> 
                 f"{where}: train.seq_len={spec.train.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len} "
                 "(lower train.seq_len, or raise model.max_seq_len)"
             )
-        problem = batch_memory_problem(cfg, spec.train, cfg.vocab_size)
+        problem = batch_memory_problem(cfg, spec.train, cfg.vocab_size) or positions_memory_problem(cfg)
         if problem:
             problems.append(f"{where}: {problem}")
         if spec.train.trainable is not None:

@@ -46,7 +46,14 @@ from attnlab.train.distributed import barrier, dist_env, init_distributed, prepa
 from attnlab.train.fsdp import check_launch
 from attnlab.train.lock import LOCK_NAME, busy_problem, run_lock
 from attnlab.train.loop import full_config, pick_device, train, vocab_problem
-from attnlab.train.resume import check_resume, config_differences, data_change, data_fingerprint, source_file_change
+from attnlab.train.resume import (
+    check_resume,
+    config_differences,
+    data_change,
+    data_fingerprint,
+    source_file_change,
+    step_problem,
+)
 from attnlab.train.signals import first_interrupt_only
 
 
@@ -330,6 +337,9 @@ def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_di
                 return f"would be refused: {problem}"
         checkpoint = find_checkpoint(run_dir) if resume else None
         if checkpoint is not None:
+            problem = step_problem(checkpoint)
+            if problem:
+                return f"would be refused: {problem}"
             config = _dry_config(spec, converted, meta, checkpoint.config)
             differences = config_differences(checkpoint.config, config) if config is not None else []
             if differences:

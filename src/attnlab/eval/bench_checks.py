@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import Counter
 
 from attnlab.accounting import kv_report
+from attnlab.cache.codecs import FLOAT_FORMATS
+from attnlab.paths import brief
 from attnlab.train.budget import _size, machine_memory
 
 MIN_PERPLEXITY_TOKENS = 2  # a bootstrap interval over windows needs two windows at least
@@ -30,6 +32,11 @@ def parameter_problems(name: str, params: dict, where: str = "benchmarks") -> li
         if new_tokens is not None and new_tokens < 2:
             problems.append(f"{where}.latency.new_tokens={new_tokens} must be >= 2 (the first token ends the prefill; "
                             "the decode speed is timed over the tokens after it)")  # fmt: skip
+    dtype = params.get("cache_dtype") if name == "memory" else None
+    if isinstance(dtype, str) and dtype not in FLOAT_FORMATS:  # (else named by the cache's accounting, unprefixed)
+        problems.append(f"{where}.memory.cache_dtype={brief(dtype)} is not known (use one of "
+                        f"{', '.join(FLOAT_FORMATS)}; for a quantized cache set memory.kv_policy, e.g. "
+                        "k=q8_0,v=q8_0)")  # fmt: skip
     if name == "perplexity":
         max_tokens = whole("max_tokens")
         if max_tokens is not None and max_tokens < MIN_PERPLEXITY_TOKENS:
@@ -84,10 +91,14 @@ def context_problem(name: str, full: dict, cfg, label: str, train_seq_len: int |
     what = "nothing would be measured" if len(past) == len(cells) else "it would not be measured"
     limit, one = cfg.max_seq_len, len(past) == 1
     exceed = "exceeds" if one else "exceed"
-    if name == "latency":
-        longest = max(0, limit - full["new_tokens"] + 1)
+    if name == "latency":  # a cell fits when prompt + new_tokens - 1 <= max_seq_len (speed.run_latency)
+        longest, fewer = limit - full["new_tokens"] + 1, limit - max(past) + 1
+        fixes = [f"prompt lengths <= {longest}"] if longest >= 1 else []
+        if fewer >= 2:  # (new_tokens >= 2: the decode is timed after the first token)
+            fixes.append(f"new_tokens <= {fewer} for prompt{'s up to' if len(past) > 1 else ''} {max(past)}")
+        fix = " or ".join(fixes) or f"prompt lengths < {limit}, and new_tokens <= {limit + 1} - the prompt length"
         return (f"benchmarks.latency: prompt {_join(past)} + {full['new_tokens']} new tokens exceed {label}'s "
-                f"max_seq_len {limit} ({what}): give prompt lengths <= {longest}, or fewer new_tokens")  # fmt: skip
+                f"max_seq_len {limit} ({what}): give {fix}")  # fmt: skip
     if name == "rope_extrapolation":
         return (f"benchmarks.rope_extrapolation.factors={_list(cells)}: {_join(past)} {how} {exceed} {label}'s "
                 f"max_seq_len {limit} ({what}): give factors <= {limit / train_seq_len:g}")  # fmt: skip

@@ -392,11 +392,16 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         spec = {b: spec.get(b, {}) for b in benchmarks}
         chosen_by = "--benchmarks"
     spec = {k: dict(v or {}) for k, v in spec.items()}
+    given: dict[str, str] = {}  # each BENCHMARK.PARAM set so far -> its value as given
     for item in sets:  # --set perplexity.split=val
         key, sep, raw_value = item.partition("=")
         bench, _, param = key.partition(".")
         if not sep or not bench or not param:  # (no `=` is not a null: that is `PARAM=`, as `run --set` reads it)
             raise ConfigError(f"--set {brief(item)} must look like BENCHMARK.PARAM=VALUE")
+        if key in given:  # the last would silently win (as `run --set` and a YAML key given twice, refused)
+            shown = [" ".join(v.split())[:40] for v in (given[key], raw_value)]
+            raise ConfigError(f"--set {key} is given twice ({shown[0]}, then {shown[1]}): give it once")
+        given[key] = raw_value
         if bench in BENCHMARKS and bench not in spec:  # a --set sets a parameter: it never adds a benchmark
             how = f"add {bench} to {chosen_by}" if chosen_by else "name it in --benchmarks (with the ones you want)"
             raise ConfigError(f"--set {brief(item)}: {bench} is not among the benchmarks to run ({', '.join(spec)}): "

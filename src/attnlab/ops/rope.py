@@ -9,6 +9,8 @@ import weakref
 import torch
 from torch import nn
 
+from attnlab.errors import ConfigError
+
 
 def inverse_frequencies(dim: int, base: float, scaling=None) -> torch.Tensor:
     """(dim/2,) fp32: pair i turns at base^(-2i/dim) radians per position (transformers' Llama arithmetic),
@@ -79,7 +81,10 @@ class Rotary(nn.Module):
         self.scaling = scaling
         self.register_buffer("cos", torch.empty(0, dim // 2), persistent=False)  # (S, dim/2)
         self.register_buffer("sin", torch.empty(0, dim // 2), persistent=False)
-        self.extend(max_seq_len)
+        try:
+            self.extend(max_seq_len)
+        except MemoryError as e:  # (commands check the tables' size first: train.budget.positions_memory_problem)
+            raise ConfigError(f"model.max_seq_len={max_seq_len:,}: {e} (lower model.max_seq_len)") from None
 
     def extend(self, length: int) -> None:
         """Tables for positions 0..length-1 (never shrinks; the rows already there keep their values)."""
@@ -92,9 +97,18 @@ class Rotary(nn.Module):
         if any(t is None for t in tables):
             # Same float32 arithmetic as transformers' Llama, so imported models match to 1e-6.
             inv_freq = inverse_frequencies(self.dim, self.base, self.scaling)
-            angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None]  # (S, dim/2)
             device, dtype = self.cos.device, self.cos.dtype  # the buffers keep the module's device and dtype
-            tables = [angles.cos().to(device, dtype), angles.sin().to(device, dtype)]
+            try:
+                angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None]  # (S, dim/2)
+                tables = [angles.cos().to(device, dtype), angles.sin().to(device, dtype)]
+            except RuntimeError as e:  # the allocator's "not enough memory" (torch.OutOfMemoryError on a GPU)
+                if "memory" not in str(e).lower():
+                    raise
+                size = 3 * length * (self.dim // 2) * 4
+                raise MemoryError(
+                    f"the RoPE tables of {length:,} positions x {self.dim // 2} rotated pairs (float32 "
+                    f"cos, sin and their angles, {size / 2**30:,.1f} GiB) do not fit in memory"
+                ) from None
             for name, table in zip(("cos", "sin"), tables, strict=True):
                 _TABLES[(*key, name)] = table
         self.cos, self.sin = tables

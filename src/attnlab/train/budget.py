@@ -1,5 +1,5 @@
-"""A batch far too large for this machine, refused before anything runs instead of killed by the kernel's
-out-of-memory killer minutes later without a word.
+"""A batch (or a model.max_seq_len) far too large for this machine, refused before anything runs instead of killed
+by the kernel's out-of-memory killer minutes later without a word, or ending in the allocator's traceback.
 
 The estimate is a floor, so that no batch that fits is refused: measured on this project's models in fp32, one
 training step keeps ~35 floats per token for each d_model x layer (activations and their gradients) and ~3 per
@@ -62,4 +62,28 @@ def batch_memory_problem(model_cfg, train_cfg, vocab_size: int | None = None) ->
         f"needs at least {_size(need)} for one training step (a low estimate from d_model, n_layers"
         f"{' and the vocabulary' if vocab_size else ''}), more than this machine's {_size(have)} of memory: lower "
         "train.batch_size or train.seq_len (raise train.grad_accum to keep the tokens per update)"
+    )
+
+
+def rope_table_bytes(model_cfg) -> tuple[int, int]:
+    """(bytes per position, rotated pairs) of the RoPE tables a model of `model_cfg` builds for its max_seq_len
+    positions: float32 cos and sin for each width of rotated channels its attention declares (the cache layout's
+    rope fields; layers and fields alike share one table, ops.rope.Rotary), and the angles table the widest is
+    computed from."""
+    widths = {f.width for f in model_cfg.attention.cache_layout(model_cfg).fields if f.rope}
+    pairs = [width // 2 for width in widths]
+    return (2 * sum(pairs) + max(pairs, default=0)) * BYTES_PER_FLOAT, sum(pairs)
+
+
+def positions_memory_problem(model_cfg) -> str | None:
+    """Why the per-position tables of model.max_seq_len positions (RoPE's cos and sin, built with the model) cannot
+    fit this machine's memory, or None."""
+    per_position, pairs = rope_table_bytes(model_cfg)
+    need, have = model_cfg.max_seq_len * per_position, machine_memory()
+    if have is None or not per_position or need <= have:
+        return None
+    return (
+        f"model.max_seq_len={model_cfg.max_seq_len:,} needs at least {_size(need)} for its RoPE tables (float32 cos "
+        f"and sin of every position x {pairs} rotated pairs, and the angles they are computed from), more than "
+        f"this machine's {_size(have)} of memory: lower model.max_seq_len (at most {have // per_position:,} fit)"
     )

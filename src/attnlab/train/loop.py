@@ -21,7 +21,7 @@ from attnlab.data.files import atomic_write_text
 from attnlab.data.tokenizers import tokenizer_record
 from attnlab.errors import ConfigError, DivergedError, InputError
 from attnlab.model.transformer import build_model
-from attnlab.train.budget import batch_memory_problem
+from attnlab.train.budget import batch_memory_problem, positions_memory_problem
 from attnlab.train.checkpoint import (
     WEIGHTS,
     CheckpointError,
@@ -175,10 +175,11 @@ def train(
         raise ConfigError(f"train.seq_len={train_cfg.seq_len} exceeds model max_seq_len={model_cfg.max_seq_len}")
     prepared = prepared or prepare_rank0_first(data_cfg, data_dir, dist_info)
     prepared.verify()  # every split's sha256 and id range, before anything is written
+    val_tokens = prepared.split("val")  # scored every eval_every steps: a data without one is refused here already
     problem = vocab_problem(model_cfg.vocab_size, prepared.vocab_size)
     if problem:
         raise ConfigError(problem)
-    problem = batch_memory_problem(model_cfg, train_cfg, model_cfg.vocab_size)
+    problem = batch_memory_problem(model_cfg, train_cfg, model_cfg.vocab_size) or positions_memory_problem(model_cfg)
     if problem:
         raise ConfigError(problem)
     config = full_config(model_cfg, data_cfg, train_cfg)
@@ -239,7 +240,6 @@ def train(
         train_model = torch.compile(train_model)
     if dist_info.enabled and not sharded:
         train_model = torch.nn.parallel.DistributedDataParallel(train_model)
-    val_tokens = prepared.split("val")
     data = data_fingerprint(prepared.meta)  # in every checkpoint: a resume on other data is refused
 
     def run_eval() -> dict:  # every process scores its share of the windows

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from attnlab.data.files import sha256_file
 from attnlab.errors import ConfigError, DataError
+from attnlab.train.checkpoint import CheckpointError
 
 HOW = "restore the data as it was to resume, or train into a new --out"
 
@@ -108,10 +109,41 @@ def token_count_change(trainer: dict, n_tokens: int, source: str, where: str) ->
             f"{then:,} then); {HOW}")  # fmt: skip
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def step_problem(checkpoint) -> str | None:
+    """Why a checkpoint's trainer.json does not say where the run stands, or None: its step is not its folder's
+    (step-N, which the runner names as the step it resumes from), or its sampler has not drawn step x grad_accum
+    batches. The loop would count from one and draw the batches of the other: extra (or missing) steps, other
+    weights than an uninterrupted run's. Values of the wrong type (or < 0) are named by train.loop.resumed_state."""
+    trainer, path = checkpoint.trainer, checkpoint.path / "trainer.json"
+    step, folder = trainer.get("step"), checkpoint.path.name
+    fix = ("the file was changed after it was written: restore it from a copy, or delete the run's checkpoints to "
+           "train again from the start")  # fmt: skip
+    if not _whole(step) or step < 0:
+        return None
+    if folder.startswith("step-") and folder[5:].isdigit() and int(folder[5:]) != step:
+        return f"{path}: step={step} is not its folder's {int(folder[5:])} ({folder}); {fix}"
+    sampler = trainer.get("sampler") if isinstance(trainer.get("sampler"), dict) else {}
+    train = checkpoint.config.get("train") if isinstance(checkpoint.config.get("train"), dict) else {}
+    drawn, accum = sampler.get("step"), train.get("grad_accum", 1)
+    if _whole(drawn) and _whole(accum) and drawn != step * accum:
+        per = f" x train.grad_accum={accum}" if accum != 1 else ""
+        return (f"{path}: sampler.step={drawn} is not step={step}{per} (the batches drawn by step {step}); "
+                f"{fix}")  # fmt: skip
+    return None
+
+
 def check_resume(checkpoint, config: dict, source: str, prepared) -> None:
-    """Refuses to resume `checkpoint` (a train.checkpoint.Checkpoint) with another config (ConfigError listing each
-    difference) or on other data (DataError, one line; also when the vocabulary differs only because the data did).
-    Reads the checkpoint's JSON only: done before anything is written into the run folder."""
+    """Refuses to resume `checkpoint` (a train.checkpoint.Checkpoint) whose trainer state disagrees with itself
+    (CheckpointError), with another config (ConfigError listing each difference) or on other data (DataError, one
+    line; also when the vocabulary differs only because the data did). Reads the checkpoint's JSON only: done before
+    anything is written into the run folder."""
+    problem = step_problem(checkpoint)
+    if problem:
+        raise CheckpointError(problem)
     differences = config_differences(checkpoint.config, config)
     where = str(checkpoint.path.parent.parent)
     problem = data_change(checkpoint.trainer, data_fingerprint(prepared.meta), source, where)
