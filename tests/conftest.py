@@ -29,7 +29,8 @@ def one_thread():
 
 # The probes' shared fixtures (tests/test_bad_inputs_probe_*.py): a module opts in with
 # `pytestmark = pytest.mark.usefixtures("one_thread", "offline")` or ("one_thread", "own_cache").
-PROBE_MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
+from helpers import PROBE_MODEL  # noqa: E402  (the probes' tiny model, for the fixtures below)
+
 PROCESS_VARIABLES = (
     "WORLD_SIZE",
     "RANK",

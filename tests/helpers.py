@@ -28,6 +28,14 @@ CACHE_VARIANTS = {
     "coda": {"kind": "coda", "gate_bias": 0.0},
 }
 
+PROBE_MODEL = {
+    "vocab_size": 40,
+    "d_model": 32,
+    "n_layers": 1,
+    "n_heads": 2,
+    "max_seq_len": 64,
+}  # the probes' tiny model
+
 
 def tiny_config(attention=None, memory=None, **config) -> ModelConfig:
     """A validated ModelConfig: TINY with `config` (ModelConfig fields) over it. attention and memory are dicts,

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PROBE_MODEL
-from helpers import fails, train_tiny_run
+from helpers import PROBE_MODEL, fails, train_tiny_run
 
 import attnlab
 from attnlab.cli import main
