@@ -246,3 +246,27 @@ def test_a_byte_budget_is_the_budget_of_tokens_it_pays_for():
         build_cache(layout, 1, None, torch.float32, memory=MemoryConfig(kind="tova", budget_bytes=100))
     with pytest.raises(ConfigError, match="needs exactly one of memory.budget .*memory.budget_bytes"):
         MemoryConfig(kind="tova", budget=4, budget_bytes=1024)
+
+
+def test_generate_presses_the_whole_prompt_whatever_its_chunks():
+    """A press at prefill compresses the first chunk once: generate's chunks of prefill_chunk tokens would leave the
+    rest of a longer prompt unpressed (bench/presses.py's passkey then disagreed with kvpress). generate prefills
+    such a model's prompt as one chunk: the tokens equal the one-chunk run's, and differ from a prompt pressed
+    by hand in its first 16 tokens only."""
+    import attnlab
+
+    model = tiny_model(None, {"kind": "snapkv", "budget": 4, "window_size": 4}, perturb=True, init_std=0.3)
+    prompt = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    chunked = attnlab.generate(model, prompt, max_new_tokens=12, prefill_chunk=16, compile=False).tolist()
+    whole = attnlab.generate(model, prompt, max_new_tokens=12, prefill_chunk=40, compile=False).tolist()
+    assert chunked == whole
+    with torch.no_grad():  # the old behaviour, by hand: only the first chunk pressed
+        cache = model.new_cache(1)
+        for start in range(0, 40, 16):
+            logits = model(torch.tensor([prompt[start : start + 16]]), cache)[0]
+        assert all(layer.positions().shape[-1] == 4 + 24 for layer in cache.layers)
+        token, first = int(logits[0, -1].argmax()), []
+        for _ in range(12):
+            first.append(token)
+            token = int(model(torch.tensor([[token]]), cache)[0][0, -1].argmax())
+    assert first != whole

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from attnlab.cache.base import ModelCache
+from attnlab.config_memory import PRESSES
 from attnlab.errors import AttnlabWarning, InputError, LengthWarning
 
 # Inductor options of the compiled decode step, measured on bench/decode.py's model (per step):
@@ -294,6 +295,10 @@ def generate(
     attnlab.errors, naming the prompt's length, the room and max_seq_len; turn it into an error with
     warnings.simplefilter("error", LengthWarning)). A model with a memory streams past max_seq_len: no limit.
 
+    A model whose memory is a press applied at prefill (snapkv, tova or knorm with press_at prefill, kvpress's
+    setting) prefills a new cache's prompt as one chunk, whatever prefill_chunk says: such a press compresses the
+    first chunk once, so chunks would leave the rest of the prompt unpressed.
+
     `cache` continues a cache that already holds `cache.seen` tokens (e.g. a loaded memory state,
     attnlab.memory) instead of starting a new one: the prompt follows those tokens, and the cache is updated
     in place (pass a copy to keep the original).
@@ -373,6 +378,9 @@ def generate(
     try:
         step, timed = None, None  # timed: the eager steps' seconds while an auto compile is being weighed
         own = cache is None
+        memory = getattr(getattr(model, "cfg", None), "memory", None)
+        if own and memory is not None and memory.kind in PRESSES and memory.press_at == "prefill":
+            prefill_chunk = max(prefill_chunk, tokens.shape[1])  # the press compresses the whole prompt, once
         if own:
             policy = {} if kv_policy is None else {"policy": kv_policy}  # models of other kinds need not take one
             cache = model.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens, **policy)
