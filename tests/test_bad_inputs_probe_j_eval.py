@@ -275,3 +275,15 @@ def test_a_killed_runs_fresh_temporary_is_removed_by_the_next_run(tiny_run, tmp_
     assert not stale.exists() and other.exists() and out.is_dir()
     (line,) = warnings_of(capsys, command)
     assert f"removed {stale}" in line and "process 999999999, gone" in line
+
+
+def test_a_bench_manifest_whose_kv_quant_chunk_reads_no_cache_is_refused_up_front():
+    """Probe J (j12), for bench manifests: checked with the other parameters, so validate and the dry run say it."""
+    from attnlab.eval.harness import check_benchmarks
+
+    problems = check_benchmarks({"kv_quant": {"seq_len": 64, "chunk": 64}})
+    assert problems == ["benchmarks.kv_quant.chunk=64 >= seq_len=64: each window goes in as one chunk, whose queries "
+                        "read their own keys at full precision, so no policy is measured (give a chunk below 64; 1, "
+                        "the default, decodes token by token)"]  # fmt: skip
+    assert check_benchmarks({"kv_quant": {"chunk": 600}})  # the default seq_len, 512
+    assert not check_benchmarks({"kv_quant": {"seq_len": 64, "chunk": 8}})

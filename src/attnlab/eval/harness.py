@@ -222,9 +222,14 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
         problems += parameter_problems(name, params or {}, where)
         if name == "needle" and isinstance(params, dict):
             problems += needle_problems(params, f"{where}.{name}")
-        seq_len = (params or {}).get("seq_len") if name == "kv_quant" else None
+        seq_len = (params or {}).get("seq_len", 512) if name == "kv_quant" else None
         if isinstance(seq_len, int) and not isinstance(seq_len, bool) and 1 <= seq_len < MIN_SEQ_LEN:
             problems.append(f"{where}.{name}.seq_len={seq_len}: {SEQ_LEN_NEED}")
+        chunk = (params or {}).get("chunk", 1) if name == "kv_quant" else None
+        if isinstance(seq_len, int) and isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= seq_len:
+            problems.append(f"{where}.{name}.chunk={chunk} >= seq_len={seq_len}: each window goes in as one chunk, "
+                            "whose queries read their own keys at full precision, so no policy is measured (give a "
+                            f"chunk below {seq_len}; 1, the default, decodes token by token)")  # fmt: skip
         if name == "attention_maps" and (params or {}).get("regions") is not None:
             unit = params.get("unit") if params.get("unit") in ("chars", "tokens") else "chars"
             problems += [f"{where}.{name}.{p}" for p in region_problems(params["regions"], unit)]
