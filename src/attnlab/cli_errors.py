@@ -15,7 +15,7 @@ from pathlib import Path
 
 from attnlab.data.files import TEMPORARY
 from attnlab.errors import AttnlabWarning, InputError
-from attnlab.generate import greedy_ignores
+from attnlab.generate import greedy_problem
 from attnlab.paths import system_folder
 
 MAX_LINE = 2000  # characters of an error line; a longer message is cut (its start names the problem)
@@ -340,14 +340,10 @@ def echoed_by_rank0(error: Exception) -> bool:
 def check_greedy_flags(args) -> None:
     """InputError for --top-k, --top-p or --seed given without a --temperature > 0 (`generate`, `memory query`):
     temperature 0, the default, is greedy, which they would not change, and the same text every time would pass
-    for a sample. Checked before the model loads; attnlab.generate refuses the same (greedy_ignores)."""
-    ignored = greedy_ignores(args.temperature, args.top_k, args.top_p, args.seed)
-    if ignored:
-        given = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in ignored.items())
-        applies = "applies" if len(ignored) == 1 else "apply"
-        raise InputError(f"{given} only {applies} when sampling: give --temperature > 0 too (--temperature "
-                         f"{args.temperature:g} is greedy: the most likely token every time, nothing is "
-                         "sampled)")  # fmt: skip
+    for a sample. Checked before the model loads; attnlab.generate refuses the same (greedy_problem)."""
+    problem = greedy_problem(args.temperature, args.top_k, args.top_p, args.seed, flags=True)
+    if problem:
+        raise InputError(problem)
 
 
 def check_torchrun(command: str) -> None:

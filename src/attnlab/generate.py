@@ -243,6 +243,25 @@ def greedy_ignores(temperature, top_k=None, top_p=None, seed=None) -> dict:
     return {name: value for name, value in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if value is not None}
 
 
+def greedy_problem(temperature, top_k=None, top_p=None, seed=None, flags: bool = False) -> str | None:
+    """The one line for sampling arguments given to a greedy generate (greedy_ignores), or None; `flags` names them
+    as the CLI's flags (--top-k 40) rather than as the API's arguments (top_k=40)."""
+    ignored = greedy_ignores(temperature, top_k, top_p, seed)
+    if not ignored:
+        return None
+    if flags:
+        given = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in ignored.items())
+        setting, temp = "--temperature", f"--temperature {temperature:g}"
+    else:
+        given = ", ".join(f"{name}={value!r}" for name, value in ignored.items())
+        setting, temp = "temperature", f"temperature={temperature!r}"
+    applies = "applies" if len(ignored) == 1 else "apply"
+    return (
+        f"{given} only {applies} when sampling: give {setting} > 0 too ({temp} is greedy: the most likely token "
+        "every time, nothing is sampled)"
+    )
+
+
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator) -> torch.Tensor:
     """logits (B, V) -> next tokens (B, 1). temperature 0 is greedy (argmax)."""
     if temperature == 0:
@@ -315,13 +334,9 @@ def generate(
     callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
-    ignored = greedy_ignores(temperature, top_k, top_p, seed)
-    if ignored:
-        given = ", ".join(f"{name}={value!r}" for name, value in ignored.items())
-        applies = "applies" if len(ignored) == 1 else "apply"
-        raise InputError(f"{given} only {applies} when sampling: give temperature > 0 too (temperature="
-                         f"{temperature!r} is greedy: the most likely token every time, nothing is "
-                         "sampled)")  # fmt: skip
+    problem = greedy_problem(temperature, top_k, top_p, seed)
+    if problem:
+        raise InputError(problem)
     max_new_tokens = operator.index(max_new_tokens)
     top_k = None if top_k is None else operator.index(top_k)
     seed = None if seed is None else operator.index(seed)
