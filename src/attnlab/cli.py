@@ -42,6 +42,7 @@ from attnlab.cli_models import (
     key_values,
     unquantized_note,
 )
+from attnlab.cli_store import DEFAULT_NEW_TOKENS, REFERENCE_HELP, add_memory_parser, add_sampling_arguments
 from attnlab.cli_validate import LINK_LOOP, cmd_validate
 from attnlab.compare import compare
 from attnlab.config import ModelConfig
@@ -70,7 +71,6 @@ from attnlab.interop.convert import PAIR_RULES
 from attnlab.interop.references import model_config_of
 from attnlab.interop.tokenizer import warn_unknown
 from attnlab.manifest import load_manifest
-from attnlab.memory import MemoryStore, ingest, query
 from attnlab.model.qlinear import ACTIVATIONS
 from attnlab.paths import check_data_dirs
 from attnlab.runner import run_manifest
@@ -107,9 +107,6 @@ def cmd_compare(args) -> int:
 
 def _fmt(n: float) -> str:
     return f"{n:,.0f}"
-
-
-REFERENCE_HELP = "an attnlab run or checkpoint folder, a .gguf file, a Hugging Face model folder, or hf:ORG/NAME[@REV]"
 
 
 def memory_option(text: str):
@@ -292,46 +289,6 @@ def cmd_lm_eval(args) -> int:
     return 0
 
 
-def cmd_memory_ingest(args) -> int:
-    store = MemoryStore(args.store)
-    entry = ingest(store, args.model, args.documents, args.name, chunk=args.chunk, replace=args.replace,
-                   data_dir=args.data_dir)  # fmt: skip
-    print(f"{entry.name}: {entry.tokens:,} tokens from {len(entry.documents)} document(s) -> "
-          f"{store.path(entry)} ({entry.bytes:,} bytes, model config {entry.config_hash})")  # fmt: skip
-    return 0
-
-
-def cmd_memory_ls(args) -> int:
-    store = MemoryStore(args.store, create=False)
-    entries = store.entries()
-    if not entries:
-        print(f"no memories in {store.root}")
-        return 0
-    rows = [("name", "tokens", "bytes", "model hash", "created")]
-    rows += [(e.name, f"{e.tokens:,}", f"{e.bytes:,}", e.config_hash, e.created) for e in entries]
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    for row in rows:  # numbers right-aligned
-        cells = [row[i].rjust(w) if i in (1, 2) else row[i].ljust(w) for i, w in enumerate(widths)]
-        print("  ".join(cells).rstrip())
-    return 0
-
-
-def cmd_memory_rm(args) -> int:
-    entry = MemoryStore(args.store, create=False).remove(args.name)
-    print(f"removed {entry.name} ({entry.file})")
-    return 0
-
-
-def cmd_memory_query(args) -> int:
-    check_greedy_flags(args)
-    store = MemoryStore(args.store, create=False)  # a query only reads the store
-    text = query(store, args.name, args.prompt, model_path=args.model, data_dir=args.data_dir,
-                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed)  # fmt: skip
-    print(args.prompt + text)
-    return 0
-
-
 def cmd_report(args) -> int:
     pairs = []
     for pair in args.paired:
@@ -505,59 +462,6 @@ def build_parser() -> argparse.ArgumentParser:
             "dequantized weights) or q8: the inputs of q8_0/q4_0/q4_1 layers quantized to 8 bits per block of 32, "
             "as llama.cpp does (not exact; needs --weights native or a block format)")  # fmt: skip
     return parser
-
-
-def add_memory_parser(sub) -> None:
-    common = Parser(add_help=False)
-    common.add_argument("--store", default=None, help="the store folder (default $ATTNLAB_MEMORY, else "
-                        "~/.cache/attnlab/memory)")  # fmt: skip
-    memory = sub.add_parser("memory", help="memory files: ingest documents into a bounded memory, query it later")
-    verbs = memory.add_subparsers(dest="verb", required=True)
-    p = verbs.add_parser("ingest", parents=[common], help="read documents into a new memory state, stored by name")
-    p.add_argument("model", help="a model reference (its model config must have a bounded memory): " + REFERENCE_HELP)
-    p.add_argument("documents", nargs="+", help="UTF-8 text files, read in order")
-    p.add_argument("--name", required=True, help="the name to store the state under")
-    p.add_argument("--chunk", type=int, default=512, help="tokens per prefill step (default 512)")
-    p.add_argument("--replace", action="store_true", help="replace an existing memory of this name")
-    p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
-    p.set_defaults(func=cmd_memory_ingest)
-    p = verbs.add_parser("ls", parents=[common], help="the stored memories")
-    p.set_defaults(func=cmd_memory_ls)
-    p = verbs.add_parser("rm", parents=[common], help="remove a stored memory")
-    p.add_argument("name")
-    p.set_defaults(func=cmd_memory_rm)
-    p = verbs.add_parser("query", parents=[common], help="continue a prompt after a stored memory (left unchanged)")
-    p.add_argument("name")
-    p.add_argument("prompt")
-    p.add_argument("--model", default=None, help="use this model folder instead of the one recorded at ingestion")
-    add_sampling_arguments(p, streams=True)
-    p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
-    p.set_defaults(func=cmd_memory_query)
-
-
-DEFAULT_NEW_TOKENS = 64
-
-
-def add_sampling_arguments(p, streams: bool) -> None:
-    """The flags of attnlab.generate.generate (it checks their values: a bad one is one line, exit code 2).
-    streams: the model has a memory, which reads past max_seq_len."""
-    if streams:
-        default, limit = DEFAULT_NEW_TOKENS, "a model with a memory reads past max_seq_len: no limit"
-    else:
-        default, limit = None, ("or what max_seq_len leaves room for; the prompt and the new tokens stay within "
-                                "max_seq_len: a larger number generates what fits and says so on stderr (a model "
-                                "with a memory has no limit)")  # fmt: skip
-    p.add_argument("--max-new-tokens", type=int, default=default,
-                   help=f"at most this many new tokens, >= 0 (default {DEFAULT_NEW_TOKENS}, {limit})")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature, a finite number >= 0 (default 0: greedy, which --top-k, --top-p "
-                        "and --seed would not change: they need a temperature > 0)")  # fmt: skip
-    p.add_argument("--top-k", type=int, default=None,
-                   help="sample among the k most likely tokens, k >= 1 (default: all)")  # fmt: skip
-    p.add_argument("--top-p", type=float, default=None,
-                   help="sample among the most likely tokens whose probabilities add up to p, 0 < p <= 1 "
-                        "(default: all)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampling, 0 .. 2**64 - 1 (default: random)")
 
 
 PATH_OPTIONS = ("out", "hf", "store", "data_dir", "model")  # options that name a file or folder
