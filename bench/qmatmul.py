@@ -1,7 +1,8 @@
 """Matmuls with weights kept in a GGUF file's formats (attnlab.kernels.cpu.qmatmul) against fp32 torch, and
 SmolLM2-135M decoding with its GGUF's own weights against the same model dequantized to fp32, CPU.
 
-    python bench/qmatmul.py [--threads 2] [--rounds 5] [--rows 1] [--tokens 32] [--data-dir DIR] [--no-record]
+    python bench/qmatmul.py [--threads 2] [--rounds 5] [--rows 1] [--tokens 32] [--sweep] [--data-dir DIR]
+                            [--no-record]
 
 Matvecs at SmolLM2-135M's shapes (d_model 576, 3 KV heads of 64, ffn 1536, vocab 49152): 576 -> 576 (q, o),
 576 -> 192 (k, v), 576 -> 1536 (gate, up), 1536 -> 576 (down), 576 -> 49152 (the tied LM head). As in decoding,
@@ -94,12 +95,34 @@ def decode_tok_s(path: Path, weights: str, tokens: int, activations: str = "fp32
     return (len(stamps) - 2) / (stamps[-1] - stamps[1]), out.tolist()
 
 
+def layer_sweep(path: Path, rounds: int) -> dict[str, list[float]]:
+    """{activations: [seconds per sweep, per round]}: every quantized layer of the GGUF loaded natively, once each in
+    the model's order, on a fixed input: the decode step's matmuls without the rest of the step, weights from
+    memory as in decoding (the model's 100 MB do not stay in cache between sweeps)."""
+    from attnlab.model.qlinear import QuantizedLinear
+
+    _, model, _ = attnlab.load_model(path, weights="native")
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, 1, m.in_features, generator=g) for m in layers]
+    seconds: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for _ in range(rounds + 1):  # the first round warms up
+            for activations in ("fp32", "q8"):
+                attnlab.set_activations(model, activations)
+                sweep = lambda: [m(x) for m, x in zip(layers, inputs, strict=True)]  # noqa: E731
+                seconds.setdefault(activations, []).append(time_once(sweep))
+    return {name: times[1:] for name, times in seconds.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="torch threads, shared by the kernels (default 2)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds, after one warm-up round")
     parser.add_argument("--rows", type=int, default=1, help="rows of x (1: decoding)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens decoded end to end (0: skip)")
+    parser.add_argument("--sweep", action="store_true", help="also time every quantized layer of the GGUF once, in "
+                        "the model's order, with fp32 and 8-bit activations")  # fmt: skip
     parser.add_argument("--data-dir", default=None, help=f"where {GGUF} is (else $ATTNLAB_DATA)")
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/results")
     args = parser.parse_args(argv)
@@ -132,6 +155,16 @@ def main(argv: list[str] | None = None) -> None:
     print_table(["shape (k->n)", "fp32 µs"] + [f"{name} µs (x fp32)" for name in paths[1:]], table)
     print(f"(other processes used {matvec_other:.0%} of the CPU meanwhile)" if matvec_other is not None else "")
 
+    if args.sweep:
+        path = find_data_file(GGUF, args.data_dir)
+        load.lap()
+        sweep = layer_sweep(path, args.rounds)
+        sweep_other = load.lap()
+        fp32_ms, q8_ms = (median(sweep[name]) * 1e3 for name in ("fp32", "q8"))
+        print(f"\nsweep of {path.name}'s quantized layers in order, {torch.get_num_threads()} threads: fp32 "
+              f"activations {fp32_ms:.2f} ms, 8-bit activations {q8_ms:.2f} ms ({fp32_ms / q8_ms:.2f}x)")  # fmt: skip
+        records.append(row("qmatmul", config_hash, env, kind="sweep", gguf=path.name, fp32_seconds=sweep["fp32"],
+                           q8_seconds=sweep["q8"], other_load=sweep_other))  # fmt: skip
     if args.tokens:
         path = find_data_file(GGUF, args.data_dir)
         load.lap()
