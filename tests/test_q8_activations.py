@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import fails, tiny_model
-from test_qlinear import adversarial_blocks, gguf_dequantize
+from test_qlinear import adversarial_blocks, gguf_dequantize, use_portable_build
 
 import attnlab
 from attnlab.cli import main
@@ -129,10 +129,7 @@ def test_the_integer_sums_of_a_block_are_exact():
 
 @kernels
 def test_the_portable_c_build_gives_the_same_results(tmp_path, monkeypatch):
-    flags = ("-mno-avx512f", "-mno-f16c") if "avx512f" in cpu._cpu_flags() else ()
-    portable = qmatmul.load(cpu.build(tmp_path, flags, source=qmatmul.SOURCE))
-    monkeypatch.setattr(qmatmul, "library", lambda: portable)
-    monkeypatch.setattr(qmatmul, "_qmatmul_q8", lambda: portable.attnlab_qmatmul_q8)
+    use_portable_build(tmp_path, monkeypatch)
     for fmt in CODED:
         blocks = adversarial_blocks(fmt, 37, 576, seed=2)
         for m in (1, 5):

@@ -163,13 +163,21 @@ def test_strided_input_and_the_pytorch_path_agree():
     assert_matmul_close(F.linear(x, dequantize_blocks(blocks, "q4_1", 64)), x, blocks, "q4_1")
 
 
+def use_portable_build(folder, monkeypatch):
+    """qmatmul.c built into `folder` without AVX-512 and F16C (the plain C loops, software fp16), and every entry of
+    attnlab.kernels.cpu.qmatmul pointed at it for the test: the library."""
+    flags = ("-mno-avx512f", "-mno-f16c") if "avx512f" in cpu._cpu_flags() else ()
+    portable = qmatmul.load(cpu.build(folder, flags, source=qmatmul.SOURCE))
+    monkeypatch.setattr(qmatmul, "library", lambda: portable)
+    monkeypatch.setattr(qmatmul, "_qmatmul", lambda: portable.attnlab_qmatmul)
+    monkeypatch.setattr(qmatmul, "_qmatmul_q8", lambda: portable.attnlab_qmatmul_q8)
+    return portable
+
+
 @kernels
 def test_the_portable_c_build_is_exact_too(tmp_path, monkeypatch):
     """qmatmul.c built without AVX-512 and F16C (the plain C loops, software fp16): the same checks."""
-    flags = ("-mno-avx512f", "-mno-f16c") if "avx512f" in cpu._cpu_flags() else ()
-    portable = qmatmul.load(cpu.build(tmp_path, flags, source=qmatmul.SOURCE))
-    monkeypatch.setattr(qmatmul, "library", lambda: portable)
-    monkeypatch.setattr(qmatmul, "_qmatmul", lambda: portable.attnlab_qmatmul)
+    portable = use_portable_build(tmp_path, monkeypatch)
     assert qmatmul.library() is portable
     for fmt in FORMATS:
         for n, k in SHAPES[:4]:
