@@ -37,6 +37,18 @@ PROBE_MODEL = {
 }  # the probes' tiny model
 
 
+def probe_manifest(tmp_path: Path, text: Path, train: str, targets: str = "  base: {}\n", model: str = "",
+                   head: str = "") -> Path:  # fmt: skip
+    """tmp_path/m.yml: a manifest of the probes' tiny model (or `model`, YAML flow text) trained on `text` with a
+    char tokenizer and a validation split; `train` and `targets` as YAML text, `head` in place of `seeds: [0]`."""
+    path = tmp_path / "m.yml"
+    model = model or "{d_model: 32, n_layers: 1, n_heads: 2, max_seq_len: 64}"
+    path.write_text(f"name: m\n{head or 'seeds: [0]'}\ndefaults:\n  model: {model}\n"
+                    f"  data: {{source: {text}, tokenizer: char, val_fraction: 0.2}}\n  train: {train}\n"
+                    f"targets:\n{targets}")  # fmt: skip
+    return path
+
+
 def tiny_config(attention=None, memory=None, **config) -> ModelConfig:
     """A validated ModelConfig: TINY with `config` (ModelConfig fields) over it. attention and memory are dicts,
     parsed as from a YAML file, or config dataclasses. attention may also be a whole ModelConfig, which then stands

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import at_most, fails, hat_text, tiny_model
+from helpers import PROBE_MODEL, at_most, fails, hat_text, probe_manifest, tiny_model
 
 from attnlab.cli import main
 from attnlab.cli_errors import os_error_line
@@ -38,7 +38,7 @@ def run(tiny_run):
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
-MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
+MODEL = PROBE_MODEL
 TRAIN = "{seq_len: 16, batch_size: 2, steps: 4, lr: 1.0e-3, warmup_steps: 1, eval_every: 2, eval_tokens: 32, " \
         "log_every: 1, checkpoint_every: 2}"  # fmt: skip
 INFERENCE_MEMORIES = {
@@ -55,12 +55,7 @@ def text(tmp_path_factory) -> Path:
 
 
 def manifest(tmp_path: Path, text: Path, targets: str = "  base: {}\n", model: str = "", head: str = "") -> Path:
-    path = tmp_path / "m.yml"
-    model = model or "{d_model: 32, n_layers: 1, n_heads: 2, max_seq_len: 64}"
-    path.write_text(f"name: m\n{head or 'seeds: [0]'}\ndefaults:\n  model: {model}\n"
-                    f"  data: {{source: {text}, tokenizer: char, val_fraction: 0.2}}\n  train: {TRAIN}\n"
-                    f"targets:\n{targets}")  # fmt: skip
-    return path
+    return probe_manifest(tmp_path, text, TRAIN, targets, model, head)
 
 
 # ------------------------------------------------------------------ h1, h2: training through an inference memory

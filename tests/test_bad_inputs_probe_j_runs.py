@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import fails, hat_text
+from helpers import PROBE_MODEL, fails, hat_text, probe_manifest
 
 from attnlab.cli import main
 from attnlab.config import DataConfig, TrainConfig
@@ -27,7 +27,7 @@ from attnlab.train.loop import train
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
-MODEL = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
+MODEL = PROBE_MODEL
 TRAIN = "{seq_len: 16, batch_size: 2, steps: 4, lr: 1.0e-3, warmup_steps: 1, eval_every: 4, eval_tokens: 32, " \
         "log_every: 1, checkpoint_every: 2}"  # fmt: skip
 
@@ -43,12 +43,7 @@ def text(tmp_path_factory) -> Path:
 
 
 def manifest(tmp_path: Path, text: Path, targets: str = "  base: {}\n", model: str = "") -> Path:
-    path = tmp_path / "m.yml"
-    model = model or "{d_model: 32, n_layers: 1, n_heads: 2, max_seq_len: 64}"
-    path.write_text(f"name: m\nseeds: [0]\ndefaults:\n  model: {model}\n"
-                    f"  data: {{source: {text}, tokenizer: char, val_fraction: 0.2}}\n  train: {TRAIN}\n"
-                    f"targets:\n{targets}")  # fmt: skip
-    return path
+    return probe_manifest(tmp_path, text, TRAIN, targets, model)
 
 
 def validate_refuses(capsys, argv, *fragments) -> str:
