@@ -93,15 +93,13 @@ def kvpress_nll(hf, press, context, continuation) -> float:
 
 
 def attnlab_answer(model, memory: MemoryConfig | None, prompt: list[int], new: int) -> list[int]:
-    """Greedy continuation of `prompt` (new tokens) with `memory` (None: the dense cache). The prompt is prefilled
-    as one chunk, as kvpress prefills it: a press at prefill presses the first chunk only (cache/presses.py), so
-    generate's default chunks of 512 would press only the first 512 tokens of a longer prompt."""
+    """Greedy continuation of `prompt` (new tokens) with `memory` (None: the dense cache). generate prefills a
+    press-at-prefill model's prompt as one chunk, as kvpress does."""
     if memory is not None:
         pressed = attnlab.build_model(model.cfg.replace(memory=memory)).eval()
         pressed.load_state_dict(model.state_dict(), assign=True)
         model = pressed
-    return attnlab.generate(model, prompt, max_new_tokens=new, temperature=0.0, compile=False,
-                            prefill_chunk=len(prompt)).tolist()  # fmt: skip
+    return attnlab.generate(model, prompt, max_new_tokens=new, temperature=0.0, compile=False).tolist()
 
 
 def kvpress_answer(hf, press, prompt: list[int], new: int) -> list[int]:

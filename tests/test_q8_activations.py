@@ -77,6 +77,9 @@ def test_codes_are_ggufs_q8_0_codes_and_the_torch_path_gives_the_same_values():
     assert torch.equal(scales, x.view(6, 4, 32).abs().amax(-1) / 127)  # float32, not rounded to fp16 as ggml stores it
     assert torch.equal(qmatmul.quantized(x), quantize_activations(x))  # C and PyTorch: the same values
     assert codes[0, 33:64].abs().max() <= 127 and codes[0, 32] == -127
+    tiny = torch.full((1, 32), 1e-39)  # 1 / d overflows: all-zero codes (as attnlab.quant), not inf cast to int
+    assert not qmatmul.quantize_q8(tiny)[0].any() and not qmatmul.quantize_q8(tiny)[2].any()
+    assert torch.equal(qmatmul.quantized(tiny), quantize_activations(tiny))
 
 
 @kernels

@@ -332,9 +332,16 @@ def echoed_by_rank0(error: Exception) -> bool:
     every process that met it."""
     from attnlab.errors import ConfigError
 
-    if not isinstance(error, (ConfigError, InputError)) or not os.environ.get("TORCHELASTIC_RUN_ID"):
-        return False
-    return os.environ.get("RANK", "0").strip() not in ("", "0") and os.environ.get("WORLD_SIZE", "1").strip() != "1"
+    return (
+        isinstance(error, (ConfigError, InputError))
+        and several_torchrun_processes()
+        and (os.environ.get("RANK", "0").strip() not in ("", "0"))
+    )
+
+
+def several_torchrun_processes() -> bool:
+    """Whether this process is one of several that torchrun started."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and os.environ.get("WORLD_SIZE", "1").strip() != "1"
 
 
 def check_greedy_flags(args) -> None:
@@ -349,6 +356,6 @@ def check_greedy_flags(args) -> None:
 def check_torchrun(command: str) -> None:
     """Under torchrun (several processes) only `attnlab run` shares its work: any other command would run whole in
     every process, and the twins race for the same outputs. InputError."""
-    if command != "run" and os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("WORLD_SIZE", "1") != "1":
+    if command != "run" and several_torchrun_processes():
         raise InputError(f"only `attnlab run` shares its work among torchrun's processes: every process would run "
                          f"`attnlab {command}` whole (start it without torchrun)")  # fmt: skip

@@ -393,8 +393,7 @@ def generate(
     try:
         step, timed = None, None  # timed: the eager steps' seconds while an auto compile is being weighed
         own = cache is None
-        memory = getattr(getattr(model, "cfg", None), "memory", None)
-        if own and memory is not None and memory.kind in PRESSES and memory.press_at == "prefill":
+        if own and cfg.memory.kind in PRESSES and cfg.memory.press_at == "prefill":
             prefill_chunk = max(prefill_chunk, tokens.shape[1])  # the press compresses the whole prompt, once
         if own:
             policy = {} if kv_policy is None else {"policy": kv_policy}  # models of other kinds need not take one

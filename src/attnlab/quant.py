@@ -179,16 +179,22 @@ def dequantize_kivi(q: torch.Tensor, bits: int, group: int, per_channel: bool, n
 # --- the codecs of one chunk of blocks: read blocks (c, 32), write their bytes into out (c, block_bytes) ---------
 
 
-def _q8_0_encode(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """As ggml's quantize_row_q8_0_ref: d = absmax / 127, q = round(x * (1 / d)) half away from zero."""
+def q8_0_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's quantize_row_q8_0_ref on blocks (c, 32) float32: (the codes q = round(x * (1 / d)), half away from
+    zero, as float32 (c, 32); d = absmax / 127 in float32 (c, 1), before ggml rounds it to fp16)."""
     d = _absmax(blocks) / 127  # (c, 1)
     p = blocks * _inverse(d)  # (c, 32)
     # Round half away from zero exactly as gguf's np_roundf: floor(|p|) + floor(2 * frac(|p|)), sign of p. Not
     # floor(|p| + 0.5): in float32, |p| + 0.5 rounds up to 1.0 for |p| = 0.5 - 2^-25.
     a = p.abs()
     whole = a.floor()
-    whole.add_(a.sub_(whole).mul_(2).floor_()).copysign_(p)
-    out[:, 2:].view(torch.int8).copy_(whole)  # integral, |q| <= 127
+    return whole.add_(a.sub_(whole).mul_(2).floor_()).copysign_(p), d
+
+
+def _q8_0_encode(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """As ggml's quantize_row_q8_0_ref (q8_0_codes), the scale stored as fp16."""
+    codes, d = q8_0_codes(blocks)
+    out[:, 2:].view(torch.int8).copy_(codes)  # integral, |q| <= 127
     return _write_fp16(out[:, :2], d)
 
 

@@ -88,13 +88,8 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x (..., k), k a multiple of 32, as 8-bit activations: each block of 32 values becomes codes q = round(x / d)
     (halves away from zero) with d = max|x| / 127, as ggml's Q8_0 (quant's encoder), but the scale d stays float32
     (ggml rounds it to fp16); returns q * d in x's dtype. The codes are qmatmul.c's (attnlab_quantize_q8)."""
-    blocks = x.float().reshape(-1, quant.BLOCK)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    p = blocks * torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    a = p.abs()
-    whole = a.floor()
-    whole.add_(a.sub_(whole).mul_(2).floor_()).copysign_(p)  # round half away from zero (quant._q8_0_encode)
-    return whole.mul_(d).reshape(x.shape).to(x.dtype)
+    codes, d = quant.q8_0_codes(x.float().reshape(-1, quant.BLOCK))
+    return codes.mul_(d).reshape(x.shape).to(x.dtype)
 
 
 def _qlinear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> torch.Tensor:

@@ -226,7 +226,9 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *d, int3
         const float *xb = x + b * 32;
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        const float scale = amax / 127.0f;
+        float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        if (isinf(inverse)) inverse = 0.0f; /* a block below ~1e-36: all-zero codes, as attnlab.quant (_inverse) */
         int32_t sum = 0;
         for (int j = 0; j < 32; j++) { /* roundf: halves away from zero, as ggml's reference quantizer */
             const int v = (int)roundf(xb[j] * inverse);
