@@ -167,3 +167,16 @@ def test_two_process_ddp_matches_one_process(corpus, tmp_path):
     two, _ = losses(tmp_path / "two" / "tiny" / "baseline" / "seed0")
     assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, 7))
     assert torch.allclose(torch.tensor([v for _, v in one]), torch.tensor([v for _, v in two]), atol=1e-4, rtol=0)
+
+
+def test_test_tokens_scores_a_prefix_of_the_test_split_and_the_whole_split_by_default(corpus, tmp_path):
+    model, data, train = configs(corpus, steps=2, eval_every=2)
+    data = DataConfig(source=str(corpus), tokenizer="char", val_fraction=0.1, test_fraction=0.1)
+    whole = loop.train(model, data, train, tmp_path / "whole", progress=False)
+    windows = whole["test_tokens"] // 16
+    assert windows > 4  # the whole split: many windows of seq_len
+    model, _, train = configs(corpus, steps=2, eval_every=2, test_tokens=64)
+    part = loop.train(model, data, train, tmp_path / "part", progress=False)
+    assert part["test_tokens"] == 64 and part["val_loss"] == whole["val_loss"]
+    with pytest.raises(ConfigError, match="train.test_tokens=8 is less than train.seq_len=16"):
+        configs(corpus, test_tokens=8)

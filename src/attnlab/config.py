@@ -430,6 +430,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     eval_every: int = 200
     eval_tokens: int = 65536
+    test_tokens: int | None = None  # the final test score's budget (the first windows of the split); None: all of it
     log_every: int = 10
     checkpoint_every: int = 200
     seed: int = 0
@@ -468,6 +469,10 @@ class TrainConfig:
             problems.append(f"train.eval_tokens={self.eval_tokens} is less than train.seq_len={self.seq_len}: "
                             "evaluation scores whole windows of seq_len tokens (use eval_tokens >= "
                             f"{self.seq_len})")  # fmt: skip
+        if self.test_tokens is not None and self.test_tokens < self.seq_len:
+            problems.append(f"train.test_tokens={self.test_tokens} is less than train.seq_len={self.seq_len}: the "
+                            f"final test scores whole windows of seq_len tokens (use test_tokens >= {self.seq_len}, "
+                            "or leave it out to score the whole split)")  # fmt: skip
         for key in ("warmup_steps", "seed"):
             if getattr(self, key) < 0:
                 problems.append(f"train.{key}={getattr(self, key)} must be >= 0")

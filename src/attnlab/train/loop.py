@@ -334,8 +334,8 @@ def finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype
     for split in ("val", "test"):
         if split not in prepared.splits:
             continue
-        tokens = prepared.split(split)  # validation: the in-training windows; test: the whole split
-        budget = len(tokens) if split == "test" else train_cfg.eval_tokens
+        tokens = prepared.split(split)  # validation: the in-training windows; test: test_tokens, else the whole split
+        budget = (train_cfg.test_tokens or len(tokens)) if split == "test" else train_cfg.eval_tokens
         result = evaluate_split(scored, tokens, train_cfg.seq_len, train_cfg.batch_size, budget, device, amp_dtype,
                                 dist_info)  # fmt: skip
         summary.update(
