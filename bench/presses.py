@@ -23,7 +23,8 @@ every one), and the presses with `press_at: decode` (pressed back to the budget 
 --passkey: instead of the NLL, passkey retrieval at 5 depths (the `needle` benchmark's prompt, filler sentences,
 `--trials` keys per depth) at each context length and budget, through each press, attnlab's and kvpress's (the
 prompt prefilled under the press, the answer decoded greedily over the pressed cache), then attnlab's decode-time
-selections; a trial is correct when the continuation's first number is the key.
+selections; a trial is correct when the continuation's first number is the key. Each arm's row is recorded when it
+is done; run again, the arms already recorded for the same model, versions and trials are skipped.
 
 kvpress 0.5.5 pins transformers below 5.3: run this in an environment with attnlab's `presses` extra (a venv of its
 own: `pip install torch==2.13.0 && pip install -e '.[presses]'`). --hf is SmolLM2 as a Hugging Face folder, made
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -43,10 +45,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import OtherLoad, environment, finish, print_table, row  # noqa: E402
+from common import RESULTS_DIR, OtherLoad, environment, finish, print_table, row  # noqa: E402
 
 import attnlab  # noqa: E402
 from attnlab.config import MemoryConfig  # noqa: E402
+from attnlab.eval.longctx import DEPTHS  # noqa: E402
 from attnlab.eval.perplexity import dataset_tokens  # noqa: E402
 
 SMOLLM2 = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -125,14 +128,26 @@ def kvpress_answer(hf, press, prompt: list[int], new: int) -> list[int]:
     return out
 
 
-def passkey(args, model, tokenizer, hf, versions, env, records) -> list[list]:
+def passkey_done(name: str, config_hash: str, versions: dict, trials: int) -> dict[tuple, dict]:
+    """The passkey rows already in bench/results/<name>.jsonl for this model, these package versions and this
+    number of trials, by (context, press, budget): a stopped run goes on where it stopped."""
+    path = RESULTS_DIR / f"{name}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    same = lambda r: (r.get("config_hash") == config_hash and r.get("trials") == trials * len(DEPTHS)  # noqa: E731
+                      and all(r.get(k) == v for k, v in versions.items()))  # fmt: skip
+    return {(r["context"], r["press"], r["budget"]): r for r in rows if same(r)}
+
+
+def passkey(args, model, tokenizer, hf, versions, env) -> list[list]:
     """Passkey retrieval at 5 depths through each press, attnlab's and kvpress's, at each context length and
     budget; then attnlab's decode-time selections. A trial is correct when the greedy continuation's first number
-    is the key (the `needle` benchmark's rule)."""
-    from attnlab.eval.longctx import DEPTHS, FILLER, _starts_with_key, passkey_prompt
+    is the key (the `needle` benchmark's rule). Each arm's row is recorded as soon as it is done, and arms already
+    recorded (same model, versions and trials) are read back instead of run again, unless --no-record."""
+    from attnlab.eval.longctx import FILLER, _starts_with_key, passkey_prompt
 
     filler = torch.as_tensor(tokenizer.encode(" " + FILLER)).numpy()
     keys = [str(10000 + 7919 * (t + 1) % 90000) for t in range(args.trials)]
+    done = {} if args.no_record else passkey_done("presses_passkey", model.cfg.config_hash(), versions, args.trials)
     table = []
     for context in [int(x) for x in args.contexts.split(",") if x]:
         arms = [("none", "full", None, None)]
@@ -144,6 +159,11 @@ def passkey(args, model, tokenizer, hf, versions, env, records) -> list[list]:
             for kind in [k for k in args.decode_kinds.split(",") if k]:
                 arms.append((f"{kind} (decode)", label, decode_memory(kind, kept), "attnlab only"))
         for press, label, memory, theirs in arms:
+            if (context, press, label) in done:
+                r = done[context, press, label]
+                table.append([context, press, label, r["attnlab_accuracy"], r["kvpress_accuracy"]])
+                print(f"passkey C={context} {press:16s} {label:10s} recorded before", flush=True)
+                continue
             ours_ok, theirs_ok, trials = 0, 0, 0
             for depth in DEPTHS:
                 for key in keys:
@@ -156,9 +176,10 @@ def passkey(args, model, tokenizer, hf, versions, env, records) -> list[list]:
                         theirs_ok += _starts_with_key(text, key)
                     trials += 1
             kv = None if hf is None or theirs == "attnlab only" else theirs_ok / trials
-            records.append(row("presses_passkey", model.cfg.config_hash(), env, context=context, press=press,
-                               budget=label, trials=trials, depths=list(DEPTHS), attnlab_accuracy=ours_ok / trials,
-                               kvpress_accuracy=kv, **versions))  # fmt: skip
+            record = row("presses_passkey", model.cfg.config_hash(), env, context=context, press=press, budget=label,
+                         trials=trials, depths=list(DEPTHS), attnlab_accuracy=ours_ok / trials, kvpress_accuracy=kv,
+                         **versions)  # fmt: skip
+            finish("presses_passkey", [record], None, record=not args.no_record)  # accuracy: the load does not matter
             table.append([context, press, label, ours_ok / trials, kv])
             print(f"passkey C={context} {press:16s} {label:10s} attnlab {ours_ok}/{trials}"
                   + ("" if kv is None else f" kvpress {theirs_ok}/{trials}"), flush=True)  # fmt: skip
@@ -248,9 +269,8 @@ def main(argv=None) -> int:
     env, records, table = environment(), [], []
     load = OtherLoad()
     if args.passkey:
-        table = passkey(args, model, tokenizer, hf, versions, env, records)
+        table = passkey(args, model, tokenizer, hf, versions, env)
         print_table(["context", "press", "budget", "attnlab accuracy", "kvpress accuracy"], table, ".2f")
-        finish("presses_passkey", records, load.fraction(), record=not args.no_record)
         return 0
     for context in contexts:
         span = context + args.continuation
