@@ -223,6 +223,17 @@ def test_bad_formats_and_widths_are_refused():
     with pytest.raises(InputError, match="in_features=48, not a multiple of 32"):
         QuantizedLinear(48, 8, "q4_0")
     assert QuantizedLinear(48, 8, "fp16").blocks.shape == (8, 96)  # fp16 takes any width
+
+
+@pytest.mark.parametrize("rows", [1, 7])  # one row: decoding's path (the C++ op), several: prefill's
+def test_fp16_weights_of_any_width_multiply_on_every_path(rows):
+    """Probe K's k12: a model of width 40 with fp16 weights crashed on its first decoded token, in the C++ op
+    that takes only widths in blocks of 32."""
+    linear = torch.nn.Linear(40, 24, bias=False)
+    layer = QuantizedLinear.from_linear(linear, "fp16")
+    x = torch.randn(rows, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, linear.weight.half().float()), rtol=1e-5, atol=1e-5)
     with pytest.raises(InputError, match="take 18 bytes"):
         QuantizedLinear.from_blocks(torch.zeros(4, 20, dtype=torch.uint8), "q4_0", 32)
 

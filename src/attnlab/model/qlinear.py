@@ -175,7 +175,8 @@ class QuantizedLinear(nn.Module):
         q8 = self.activations == "q8" and self.fmt != "fp16"
         if _kernel_usable(x):
             fmt = self.fmt + Q8 if q8 else self.fmt
-            if x.numel() < qmatmul.GEMM_MIN_ROWS * self.in_features and cpp_ops.usable():  # decoding
+            decoding = x.numel() < qmatmul.GEMM_MIN_ROWS * self.in_features
+            if decoding and self.in_features % quant.BLOCK == 0 and cpp_ops.usable():  # (fp16 takes any width)
                 return torch.ops.attnlab_cpp.qlinear(x, self.blocks, self.bias, fmt)
             return torch.ops.attnlab.qlinear(x, self.blocks, self.bias, fmt)
         x = quantize_activations(x) if q8 else x
