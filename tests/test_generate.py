@@ -1,13 +1,14 @@
 """generate(): greedy, sampling filters, seeds, stop tokens, batches, bad input, and the compiled decode step."""
 
 import importlib
+import warnings
 
 import pytest
 import torch
 from helpers import tiny_model
 
 import attnlab
-from attnlab.errors import InputError, LengthWarning
+from attnlab.errors import AttnlabWarning, InputError, LengthWarning
 from attnlab.generate import compiled_decode_step, prefill_last, sample
 
 generate_module = importlib.import_module("attnlab.generate")  # the module (attnlab.generate is the function)
@@ -86,6 +87,19 @@ def test_generation_stops_at_max_seq_len_and_says_so(model):
                                            r"max_new_tokens=100 asked \(max_seq_len 48\): generating 8"):  # fmt: skip
         out = attnlab.generate(model, list(range(1, 41)), max_new_tokens=100)
     assert len(out) == 48 - 40
+
+
+def test_a_kv_policy_that_quantizes_nothing_in_this_generation_says_so(model):
+    """Probe K's k30: a residual window as long as the whole generation keeps every token in full precision, and
+    generate ran the plain cache without a word (info and kv-eval said so for the same policy)."""
+    prompt = list(range(1, 9))
+    with pytest.warns(AttnlabWarning, match=r"kv_policy k=q4_0,v=q4_0,resid=1000 quantizes nothing here: its "
+                                            r"residual window keeps all 12 tokens of this generation"):  # fmt: skip
+        out = attnlab.generate(model, prompt, max_new_tokens=5, kv_policy="k=q4_0,v=q4_0,resid=1000")
+    assert out.tolist() == attnlab.generate(model, prompt, max_new_tokens=5).tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AttnlabWarning)  # a policy that quantizes some tokens: no warning
+        attnlab.generate(model, prompt, max_new_tokens=5, kv_policy="k=q4_0,v=q4_0,resid=4")
 
 
 def test_bad_input_is_a_clear_error(model):

@@ -398,6 +398,11 @@ def generate(
         if own:
             policy = {} if kv_policy is None else {"policy": kv_policy}  # models of other kinds need not take one
             cache = model.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens, **policy)
+            if kv_policy is not None and all(getattr(layer, "store_slots", None) == 0 for layer in cache.layers):
+                held = _count(tokens.shape[1] + max(max_new_tokens - 1, 0), "token")  # the last is never fed
+                warnings.warn(f"kv_policy {kv_policy} quantizes nothing here: its residual window keeps all {held} of "
+                              "this generation in full precision, so the cache is the plain one (give a smaller "
+                              "resid or flush, or leave the policy out)", AttnlabWarning, stacklevel=3)  # fmt: skip
         if own and static_decode_supported(model, cache):
             # A new cache: its slots are its positions, so the decode may switch to the static step at any
             # token. The prompt goes in before static mode (its queries attend over the held slots only).
