@@ -39,5 +39,9 @@ class LengthWarning(AttnlabWarning):
     `warnings.simplefilter("error", LengthWarning)` turns it into an error."""
 
 
+class UnquantizedWarning(AttnlabWarning):
+    """A KV policy that quantizes nothing in this use: its full-precision residual window holds every token."""
+
+
 class DivergedError(AttnlabError, FloatingPointError):
     """Training diverged (a non-finite loss): the run's settings, not a bug, are to blame."""

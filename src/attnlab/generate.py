@@ -16,7 +16,7 @@ import torch
 
 from attnlab.cache.base import ModelCache
 from attnlab.config_memory import PRESSES
-from attnlab.errors import AttnlabWarning, InputError, LengthWarning
+from attnlab.errors import AttnlabWarning, InputError, LengthWarning, UnquantizedWarning
 
 # Inductor options of the compiled decode step, measured on bench/decode.py's model (per step):
 # cpp_wrapper calls the step's kernels from C++, not Python (293 -> 239 µs, 1 thread); decompose_mm_pass
@@ -402,7 +402,7 @@ def generate(
                 held = _count(tokens.shape[1] + max(max_new_tokens - 1, 0), "token")  # the last is never fed
                 warnings.warn(f"kv_policy {kv_policy} quantizes nothing here: its residual window keeps all {held} of "
                               "this generation in full precision, so the cache is the plain one (give a smaller "
-                              "resid or flush, or leave the policy out)", AttnlabWarning, stacklevel=3)  # fmt: skip
+                              "resid or flush, or leave the policy out)", UnquantizedWarning, stacklevel=3)  # fmt: skip
         if own and static_decode_supported(model, cache):
             # A new cache: its slots are its positions, so the decode may switch to the static step at any
             # token. The prompt goes in before static mode (its queries attend over the held slots only).
