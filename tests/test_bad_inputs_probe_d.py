@@ -558,7 +558,7 @@ def test_a_huge_recent_window_allocates_only_what_a_request_can_hold(kind):
                                                                       for i in range(7, 12)])  # fmt: skip
         got = torch.cat([prefill(model, tokens[:, :7], cut, 3)] + [model(tokens[:, i : i + 1], cut)[0][:, -1]
                                                                    for i in range(7, 12)])  # fmt: skip
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # (float sums over buffers of other lengths)
         with pytest.raises(InputError, match="made for max_len=12 tokens got 13"):
             model(tokens[:, :1], cut)
 

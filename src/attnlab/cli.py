@@ -26,7 +26,6 @@ from attnlab.cli_errors import (
     escaped_stdout,
     fail,
     interrupted,
-    link_loop,
     os_error_line,
     peer_lost_line,
     too_deep_line,
@@ -48,7 +47,7 @@ from attnlab.compare import compare
 from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT
 from attnlab.config_io import load_config, memory_from_dict, other_config
-from attnlab.data.files import special_file
+from attnlab.data.files import link_loop, special_file
 from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan

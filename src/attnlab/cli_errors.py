@@ -250,16 +250,6 @@ def too_deep_line(e: RecursionError, command: str) -> str | None:
             "damaged, or not the file expected); check the files it reads")  # fmt: skip
 
 
-def link_loop(path: str | os.PathLike) -> bool:
-    """Whether `path` cannot be reached because its symbolic links point at each other (Path.exists() says False:
-    "not found" would be wrong)."""
-    try:
-        os.stat(path)
-    except OSError as e:
-        return e.errno == errno.ELOOP
-    return False
-
-
 def fail(command: str, message: str) -> int:
     print(f"attnlab {command}: error: {one_line(message)}", file=sys.stderr)
     return 2

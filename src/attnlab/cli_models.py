@@ -42,7 +42,7 @@ from attnlab.eval.perplexity import (
     window_losses,
 )
 from attnlab.eval.records import records_folder, records_target
-from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion, target_config
+from attnlab.interop.convert import LOW_RANK, convert_model, kv_heads, save_conversion, target_config, unchanged
 from attnlab.interop.export import export
 from attnlab.interop.references import model_config_of, resolve
 from attnlab.interop.tokenizer import warn_unknown_tokens
@@ -349,6 +349,21 @@ def check_convert_source(args, cfg, name, given: set[str]) -> None:
                          f"--seq-len {cfg.max_seq_len} or less")  # fmt: skip
 
 
+def check_something_to_convert(args, source, target) -> None:
+    """A conversion whose target is the source (e.g. --attention kind=mha of an mha model) would write a copy of it:
+    refused as "nothing to convert", as convert without --attention and --memory is."""
+    if not unchanged(source, target):
+        return
+    asked = " ".join(f"--{key} {getattr(args, key)}" for key in ("attention", "memory") if getattr(args, key))
+    attention, n_kv = source.attention, kv_heads(source)
+    window = f" (window {attention.window})" if attention.kind == "sliding" else ""
+    memory = "no memory" if source.memory.kind == "none" else f"memory {source.memory.kind}"
+    example = "--attention kind=mha,n_kv_heads=1" if n_kv > 1 else "--attention kind=coda"
+    raise InputError(f"nothing to convert: {asked} ask for what {args.ref} already is (attention {attention.kind}"
+                     f"{window} with {n_kv} KV heads of {attention.dim(source)}, {memory}): give an attention or a "
+                     f"memory it does not have (e.g. {example})")  # fmt: skip
+
+
 def cmd_convert(args) -> int:
     if Path(args.out).exists():  # before minutes of loading and scoring
         raise InputError(f"--out {args.out}: already exists (choose another folder, or delete it first)")
@@ -388,9 +403,10 @@ def cmd_convert(args) -> int:
         header = None
     if header is not None:
         check_convert_source(args, header, args.ref, given)
-        target_config(header, attention, memory)
+        check_something_to_convert(args, header, target_config(header, attention, memory))
     source = load_for_eval(args.ref, data_dir=args.data_dir)
     check_convert_source(args, source.cfg, source.name, given)
+    check_something_to_convert(args, source.cfg, target_config(source.cfg, attention, memory))
     calibration = None
     if calibrating:  # activation-aware factorisations
         try:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attnlab.cli_errors import link_loop
 from attnlab.config_io import is_gguf, load_config, other_config
+from attnlab.data.files import LINK_LOOP as LOOP_WORDS
+from attnlab.data.files import link_loop
 from attnlab.errors import ConfigError
 from attnlab.eval.harness import load_plan
 from attnlab.eval.probes import load_suite
@@ -16,7 +17,7 @@ from attnlab.manifest import file_kind, load_manifest
 from attnlab.retrofit import check_pretrained
 from attnlab.runner import local_source_problems, prepared_problems, vocab_problems
 
-LINK_LOOP = "a symbolic link loop (too many levels of symbolic links): point the link at the file itself"
+LINK_LOOP = f"{LOOP_WORDS}: point the link at the file itself"
 
 
 VALIDATE_TAKES = "`attnlab validate` takes model configs, experiment and benchmark manifests and probe suites"
@@ -26,6 +27,10 @@ def cmd_validate(args) -> int:
     status = 0
     for path in args.files:
         kind = None
+        if path == "":  # ('' from an unset shell variable) Path('') is the working directory, a name it would not say
+            print(f"'': an empty path names no file: {VALIDATE_TAKES}", file=sys.stderr)
+            status = 2
+            continue
         try:
             if link_loop(path):
                 raise ConfigError(LINK_LOOP, source=str(path))

@@ -32,15 +32,19 @@ def cache_dir() -> Path:
 
 
 def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
-    """Candidate data directories, in lookup order: `data_dir` (--data-dir), $ATTNLAB_DATA, the user cache.
-    DataError when one of the first two names a file."""
+    """Candidate data directories, in lookup order: `data_dir` (--data-dir), $ATTNLAB_DATA, the user cache, each
+    folder once (--data-dir the same as $ATTNLAB_DATA is searched, and listed in a refusal, once). DataError when one
+    of the first two names a file."""
     given = [(Path(data_dir), f"--data-dir {data_dir}")] if data_dir else []
     if os.environ.get("ATTNLAB_DATA"):
         given.append((Path(os.environ["ATTNLAB_DATA"]), f"$ATTNLAB_DATA={os.environ['ATTNLAB_DATA']}"))
     for path, what in given:
         if path.exists() and not path.is_dir():
             raise DataError(f"{what}: a file, not a folder (name the folder that holds the data files)")
-    return [path for path, _ in given] + [cache_dir()]
+    found: dict[str, Path] = {}
+    for path in [*(path for path, _ in given), cache_dir()]:
+        found.setdefault(os.path.realpath(path), path)  # (the first spelling of a folder named twice)
+    return list(found.values())
 
 
 def check_data_dirs(data_dir: str | Path | None = None) -> None:

@@ -193,14 +193,16 @@ def finished_run(run_dir: Path, config: dict, source=None) -> dict | None:
     checkpoint = find_checkpoint(run_dir) if not differences else None
     if checkpoint is not None:
         # The run's config.json and config.yaml are plain files anyone may edit; its last checkpoint's config.json
-        # is checksummed: the config its weights were trained with.
+        # is checksummed: the config its weights were trained with (which of the two changed cannot be told: a
+        # step folder copied in from another run brings its own, checksums and all).
         trained = config_differences(checkpoint.config, config, saved_as="trained with")
         if trained:
             more = f" (and {len(trained) - 1} more)" if len(trained) > 1 else ""
             raise ConfigError(
                 f"{run_dir} holds a finished run trained with another config than its config.json says "
-                f"({trained[0]}{more}, by {checkpoint.path / 'config.json'}): the run's config.json or config.yaml "
-                "was edited after training; use another --out directory, or delete that folder to train it again",
+                f"({trained[0]}{more}, by {checkpoint.path / 'config.json'}): the checkpoint was copied in from "
+                "another run, or the run's config.json or config.yaml was edited after training; use another --out "
+                "directory, or delete that folder to train it again",
                 source=str(source) if source else None,
             )  # fmt: skip
     if differences:

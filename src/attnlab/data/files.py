@@ -277,6 +277,19 @@ FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", sta
               stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}  # fmt: skip
 
 
+# The words for a path whose symbolic links point at each other: ls shows it, so "not found" would be wrong.
+LINK_LOOP = "a symbolic link loop (too many levels of symbolic links)"
+
+
+def link_loop(path: str | os.PathLike) -> bool:
+    """Whether `path` cannot be reached because its symbolic links point at each other (Path.exists() says False)."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
+
+
 def file_kind(path: str | Path) -> str | None:
     """What is at `path` when it is not a regular file (symbolic links followed): "a folder", "a FIFO (named
     pipe)", a socket or a device (FILE_KINDS); None for a regular file. os.stat's OSError when nothing is there.

@@ -9,6 +9,8 @@ cells fall past the context measures the others, and says which it left (`contex
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import FLOAT_FORMATS
@@ -150,6 +152,38 @@ def cache_memory_problem(name: str, full: dict, cfg, label: str) -> str | None:
         f"benchmarks.{name}.{key}={batch:,} needs {_size(per_sequence * batch)} of KV cache on {label} "
         f"({max(lengths):,} tokens); this machine has {_size(have)} (give at most {most:,})"
     )
+
+
+# Tokens a tokenizer makes of a prompt, at most, beyond one per UTF-8 byte (a BOS, a prefix space, an EOS): a prompt
+# this short is not tokenized before the benchmarks run (for a run, that loads its weights once more).
+SPECIAL_TOKENS = 8
+
+
+def prompt_problem(name: str, full: dict, cfg, label: str, tokenizer: Callable[[], Any]) -> str | None:
+    """Why the attention_maps prompt cannot be read in one pass by this model, said before any benchmark runs (its
+    own check, analysis.run_attention_maps, comes after every other benchmark of every checkpoint): more tokens than
+    max_seq_len, or a model with a memory reading it in blocks of memory.block tokens. tokenizer() gives the model's
+    tokenizer, asked for only when the prompt may be too long. None when it fits, or cannot be told here."""
+    prompt = full.get("prompt") if name == "attention_maps" else None
+    if not isinstance(prompt, str):
+        return None
+    memory = cfg.memory.kind != "none"
+    limit = min(cfg.max_seq_len, cfg.memory.block_size) if memory else cfg.max_seq_len
+    if prompt and len(prompt.encode("utf-8")) + SPECIAL_TOKENS <= limit:
+        return None
+    loaded = tokenizer()
+    if loaded is None:  # (a model without a tokenizer: refused by the benchmark itself)
+        return None
+    n = len(loaded.encode(prompt))
+    where = f"benchmarks.attention_maps.prompt={brief(prompt)} has {n} tokens on {label}"
+    if not n or n > cfg.max_seq_len:
+        return f"{where}: give one of 1..{cfg.max_seq_len} tokens (the model's max_seq_len)"
+    if memory and n > cfg.memory.block_size:  # (the words of analysis.run_attention_maps)
+        block = cfg.memory.block_size
+        return (f"{where}: a model with memory.kind={cfg.memory.kind} reads a prompt in blocks of {block} tokens "
+                "(memory.block), the later ones through its memory, which one pass's attention maps cannot show: give "
+                f"a prompt of at most {block} tokens")  # fmt: skip
+    return None
 
 
 def unmeasured_problem(name: str, records: list[dict], label: str) -> str | None:

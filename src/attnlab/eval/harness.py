@@ -46,6 +46,7 @@ from attnlab.eval.bench_checks import (
     context_note,
     context_problem,
     parameter_problems,
+    prompt_problem,
     unmeasured_problem,
 )
 from attnlab.eval.identity import plan_labels, weights_identity
@@ -58,13 +59,14 @@ from attnlab.eval.perplexity import run_perplexity
 from attnlab.eval.probes import load_suite, probe_records, run_probes
 from attnlab.eval.records import append_records, read_records, records_folder
 from attnlab.eval.speed import run_latency, run_memory
-from attnlab.interop.references import model_config_of
+from attnlab.interop.references import model_config_of, tokenizer_of
 from attnlab.paths import brief, check_name
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PROMPT = (
     "The pass key is 4721. Remember it. The grass is green and the sky is blue. The pass key is"
 )  # fmt: skip
+DEFAULT_REGIONS = {"pass key": [16, 20]}  # characters of DEFAULT_PROMPT: "4721"
 
 
 def perplexity(model, out_dir, data_dir, split: str = "test", seq_len: int | None = None, stride: int | None = None,
@@ -102,7 +104,7 @@ def effective_rank(model, out_dir, data_dir, split: str = "val", n_tokens: int =
 def attention_maps(model, out_dir, data_dir, prompt: str = DEFAULT_PROMPT, regions: dict | None = None,
                    unit: str = "chars") -> list[dict]:  # fmt: skip
     """Per layer and head attention maps for a prompt (saved as .npz) and the mass on marked regions."""
-    regions = regions or {"pass key": [16, 20]}
+    regions = regions or DEFAULT_REGIONS
     problems = region_problems(regions, unit)
     if problems:
         raise ConfigError(problems)
@@ -233,12 +235,29 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
         if name == "attention_maps" and (params or {}).get("regions") is not None:
             unit = params.get("unit") if params.get("unit") in ("chars", "tokens") else "chars"
             problems += [f"{where}.{name}.{p}" for p in region_problems(params["regions"], unit)]
+        if name == "attention_maps":
+            problems += prompt_region_problems(params or {}, f"{where}.{name}")
         if name == "probes" and isinstance((params or {}).get("suite"), str):
             try:
                 load_suite(suite_path(params["suite"]))
             except ConfigError as e:  # read before any model is loaded: a suite is checked whole
                 problems += [f"{where}.{name}.suite={brief(params['suite'])}: {e.source}: {p}" for p in e.problems]
     return problems
+
+
+def prompt_region_problems(params: dict, where: str) -> list[str]:
+    """attention_maps regions in characters that end past the prompt (the default region past a short prompt given
+    alone), said before any benchmark runs rather than once the model has read the prompt (char_region_to_tokens)."""
+    prompt, regions = params.get("prompt", DEFAULT_PROMPT), params.get("regions")
+    if params.get("unit", "chars") != "chars" or not isinstance(prompt, str) or region_problems(regions or {}):
+        return []  # (regions in tokens: counted once the prompt is tokenized; other problems: said by themselves)
+    past = [(name, span) for name, span in (regions or DEFAULT_REGIONS).items() if span[1] > len(prompt)]
+    if regions is None and past:
+        return [f"{where}.prompt={brief(prompt)} has {len(prompt)} characters: the default region (pass key: "
+                f"{DEFAULT_REGIONS['pass key']}, the pass key of the default prompt) ends past it: give regions inside "
+                "the prompt, e.g. regions: {start: [0, 4]}"]  # fmt: skip
+    return [f"{where}.regions.{name}={brief(span)} ends past the prompt's {len(prompt)} characters: give a region "
+            "inside the prompt, or a longer prompt" for name, span in past]  # fmt: skip
 
 
 def policy_problem(key: str, value) -> str | None:
@@ -508,6 +527,7 @@ def _run_plan(plan: BenchPlan, out_dir: Path, log) -> Path:
                 for p in (
                     context_problem(name, full, cfg, label, given=params),
                     cache_memory_problem(name, full, cfg, label),
+                    prompt_problem(name, full, cfg, label, lambda ref=checkpoint: tokenizer_of(ref, plan.data_dir)),
                 )
                 if p
             ]

@@ -247,6 +247,14 @@ def _check_answer(raw: dict, kind: str, where: str, problems: list[str]) -> None
             f"{where}: expected={raw['expected']!r} must be a non-empty string for kind {kind!r} "
             "(quote yes/no/true/numbers in YAML)"
         )
+    elif kind == "first_line" and len(raw["expected"].strip().splitlines()) > 1:
+        # (a line break by str.splitlines, as first_line splits the output: a miss on every model otherwise. The
+        # other kinds can match any answer they accept: exact and contains compare across lines, and every
+        # integer is some output's first.)
+        problems.append(
+            f"{where}: expected={raw['expected']!r} holds a line break, which kind 'first_line' can never match "
+            "(it compares the first line of the output alone): use kind exact or contains"
+        )
 
 
 # ----------------------------------------------------------------------------- scoring

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import math
 import os
 import platform
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 import attnlab
-from attnlab.data.files import atomic_write_text, json_objects, read_json_lines
-from attnlab.errors import InputError
+from attnlab.data.files import LINK_LOOP, atomic_write_text, file_kind, json_objects, link_loop, read_json_lines
+from attnlab.errors import AttnlabWarning, DataError, InputError
 
 
 def make_record(benchmark: str, model=None, **figures) -> dict:
@@ -42,6 +44,8 @@ def records_target(path: str | Path) -> Path:
     does not exist yet: a device (/dev/full), fifo or folder would be read without end or replaced by a file.
     A symlink is written through: the rows go to the file it points at and the link stays a link."""
     given = Path(path)
+    if link_loop(given):  # (Path.resolve raises RuntimeError on one)
+        raise InputError(f"{given}: {LINK_LOOP}: point the link at the records file itself, or give another path")
     target = given.resolve()
     if target.exists() and not target.is_file():
         what = "a folder" if target.is_dir() else "not a regular file (a device, fifo or socket)"
@@ -93,6 +97,27 @@ def append_records(path: str | Path, rows: list[dict]) -> Path:
     if old and not old.endswith("\n"):
         old += "\n"
     atomic_write_text(path, old + "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), durable=True)
+    return path
+
+
+def bench_records(folder: str | Path) -> Path:
+    """folder/records.jsonl, the records file `attnlab bench --out folder` wrote, checked before it is read: DataError
+    (one line naming it) when nothing is there, when its symbolic links point at each other (not "not found": ls
+    shows it), or when it is not a regular file (file_kind, as compare checks a run's files): a device such as
+    /dev/zero would be read without end, a fifo waited on without end."""
+    path = Path(folder) / "records.jsonl"
+    try:
+        kind = file_kind(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DataError(f"{path}: {LINK_LOOP}: point the link at the records file itself, or give the folder "
+                            "`attnlab bench --out` wrote") from None  # fmt: skip
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise  # (permissions: said by the command's line for the operating system's refusals)
+        raise DataError(f"{path} not found: run `attnlab bench ... --out {folder}` first") from None
+    if kind is not None:
+        raise DataError(f"{path}: {kind}, not a records file (give the folder `attnlab bench --out` wrote: its "
+                        "records.jsonl is a regular file)")  # fmt: skip
     return path
 
 
@@ -157,6 +182,42 @@ def latest_records(records: list[dict]) -> tuple[list[dict], list[tuple[int, int
 
 def _figures(record: dict) -> str:
     return json.dumps({k: v for k, v in record.items() if k not in VOLATILE}, sort_keys=True, default=str)
+
+
+def latest_and_distinct(records: list[dict], records_path: Path) -> tuple[list[dict], list[str]]:
+    """(the records a report shows, notes saying what it did): of records that measured the same thing (a checkpoint
+    benchmarked again after its weights changed, records files joined, two benches at once) only the latest; and
+    a label two checkpoints share (records of older benches) replaced by their folders' last parts. Each is said
+    in a note and, when figures disagree or labels change, in a warning line."""
+    records, superseded = latest_records(records)
+    notes = []
+    if superseded:
+        old, new = [str(o) for o, _, _ in superseded], sorted({n for _, n, _ in superseded})
+        differ = sum(d for _, _, d in superseded)
+        one = len(old) == 1
+        what = "with other figures" if one else f"{differ} with other figures"
+        what = what if differ else "with the same figures"
+        why = " (measured again, e.g. after the checkpoint was retrained, or records files joined)" if differ else ""
+        notes.append(f"record{'s' * (not one)} {', '.join(old)} measured the same checkpoint and settings as "
+                     f"{'a later record' if len(new) == 1 else 'later records'} ({', '.join(map(str, new))}), "
+                     f"{what}{why}: only the latest {'is' if one else 'are'} shown.")  # fmt: skip
+        if differ:
+            warnings.warn(f"{records_path}: {notes[-1]}", AttnlabWarning, stacklevel=3)
+    paths: dict[str, set[str]] = defaultdict(set)
+    for r in records:
+        if isinstance(r.get("model_path"), str):
+            paths[r["model"]].add(os.path.normpath(r["model_path"]))
+    shared = {label: sorted(p) for label, p in paths.items() if len(p) > 1}
+    if not shared:
+        return records, notes
+    labels = distinct_labels({p: label for label, group in shared.items() for p in group})
+    records = [{**r, "model": labels[os.path.normpath(r["model_path"])]} if r["model"] in shared and
+               isinstance(r.get("model_path"), str) else r for r in records]  # fmt: skip
+    for label, group in shared.items():
+        notes.append(f"{len(group)} checkpoints share the label {label}: shown as "
+                     f"{', '.join(labels[p] for p in group)} (the last parts of their folders).")  # fmt: skip
+        warnings.warn(f"{records_path}: {notes[-1]}", AttnlabWarning, stacklevel=3)
+    return records, notes
 
 
 def distinct_labels(labels: dict[str, str]) -> dict[str, str]:

@@ -20,7 +20,7 @@ from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.bench_checks import status_notes
 from attnlab.eval.paired import paired_rows
 from attnlab.eval.plots import plot_val_loss, quiet_missing_glyphs, rank_spectra, region_mass_bars
-from attnlab.eval.records import distinct_labels, latest_records, pair_labels, read_records, record_problem
+from attnlab.eval.records import bench_records, latest_and_distinct, pair_labels, read_records, record_problem
 from attnlab.eval.stats import paired_comparison
 
 
@@ -384,13 +384,11 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
     """Writes tables/, plots, report.md and report.html into out_dir; returns their paths. pairs: (a, b) model
     labels whose perplexity differences get a paired table (a minus b)."""
     out_dir = Path(out_dir)
-    records_path = out_dir / "records.jsonl"
     if out_dir.is_file():
         folder = (f"give the folder that holds it: {out_dir.parent}" if out_dir.name == "records.jsonl" else
                   "give the folder `attnlab bench --out` wrote (it holds records.jsonl)")  # fmt: skip
         raise InputError(f"{out_dir}: a file, not a folder of records; {folder}")
-    if not records_path.exists():
-        raise DataError(f"{records_path} not found: run `attnlab bench ... --out {out_dir}` first")
+    records_path = bench_records(out_dir)  # (not found, a link loop, a device or fifo: refused before it is read)
     records = read_records(records_path)
     if not records:
         raise DataError(f"{records_path}: holds no records (empty): run `attnlab bench ... --out {out_dir}` first")
@@ -409,7 +407,7 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
             what = "a folder" if place.is_dir() else "a file" if place.is_file() else "not a regular file"
             raise InputError(f"{place}: {what} where the report writes its {name}{' folder' * folder}: move it away, "
                              "then run the report again")  # fmt: skip
-    records, notes = _latest_and_distinct(records, records_path)
+    records, notes = latest_and_distinct(records, records_path)
     models = list(dict.fromkeys(r["model"] for r in records))
     # a pair given twice is compared once (its rows would be the same twice)
     pairs = list(dict.fromkeys(pair_labels(f"{a}:{b}", models, records_path) for a, b in pairs))
@@ -472,42 +470,6 @@ DRAWN = ("perplexity", "memory", "latency", "multiple_choice", "needle", "contex
 
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'s' * (n != 1)}"
-
-
-def _latest_and_distinct(records: list[dict], records_path: Path) -> tuple[list[dict], list[str]]:
-    """(the records a report shows, notes saying what it did): of records that measured the same thing (a checkpoint
-    benchmarked again after its weights changed, records files joined, two benches at once) only the latest; and
-    a label two checkpoints share (records of older benches) replaced by their folders' last parts. Each is said
-    in a note and, when figures disagree or labels change, in a warning line."""
-    records, superseded = latest_records(records)
-    notes = []
-    if superseded:
-        old, new = [str(o) for o, _, _ in superseded], sorted({n for _, n, _ in superseded})
-        differ = sum(d for _, _, d in superseded)
-        one = len(old) == 1
-        what = "with other figures" if one else f"{differ} with other figures"
-        what = what if differ else "with the same figures"
-        why = " (measured again, e.g. after the checkpoint was retrained, or records files joined)" if differ else ""
-        notes.append(f"record{'s' * (not one)} {', '.join(old)} measured the same checkpoint and settings as "
-                     f"{'a later record' if len(new) == 1 else 'later records'} ({', '.join(map(str, new))}), "
-                     f"{what}{why}: only the latest {'is' if one else 'are'} shown.")  # fmt: skip
-        if differ:
-            warnings.warn(f"{records_path}: {notes[-1]}", AttnlabWarning, stacklevel=3)
-    paths: dict[str, set[str]] = defaultdict(set)
-    for r in records:
-        if isinstance(r.get("model_path"), str):
-            paths[r["model"]].add(os.path.normpath(r["model_path"]))
-    shared = {label: sorted(p) for label, p in paths.items() if len(p) > 1}
-    if not shared:
-        return records, notes
-    labels = distinct_labels({p: label for label, group in shared.items() for p in group})
-    records = [{**r, "model": labels[os.path.normpath(r["model_path"])]} if r["model"] in shared and
-               isinstance(r.get("model_path"), str) else r for r in records]  # fmt: skip
-    for label, group in shared.items():
-        notes.append(f"{len(group)} checkpoints share the label {label}: shown as "
-                     f"{', '.join(labels[p] for p in group)} (the last parts of their folders).")  # fmt: skip
-        warnings.warn(f"{records_path}: {notes[-1]}", AttnlabWarning, stacklevel=3)
-    return records, notes
 
 
 def _analysis_plots(records: list[dict], out_dir: Path) -> dict:

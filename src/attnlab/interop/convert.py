@@ -32,6 +32,7 @@ weight outside the attention is copied; inside it:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,21 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
         raise ConfigError(f"convert: the source has q/k/v biases and attention.kind {kind} has none (use mha or "
                           "sliding with qkv_bias: true)")  # fmt: skip
     return cfg
+
+
+def unchanged(source: ModelConfig, target: ModelConfig) -> bool:
+    """Whether a conversion's target is the source itself (KV heads and head_dim left unset read as the values
+    they stand for): such a conversion would write a copy of the source."""
+    if source.attention.kind != target.attention.kind:
+        return False
+
+    def resolved(cfg: ModelConfig) -> ModelConfig:
+        attention = cfg.attention
+        values = {"n_kv_heads": kv_heads(cfg), "head_dim": attention.dim(cfg)}
+        fields = {f.name for f in dataclasses.fields(attention)}
+        return cfg.replace(attention=dataclasses.replace(attention, **{k: v for k, v in values.items() if k in fields}))
+
+    return resolved(source) == resolved(target)
 
 
 def kv_heads(cfg: ModelConfig) -> int:

@@ -34,7 +34,8 @@ from attnlab.interop.hf import config_from_hf, is_hf_folder, load_hf_folder, rea
 from attnlab.interop.tokenizer import tokenizer_from_gguf
 from attnlab.model.transformer import Transformer
 from attnlab.paths import data_dirs
-from attnlab.train.checkpoint import find_checkpoint, load_checkpoint
+from attnlab.train.checkpoint import find_checkpoint, load_checkpoint, step_folders
+from attnlab.train.resume import config_differences
 
 HUB_PREFIX = "hf:"
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -105,6 +106,8 @@ def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, P
     DataError (one line) when it names nothing loadable."""
     if isinstance(ref, str) and ref.startswith(HUB_PREFIX):
         return "hub", hub_folder(ref, data_dir)
+    if isinstance(ref, str) and not ref:  # ('' from an unset shell variable: Path('') would be the working directory)
+        raise InputError(f"the model reference is an empty path: give {KINDS}")
     path = Path(ref)
     if not path.exists() and not path.is_absolute():  # models/X.gguf: in a data directory, as data files are
         path = next((d / path for d in data_dirs(data_dir) if (d / path).exists()), path)
@@ -126,7 +129,45 @@ def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, P
         return "hf", path
     if os.path.lexists(path / "config.json"):
         read_json(path / "config.json")  # broken JSON, not an object, a FIFO: says so (naming the file)
+    steps = step_folders(path) if path.name == "checkpoints" else []
+    if steps:  # a run's checkpoints/: the run itself is the reference (or one checkpoint in it)
+        raise DataError(f"{path}: a run's checkpoints folder, not a model: give the run's folder {path.parent} (its "
+                        f"best checkpoint) or one checkpoint in it, e.g. {steps[-1]}")  # fmt: skip
+    inside = _references_inside(path)
+    if inside:  # a manifest target's folder of seed runs, a folder of models
+        names = [str(p) for p in inside[:3]]
+        shown = " or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
+        more = f" (and {len(inside) - 3} more)" if len(inside) > 3 else ""
+        raise DataError(f"{path}: no config.json naming a model here, but the folder holds model references: give "
+                        f"one of them, e.g. {shown}{more}")  # fmt: skip
     raise DataError(f"{path}: no config.json naming a model here (a model reference is {KINDS})")
+
+
+def _references_inside(folder: Path, limit: int = 1000) -> list[Path]:
+    """The model references right inside `folder` (runs, checkpoint and Hugging Face folders, .gguf files), by name;
+    a folder of more than `limit` entries is not searched (nothing is listed)."""
+    try:
+        entries = sorted(folder.iterdir(), key=lambda p: _natural(p.name)) if folder.is_dir() else []
+    except OSError:  # unreadable: the plain refusal says enough
+        return []
+    if len(entries) > limit:
+        return []
+    found = []
+    for entry in entries:
+        try:
+            if entry.is_dir() and ((entry / "checkpoints").is_dir() or _is_attnlab_checkpoint(entry)
+                                   or is_hf_folder(entry)):  # fmt: skip
+                found.append(entry)
+            elif entry.suffix.lower() == ".gguf" and entry.is_file():
+                found.append(entry)
+        except OSError:  # a folder that cannot be entered is no reference to point at
+            continue
+    return found
+
+
+def _natural(name: str) -> list:
+    """A sort key putting seed2 before seed10."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
 def model_config_of(ref: str | Path, data_dir: str | Path | None = None) -> ModelConfig:
@@ -142,6 +183,7 @@ def model_config_of(ref: str | Path, data_dir: str | Path | None = None) -> Mode
         )
         config_path = (checkpoint.path if checkpoint else where) / "config.json"
         config = checkpoint.config if checkpoint else read_json(config_path)
+        check_run_checkpoint(config_path.parent, config)
         return model_config_from_dict(config.get("model"), source=str(config_path))
     config_path = where / "config.json"
     return config_from_hf(
@@ -164,6 +206,28 @@ def tokenizer_of(ref: str | Path, data_dir: str | Path | None = None) -> Tokeniz
     if isinstance(vocab_size, int) and not isinstance(vocab_size, bool):
         check_token_ids(tokenizer, vocab_size, where / "tokenizer.json")
     return tokenizer
+
+
+def check_run_checkpoint(folder: Path, trained: dict) -> None:
+    """DataError when `folder` is a run's checkpoint (<run>/checkpoints/step-N) trained with another config than the
+    run's config.json says (`trained`: the checkpoint's own config.json, checksummed with its weights): a step folder
+    copied in from another run, or the run's config.json changed since; either way the run's files (its config, its
+    tokenizer/) would be taken for another model's. A run's config.json that is missing or unreadable is not compared
+    (the weights are loaded by the checkpoint's own)."""
+    if folder.parent.name != "checkpoints":
+        return
+    run_config = folder.parent.parent / "config.json"
+    try:
+        saved = read_json(run_config)
+    except DataError:
+        return
+    differences = config_differences(trained, saved, saved_as="trained with")
+    if differences:
+        more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
+        raise DataError(f"{folder}: this checkpoint was trained with another config than the run's {run_config} says "
+                        f"({differences[0]}{more}): it was copied in from another run, or the run's config.json was "
+                        "changed after training; put the run's own checkpoint back (or its config.json as it was), or "
+                        "train the run again into another --out")  # fmt: skip
 
 
 def _is_attnlab_checkpoint(folder: Path) -> bool:
@@ -191,6 +255,7 @@ def _load_run(path: Path, dtype, data_dir, tag: str) -> LoadedModel:
     folder, else the prepared data of its data config), or, for a converted pretrained model, its source's
     (tokenizer/tokenizer.json in the checkpoint folder)."""
     loaded = load_checkpoint(path, tag=tag)
+    check_run_checkpoint(loaded.folder, loaded.config)  # another run's weights are not taken for this run's
     model = loaded.model if dtype == torch.float32 else loaded.model.to(dtype)
     data = loaded.config.get("data")
     record = (loaded.trainer or {}).get("tokenizer")  # what training saved in tokenizer/ (runs since it was recorded)

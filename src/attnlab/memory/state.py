@@ -51,6 +51,16 @@ class MemoryStateError(DataError):
     """A memory state file cannot be written, read, or used with this model."""
 
 
+class DamagedStateError(MemoryStateError):
+    """A state file that is not the state as it was written (cut short, changed, another format or schema version):
+    writing it again is the way out. `problem` is the message without that generic fix, for a caller that names
+    its own commands (the memory store)."""
+
+    def __init__(self, problem: str, fix: str = ""):
+        self.problem = problem
+        super().__init__(f"{problem} ({fix})" if fix else problem)
+
+
 def require_memory(model) -> None:
     """Raises InputError unless the model has a bounded memory (only those have a fixed-size state)."""
     memory = model.cfg.memory
@@ -147,34 +157,34 @@ def parse_state(blob: bytes, path: str | Path = "<bytes>") -> tuple[dict, dict[s
     try:
         tensors = load_tensors(blob)  # parses safetensors only: no code runs
     except SafetensorError as e:
-        raise MemoryStateError(f"{damaged}: {e})") from None
+        raise DamagedStateError(f"{damaged}: {e})") from None
     size = int.from_bytes(blob[:8], "little")  # safetensors: u64 header length, JSON header, tensor bytes
     metadata = json.loads(blob[8 : 8 + size]).get("__metadata__") or {}
     if HEADER_KEY not in metadata:
-        raise MemoryStateError(f"{path}: a safetensors file but not an attnlab memory state (no {HEADER_KEY!r})")
+        raise DamagedStateError(f"{path}: a safetensors file but not an attnlab memory state (no {HEADER_KEY!r})")
     try:
         header = json.loads(metadata[HEADER_KEY])
     except json.JSONDecodeError as e:
-        raise MemoryStateError(f"{damaged}: header {e})") from None
+        raise DamagedStateError(f"{damaged}: header {e})") from None
     except RecursionError:
-        raise MemoryStateError(f"{damaged}: header nested too deeply to read)") from None
+        raise DamagedStateError(f"{damaged}: header nested too deeply to read)") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise MemoryStateError(f"{damaged}: header is not an {FORMAT} header)")
+        raise DamagedStateError(f"{damaged}: header is not an {FORMAT} header)")
     version = header.get("schema_version")
     if not isinstance(version, int):
-        raise MemoryStateError(f"{damaged}: header has no schema_version)")
+        raise DamagedStateError(f"{damaged}: header has no schema_version)")
     if version != SCHEMA_VERSION:
-        raise MemoryStateError(f"{path}: memory state schema version {version}, this attnlab reads version "
-                               f"{SCHEMA_VERSION}: written by another attnlab, or damaged (re-ingest the "
-                               "documents)")  # fmt: skip
+        raise DamagedStateError(f"{path}: memory state schema version {version}, this attnlab reads version "
+                                f"{SCHEMA_VERSION}: written by another attnlab, or damaged", "re-ingest the "
+                                "documents")  # fmt: skip
     if _checksum(header, tensors) != header.get("sha256"):
-        raise MemoryStateError(f"{path}: checksum mismatch: the memory state was modified or damaged after it "
-                               "was written (re-ingest the documents)")  # fmt: skip
+        raise DamagedStateError(f"{path}: checksum mismatch: the memory state was modified or damaged after it "
+                                "was written", "re-ingest the documents")  # fmt: skip
     wrong = [key for key, kind in REQUIRED.items() if not isinstance(header.get(key), kind)]
     if "weights_sha256" in header and not isinstance(header["weights_sha256"], str):
         wrong.append("weights_sha256")
     if wrong:
-        raise MemoryStateError(f"{damaged}: header lacks {wrong})")
+        raise DamagedStateError(f"{damaged}: header lacks {wrong})")
     return header, tensors
 
 
@@ -207,27 +217,27 @@ def load_state(path: str | Path, model) -> tuple[ModelCache, dict]:
     param = next(model.parameters())
     dtype = getattr(torch, str(header["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
-        raise MemoryStateError(f"{path}: unknown dtype {header['dtype']!r} in its header")
+        raise DamagedStateError(f"{path}: unknown dtype {header['dtype']!r} in its header")
     policy = header.get("kv_policy")  # the formats the slots are stored in (None: the dtype)
     if policy is not None and not isinstance(policy, str):
-        raise MemoryStateError(f"{path}: kv_policy {policy!r} in its header is not a policy string")
+        raise DamagedStateError(f"{path}: kv_policy {policy!r} in its header is not a policy string")
     cache = model.new_cache(int(header["batch"]), dtype=dtype, device=param.device, policy=policy)
     for i, layer in enumerate(cache.layers):
         expected = layer.state()
         names = {f"layers.{i}.{name}" for name in expected}
         missing = sorted(names - tensors.keys())
         if missing:
-            raise MemoryStateError(f"{path}: tensors {missing} missing for this model's memory")
+            raise DamagedStateError(f"{path}: tensors {missing} missing for this model's memory")
         loaded = {}
         for name, fresh in expected.items():
             stored = tensors[f"layers.{i}.{name}"]
             if stored.shape != fresh.shape or stored.dtype != fresh.dtype:
-                raise MemoryStateError(f"{path}: layers.{i}.{name} is {tuple(stored.shape)} {stored.dtype}, this "
-                                       f"model's memory holds {tuple(fresh.shape)} {fresh.dtype}")  # fmt: skip
+                raise DamagedStateError(f"{path}: layers.{i}.{name} is {tuple(stored.shape)} {stored.dtype}, this "
+                                        f"model's memory holds {tuple(fresh.shape)} {fresh.dtype}")  # fmt: skip
             loaded[name] = stored.to(param.device)
         layer.load(loaded, int(header["tokens"]))
     extra = sorted(tensors.keys() - {f"layers.{i}.{n}" for i, x in enumerate(cache.layers) for n in x.state()})
     if extra:
-        raise MemoryStateError(f"{path}: tensors {extra[:3]} do not belong to this model's memory")
+        raise DamagedStateError(f"{path}: tensors {extra[:3]} do not belong to this model's memory")
     cache.seen = int(header["tokens"])
     return cache, header

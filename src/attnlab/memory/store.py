@@ -29,7 +29,7 @@ from attnlab.errors import DataError, InputError, LengthWarning
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
 from attnlab.interop.tokenizer import warn_unknown
-from attnlab.memory.state import load_state, require_memory, save_state
+from attnlab.memory.state import DamagedStateError, load_state, require_memory, save_state
 from attnlab.paths import cache_dir
 from attnlab.paths import check_name as check_name_of
 
@@ -277,7 +277,11 @@ def query(store: MemoryStore, name: str, prompt: str, model_path: str | Path | N
         raise StoreError(f"memory {name!r} was made with {entry.model_path}, which is gone (moved or deleted): give "
                          "its new place with --model, or re-ingest the documents")  # fmt: skip
     loaded = _load_model(model_path or entry.model_path, data_dir)
-    cache, header = load_state(store.path(entry), loaded.model)
+    try:
+        cache, header = load_state(store.path(entry), loaded.model)
+    except DamagedStateError as e:  # (the store's own commands are the way out)
+        raise StoreError(f"{e.problem}; re-ingest memory {name!r} (attnlab memory ingest MODEL DOCS --name {name} "
+                         f"--replace) or remove it (attnlab memory rm {name})") from None  # fmt: skip
     if header["sha256"] != entry.state_sha256:
         raise StoreError(f"{store.path(entry)}: not the state the index registered for {name!r} (checksum "
                          f"{header['sha256'][:12]}, index {entry.state_sha256[:12]}); re-ingest it")  # fmt: skip
