@@ -138,3 +138,17 @@ def test_the_default_region_past_a_short_prompt_is_refused_before_anything_runs(
                                                     "prompt's 9 characters: give a region inside the prompt, or a "
                                                     "longer prompt")):  # fmt: skip
         load_plan([str(manifest)])
+
+
+def test_a_checkpoint_named_relative_to_the_data_directory_is_found_as_other_commands_find_it(tmp_path, monkeypatch):
+    """`attnlab info models/X.gguf --data-dir D` finds D/models/X.gguf; `attnlab bench models/X.gguf --data-dir D` said
+    the checkpoint was not found (found while running the SmolLM2 factorial's baseline)."""
+
+    data = tmp_path / "data"
+    (data / "models").mkdir(parents=True)
+    (data / "models" / "x.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)
+    plan = load_plan(["models/x.gguf"], ["perplexity"], data_dir=str(data))
+    assert plan.checkpoints == (str(data / "models" / "x.gguf"),)
+    with pytest.raises(ConfigError, match="checkpoint 'models/y.gguf' not found"):
+        load_plan(["models/y.gguf"], ["perplexity"], data_dir=str(data))

@@ -59,6 +59,15 @@ def check_data_dirs(data_dir: str | Path | None = None) -> None:
                         "ATTNLAB_DATA)")  # fmt: skip
 
 
+def in_data_dirs(path: str | Path, data_dir: str | Path | None = None) -> Path:
+    """`path` as it is when it exists or is absolute, else the first data directory's `<dir>/<path>` that exists
+    (models/X.gguf: a model reference is found where data files are); else `path` as given."""
+    path = Path(path)
+    if path.exists() or path.is_absolute():
+        return path
+    return next((d / path for d in data_dirs(data_dir) if (d / path).exists()), path)
+
+
 def find_data_file(relative: str, data_dir: str | Path | None = None) -> Path:
     """The first existing `<dir>/<relative>`; the error says where it looked and how to provide it."""
     tried = [d / relative for d in data_dirs(data_dir)]

@@ -60,7 +60,7 @@ from attnlab.eval.probes import load_suite, probe_records, run_probes
 from attnlab.eval.records import append_records, read_records, records_folder
 from attnlab.eval.speed import run_latency, run_memory
 from attnlab.interop.references import model_config_of, tokenizer_of
-from attnlab.paths import brief, check_name
+from attnlab.paths import brief, check_name, in_data_dirs
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PROMPT = (
@@ -440,7 +440,10 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         if str(pattern).startswith("hf:"):  # a Hub reference: resolved when loaded
             resolved.append(str(pattern))
             continue
-        matches = sorted(glob.glob(str(pattern))) if any(c in str(pattern) for c in "*?[") else [str(pattern)]
+        if any(c in str(pattern) for c in "*?["):
+            matches = sorted(glob.glob(str(pattern)))
+        else:  # models/X.gguf: also in a data directory, as every command that takes a model reference finds it
+            matches = [str(in_data_dirs(pattern, data_dir))]
         if need_checkpoints and (not matches or not all(Path(m).exists() for m in matches)):
             problems.append(
                 f"checkpoint {pattern!r} not found (a model reference: a run or checkpoint folder, a .gguf "

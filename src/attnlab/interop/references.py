@@ -33,7 +33,7 @@ from attnlab.interop.gguf import check_token_count, check_weights, config_from_g
 from attnlab.interop.hf import config_from_hf, is_hf_folder, load_hf_folder, read_json
 from attnlab.interop.tokenizer import tokenizer_from_gguf
 from attnlab.model.transformer import Transformer
-from attnlab.paths import data_dirs
+from attnlab.paths import data_dirs, in_data_dirs
 from attnlab.train.checkpoint import find_checkpoint, load_checkpoint, step_folders
 from attnlab.train.resume import config_differences
 
@@ -108,9 +108,7 @@ def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, P
         return "hub", hub_folder(ref, data_dir)
     if isinstance(ref, str) and not ref:  # ('' from an unset shell variable: Path('') would be the working directory)
         raise InputError(f"the model reference is an empty path: give {KINDS}")
-    path = Path(ref)
-    if not path.exists() and not path.is_absolute():  # models/X.gguf: in a data directory, as data files are
-        path = next((d / path for d in data_dirs(data_dir) if (d / path).exists()), path)
+    path = in_data_dirs(ref, data_dir)
     if path.is_file():
         with open(path, "rb") as f:
             magic = f.read(4)
