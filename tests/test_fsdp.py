@@ -190,6 +190,23 @@ def test_a_global_batch_the_processes_do_not_divide_is_refused(tmp_path, data, e
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+BOUNDED = {"kind": "bounded", "recent_window": 8, "exact_slots": 4, "summary_slots": 4}
+
+
+@pytest.mark.slow
+def test_ddp_trains_a_model_with_a_bounded_memory_as_one_process_does(tmp_path, data, env):
+    """Probe L's l3: DDP (the default under torchrun) stopped at its second step on a bounded memory's parameters
+    that a step does not use ("Expected to have finished reduction in the prior iteration")."""
+    run = job(tmp_path / "ddp", data, KINDS["mha"], steps=6, eval_every=6, checkpoint_every=6)
+    run["model"]["memory"] = BOUNDED
+    done = torchrun(2, [run], tmp_path, env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cfg = attnlab.model_config_from_dict({**MODEL, "attention": KINDS["mha"], "memory": BOUNDED})
+    changes = {"steps": 6, "eval_every": 6, "checkpoint_every": 6}
+    train(cfg, DataConfig(**data), TrainConfig(**{**TRAIN, **changes}), tmp_path / "one", progress=False)
+    assert close(rows(tmp_path / "ddp"), rows(tmp_path / "one"))
+
+
 def test_activation_checkpointing_computes_the_same_gradients():
     cfg = attnlab.model_config_from_dict({**MODEL, "attention": KINDS["coda"]})
     grads = []
@@ -204,9 +221,7 @@ def test_activation_checkpointing_computes_the_same_gradients():
 
 
 def test_activation_checkpointing_with_a_memory_is_refused(tmp_path, data):
-    cfg = attnlab.model_config_from_dict(
-        {**MODEL, "memory": {"kind": "bounded", "recent_window": 8, "exact_slots": 4, "summary_slots": 4}}
-    )
+    cfg = attnlab.model_config_from_dict({**MODEL, "memory": BOUNDED})
     with pytest.raises(ConfigError, match="train.activation_checkpointing=true: model.memory kind 'bounded'"):
         train(cfg, DataConfig(**data), TrainConfig(**{**TRAIN, "activation_checkpointing": True}), tmp_path / "r",
               progress=False)  # fmt: skip

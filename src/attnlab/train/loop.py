@@ -239,7 +239,10 @@ def train(
     if train_cfg.compile:
         train_model = torch.compile(train_model)
     if dist_info.enabled and not sharded:
-        train_model = torch.nn.parallel.DistributedDataParallel(train_model)
+        # A bounded memory's write gate and EMA rate take part in a step only when the step's tokens reach its banks
+        # in a way that uses them: DDP must look for the parameters a step left out, or it waits for them forever.
+        unused = model.cfg.memory.kind == "bounded"
+        train_model = torch.nn.parallel.DistributedDataParallel(train_model, find_unused_parameters=unused)
     data = data_fingerprint(prepared.meta)  # in every checkpoint: a resume on other data is refused
 
     def run_eval() -> dict:  # every process scores its share of the windows
