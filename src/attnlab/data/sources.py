@@ -166,8 +166,16 @@ def parquet_texts(path: Path) -> Iterator[str]:
         kind = kind.value_type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"):
         raise DataError(f"{path}: column 'text' holds {kind}, not strings (the documents must be a column of text)")
+    rows = 0
     for batch in parquet.iter_batches(columns=["text"], batch_size=1024):
-        yield from (text for text in batch.column(0).to_pylist() if text and text.strip())
+        column = batch.column(0)
+        if column.null_count:  # (a .jsonl {"text": null} is refused too: no silent loss of documents)
+            first = rows + column.is_null().to_pylist().index(True)
+            nulls = sum(b.column(0).null_count for b in parquet.iter_batches(columns=["text"]))
+            raise DataError(f"{path}: row {first} of column 'text' is null ({nulls} of {parquet.metadata.num_rows} "
+                            "rows): give every row a text (an empty string for none), or drop those rows")  # fmt: skip
+        rows += len(column)
+        yield from (text for text in column.to_pylist() if text and text.strip())
 
 
 def file_texts(path: Path) -> Iterator[str]:
@@ -189,10 +197,11 @@ def file_texts(path: Path) -> Iterator[str]:
         raise DataError(f"{path}: a damaged or cut-short {path.suffix} archive ({e}); replace the file") from None
     except DataError:
         raise
-    except Exception as e:  # pyarrow's ArrowInvalid and friends: not a parquet file
-        if kind != ".parquet" or type(e).__module__.split(".")[0] != "pyarrow":
+    except Exception as e:  # pyarrow's ArrowInvalid and friends, and its OSError for a damaged page: not readable
+        arrow = type(e).__module__.split(".")[0] == "pyarrow" or (isinstance(e, OSError) and e.errno is None)
+        if kind != ".parquet" or not arrow:
             raise
-        raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())})") from None
+        raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())}); replace the file") from None
 
 
 # ----------------------------------------------------------------------------- lookup and downloads
