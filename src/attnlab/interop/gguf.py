@@ -143,13 +143,35 @@ def open_gguf(path: str | Path) -> GGUFFile:
         if tensor.name in tensors:
             raise DataError(f"{path}: tensor {tensor.name!r} is stored twice")
         tensors[tensor.name] = tensor
+    check_tensor_ranges(path, tensors.values(), int(reader.data_offset), int(reader.alignment))
     return GGUFFile(path, metadata, tensors)
+
+
+def check_tensor_ranges(path: Path, tensors, data_start: int, alignment: int) -> None:
+    """DataError (one line naming the file and the tensors) when a tensor's data does not start on the file's
+    alignment or its bytes overlap another tensor's: a damaged tensor table, whose tensors would be read from wrong
+    bytes without a word (llama.cpp refuses both)."""
+    previous = None
+    for tensor in sorted(tensors, key=lambda t: (t.data_offset, t.name)):
+        offset = tensor.data_offset - data_start  # as the tensor table stores it: from the start of the data
+        if offset % alignment:
+            raise DataError(f"{path}: tensor {tensor.name!r} starts at data offset {offset}, not a multiple of the "
+                            f"file's alignment {alignment}: the tensor table is damaged (llama.cpp refuses it "
+                            "too); download or convert the file again")  # fmt: skip
+        if previous is not None and tensor.data_offset < previous.data_offset + previous.n_bytes:
+            end = previous.data_offset - data_start + previous.n_bytes
+            raise DataError(f"{path}: tensors {previous.name!r} (data bytes {previous.data_offset - data_start} .. "
+                            f"{end - 1}) and {tensor.name!r} (from byte {offset}) overlap: the tensor table is "
+                            "damaged, so one of them would be read from the other's bytes (llama.cpp refuses it "
+                            "too); download or convert the file again")  # fmt: skip
+        previous = tensor
 
 
 def config_from_gguf(file: GGUFFile) -> ModelConfig:
     """ModelConfig of a GGUF file's metadata (`<arch>.*` keys, and the rope_freqs.weight tensor); ConfigError (one
     line) for what attnlab cannot express: another architecture, mixture of experts, partial RoPE or RoPE scaled
-    otherwise than linearly or by frequency factors, per-layer head counts."""
+    otherwise than linearly or by frequency factors, per-layer head counts; DataError (one line) for a tensor whose
+    shape the metadata does not imply (check_tensor_shapes)."""
     meta, source = file.metadata, str(file.path)
     arch = meta.get("general.architecture")
     if arch in REFUSED_ARCHITECTURES:
@@ -192,7 +214,7 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
     if not vocab and "token_embd.weight" in file.tensors:
         vocab = file.shape("token_embd.weight")[0]
     try:
-        return ModelConfig(
+        cfg = ModelConfig(
             vocab_size=int(vocab),
             d_model=d_model,
             n_layers=int(key("block_count")),
@@ -209,6 +231,40 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
         )
     except ConfigError as e:
         raise e.with_source(source) from None
+    check_tensor_shapes(file, cfg)
+    return cfg
+
+
+def implied_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape (PyTorch order) of each tensor a GGUF file of `cfg` may hold: GGUF name -> (rows, columns)."""
+    d_model, vocab, d_ff = cfg.d_model, cfg.vocab_size, cfg.hidden_dim
+    head_dim = cfg.attention.head_dim or d_model // cfg.n_heads
+    q_rows, kv_rows = cfg.n_heads * head_dim, (cfg.attention.n_kv_heads or cfg.n_heads) * head_dim
+    shapes = {"token_embd.weight": (vocab, d_model), "output.weight": (vocab, d_model)}
+    shapes["output_norm.weight"] = (d_model,)
+    per_block = {
+        "attn_norm.weight": (d_model,), "ffn_norm.weight": (d_model,),
+        "attn_q.weight": (q_rows, d_model), "attn_k.weight": (kv_rows, d_model), "attn_v.weight": (kv_rows, d_model),
+        "attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,),
+        "attn_output.weight": (d_model, q_rows),
+        "ffn_gate.weight": (d_ff, d_model), "ffn_up.weight": (d_ff, d_model), "ffn_down.weight": (d_model, d_ff),
+    }  # fmt: skip
+    for i in range(cfg.n_layers):
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in per_block.items()})
+    return shapes
+
+
+def check_tensor_shapes(file: GGUFFile, cfg: ModelConfig) -> None:
+    """DataError (one line naming the file, the tensor, its shape and the shape the metadata implies) for the first
+    tensor whose shape does not fit the config read from the metadata: a damaged file, or tensors of another model.
+    Checked before any weight is read (q and k rows are regrouped per head, which a wrong shape would break)."""
+    arch = file.metadata.get("general.architecture")
+    implied = implied_shapes(cfg)
+    for name in file.tensors:
+        if name in implied and file.shape(name) != implied[name]:
+            raise DataError(f"{file.path} ({name}): the tensor has shape {file.shape(name)}, but the file's metadata "
+                            f"({arch}.*) implies {implied[name]}: the file is damaged or its tensors are not its "
+                            "metadata's model; download or convert it again")  # fmt: skip
 
 
 def check_token_count(file: GGUFFile) -> None:

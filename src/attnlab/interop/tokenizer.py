@@ -25,6 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from attnlab.data.pretrained import PretrainedTokenizer
 from attnlab.data.tokenizers import CharTokenizer, WordTokenizer
 from attnlab.errors import AttnlabWarning, ConfigError, DataError
+from attnlab.paths import brief
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (tokenizer.ggml.token_type)
 
@@ -180,14 +181,27 @@ def tokenizer_from_gguf(meta: dict, source: str = "gguf", name: str | None = Non
     n_tokens = len(tokens)
     if tokenizer.get_vocab_size(with_added_tokens=True) != n_tokens:
         raise DataError(f"{source}: the rebuilt tokenizer has {tokenizer.get_vocab_size()} ids, not {n_tokens}")
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    bos_id = special_id(meta, "bos", n_tokens, source)
+    eos_id = special_id(meta, "eos", n_tokens, source)
     # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
     return PretrainedTokenizer(
         name or f"gguf:{Path(source).name}", tokenizer, bos_id=bos_id, eos_ids=[] if eos_id is None else [eos_id],
         add_bos=add_bos, chat_template=meta.get("tokenizer.chat_template"),
     )  # fmt: skip
+
+
+def special_id(meta: dict, which: str, n_tokens: int, source: str) -> int | None:
+    """tokenizer.ggml.<which>_token_id (None when the file has none); DataError (one line naming the file, the key,
+    its value and the vocabulary's size) unless it is the id of a token: an EOS past the vocabulary is never
+    generated, so generation could never stop at it."""
+    key = f"tokenizer.ggml.{which}_token_id"
+    value = meta.get(key)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n_tokens):
+        return value
+    raise DataError(f"{source}: {key}={brief(value)} is not a token id: the vocabulary (tokenizer.ggml.tokens) holds "
+                    f"{n_tokens:,} tokens, ids 0 .. {n_tokens - 1}; the file is damaged: set the key to the model's "
+                    f"{which.upper()} token (gguf-set-metadata FILE {key} ID) or download the file again")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- text a vocabulary cannot spell
