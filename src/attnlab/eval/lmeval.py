@@ -450,7 +450,7 @@ def run_lm_eval(
     datasets.disable_progress_bars()  # "Generating validation split" bars would hide an error's one line
     try:
         with _one_line(tasks, manager, num_fewshot):
-            built = build_tasks(manager, names, limit)  # the task files and their items, before the model is loaded
+            built = build_tasks(manager, names, limit, num_fewshot)  # the task files and items, before the model loads
         model = (
             ref
             if isinstance(ref, EvalModel)

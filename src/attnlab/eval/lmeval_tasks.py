@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from attnlab.config_io import StrictLoader
 from attnlab.errors import AttnlabError, ConfigError, DataError
 from attnlab.paths import find_data_file
 
@@ -33,10 +34,21 @@ SPLIT_KEYS = ("test_split", "validation_split", "training_split", "fewshot_split
 TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice")  # what every item of a task renders
 
 
-def _resolved_files(files: Any, data_dir: str | Path | None, source: str = "") -> Any:
+def _holds_text(path: Path) -> bool:
+    """Whether the file holds anything but white space (read until the first such byte: the first block, mostly)."""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 16):
+            if block.strip():
+                return True
+    return False
+
+
+def _resolved_files(files: Any, data_dir: str | Path | None, source: str = "",
+                    key: str = "dataset_kwargs.data_files") -> Any:  # fmt: skip
     """data_files with every relative path looked up in the data directory (find_data_file); absolute paths,
     URLs and glob patterns as they are. A relative path that leaves the data directory (`../x`): ConfigError
-    naming the task file `source`."""
+    naming the task file `source`; a named file that holds no items (empty, or white space only: `datasets` stops
+    with a StopIteration traceback): DataError naming it and its `key`."""
     if isinstance(files, str):
         plain = not (Path(files).is_absolute() or "://" in files or any(c in files for c in "*?["))
         if plain and ".." in Path(files).parts:
@@ -44,11 +56,16 @@ def _resolved_files(files: Any, data_dir: str | Path | None, source: str = "") -
             raise ConfigError(f"data file {files!r} {why}: give a path inside it, or an absolute path", source=source)
         if Path(files).is_absolute() and not any(c in files for c in "*?[") and not Path(files).is_file():
             raise DataError(f"{source}: data file {files} is not a file (give the path of the task's data file)")
-        return str(find_data_file(files, data_dir)) if plain else files
+        path = find_data_file(files, data_dir) if plain else Path(files)
+        if (plain or Path(files).is_absolute()) and path.is_file() and not _holds_text(path):
+            size = " (0 bytes)" if path.stat().st_size == 0 else " (white space only)"
+            raise DataError(f"{source}: {key}: data file {path} holds no items{size}: give the task's items in it "
+                            "(for dataset_path: json, one JSON object a line)")  # fmt: skip
+        return str(path) if plain else files
     if isinstance(files, list):
-        return [_resolved_files(f, data_dir, source) for f in files]
+        return [_resolved_files(f, data_dir, source, f"{key}[{i}]") for i, f in enumerate(files)]
     if isinstance(files, dict):
-        return {split: _resolved_files(f, data_dir, source) for split, f in files.items()}
+        return {split: _resolved_files(f, data_dir, source, f"{key}.{split}") for split, f in files.items()}
     return files
 
 
@@ -70,16 +87,50 @@ def _any_tag(loader: _TaskFileLoader, suffix: str, node):
     return loader.construct_mapping(node)
 
 
-_TaskFileLoader.add_multi_constructor("!", _any_tag)
+class _StrictTaskFileLoader(StrictLoader):
+    """_TaskFileLoader that also refuses a key given twice in one mapping (config_io.StrictLoader)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.tags: list[str] = []
 
 
-def _read_task_file(path: Path) -> tuple[Any, list[str]]:
-    """(the YAML data, its tags) of a task file, read without running anything; yaml.YAMLError if it is not YAML."""
-    loader = _TaskFileLoader(path.read_text(encoding="utf-8", errors="replace"))
+for _loader in (_TaskFileLoader, _StrictTaskFileLoader):
+    _loader.add_multi_constructor("!", _any_tag)
+
+
+def _read_task_file(path: Path, strict: bool = False) -> tuple[Any, list[str]]:
+    """(the YAML data, its tags) of a task file, read without running anything; yaml.YAMLError if it is not YAML
+    (strict: or if it gives a key twice)."""
+    loader = (_StrictTaskFileLoader if strict else _TaskFileLoader)(path.read_text(encoding="utf-8", errors="replace"))
     try:
         return loader.get_single_data(), loader.tags
     finally:
         loader.dispose()
+
+
+def check_keys_once(path: Path) -> None:
+    """ConfigError naming the task file `path` (or a file it `include`s) and the line of a key it gives twice in one
+    mapping: lm-eval keeps the last without a word (attnlab refuses a key given twice in its own YAML files).
+    Called for the task files of the tasks asked for only; a file lm-eval could not read was named already."""
+    seen: set[Path] = set()
+    while path.is_file() and path.resolve() not in seen:
+        seen.add(path.resolve())
+        try:
+            data, _ = _read_task_file(path, strict=True)
+        except yaml.constructor.ConstructorError as e:
+            if "given twice" not in str(e.problem):
+                return
+            line = f"line {e.problem_mark.line + 1}: " if e.problem_mark else ""
+            raise ConfigError(
+                f"{line}{e.problem}: lm-eval would keep the last without a word", source=str(path)
+            ) from None
+        except yaml.YAMLError:
+            return
+        include = data.get("include") if isinstance(data, dict) else None
+        if not isinstance(include, str):
+            return
+        path = Path(include) if Path(include).is_absolute() else path.parent / include
 
 
 def check_task_files(folders: list[str]) -> dict[Path, str]:
@@ -103,6 +154,13 @@ def check_task_files(folders: list[str]) -> dict[Path, str]:
         if any(tag == "!function" for tag in tags):
             raise ConfigError(f"{path}: uses the !function tag, which would import and run Python code: attnlab "
                               f"does not run code from task files (remove it, or run lm-eval itself)")  # fmt: skip
+        if not isinstance(data, dict):  # lm-eval's index skips it without a word
+            kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+                type(data), "value"
+            )
+            what = "is empty" if data is None else f"is a YAML {kind}"
+            broken[path] = f"{what}, not a mapping of task keys (task:, dataset_path:, ...), so lm-eval skipped it"
+            continue
         include = data.get("include") if isinstance(data, dict) else None
         if isinstance(include, str):
             target = Path(include) if Path(include).is_absolute() else path.parent / include
@@ -309,6 +367,43 @@ def _metric_problem(cfg: dict) -> str | None:
     return None
 
 
+def _kind(value: Any) -> str:
+    """What a YAML value is, in words: `a number`, `a list`, ..."""
+    if value is None:
+        return "empty"
+    kinds = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "a mapping"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
+
+
+def _shown(value: Any) -> str:
+    """A value as the YAML file writes it (5, null, true, [a]), for a message."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).removesuffix("\n...\n").strip()
+
+
+def _value_problem(cfg: dict) -> str | None:
+    """What is wrong with a task config's value of the wrong kind that lm-eval takes as it is and fails on later (a
+    traceback, some after every item was scored), or None: a delimiter that is not text, repeats or num_fewshot that
+    is not a whole number in range."""
+    texts = [(key, cfg[key]) for key in ("target_delimiter", "fewshot_delimiter") if key in cfg]
+    fewshot = cfg.get("fewshot_config")
+    if isinstance(fewshot, dict):
+        texts += [(f"fewshot_config.{key}", fewshot[key]) for key in ("target_delimiter", "fewshot_delimiter")
+                  if fewshot.get(key) is not None]  # fmt: skip
+    for key, value in texts:
+        if not isinstance(value, str):
+            shown = "" if value is None else _shown(value)
+            return (f"{key}: {_shown(value)} is {_kind(value)}, not text (what goes between the question and its "
+                    f'answer, or between examples): quote it, {key}: "{shown}"')  # fmt: skip
+    repeats = cfg.get("repeats", 1)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        return (f"repeats: {_shown(repeats)} must be a whole number >= 1 (how many times each item is scored; lm-eval "
+                "would fail after scoring every item): give repeats: 1 or more")  # fmt: skip
+    shots = cfg.get("num_fewshot")
+    if shots is not None and (isinstance(shots, bool) or not isinstance(shots, int) or shots < 0):
+        return f"num_fewshot: {_shown(shots)} must be a whole number >= 0 (the few-shot examples before each item)"
+    return None
+
+
 class _Factory(TaskFactory):
     """lm-eval's TaskFactory that finds a task's relative data files in the data directory (a task asked for by
     name and a member of a group alike) and turns a mistake of a task file into one typed error naming it."""
@@ -324,6 +419,8 @@ class _Factory(TaskFactory):
         return str(own.yaml_path) if own is not None and own.yaml_path else f"task {cfg.get('task')!r}"
 
     def _load_full_config(self, entry: Entry, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        if entry.yaml_path:
+            check_keys_once(Path(entry.yaml_path))
         cfg = super()._load_full_config(entry, overrides)
         kwargs = cfg.get("dataset_kwargs")
         if isinstance(kwargs, dict) and kwargs.get("data_files") is not None:
@@ -334,7 +431,7 @@ class _Factory(TaskFactory):
     def _build_task(self, entry: Entry, overrides: dict[str, Any] | None) -> Task:
         try:
             cfg = self._load_full_config(entry, overrides)
-            problem = _metric_problem(cfg)
+            problem = _value_problem(cfg) or _metric_problem(cfg)
             if problem:  # before lm-eval's log lines about it and its KeyError
                 raise ConfigError(problem, source=self._source(entry, cfg))
             return super()._build_task(entry, overrides)
@@ -389,9 +486,40 @@ def check_items(task: Task, source: str, limit: int | float | None) -> None:
             )  # fmt: skip
 
 
-def build_tasks(manager: TaskManager, names: list[str], limit: int | float | None) -> list[Task | Group]:
-    """The tasks (and groups) `names`, built by lm-eval (their data read) and their items checked (check_items),
-    before any model is loaded: what simple_evaluate then evaluates."""
+def check_fewshot(task: Task, source: str, num_fewshot: int | None = None) -> None:
+    """ConfigError naming the task file `source` when the task asks for more few-shot examples (its num_fewshot, or
+    `num_fewshot` of --num-fewshot as simple_evaluate sets it) than it has: random.sample would stop lm-eval with a
+    ValueError once the model is loaded. lm-eval's sampler draws one more than asked and drops the item itself when
+    the few-shot split is the test split (or neither is named)."""
+    shots = task.config.num_fewshot
+    if num_fewshot is not None and shots != 0:  # simple_evaluate keeps a task's num_fewshot of 0
+        shots = num_fewshot
+    sampler, fewshot_cfg = getattr(task, "sampler", None), getattr(task, "fewshot_cfg", None)
+    if not shots or sampler is None or fewshot_cfg is None:  # a task of lm-eval's own Python class: its own checks
+        return
+    pool = len(sampler.fewshot_docs())
+    own = fewshot_cfg.split == task.config.test_split
+    if shots + own <= pool:
+        return
+    config = task.config
+    if fewshot_cfg.split is not None:
+        where = f"fewshot_split {fewshot_cfg.split!r}"
+    elif fewshot_cfg.samples is not None:
+        where = "fewshot_config.samples"
+    else:  # lm-eval's rule without a fewshot_split: the training split, else the validation split, else the test one
+        key = next(k for k in ("training_split", "validation_split", "test_split") if getattr(config, k) is not None)
+        where = f"{key} {getattr(config, key)!r}"
+    asked = f"num_fewshot={num_fewshot:,} (--num-fewshot)" if shots == num_fewshot else f"num_fewshot: {shots:,}"
+    less = ", less the item itself" if own else ""
+    raise ConfigError(f"{asked} is more few-shot examples than task {task.task_name!r} has (the {pool:,} items of its "
+                      f"{where}{less}): give fewer (at most {max(pool - own, 0):,})", source=source)  # fmt: skip
+
+
+def build_tasks(manager: TaskManager, names: list[str], limit: int | float | None,
+                num_fewshot: int | None = None) -> list[Task | Group]:  # fmt: skip
+    """The tasks (and groups) `names`, built by lm-eval (their data read) and their items and few-shot examples
+    checked (check_items, check_fewshot; num_fewshot: --num-fewshot), before any model is loaded: what
+    simple_evaluate then evaluates."""
     built: list[Task | Group] = []
     for name in names:
         obj = manager._load_spec(name)
@@ -399,6 +527,7 @@ def build_tasks(manager: TaskManager, names: list[str], limit: int | float | Non
     for obj in built:
         for task in obj.get_all_tasks() if isinstance(obj, Group) else [obj]:
             check_items(task, task_file(manager, task.task_name), limit)
+            check_fewshot(task, task_file(manager, task.task_name), num_fewshot)
     return built
 
 
