@@ -13,64 +13,24 @@ import subprocess
 import sys
 import warnings
 
-import numpy as np
 import pytest
 import torch
-from helpers import at_most, fails, gguf_name, tiny_model
+from helpers import at_most, fails
 from safetensors.torch import load_file, save_file
 
 import attnlab
 from attnlab.cli import main
 from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.interop.export import export_hf, replace_folder
-from attnlab.interop.hf import hf_targets
 from attnlab.interop.references import model_config_of
 from attnlab.interop.tokenizer import tokenizer_from_gguf
 
 gguf = pytest.importorskip("gguf")
-from gguf_files import add_tensors, finish  # noqa: E402  (needs gguf)
+from gguf_files import TOKENS, small_model, write_gguf  # noqa: E402  (needs gguf)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 Q = gguf.GGMLQuantizationType
-TOKENS = ["<|endoftext|>"] + [chr(c) for c in range(33, 127)] + ["ab", "cd"]  # 97: the tiny model's vocabulary
-
-
-def small_model(**config):
-    return tiny_model(d_model=64, n_heads=2, n_layers=1, max_seq_len=64, **config)
-
-
-def write_gguf(path, *, tokens=TOKENS, types=None, merges=(), context=True, poison=None, quant=Q.F32):
-    """The tiny model as a llama GGUF file with a byte-level BPE tokenizer of `tokens` (the first and any "<|...|>"
-    ones control tokens) and `merges`; context=False leaves out llama.context_length; poison=(GGUF part, value)
-    writes that value into the first row of the first block's tensor of that part. Matrices in `quant`."""
-    model = small_model()
-    cfg = model.cfg
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.n_layers)
-    if context:
-        writer.add_context_length(cfg.max_seq_len)
-    writer.add_embedding_length(cfg.d_model)
-    writer.add_feed_forward_length(cfg.hidden_dim)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_head_count_kv(cfg.n_heads)
-    writer.add_rope_freq_base(cfg.rope_base)
-    writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(list(tokens))
-    writer.add_token_types(types or [3 if t.startswith("<|") else 1 for t in tokens])
-    writer.add_token_merges(list(merges))
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(0)
-    tensors = {gguf_name(hf): tensor.detach().float().numpy().copy() for hf, tensor in hf_targets(model).items()}
-    if poison is not None:
-        part, value = poison
-        tensors[f"blk.0.{part}.weight"][0, :] = value
-    kind_of = lambda name, values: Q.F32 if values.ndim == 1 else quant  # noqa: E731
-    with np.errstate(invalid="ignore"):  # gguf's quantizer on a poisoned row
-        add_tensors(writer, tensors, kind_of, heads=(cfg.n_heads, cfg.n_heads))
-    return finish(writer, path)
 
 
 @pytest.fixture(scope="module")

@@ -7,45 +7,19 @@ file, the tensor or key, the value and the fix. Every file is a tiny model writt
 from __future__ import annotations
 
 import pytest
-from helpers import fails, gguf_name, tiny_model
+from helpers import fails
 
 from attnlab.cli import main
 from attnlab.errors import DataError
 from attnlab.interop.gguf import load_gguf, open_gguf
-from attnlab.interop.hf import hf_targets
 from attnlab.interop.references import model_config_of, tokenizer_of
 
 gguf = pytest.importorskip("gguf")
-from gguf_files import add_tensors, finish  # noqa: E402  (needs gguf)
+from gguf_files import TOKENS, write_gguf  # noqa: E402  (needs gguf)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 Q = gguf.GGMLQuantizationType
-TOKENS = ["<|endoftext|>"] + [chr(c) for c in range(33, 127)] + ["ab", "cd"]  # 97: the tiny model's vocabulary
-
-
-def write_gguf(path):
-    """A tiny llama model (d_model 64, 2 heads, 1 layer) as a GGUF file in F32, with a byte-level BPE tokenizer."""
-    model = tiny_model(d_model=64, n_heads=2, n_layers=1, max_seq_len=64)
-    cfg = model.cfg
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.n_layers)
-    writer.add_context_length(cfg.max_seq_len)
-    writer.add_embedding_length(cfg.d_model)
-    writer.add_feed_forward_length(cfg.hidden_dim)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_head_count_kv(cfg.n_heads)
-    writer.add_rope_freq_base(cfg.rope_base)
-    writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in TOKENS])
-    writer.add_token_merges(["a b", "c d"])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(0)
-    tensors = {gguf_name(hf): tensor.detach().float().numpy().copy() for hf, tensor in hf_targets(model).items()}
-    add_tensors(writer, tensors, lambda name, values: Q.F32, heads=(cfg.n_heads, cfg.n_heads))
-    return finish(writer, path)
 
 
 @pytest.fixture

@@ -262,3 +262,23 @@ def test_cli_query_refuses_a_state_file_changed_behind_the_index(tmp_path, run, 
     assert main(["memory", "query", "x", "the", "--store", str(store)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{state}: checksum mismatch" in err
+
+
+def test_a_long_ingest_shows_its_progress_and_stores_the_same_state(tmp_path, run, capsys, monkeypatch):
+    """Probe L l20: an ingest of a long document printed nothing for minutes. A bar of the tokens read shows on
+    stderr once PROGRESS_DELAY has passed (here at once); --no-progress shows none; both store the same state."""
+    import attnlab.memory.store as store_module
+
+    monkeypatch.setattr(store_module, "PROGRESS_DELAY", 0.0)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the cat sat on the mat by the red door. " * 3)  # 120 tokens
+    states = []
+    for name, flags in (("shown", []), ("quiet", ["--no-progress"])):
+        store = tmp_path / name
+        assert main(["memory", "ingest", str(run), str(doc), "--name", "n", "--chunk", "16", "--store", str(store),
+                     *flags]) == 0  # fmt: skip
+        err = capsys.readouterr().err
+        assert ("ingest n: 100%" in err and "120/120" in err) == (name == "shown"), err
+        [state] = (store / "states").iterdir()
+        states.append(read_state(state)[1])
+    assert states[0].keys() == states[1].keys() and all(torch.equal(states[0][k], states[1][k]) for k in states[0])

@@ -153,8 +153,12 @@ def test_quest_through_a_policy_decodes_as_it_reads_in_blocks(name):
     if name in ("mha", "mha-gqa", "coda"):  # rows of 32 values per head: q8_0 fits
         q8 = ",".join(f"{f}=q8_0" for f in fields)
         stepwise = logits(q8, True)
-        torch.testing.assert_close(logits(q8, False), stepwise, rtol=0, atol=1e-4)
-        assert (stepwise - alone).abs().max() > 1e-3  # the keys and values were read as stored
+        # A key computed in a block can differ from the token's own by an ulp, which may round one q8_0 value to its
+        # neighbour (seen on some CPUs): the block read must sit far closer to the token-by-token read than q8_0 sits
+        # to fp32 (a path that skipped or re-quantized the stored rows would not).
+        gap, q8_error = (logits(q8, False) - stepwise).abs(), (stepwise - alone).abs()
+        assert q8_error.max() > 1e-3  # the keys and values were read as stored
+        assert gap.max() < q8_error.max() / 100 and gap.mean() < q8_error.mean() / 100, (gap.max(), q8_error.max())
 
 
 def test_quest_bounds_its_pages_on_the_stored_keys_and_holds_their_bytes():

@@ -12,7 +12,7 @@ REFERENCE_HELP = "an attnlab run or checkpoint folder, a .gguf file, a Hugging F
 def cmd_memory_ingest(args) -> int:
     store = MemoryStore(args.store)
     entry = ingest(store, args.model, args.documents, args.name, chunk=args.chunk, replace=args.replace,
-                   data_dir=args.data_dir)  # fmt: skip
+                   data_dir=args.data_dir, progress=not args.no_progress)  # fmt: skip
     print(f"{entry.name}: {entry.tokens:,} tokens from {len(entry.documents)} document(s) -> "
           f"{store.path(entry)} ({entry.bytes:,} bytes, model config {entry.config_hash})")  # fmt: skip
     return 0
@@ -61,6 +61,7 @@ def add_memory_parser(sub) -> None:
     p.add_argument("--name", required=True, help="the name to store the state under")
     p.add_argument("--chunk", type=int, default=512, help="tokens per prefill step (default 512)")
     p.add_argument("--replace", action="store_true", help="replace an existing memory of this name")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (one shows on stderr after 2 s)")
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_memory_ingest)
     p = verbs.add_parser("ls", parents=[common], help="the stored memories")

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import sys
 import uuid
 import warnings
 from contextlib import closing
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from attnlab.errors import DataError, InputError, LengthWarning
 from attnlab.eval.loading import load_for_eval
@@ -201,10 +203,15 @@ def too_large(*docs: Path) -> str:
             "part (head -c 100M FILE > part.txt), or parts of it as separate memories (--name)")  # fmt: skip
 
 
+PROGRESS_DELAY = 2.0  # seconds before an ingest shows its progress bar (a short one shows none)
+
+
 def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Path], name: str, chunk: int = 512,
-           replace: bool = False, data_dir: str | None = None) -> Entry:  # fmt: skip
+           replace: bool = False, data_dir: str | None = None, progress: bool = False) -> Entry:  # fmt: skip
     """Reads the documents (in order, the tokenizer's end-of-text id between them) into a new memory of the
-    model at `model_path`, `chunk` tokens at a time, and stores the state as `name`."""
+    model at `model_path`, `chunk` tokens at a time, and stores the state as `name`. progress: a bar of the
+    tokens read on stderr once the ingest has taken PROGRESS_DELAY seconds (a memory reads its tokens in blocks
+    of its recent window, routing each one: a long document takes minutes)."""
     check_name(name)
     if chunk < 1:
         raise InputError(f"--chunk={chunk} must be >= 1")
@@ -246,7 +253,11 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
         ids = torch.tensor([ids], device=loaded.device)  # (1, T)
     except MemoryError:
         raise DataError(too_large(*(doc for doc, _, _ in texts))) from None
-    prefill(model, ids, cache, chunk)
+    with tqdm(total=ids.shape[1], desc=f"ingest {name}", unit="tok", unit_scale=True, dynamic_ncols=True,
+              delay=PROGRESS_DELAY, disable=not progress, file=sys.stderr) as bar:  # fmt: skip
+        for start in range(0, ids.shape[1], chunk):  # what prefill does, a chunk at a time
+            prefill(model, ids[:, start : start + chunk], cache, chunk)
+            bar.update(min(chunk, ids.shape[1] - start))
     final = store.root / "states" / f"{name}-{uuid.uuid4().hex[:12]}.safetensors"  # never the file of a row
     header = save_state(final, model, cache, model_path=model_path)
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
