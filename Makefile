@@ -25,12 +25,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
 
+# One worker process per core (pytest-xdist), each test file on one worker (its module fixtures built once).
+PYTEST_PARALLEL ?= -n auto --dist loadfile
+
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_PARALLEL)
 
 # Everything but the tests marked slow (more than ~5 s each, or a big model): for the edit-test loop.
 test-fast: lint
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/train_step.py

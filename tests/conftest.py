@@ -1,8 +1,16 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# `pytest -n N` (pytest-xdist, as `make test` runs it): N worker processes share the machine's cores, so each
+# takes its share of torch's threads (and so do the commands a test starts), not all of them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 # The shared data directory beside the checkout (as on the project's machines and CI), unless
 # ATTNLAB_DATA points elsewhere. Tests that need a data file skip when it is nowhere.
@@ -68,3 +76,15 @@ def tiny_run(tmp_path_factory) -> Path:
     from helpers import train_tiny_run
 
     return train_tiny_run(tmp_path_factory.mktemp("tiny"), PROBE_MODEL, steps=4)
+
+
+@pytest.fixture(autouse=True)
+def lm_eval_defaults_indexed_once():
+    """lm-eval indexes its own ~15,000 task files (about 14 s) each time a TaskManager includes them; those files
+    do not change during a test session, so once lm_eval is imported each process indexes them once (the index of
+    an include_path folder is still built fresh every time)."""
+    if "lm_eval.tasks" in sys.modules:
+        from helpers import index_lm_eval_defaults_once
+
+        index_lm_eval_defaults_once()
+    yield
