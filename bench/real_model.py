@@ -169,9 +169,9 @@ class LlamaCpp:
         self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                                    type_k=kv_type, type_v=kv_type, flash_attn=True, verbose=False)  # fmt: skip
         self.label, self.kv = path.stem, kv
-        from gguf import GGUFReader
+        from attnlab.interop.gguf_table import read_gguf_table
 
-        sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+        sizes = {t.name: int(t.n_bytes) for t in read_gguf_table(path).tensors}
         # A separate output.weight is the LM head: the embedding table is then read one row per token.
         self.weight_bytes = sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
         meta = self.llm.metadata

@@ -11,6 +11,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     torch.set_num_threads(_share)
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pool of compile processes per worker
 
 # The shared data directory beside the checkout (as on the project's machines and CI), unless
 # ATTNLAB_DATA points elsewhere. Tests that need a data file skip when it is nowhere.

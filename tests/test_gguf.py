@@ -6,6 +6,7 @@ as llama.cpp's convert_hf_to_gguf.py does; the real SmolLM2-135M file (data dire
 
 import lzma
 
+import numpy as np
 import pytest
 import torch
 
@@ -145,14 +146,24 @@ def test_tiny_gguf_logits_match_transformers(tmp_path, n_kv_heads, tie, quant):
         assert not torch.allclose(model.blocks[0].attn.out.weight, hf.model.layers[0].self_attn.o_proj.weight)
 
 
-def test_metadata_decoding_without_contents(tmp_path):
-    """The fallback for gguf versions without ReaderField.contents() reads every field alike."""
-    from attnlab.interop.gguf import decode_field
+@pytest.mark.parametrize("quant", [Q.F32, Q.Q4_1])
+def test_the_table_reader_gives_gguf_readers_values(tmp_path, quant):
+    """attnlab reads a GGUF file's metadata and tensor table itself (gguf-py's reader takes seconds on a real
+    vocabulary): every metadata value, and every tensor's type, shape, sizes, offset and data, as GGUFReader has
+    them."""
+    from attnlab.interop.gguf_table import read_gguf_table
 
-    write_gguf(tmp_path / "tiny.gguf", random_llama(vocab=len(SP_TOKENS), n_kv_heads=2, tie=True))
-    reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
-    for name, field in reader.fields.items():
-        assert decode_field(field) == field.contents(), name
+    write_gguf(tmp_path / "tiny.gguf", random_llama(vocab=len(SP_TOKENS), n_kv_heads=2, tie=True), quant=quant)
+    reader, table = gguf.GGUFReader(tmp_path / "tiny.gguf"), read_gguf_table(tmp_path / "tiny.gguf")
+    assert table.metadata == {name: field.contents() for name, field in reader.fields.items()}
+    assert any(isinstance(v, list) and v and isinstance(v[0], str) for v in table.metadata.values())  # strings
+    assert (table.data_offset, table.alignment) == (reader.data_offset, reader.alignment)
+    assert [t.name for t in table.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(table.tensors, reader.tensors, strict=True):
+        fields = ("tensor_type", "n_elements", "n_bytes", "data_offset")
+        assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields], ours.name
+        assert ours.shape.tolist() == theirs.shape.tolist() and ours.data.dtype == theirs.data.dtype
+        assert ours.data.shape == theirs.data.shape and np.array_equal(ours.data, theirs.data), ours.name
 
 
 TEXTS = ["the cat is in the hat.", " the dog", "cathat", "the  cat\nis", "th\u00e9 \u732b", ""]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from attnlab.attention.mha import MHAConfig
 from attnlab.config import ModelConfig, RopeScaling
 from attnlab.data.pretrained import regular_file
 from attnlab.errors import ConfigError, DataError, InputError
+from attnlab.interop.gguf_table import read_gguf_table
 from attnlab.interop.hf import WeightFiller
 from attnlab.interop.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
 from attnlab.model.qlinear import QuantizedEmbedding, QuantizedLinear, row_bytes
@@ -97,7 +99,7 @@ def import_gguf():
 
 @dataclass
 class GGUFFile:
-    """An opened GGUF file: its metadata (key -> value) and its tensors (name -> gguf ReaderTensor)."""
+    """An opened GGUF file: its metadata (key -> value) and its tensors (name -> GGUFTensor of gguf_table)."""
 
     path: Path
     metadata: dict[str, Any]
@@ -108,31 +110,19 @@ class GGUFFile:
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
 
-def field_value(field) -> Any:
-    """A metadata field's value: a str, number or bool, or a list of them for arrays."""
-    return field.contents() if hasattr(field, "contents") else decode_field(field)
-
-
-def decode_field(field) -> Any:
-    """field_value for gguf versions whose ReaderField has no contents(): from its raw parts."""
-    gguf = import_gguf()
-    strings = field.types[-1] == gguf.GGUFValueType.STRING
-    values = [bytes(field.parts[i]).decode("utf-8") if strings else field.parts[i].tolist()[0] for i in field.data]
-    return values if field.types[0] == gguf.GGUFValueType.ARRAY else values[0]
-
-
 def open_gguf(path: str | Path) -> GGUFFile:
     """Reads a GGUF file's header, metadata and tensor table (the tensor data stays memory-mapped).
     DataError (one line naming the file) when it is not a complete GGUF file."""
-    gguf, path = import_gguf(), Path(path)
+    import_gguf()  # its type tables
+    path = Path(path)
     if not regular_file(path):  # a FIFO or device: DataError saying what it is
         raise DataError(f"{path}: not found")
     try:
-        reader = gguf.GGUFReader(path)
-        metadata = {name: field_value(field) for name, field in reader.fields.items()}
+        reader = read_gguf_table(path)
+        metadata = reader.metadata
     except PermissionError:  # not a damaged file: the OS's error names it
         raise
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError, struct.error) as e:
         reason = " ".join(str(e).split())
         raise DataError(f"{path}: not a readable GGUF file ({reason}); is it truncated or altered?") from None
     size = path.stat().st_size
