@@ -3,6 +3,7 @@ those within its window, a unigram model gains nothing from the needle; the swee
 full forward; lengths past max_seq_len (or that run out of memory) become records, never crashes."""
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -345,3 +346,18 @@ def test_stream_loss_buckets_are_the_per_position_losses_and_a_window_memory_for
     longer = np.random.default_rng(3).integers(0, 50, long + 1)
     ok = run_stream_loss(eval_model(windowed, tmp_path), length=long, streams=1, bucket=long // 2, text=longer)[0]
     assert ok["status"] == "ok" and len(ok["bucket_loss"]) == 2
+
+
+def test_stream_loss_says_when_the_text_holds_fewer_streams_than_asked(tmp_path):
+    """Probe M m8: 8 streams asked of a text that holds 6 were scored as 6 without a word."""
+    from attnlab.errors import LengthWarning
+    from attnlab.eval.longctx import run_stream_loss
+
+    text = np.random.default_rng(2).integers(0, 50, 400)  # 399 // 48 = 8 streams of 48 fit; 6 of 64
+    model = eval_model(tiny(), tmp_path)  # max_seq_len 64
+    with pytest.warns(LengthWarning, match=r"holds 6 stream\(s\) of 64 tokens \(400 tokens\), not the 8 asked"):
+        (row,) = run_stream_loss(model, length=64, streams=8, bucket=16, text=text)
+    assert row["streams"] == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # all 8 fit: no warning
+        assert run_stream_loss(model, length=48, streams=8, bucket=12, text=text)[0]["streams"] == 8

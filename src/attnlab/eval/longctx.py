@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 import re
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from attnlab.accounting import kv_report
 from attnlab.config import DataConfig
 from attnlab.data import prepare
-from attnlab.errors import DataError, InputError
+from attnlab.errors import DataError, InputError, LengthWarning
 from attnlab.eval.perplexity import dataset_split, press_problem, summarize_losses, token_digest
 from attnlab.eval.records import make_record
 from attnlab.eval.scoring import continuation_logprobs
@@ -450,6 +451,10 @@ def run_stream_loss(
     windows = min(streams, (len(tokens) - 1) // length)
     if windows < 1:
         return [record(status="not_enough_text", text_tokens=len(tokens))]
+    if windows < streams:  # probe M m8: the record's interval is over fewer streams than asked
+        warnings.warn(f"stream_loss: {origin} holds {windows} stream(s) of {length:,} tokens ({len(tokens):,} "
+                      f"tokens), not the {streams} asked: scoring {windows} (a smaller length fits more)",
+                      LengthWarning, stacklevel=2)  # fmt: skip
     losses, error = run_guarded(lambda: position_losses(model.model, tokens, length, windows))
     if error is not None:
         return [record(status="oom", error=error)]
