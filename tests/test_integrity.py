@@ -186,9 +186,9 @@ def reseal(folder: Path) -> None:
     [
         ({"step": -3}, "step=-3 must be >= 0"),
         ({"step": 2.5}, "step=2.5 must be int, got float"),
-        ({"tokens": None}, "tokens=None must be int, got NoneType"),
+        ({"tokens": None}, "tokens is empty (null) but must be int"),
         ({"best_val_loss": "low"}, "best_val_loss='low' must be float or null, got str"),
-        ({"sampler": 3}, "sampler.step=None must be int, got NoneType"),
+        ({"sampler": 3}, "sampler.step is empty (null) but must be int"),
     ],
     ids=["negative step", "fractional step", "no tokens", "text loss", "no sampler"],
 )

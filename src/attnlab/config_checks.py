@@ -55,6 +55,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 def value_problem(value: Any, annotation: Any, key: str, int_limit: int = MAX_INT) -> str | None:
     """Why `value` cannot be the value of a field typed `annotation` (None when it can): the wrong type (a bool
     is not a number, nor a number a bool), a float that is NaN or infinite, an integer beyond `int_limit`."""
+    if value is None and not _type_ok(value, annotation):  # e.g. `--set key=` or `key:` with nothing after it
+        return f"{key} is empty (null) but must be {_type_name(annotation)}: give it a value"
     if not _type_ok(value, annotation):
         return f"{key}={brief(value)} must be {_type_name(annotation)}, got {type(value).__name__}"
     if isinstance(value, bool) or not isinstance(value, int | float):

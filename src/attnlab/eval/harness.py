@@ -221,7 +221,9 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
                     problem = f"is not one of {', '.join(choices)}"
                 if problem:
                     problems.append(f"{where}.{name}.{key}={brief(value)} {problem}")
-        problems += parameter_problems(name, params or {}, where)
+        specific = parameter_problems(name, params or {}, where)  # a tighter bound replaces the general one
+        named = {problem.split("=", 1)[0] for problem in specific}
+        problems = [problem for problem in problems if problem.split("=", 1)[0] not in named] + specific
         if name == "needle" and isinstance(params, dict):
             problems += needle_problems(params, f"{where}.{name}")
         seq_len = (params or {}).get("seq_len", 512) if name == "kv_quant" else None
