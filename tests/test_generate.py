@@ -138,8 +138,8 @@ def test_generate_continues_a_given_cache(model):
 
 COMPILED_CASES = {
     "mha": {"kind": "mha"},
-    "gqa": {"kind": "mha", "n_kv_heads": 2},  # (mqa, one KV head, takes the same path)
-    # 2 + 4 dims per head: attend keeps SDPA under compile for heads this narrow (the others use plain ops).
+    # Grouped KV heads (gqa, mqa take mha's path with fewer KV heads) here; and 2 + 4 dims per head: attend keeps
+    # SDPA under compile for heads this narrow (the others use plain ops).
     "decoupled-null-gqa": {"kind": "decoupled", "d_sem": 8, "d_geo": 16, "null_attn": True, "n_kv_heads": 2},
     "mla-absorbed": {"kind": "mla", "d_latent": 16},
 }
