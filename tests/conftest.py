@@ -89,3 +89,10 @@ def lm_eval_defaults_indexed_once():
 
         index_lm_eval_defaults_once()
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files that hold tests marked slow run first (each file's tests in their order): pytest-xdist hands a
+    worker a whole file at a time, so a long file left to the end would keep one worker busy alone."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each group is kept

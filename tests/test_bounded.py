@@ -379,6 +379,7 @@ def test_low_frequency_channels_are_the_slowest_rope_channels():
         assert low.sum() == 8 and angle[low].max() < angle[~low].min()
 
 
+@pytest.mark.slow
 def test_needle_stays_in_the_exact_bank_for_16k_tokens_and_the_memory_does_not_grow():
     """CoDA-GQA-L §4.6 (W=128, M_e=32, M_s=32, needle at position 64): a haystack of 31 repeating tokens
     whose gates pass at random, the needle's gate passes; bf16 storage, as the paper's."""

@@ -149,6 +149,7 @@ def small_model(attention: dict):
     return tiny_model(attention, init_std=0.3, **SIZES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPILED_CASES))
 def test_compiled_decode_matches_eager_and_full_recompute(name):
     model = small_model(COMPILED_CASES[name])
@@ -197,6 +198,7 @@ def test_recompile_limit_falls_back_to_eager_decode(monkeypatch):
     assert batch.tolist() == attnlab.generate(model, prompts, max_new_tokens=6, compile=False).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_policy", [None, "k=q8_0,v=q4_0"])
 def test_one_compiled_region_serves_every_layer_and_every_length(kv_policy):
     """Regional compilation: the 3 blocks share one graph (parameters and caches are its inputs), and a new

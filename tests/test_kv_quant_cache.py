@@ -387,6 +387,7 @@ def test_the_static_op_declares_every_tensor_it_writes():
     not (cpu_kernels.available() and can_compile_on_cpu()),
     reason="needs the C kernels and a C++ compiler for torch.compile",
 )
+@pytest.mark.slow
 @pytest.mark.parametrize(  # each variant compiled with one of the two operators (a cold compile takes ~20 s)
     ("attention", "text", "static_operator"),
     [(MHA, "k=q8_0,v=q4_0,resid=4", "cpp"), (DECOUPLED, "ksem=q4_0,kgeo=q8_0,v=q4_0,resid=8", "python"),

@@ -313,6 +313,7 @@ def test_state_dict_round_trip_through_safetensors(tmp_path):
         other.load_state_dict(model.state_dict())
 
 
+@pytest.mark.slow
 @kernels
 def test_compiled_decode_step_runs_the_op_and_matches_eager():
     generate_module = importlib.import_module("attnlab.generate")  # the module (attnlab.generate is the function)

@@ -118,6 +118,7 @@ def test_a_trained_model_keeps_its_loss_on_a_stream_four_times_its_context(data_
     assert losses["absolute"][3] > losses["cache"][3] * 1.02, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bounded", "h2o"])
 def test_blocks_with_cache_positions_stay_near_token_by_token_reading(data_dir, kind):
     """With cache positions a block ranks the held keys once for all its queries, so blocks and token-by-token

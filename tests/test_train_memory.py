@@ -73,6 +73,7 @@ def test_the_parts_divide_as_ddp_and_fsdp_divide_them():
     assert recomputed["activations"] < one["activations"]
 
 
+@pytest.mark.slow
 def test_the_estimate_matches_the_peak_measured_on_this_cpu():
     """bench/distributed.py: three steps in one process, in 2 with DDP and in 2 with FSDP (torchrun, gloo)."""
     shape = ["--d-model", "256", "--layers", "4", "--vocab", "8192", "--batch", "4", "--seq-len", "128"]
