@@ -38,6 +38,28 @@ def add_tensors(writer, tensors: dict[str, np.ndarray], kind_of: Callable[[str, 
             writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
 
 
+def add_hparams(writer, layers: int, context: int | None, width: int, ffn: int, heads: tuple[int, int],
+                rope_base: float, eps: float, vocab: int) -> None:  # fmt: skip
+    """The `<arch>.*` keys of a llama-like model (context None: left out); heads (n_heads, n_kv_heads)."""
+    writer.add_block_count(layers)
+    if context is not None:
+        writer.add_context_length(context)
+    writer.add_embedding_length(width)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads[0])
+    writer.add_head_count_kv(heads[1])
+    writer.add_rope_freq_base(rope_base)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_vocab_size(vocab)
+
+
+def add_hf_hparams(writer, cfg) -> None:
+    """add_hparams from a transformers config."""
+    add_hparams(writer, cfg.num_hidden_layers, cfg.max_position_embeddings, cfg.hidden_size, cfg.intermediate_size,
+                (cfg.num_attention_heads, cfg.num_key_value_heads), cfg.rope_parameters["rope_theta"],
+                cfg.rms_norm_eps, cfg.vocab_size)  # fmt: skip
+
+
 def finish(writer, path):
     """Writes the header, metadata and tensors and closes the file: its path."""
     writer.write_header_to_file()
@@ -61,16 +83,8 @@ def write_gguf(path, *, tokens=TOKENS, types=None, merges=(), context=True, pois
     model = small_model()
     cfg = model.cfg
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.n_layers)
-    if context:
-        writer.add_context_length(cfg.max_seq_len)
-    writer.add_embedding_length(cfg.d_model)
-    writer.add_feed_forward_length(cfg.hidden_dim)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_head_count_kv(cfg.n_heads)
-    writer.add_rope_freq_base(cfg.rope_base)
-    writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    add_hparams(writer, cfg.n_layers, cfg.max_seq_len if context else None, cfg.d_model, cfg.hidden_dim,
+                (cfg.n_heads, cfg.n_heads), cfg.rope_base, cfg.norm_eps, cfg.vocab_size)  # fmt: skip
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(list(tokens))
     writer.add_token_types(types or [3 if t.startswith("<|") else 1 for t in tokens])

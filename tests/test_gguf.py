@@ -14,7 +14,7 @@ import attnlab
 from attnlab.interop import open_gguf, tokenizer_from_gguf
 
 gguf = pytest.importorskip("gguf")
-from gguf_files import add_tensors, finish  # noqa: E402  (needs gguf)
+from gguf_files import add_hf_hparams, add_tensors, finish  # noqa: E402  (needs gguf)
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,16 +71,8 @@ def write_gguf(path, hf, arch: str = "llama", tokenizer: str = "llama", quant=Q.
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny-llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_hf_hparams(writer, cfg)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_vocab_size(cfg.vocab_size)
     if tokenizer == "llama":
         writer.add_tokenizer_model("llama")
         writer.add_token_list(SP_TOKENS)

@@ -26,7 +26,7 @@ from attnlab.ops.rope import inverse_frequencies
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
-from gguf_files import Q, add_tensors, finish  # noqa: E402  (needs gguf)
+from gguf_files import Q, add_hf_hparams, add_tensors, finish  # noqa: E402  (needs gguf)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -267,15 +267,7 @@ def write_gguf(path, hf, arch: str, quant=gguf.GGMLQuantizationType.F32, rope_fr
     per pair) as llama.cpp writes Llama 3.1's scaling, linear as rope.scaling.type linear with that factor."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    add_hf_hparams(writer, cfg)
     if linear is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(linear)
