@@ -113,7 +113,7 @@ class GGUFFile:
 def open_gguf(path: str | Path) -> GGUFFile:
     """Reads a GGUF file's header, metadata and tensor table (the tensor data stays memory-mapped).
     DataError (one line naming the file) when it is not a complete GGUF file."""
-    import_gguf()  # its type tables
+    import_gguf()  # the table reader uses gguf's type tables: without the package, a ConfigError saying how to get it
     path = Path(path)
     if not regular_file(path):  # a FIFO or device: DataError saying what it is
         raise DataError(f"{path}: not found")

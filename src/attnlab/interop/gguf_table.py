@@ -25,15 +25,9 @@ SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 STRING, ARRAY = 8, 9
 SUPPORTED_VERSIONS = (2, 3)  # as gguf-py reads them
 DEFAULT_ALIGNMENT = 32
-FLOAT_TYPES = {
-    "F32": np.float32,
-    "F16": np.float16,
-    "F64": np.float64,
-    "I8": np.int8,
-    "I16": np.int16,
-    "I32": np.int32,
-    "I64": np.int64,
-}  # fmt: skip  (the rest are blocks of bytes)
+# Tensor types read as numpy numbers; the rest are blocks of bytes.
+FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+               "I32": np.int32, "I64": np.int64}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,13 +53,14 @@ class GGUFTable:
 
 
 class _Cursor:
-    def __init__(self, buffer: mmap.mmap, order: str):
-        self.buffer, self.order, self.at = buffer, order, 0
+    def __init__(self, buffer: mmap.mmap, order: str, at: int):
+        self.buffer, self.order, self.at = buffer, order, at
 
     def take(self, fmt: str):
-        values = struct.unpack_from(self.order + fmt, self.buffer, self.at)
+        """One value of struct format `fmt` (a single letter)."""
+        (value,) = struct.unpack_from(self.order + fmt, self.buffer, self.at)
         self.at += struct.calcsize(self.order + fmt)
-        return values[0] if len(values) == 1 else values
+        return value
 
     def string(self) -> str:
         length = self.take("Q")
@@ -105,8 +100,7 @@ def read_gguf_table(path: str | Path) -> GGUFTable:
     if buffer[:4] != b"GGUF":
         raise ValueError("GGUF magic invalid")
     order = "<" if struct.unpack_from("<I", buffer, 4)[0] & 0xFFFF else ">"  # a big-endian file's version reads so
-    cursor = _Cursor(buffer, order)
-    cursor.at = 4
+    cursor = _Cursor(buffer, order, 4)
     version, tensor_count, kv_count = cursor.take("I"), cursor.take("Q"), cursor.take("Q")
     if version not in SUPPORTED_VERSIONS:
         raise ValueError(f"GGUF version {version} is not supported (versions {SUPPORTED_VERSIONS})")
