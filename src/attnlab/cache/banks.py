@@ -18,6 +18,7 @@ from attnlab.cache.memories import NEVER, MemoryCache, Routed
 from attnlab.config import MemoryConfig
 from attnlab.errors import InputError
 from attnlab.kernels import kernel_usable
+from attnlab.kernels.cpu import routing
 
 
 def exact_routing(unit, bank_unit, positions, passed, slot_positions, last_used, tau_novel, tau_match):
@@ -31,15 +32,25 @@ def exact_routing(unit, bank_unit, positions, passed, slot_positions, last_used,
     its recency; target (B, E) long, the slot each candidate took (-1: none). Ties go to the lowest slot (best
     match, first free slot, LRU victim), as torch.max / argmax / argmin pick them.
     """
-    batch, heads, slots = unit.shape[0], unit.shape[1], bank_unit.shape[2]
+    heads = unit.shape[1]
     to_bank = torch.einsum("bhed,bhmd->bem", unit, bank_unit) / heads  # (B, E, M_e) cosines averaged over heads
     to_candidate = torch.einsum("bhed,bhfd->bef", unit, unit) / heads  # (B, E, E)
+    routed = (to_bank, to_candidate, positions, passed, slot_positions, last_used, tau_novel, tau_match)
+    if routing.usable(unit, bank_unit):  # the same loop in C, on the same cosines
+        return routing.exact_routing(*routed)
+    return exact_routing_loop(*routed)
+
+
+def exact_routing_loop(to_bank, to_candidate, positions, passed, slot_positions, last_used, tau_novel, tau_match):
+    """exact_routing's loop in PyTorch (where the C one is not built), from the cosines: to_bank (B, E, M_e) of each
+    candidate with each slot's token before the chunk, averaged over heads; to_candidate (B, E, E) among them."""
+    (batch, count, slots), device = to_bank.shape, to_bank.device
     slot_positions, last_used = slot_positions.clone(), last_used.clone()
-    source = torch.full((batch, slots), -1, dtype=torch.long, device=unit.device)  # candidate now in a slot
-    taken = torch.full((batch, unit.shape[2]), -1, dtype=torch.long, device=unit.device)  # slot of each candidate
-    rows = torch.arange(batch, device=unit.device)
+    source = torch.full((batch, slots), -1, dtype=torch.long, device=device)  # candidate now in a slot
+    taken = torch.full((batch, count), -1, dtype=torch.long, device=device)  # slot of each candidate
+    rows = torch.arange(batch, device=device)
     never = torch.iinfo(torch.long).max
-    for j in range(unit.shape[2]):  # sequential by nature: each insertion changes the next one's LRU victim
+    for j in range(count):  # sequential by nature: each insertion changes the next one's LRU victim
         used = slot_positions >= 0
         similarity = torch.where(source >= 0, to_candidate[:, j].gather(1, source.clamp(min=0)), to_bank[:, j])
         best, best_slot = similarity.masked_fill(~used, float("-inf")).max(dim=1)
@@ -81,6 +92,42 @@ def summary_slot(similarity: torch.Tensor, used: torch.Tensor, routing: str, tau
     return torch.where(opens, free.long().argmax(dim=-1), best_slot), opens
 
 
+def summary_versions(columns, bank, slot, opens, rates):
+    """The summary prototypes that a chunk's candidates leave, given where each went: each slot's EMA
+    b <- b + eta_j (x_j - b) over its candidates in closed form, v_j = c_j b_0 + sum over earlier candidates i on
+    the same slot (and i = j) of eta_i prod_(i < k <= j) (1 - eta_k) x_i, the products from cumulative sums of
+    log(1 - eta) in float64. Differentiable in the columns, the bank and the rates.
+
+    columns, bank: {buffer: (B, H, E, width)}, {buffer: (B, H, M_s, width)} fp32; slot (B, E) long, -1: the
+    candidate changed no slot; opens (B, E) bool: it opened an empty one (eta = 1, a copy); rates (B, H, E).
+    Returns (versions {buffer: (B, H, E, width)}: the prototype as candidate j left it, zero where it changed
+    none; bank {buffer: (B, H, M_s, width)}: the prototypes after the chunk)."""
+    count, slots = slot.shape[1], next(iter(bank.values())).shape[2]
+    acts = slot >= 0
+    member = F.one_hot(slot.clamp(min=0), slots).bool() & acts[..., None]  # (B, E, M_s)
+    blended = (acts & ~opens)[:, None, :]  # (B, 1, E): moves a held prototype by eta (an opening replaces it)
+    eta = torch.where(opens[:, None, :], 1.0, torch.where(acts[:, None, :], rates, 0.0))  # (B, H, E)
+    decay = torch.log1p(-torch.where(blended, rates, 0.0).double().clamp(max=1 - 1e-12))  # log(1 - eta), 0 at openings
+    log_kept = torch.cumsum(decay[..., None] * member[:, None].double(), dim=2)  # (B, H, E, M_s)
+    mine = log_kept.gather(3, slot.clamp(min=0)[:, None, :, None].expand(-1, decay.shape[1], -1, 1))[..., 0]
+    same = (slot[:, :, None] == slot[:, None, :]) & acts[:, :, None] & acts[:, None, :]  # (B, E_j, E_i)
+    earlier = torch.ones(count, count, dtype=torch.bool, device=slot.device).tril()  # i <= j
+    exponent = (mine[..., :, None] - mine[..., None, :]).masked_fill(~(same & earlier)[:, None], float("-inf"))
+    weights = (torch.exp(exponent) * eta[:, :, None, :]).float()  # (B, H, E_j, E_i)
+    opened = torch.cumsum(member & opens[..., None], dim=1).gather(2, slot.clamp(min=0)[..., None])[..., 0] > 0
+    start = torch.where((acts & ~opened)[:, None], torch.exp(mine), 0.0).float()  # (B, H, E): c_j
+    index = slot.clamp(min=0)[:, None, :, None]
+    last = torch.where(member, torch.arange(count, device=slot.device)[:, None], -1).amax(dim=1)  # (B, M_s)
+    versions, after = {}, {}
+    for name, x in columns.items():
+        held = bank[name].gather(2, index.expand(-1, x.shape[1], -1, x.shape[3]))  # (B, H, E, width): b_0
+        v = torch.einsum("bhji,bhiw->bhjw", weights, x) + start[..., None] * held
+        versions[name] = v * acts[:, None, :, None]
+        take = last.clamp(min=0)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+        after[name] = torch.where((last >= 0)[:, None, :, None], versions[name].gather(2, take), bank[name])
+    return versions, after
+
+
 def reigns(claims: torch.Tensor, steps: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """When each claim on a slot ends. claims: (B, E) the slot each of E events claims in turn (-1: none);
     steps: (E,) when each happens. Returns (until (B, E): the step of the next claim on the same slot, NEVER if
@@ -107,10 +154,11 @@ class BoundedCache(MemoryCache):
                  any distance). s < tau_novel: the token takes a free slot, else the least recently used one
                  (the whole token, its position kept). s >= tau_match: the best slot's recency is refreshed. In
                  between: nothing (close enough not to be new, not close enough to count as the same). The
-                 LRU order makes this sequential: a Python loop over the chunk's candidates only (tokens that
-                 passed the gate), each insertion visible to the next candidate, as the paper's routing kernel
-                 does (on CUDA without autograd, that one Triton kernel: attnlab.kernels.bank_routing); the
-                 exact bank thus ends the same whether the tokens came in chunks or one by one.
+                 LRU order makes this sequential: a loop over the chunk's candidates only (tokens that passed
+                 the gate), each insertion visible to the next candidate, as the paper's routing kernel does (on
+                 CUDA without autograd, that one Triton kernel: attnlab.kernels.bank_routing; on the CPU, C:
+                 attnlab.kernels.cpu.routing; else PyTorch); the exact bank thus ends the same whether the
+                 tokens came in chunks or one by one.
     summary bank LF-K routing: s = cosine of the low-frequency RoPE channels of its keys (`low_frequency_channels`
                  of every field that carries RoPE: k, DBA's k_geo, MLA's k_rope, DIFF's k1 and k2) with each
                  prototype's, averaged over KV heads. A candidate with s < tau_novel opens a free slot (eta = 1:
@@ -118,7 +166,8 @@ class BoundedCache(MemoryCache):
                  (Eq. 9). RoPE fields are blended on their low-frequency channels only and their high-frequency
                  channels stay zero, so keys rotated to different positions do not interfere; fields without
                  RoPE (values, DBA's semantic keys, MLA's latent) are blended in full. One candidate after
-                 another, as decoding routes them (a loop over the chunk's candidates, like the exact bank's).
+                 another, as decoding routes them (a loop over the chunk's candidates, like the exact bank's; in
+                 C on the CPU, the prototypes then computed from its decisions at once: summary_versions).
 
     A chunk reads the memory as decoding would: each of its queries sees every token and prototype the memory
     holds at that query's own step. A bank token is the column of the ring or chunk token it copies, seen
@@ -258,28 +307,53 @@ class BoundedCache(MemoryCache):
         """EMA prototypes with LF-K routing (§3.2 Eq. 9, §3.3), one candidate after another as decoding routes
         them. tensors: (B, H, E, width) fp32; gate (B, E). Returns (versions, changed, version_positions): each
         buffer's prototype as candidate j left it, (B, H, E, width); the slot candidate j opened or moved, (B, E)
-        (-1: none); the position that prototype then carries (the newest blended into it), (B, E)."""
+        (-1: none); the position that prototype then carries (the newest blended into it), (B, E).
+
+        Where the C routing is built, it decides the slots (routing.c: the sequential loop) and the prototypes are
+        computed at once from those decisions (summary_versions: each slot's EMA in closed form, differentiable);
+        else one PyTorch loop does both (_summary_loop), the reference."""
         slots, first = self.summary_slots, self.exact_slots
         heads = next(iter(tensors.values())).shape[1]
         tensors = {name: t * self.stored[name].to(t.dtype) for name, t in tensors.items()}  # HF channels stay 0
         bank = {name: self._memory(name, torch.float32, first, slots) for name in tensors}
         slot_positions = self.memory_positions[:, first:]
+        # Per candidate, its rate eta = sigma(eta_logit) * g per KV head, (B, H, E).
+        rates = self._eta.float().reshape(1, -1, 1).expand(1, heads, 1) * gate[:, None, :]
+        tau_novel = self.memory.tau_novel * heads  # the cosines are summed over heads, not averaged
+        if routing.usable(gate, *tensors.values()):
+            lf = {name: m != 0 for name, m in self.lf.items()}
+            keys = torch.cat([t[..., lf[name]] for name, t in tensors.items()], dim=-1)  # (B, H, E, LF-K width)
+            bank_keys = torch.cat([t[..., lf[name]] for name, t in bank.items()], dim=-1)
+            changed, opens = routing.summary_routing(F.normalize(keys, dim=-1), keys, bank_keys, rates, passed,
+                                                     slot_positions >= 0, self.memory.summary_routing == "argmax",
+                                                     tau_novel)  # fmt: skip
+            versions, bank = summary_versions(tensors, bank, changed, opens, rates)
+        else:
+            versions, bank, changed = self._summary_loop(tensors, bank, slot_positions >= 0, rates, passed, tau_novel)
+        acts = changed >= 0
+        newest = torch.where(F.one_hot(changed.clamp(min=0), slots).bool() & acts[..., None], positions[:, None], -1)
+        slot_positions = slot_positions.maximum(newest.amax(dim=1))  # (B, M_s): the newest token blended in
+        self._write_memory(first, bank)
+        self.memory_positions = torch.cat((self.memory_positions[:, :first], slot_positions), dim=1)
+        return versions, changed, torch.where(acts, positions, -1)
+
+    def _summary_loop(self, tensors, bank, used, rates, passed, tau_novel):
+        """_update_summary in PyTorch, one candidate after another. tensors: (B, H, E, width) as blended; bank:
+        (B, H, M_s, width) before the chunk; used (B, M_s); rates (B, H, E). Returns (versions, bank, changed)."""
+        slots = used.shape[1]
         lf = {name: m.to(torch.float32) for name, m in self.lf.items()}
 
         def routing_keys(buffers):  # (B, H, n, sum of routed channels): the LF-K vectors
             return torch.cat([t * lf[name] for name, t in buffers.items()], dim=-1)
 
-        # Per candidate: its LF-K unit vector, its buffers, its rate eta = sigma(eta_logit) * g per KV head.
         units = F.normalize(routing_keys(tensors), dim=-1).unbind(2)  # (B, H, d) each
         columns = {name: t.unbind(2) for name, t in tensors.items()}  # (B, H, width) each
-        rates = (self._eta.float().reshape(1, -1, 1).expand(1, heads, 1) * gate[:, None, :]).unbind(2)  # (B, H)
+        rates = rates.unbind(2)  # (B, H) each
         prototypes = F.normalize(routing_keys(bank), dim=-1)  # (B, H, M_s, d), kept up to date below
-        used = slot_positions >= 0
-        index = torch.arange(slots, device=gate.device)
-        tau_novel = self.memory.tau_novel * heads  # the cosines below are summed over heads, not averaged
+        index = torch.arange(slots, device=used.device)
         versions = {name: [] for name in tensors}
-        changed, version_positions = [], []
-        for j, position in enumerate(positions.tolist()):  # sequential: each change moves the next one's match
+        changed = []
+        for j in range(len(units)):  # sequential: each change moves the next one's match
             acts = passed[:, j]  # every candidate that passed its gate opens a prototype or moves one
             similarity = torch.einsum("bhd,bhmd->bm", units[j], prototypes)
             slot, opens = summary_slot(similarity, used, self.memory.summary_routing, tau_novel)  # (B,) each
@@ -294,14 +368,10 @@ class BoundedCache(MemoryCache):
                 versions[name].append(made[name])
             made_unit = F.normalize(routing_keys({name: t[:, :, None] for name, t in made.items()}), dim=-1)
             prototypes = torch.where(hit[:, None, :, None], made_unit, prototypes)
-            slot_positions = torch.where(hit, slot_positions.clamp(min=position), slot_positions)
             used = used | hit
             changed.append(torch.where(acts, slot, -1))
-            version_positions.append(torch.where(acts, position, -1))
-        self._write_memory(first, bank)
-        self.memory_positions = torch.cat((self.memory_positions[:, :first], slot_positions), dim=1)
         versions = {name: torch.stack(v, dim=2) for name, v in versions.items()}
-        return versions, torch.stack(changed, dim=1), torch.stack(version_positions, dim=1)
+        return versions, bank, torch.stack(changed, dim=1)
 
     def _update_summary_block(self, tensors, positions, gate, passed) -> None:
         """summary_update block (the authors' _summary_update_block_hard): a chunk's candidates are routed

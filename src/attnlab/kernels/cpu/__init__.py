@@ -1,5 +1,6 @@
-"""CPU kernels in C: decode attention read straight from quantized KV rows (qattn.c, here), and matmuls with
-weights kept in a GGUF file's formats (qmatmul.c, wrapped by attnlab.kernels.cpu.qmatmul).
+"""CPU kernels in C: decode attention read straight from quantized KV rows (qattn.c, here), matmuls with
+weights kept in a GGUF file's formats (qmatmul.c, wrapped by attnlab.kernels.cpu.qmatmul) and the bounded memory's
+sequential routing (routing.c, wrapped by attnlab.kernels.cpu.routing).
 
 Each source ships with the package and is compiled on first use with the system C compiler ($CC, split into
 words as make splits it: CC='ccache gcc'; else cc) for this machine (-O3 -march=native), into
