@@ -13,6 +13,8 @@ from attnlab.cache.build import build_cache
 from attnlab.cache.sparse import QuestCache
 from attnlab.config import MemoryConfig
 from attnlab.errors import ConfigError
+from attnlab.kernels import cpu
+from attnlab.kernels.cpu import quest as quest_kernel
 
 ATTENTION = CACHE_VARIANTS
 
@@ -60,6 +62,28 @@ def test_quest_equals_the_plain_reference(sinks, chunks):
         outs.append(attend_cache(cache, q[:, :, start : start + n], part, positions, layout.read, 0.35))
         start += n
     torch.testing.assert_close(torch.cat(outs, dim=2), reference(q, k, v, memory, 0.35), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(quest_kernel.library() is None, reason="no working C compiler")
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_the_c_decode_step_equals_the_pytorch_step(kv_heads):
+    """quest.c against QuestCache's PyTorch step (gathers and SDPA): a prompt of 200 tokens, then 24 decode steps
+    over 25 pages of which 3 are read, groups of 3 or 6 query heads, 4 sinks, a window of 16."""
+    memory = MemoryConfig(kind="quest", recent_window=16, page_size=8, pages=3, sink_tokens=4)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 224, 16, generator=g) for h in (6, kv_heads, kv_heads))
+    layout, outs = kv_layout(kv_heads, 16), []
+    for off in (False, True):
+        cache, out = build_cache(layout, 2, None, torch.float32, memory=memory), []
+        with cpu.disabled() if off else torch.no_grad():
+            attend_cache(cache, q[:, :, :200], {"k": k[:, :, :200], "v": v[:, :, :200]}, torch.arange(200),
+                         layout.read, 0.25)  # fmt: skip
+            for t in range(200, 224):
+                new = {"k": k[:, :, t : t + 1], "v": v[:, :, t : t + 1]}
+                assert quest_kernel.usable(q) != off
+                out.append(attend_cache(cache, q[:, :, t : t + 1], new, torch.tensor([t]), layout.read, 0.25))
+        outs.append(torch.cat(out, dim=2))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", list(ATTENTION))

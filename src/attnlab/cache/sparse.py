@@ -40,6 +40,7 @@ from attnlab.cache.layout import CacheLayout, Read
 from attnlab.cache.memories import four, memory_codecs
 from attnlab.config import MemoryConfig
 from attnlab.errors import InputError
+from attnlab.kernels.cpu import quest as quest_kernel
 from attnlab.ops.attend import attend
 
 INITIAL_SLOTS = 256  # a cache starts here and doubles (up to its max_len, if given): a request is not a promise
@@ -179,6 +180,11 @@ class QuestCache(LayerCache):
         if t < window + sinks or self.complete_pages <= memory.pages:  # every earlier token is read anyway
             k, v = self._read(read.keys, 0, t + 1).to(dtype), self._read(read.values, 0, t + 1).to(dtype)
             return attend(q, k, v[..., : read.value_width], None, scale)
+        if self.codecs is None and quest_kernel.usable(q, self.buffers[read.keys], self.key_min):
+            keys, values = four(self.buffers[read.keys]), four(self.buffers[read.values])
+            width = read.value_width or values.shape[-1]
+            return quest_kernel.attend(q, keys, values, width, self.key_min, self.key_max, self.complete_pages, t,
+                                       memory, scale)  # fmt: skip
         bound = page_bounds(q, self.key_min[:, :, : self.complete_pages], self.key_max[:, :, : self.complete_pages])
         order, picked = (t[:, :, 0] for t in top_pages(bound, positions, memory))  # (B, H_kv, K) each
         offsets = torch.arange(size, device=device)
