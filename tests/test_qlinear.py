@@ -164,9 +164,9 @@ def test_strided_input_and_the_pytorch_path_agree():
 
 
 def use_portable_build(folder, monkeypatch):
-    """qmatmul.c built into `folder` without AVX-512 and F16C (the plain C loops, software fp16), and every entry of
-    attnlab.kernels.cpu.qmatmul pointed at it for the test: the library."""
-    flags = ("-mno-avx512f", "-mno-f16c") if "avx512f" in cpu._cpu_flags() else ()
+    """qmatmul.c built into `folder` without AVX-512, AVX2 and F16C (the plain C loops, software fp16), and every entry
+    of attnlab.kernels.cpu.qmatmul pointed at it for the test: the library."""
+    flags = ("-mno-avx512f", "-mno-avx2", "-mno-f16c") if "avx2" in cpu._cpu_flags() else ()
     portable = qmatmul.load(cpu.build(folder, flags, source=qmatmul.SOURCE))
     monkeypatch.setattr(qmatmul, "library", lambda: portable)
     monkeypatch.setattr(qmatmul, "_qmatmul", lambda: portable.attnlab_qmatmul)
@@ -176,7 +176,7 @@ def use_portable_build(folder, monkeypatch):
 
 @kernels
 def test_the_portable_c_build_is_exact_too(tmp_path, monkeypatch):
-    """qmatmul.c built without AVX-512 and F16C (the plain C loops, software fp16): the same checks."""
+    """qmatmul.c built without AVX-512, AVX2 and F16C (the plain C loops, software fp16): the same checks."""
     portable = use_portable_build(tmp_path, monkeypatch)
     assert qmatmul.library() is portable
     for fmt in FORMATS:

@@ -192,6 +192,95 @@ static void tile(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int r
     default: TILE_CASES(Q8_0)
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 (no AVX-512: e.g. AMD EPYC before Zen 4): one block as four vectors of 8, decoded from bytes with integer
+ * widening and converted, the 4-bit formats' values as fma(q, d, m) (Q4_1: ggml's value, one rounding) or codes
+ * scaled per block (Q4_0, Q8_0), as tile_avx512 does with 16 lanes. */
+#include <immintrin.h>
+
+#define FACTORED(fmt) ((fmt) == Q4_0 || (fmt) == Q8_0)
+
+static inline __attribute__((always_inline)) __m256 nibbles8(__m128i bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+}
+
+static inline __attribute__((always_inline)) void decode_block8(const int fmt, const uint8_t *b, __m256 v[4],
+                                                                __m256 *d) {
+    if (fmt == F16) {
+        for (int j = 0; j < 4; j++) v[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * j)));
+    } else if (fmt == Q8_0) {
+        *d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j))));
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (fmt == Q4_0 ? 2 : 4)));
+        const __m128i low = _mm_and_si128(raw, _mm_set1_epi8(15));
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+        v[0] = nibbles8(low), v[1] = nibbles8(_mm_srli_si128(low, 8));
+        v[2] = nibbles8(high), v[3] = nibbles8(_mm_srli_si128(high, 8));
+        if (fmt == Q4_0) {
+            *d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
+            for (int j = 0; j < 4; j++) v[j] = _mm256_sub_ps(v[j], _mm256_set1_ps(8.0f)); /* exact */
+        } else {
+            const __m256 scale = _mm256_set1_ps(_cvtsh_ss(load_u16(b))), min = _mm256_set1_ps(_cvtsh_ss(load_u16(b + 2)));
+            for (int j = 0; j < 4; j++) v[j] = _mm256_fmadd_ps(v[j], scale, min);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) __m256 block_dot8(const int fmt, const __m256 v[4], __m256 d,
+                                                               const float *x, __m256 acc) {
+    if (FACTORED(fmt)) {
+        __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
+        for (int j = 1; j < 4; j++) t = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(x + 8 * j), t);
+        return _mm256_fmadd_ps(t, d, acc);
+    }
+    for (int j = 0; j < 4; j++) acc = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(x + 8 * j), acc);
+    return acc;
+}
+
+static inline float sum8(__m256 v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+
+static inline __attribute__((always_inline)) void tile_avx2(const int fmt, const int xrows, const uint8_t *w,
+                                                            int64_t row_stride, int rows, int64_t nb, const float *x,
+                                                            int64_t x_stride, float *y, int64_t y_stride,
+                                                            const float *bias) {
+    const int64_t bb = block_bytes(fmt);
+    __m256 acc[ROWS][XROWS];
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < XROWS; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        for (int r = 0; r < rows; r++) {
+            _mm_prefetch((const char *)(w + (ROWS + r) * row_stride + b * bb), _MM_HINT_T0); /* see tile_avx512 */
+            __m256 v[4], d = _mm256_setzero_ps();
+            decode_block8(fmt, w + r * row_stride + b * bb, v, &d);
+            for (int i = 0; i < xrows; i++) acc[r][i] = block_dot8(fmt, v, d, x + i * x_stride + b * 32, acc[r][i]);
+        }
+    for (int i = 0; i < xrows; i++)
+        for (int r = 0; r < rows; r++) y[i * y_stride + r] = sum8(acc[r][i]) + (bias ? bias[r] : 0.0f);
+}
+
+#define TILE8_CASES(FMT)                                                                                          \
+    switch (xrows) {                                                                                              \
+    case 1: tile_avx2(FMT, 1, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                   \
+    case 2: tile_avx2(FMT, 2, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                   \
+    case 3: tile_avx2(FMT, 3, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                   \
+    default: tile_avx2(FMT, 4, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                  \
+    }
+
+static void tile(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const float *x,
+                 int64_t x_stride, float *y, int64_t y_stride, const float *bias) {
+    switch (fmt) {
+    case F16: TILE8_CASES(F16)
+    case Q4_0: TILE8_CASES(Q4_0)
+    case Q4_1: TILE8_CASES(Q4_1)
+    default: TILE8_CASES(Q8_0)
+    }
+}
 #else
 /* Portable C: each row of W decoded into a buffer that stays in L1, then one dot product per row of x. */
 static void tile(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const float *x,
@@ -431,6 +520,15 @@ int attnlab_dequantize(int fmt, const uint8_t *w, int64_t n, int64_t k, float *o
             }
             _mm512_storeu_ps(o + b * 32, _mm512_mul_ps(lo, d)); /* exact: 8 bits of code by 11 of scale */
             _mm512_storeu_ps(o + b * 32 + 16, _mm512_mul_ps(hi, d));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+            __m256 v[4], d = _mm256_set1_ps(1.0f);
+            switch (fmt) {
+            case F16: decode_block8(F16, row + b * 64, v, &d); break;
+            case Q4_0: decode_block8(Q4_0, row + b * 18, v, &d); break;
+            case Q4_1: decode_block8(Q4_1, row + b * 20, v, &d); break;
+            default: decode_block8(Q8_0, row + b * 34, v, &d);
+            }
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + b * 32 + 8 * j, _mm256_mul_ps(v[j], d)); /* exact */
 #else
             decode_block_c(fmt, row + b * block_bytes(fmt), o + b * 32);
 #endif
