@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -196,6 +198,20 @@ class LlamaCpp:
         return _seconds(lambda: self.llm.eval(tokens[0].tolist()))
 
 
+def llama_cpp_problem(path: Path) -> str | None:
+    """Why llama-cpp-python cannot evaluate the GGUF at `path` on this machine, or None: tried in a child process,
+    since a build for another CPU dies of an illegal instruction (SIGILL) and would take the benchmark with it."""
+    probe = "import llama_cpp, sys; llama_cpp.Llama(sys.argv[1], n_ctx=32, verbose=False).eval([1, 2])"
+    done = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, check=False)
+    if done.returncode == 0:
+        return None
+    if done.returncode == -signal.SIGILL:
+        return ("it died of an illegal instruction: the wheel was built for a CPU with instructions this one lacks; "
+                "build it here: pip install --no-binary llama-cpp-python llama-cpp-python, ~15 minutes")  # fmt: skip
+    last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+    return f"a test evaluation failed: {last}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2")
@@ -223,6 +239,9 @@ def main() -> None:
             "llama-cpp-python is not installed: its rows are skipped (pip install "
             "../shared/wheels/llama_cpp_python-*.whl, or pip install llama-cpp-python to build it, ~15 minutes)"
         )
+        impls.discard("llama.cpp")
+    elif "llama.cpp" in impls and (problem := llama_cpp_problem(path)):
+        print(f"llama-cpp-python cannot run here: its rows are skipped ({problem})")
         impls.discard("llama.cpp")
     contexts, lengths = [int(c) for c in args.contexts.split(",")], [int(x) for x in args.prefill.split(",")]
     n = args.new_tokens
