@@ -38,6 +38,17 @@
 
 enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+/* The sum of a vector's 8 lanes. */
+static inline float sum8(__m256 v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+#endif
+
 #define ROWS 4             /* rows of W decoded together (independent sums: FMA latency is hidden) */
 #define XROWS 4            /* rows of x sharing each decoded block (ROWS * XROWS accumulators in registers) */
 #define CHUNK 8            /* tiles a thread takes at a time: shares well when another process holds a core */
@@ -196,7 +207,6 @@ static void tile(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int r
 /* AVX2 (no AVX-512: e.g. AMD EPYC before Zen 4): one block as four vectors of 8, decoded from bytes with integer
  * widening and converted, the 4-bit formats' values as fma(q, d, m) (Q4_1: ggml's value, one rounding) or codes
  * scaled per block (Q4_0, Q8_0), as tile_avx512 does with 16 lanes. */
-#include <immintrin.h>
 
 #define FACTORED(fmt) ((fmt) == Q4_0 || (fmt) == Q8_0)
 
@@ -237,12 +247,6 @@ static inline __attribute__((always_inline)) __m256 block_dot8(const int fmt, co
     }
     for (int j = 0; j < 4; j++) acc = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(x + 8 * j), acc);
     return acc;
-}
-
-static inline float sum8(__m256 v) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 
 static inline __attribute__((always_inline)) void tile_avx2(const int fmt, const int xrows, const uint8_t *w,
@@ -423,6 +427,75 @@ static inline __attribute__((always_inline)) void tile_q8_avx512(const int fmt, 
     case 2: tile_q8_avx512(FMT, 2, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
     case 3: tile_q8_avx512(FMT, 3, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
     default: tile_q8_avx512(FMT, 4, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;           \
+    }
+
+static void tile_q8(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const int8_t *xq,
+                    const float *xd, const int32_t *xs, int64_t k, float *y, int64_t y_stride, const float *bias) {
+    switch (fmt) {
+    case Q4_0: TILE_Q8_CASES(Q4_0)
+    case Q4_1: TILE_Q8_CASES(Q4_1)
+    default: TILE_Q8_CASES(Q8_0)
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2: as tile_q8_avx512, the byte products summed by vpmaddubsw (unsigned by signed bytes, pairs to int16: at most
+ * 2 x 128 x 127, no saturation) then vpmaddwd by ones (to int32): the same integer sums per block. */
+static inline __m256i nibbles_q8(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+static inline __m256i dot_bytes(__m256i unsigned_bytes, __m256i signed_bytes) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_bytes, signed_bytes), _mm256_set1_epi16(1));
+}
+
+static inline __attribute__((always_inline)) void tile_q8_avx2(const int fmt, const int xrows, const uint8_t *w,
+                                                               int64_t row_stride, int rows, int64_t nb,
+                                                               const int8_t *xq, const float *xd, const int32_t *xs,
+                                                               int64_t k, float *y, int64_t y_stride,
+                                                               const float *bias) {
+    const int64_t bb = block_bytes(fmt);
+    __m256 acc[ROWS][XROWS];
+    float mins[ROWS][XROWS];
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < XROWS; i++) acc[r][i] = _mm256_setzero_ps(), mins[r][i] = 0.0f;
+    for (int64_t b = 0; b < nb; b++)
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *blk = w + r * row_stride + b * bb;
+            _mm_prefetch((const char *)(blk + ROWS * row_stride), _MM_HINT_T0);
+            const float dw = _cvtsh_ss(load_u16(blk));
+            if (fmt != Q4_1) {
+                const __m256i codes = fmt == Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2))
+                                                  : _mm256_sub_epi8(nibbles_q8(blk + 2), _mm256_set1_epi8(8));
+                const __m256i magnitude = _mm256_abs_epi8(codes);
+                for (int i = 0; i < xrows; i++) {
+                    const __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + i * k + b * 32));
+                    const __m256i dot = dot_bytes(magnitude, _mm256_sign_epi8(x8, codes));
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xd[i * nb + b]),
+                                                acc[r][i]);
+                }
+            } else {
+                const __m256i codes = nibbles_q8(blk + 4);
+                const float mw = _cvtsh_ss(load_u16(blk + 2));
+                for (int i = 0; i < xrows; i++) {
+                    const __m256i x8 = _mm256_loadu_si256((const __m256i *)(xq + i * k + b * 32));
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_bytes(codes, x8)),
+                                                _mm256_set1_ps(dw * xd[i * nb + b]), acc[r][i]);
+                    mins[r][i] += mw * (xd[i * nb + b] * (float)xs[i * nb + b]);
+                }
+            }
+        }
+    for (int i = 0; i < xrows; i++)
+        for (int r = 0; r < rows; r++) y[i * y_stride + r] = sum8(acc[r][i]) + mins[r][i] + (bias ? bias[r] : 0.0f);
+}
+
+#define TILE_Q8_CASES(FMT)                                                                                        \
+    switch (xrows) {                                                                                              \
+    case 1: tile_q8_avx2(FMT, 1, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;              \
+    case 2: tile_q8_avx2(FMT, 2, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;              \
+    case 3: tile_q8_avx2(FMT, 3, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;              \
+    default: tile_q8_avx2(FMT, 4, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;             \
     }
 
 static void tile_q8(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const int8_t *xq,
