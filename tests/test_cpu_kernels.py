@@ -7,6 +7,7 @@ import torch
 
 from attnlab.cache.codecs import Codec
 from attnlab.kernels import cpu
+from attnlab.kernels.cpu import routing
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no working C compiler for the CPU kernels")
 
@@ -60,7 +61,7 @@ def test_decoded_values_are_the_dequantized_values_exactly():
 def test_build_is_cached_and_the_switch_turns_the_kernels_off(tmp_path, monkeypatch):
     first = cpu.build(tmp_path)
     assert first.exists() and cpu.build(tmp_path) == first
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, first.name + ".sha256"]  # no temporaries
     monkeypatch.setenv("ATTNLAB_CPU_KERNELS", "0")
     cpu.library.cache_clear()
     try:
@@ -69,6 +70,19 @@ def test_build_is_cached_and_the_switch_turns_the_kernels_off(tmp_path, monkeypa
         monkeypatch.delenv("ATTNLAB_CPU_KERNELS")
         cpu.library.cache_clear()
     assert cpu.available()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied", "no checksum"])
+def test_a_library_damaged_in_the_cache_is_built_again(tmp_path, damage):
+    """Probe N's n4: a truncated library in the cache killed every later process in dlopen (SIGBUS, no output)."""
+    built = cpu.build(tmp_path, source=routing.SOURCE)
+    good = built.read_bytes()
+    if damage == "no checksum":
+        built.with_name(built.name + ".sha256").unlink()
+    else:
+        built.write_bytes(good[:1000] if damage == "truncated" else b"")
+    assert cpu.build(tmp_path, source=routing.SOURCE) == built and built.read_bytes() == good
+    assert routing.load(built).attnlab_exact_routing is not None
 
 
 def test_a_failing_compiler_is_a_clear_error(tmp_path, monkeypatch):

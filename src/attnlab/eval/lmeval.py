@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from attnlab.cache.codecs import as_policy
-from attnlab.data.files import atomic_write_text
+from attnlab.data.files import atomic_write_text, downloads_allowed
 from attnlab.data.pretrained import PretrainedTokenizer
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.lmeval_tasks import (
@@ -388,6 +388,31 @@ def _quiet_git():
 
 
 @contextlib.contextmanager
+def _hub_offline_if_asked():
+    """With downloads off ($ATTNLAB_OFFLINE, as for every file attnlab reads), `datasets` and huggingface_hub do not
+    reach for the Hub either: a Hub task then fails at once, not after five network retries (probe N's n6). Both
+    libraries read their own variables at import, so their settings are switched here (restored on the way out)."""
+    if downloads_allowed():
+        yield
+        return
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved = (
+        datasets.config.HF_HUB_OFFLINE,
+        datasets.config.HF_DATASETS_OFFLINE,
+        huggingface_hub.constants.HF_HUB_OFFLINE,
+    )
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved[:2]
+        huggingface_hub.constants.HF_HUB_OFFLINE = saved[2]
+
+
+@contextlib.contextmanager
 def _one_line(tasks: list[str], manager, num_fewshot: int | None):
     """lm-eval's own exceptions that are the user's to fix, as one typed error: a Hub dataset out of reach (offline),
     more few-shot examples than a task holds, task data `datasets` could not load."""
@@ -449,7 +474,7 @@ def run_lm_eval(
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # "Generating validation split" bars would hide an error's one line
     try:
-        with _one_line(tasks, manager, num_fewshot):
+        with _one_line(tasks, manager, num_fewshot), _hub_offline_if_asked():
             built = build_tasks(manager, names, limit, num_fewshot)  # the task files and items, before the model loads
         model = (
             ref

@@ -423,7 +423,10 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """InputError (one line) unless out_dir can take the export: missing, empty, or with overwrite=True a folder
     holding an earlier export only (not_exported)."""
-    if out_dir.is_file() or (out_dir.is_symlink() and not out_dir.is_dir()):
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise InputError(f"{out_dir}: is a symbolic link to {os.readlink(out_dir)}, which does not exist (give a "
+                         "folder's path, or make the folder it points to)")  # fmt: skip
+    if out_dir.is_file():
         raise InputError(f"{out_dir}: is a file, where the export's folder belongs (give a folder's path)")
     if Path.cwd().resolve().is_relative_to(out_dir.resolve()):  # it cannot be renamed (EBUSY) nor replaced
         raise InputError(f"{out_dir}: is the current folder or one of its parents, which cannot be replaced "
@@ -499,6 +502,8 @@ def export_hf(
     writes no tokenizer. ConfigError (one line) for a model a Llama config cannot describe, InputError for a
     non-empty out_dir without overwrite."""
     out_dir, dtype = Path(out_dir), as_dtype(dtype)
+    if out_dir.is_symlink() and out_dir.is_dir():  # a link to a folder: the export goes into the folder (probe N, n11)
+        out_dir = out_dir.resolve()
     check_out_dir(out_dir, overwrite)
     if isinstance(ref_or_model, Transformer):
         model = ref_or_model

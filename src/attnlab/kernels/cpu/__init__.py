@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from attnlab import quant
+from attnlab.data.files import atomic_write_text
 from attnlab.errors import AttnlabWarning, ConfigError
 from attnlab.paths import cache_dir
 
@@ -115,12 +116,15 @@ def compiler_version(compiler: list[str]) -> bytes:
 def cached_build(directory: Path, stem: str, key_parts: list, make: Callable[[str, str], None]) -> Path:
     """The library `<stem>-<machine>-<hash>.so` in `directory`, hashing key_parts (paths are read, bytes taken as
     they are), this folder's headers and the CPU's flags; made when missing by make(target, scratch folder),
-    which writes target (a temporary name, renamed into place once made: atomic)."""
+    which writes target (a temporary name, renamed into place once made: atomic). Beside it, `<name>.so.sha256`
+    holds the library's sha256, checked before it is handed out: a library damaged in the cache (truncated, emptied,
+    overwritten: loading one can kill the process with SIGBUS) or one without its checksum is built again over it."""
     parts = [p.read_bytes() if isinstance(p, Path) else p for p in key_parts]
     headers = [h.read_bytes() for h in sorted(SOURCE.parent.glob("*.h"))]  # what the sources may #include
     key = hashlib.sha256(b"\0".join([*parts, *headers, _cpu_flags().encode()]))
     target = directory / f"{stem}-{platform.machine()}-{key.hexdigest()[:16]}.so"
-    if target.exists():
+    checksum = target.with_name(target.name + ".sha256")
+    if _intact(target, checksum):
         return target
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stem}-", suffix=".so")
@@ -128,11 +132,21 @@ def cached_build(directory: Path, stem: str, key_parts: list, make: Callable[[st
     try:
         with tempfile.TemporaryDirectory(dir=directory, prefix=f".{stem}-") as scratch:
             make(tmp, scratch)
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+        atomic_write_text(checksum, digest + "\n")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _intact(library: Path, checksum: Path) -> bool:
+    """Whether `library` exists and its bytes have the sha256 that `checksum` records."""
+    try:
+        return checksum.read_text().strip() == hashlib.sha256(library.read_bytes()).hexdigest()
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def compiled(source: Path, load: Callable[[Path], object], builder: Callable[..., Path] | None = None):
