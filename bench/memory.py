@@ -4,7 +4,8 @@
 
 One CoDA model (d_model 128, 4 layers, 8 query / 2 KV heads, vocab 4096), with its full cache and with the
 memories of cache/memories.py at the paper's medium size (recent window 256 + 64 exact + 64 summary slots;
-window-only and StreamingLLM at the same 384 slots). Weights are shared: the memory draws no random
+window-only and StreamingLLM at the same 384 slots), and the bounded memory once more with its routing loops in
+PyTorch (bounded-pytorch-routing: the C routing switched off). Weights are shared: the memory draws no random
 numbers at init, so every model holds the same attention weights.
 
 (a) prefill: a random context of --prefill tokens in chunks of --chunk, timed, alternating models; the
@@ -16,6 +17,7 @@ numbers at init, so every model holds the same attention weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import resource
 import sys
 import time
@@ -29,6 +31,7 @@ from common import OtherLoad, environment, finish, median, print_table, row  # n
 
 from attnlab import build_model, model_config_from_dict  # noqa: E402
 from attnlab.generate import decode_step, prefill  # noqa: E402
+from attnlab.kernels import cpu  # noqa: E402
 
 MEMORIES = {
     "full": {"kind": "none"},
@@ -36,6 +39,14 @@ MEMORIES = {
     "window": {"kind": "window", "recent_window": 384},
     "streaming": {"kind": "streaming", "recent_window": 380, "sink_tokens": 4},
 }
+# The bounded memory again with its routing loops in PyTorch (attnlab.kernels.cpu switched off): what the C routing
+# (attnlab.kernels.cpu.routing) saves, in the same run.
+PYTORCH_ROUTING = "bounded-pytorch-routing"
+MEMORIES[PYTORCH_ROUTING] = MEMORIES["bounded"]
+
+
+def routing(name: str):
+    return cpu.disabled() if name == PYTORCH_ROUTING else contextlib.nullcontext()
 
 
 def make(name: str, max_len: int):
@@ -92,10 +103,12 @@ def main(argv: list[str] | None = None) -> None:
     tokens = torch.randint(0, 4096, (1, args.prefill), generator=torch.Generator().manual_seed(0))
     seconds = {name: [] for name in names}
     for name in names:
-        time_prefill(models[name], tokens[:, : 2 * args.chunk], args.chunk)  # warm-up
+        with routing(name):
+            time_prefill(models[name], tokens[:, : 2 * args.chunk], args.chunk)  # warm-up
     for r in range(args.repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            seconds[name].append(time_prefill(models[name], tokens, args.chunk))
+            with routing(name):
+                seconds[name].append(time_prefill(models[name], tokens, args.chunk))
     reference, table = median(seconds[names[0]]), []
     for name in names:
         tok_s = args.prefill / median(seconds[name])
@@ -113,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
             rss = peak_rss()
             loops, kv = [], 0
             for _ in range(args.repeats):
-                elapsed, kv = time_decode(models[name], context, args.steps, args.chunk)
+                with routing(name):
+                    elapsed, kv = time_decode(models[name], context, args.steps, args.chunk)
                 loops.append(elapsed)
             tok_s, grown = args.steps / median(loops), peak_rss() - rss
             records.append(row("memory_decode", models[name].cfg.config_hash(), env, memory=name, context=length,
