@@ -185,24 +185,7 @@ static inline __attribute__((always_inline)) void tile_avx512(const int fmt, con
         for (int r = 0; r < rows; r++) y[i * y_stride + r] = _mm512_reduce_add_ps(acc[r][i]) + (bias ? bias[r] : 0.0f);
 }
 
-#define TILE_CASES(FMT)                                                                                           \
-    switch (xrows) {                                                                                              \
-    case 1: tile_avx512(FMT, 1, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                 \
-    case 2: tile_avx512(FMT, 2, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                 \
-    case 3: tile_avx512(FMT, 3, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                 \
-    default: tile_avx512(FMT, 4, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                \
-    }
-
-/* tile_avx512 compiled for each format and count of x rows (16 loops with every branch resolved). */
-static void tile(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const float *x,
-                 int64_t x_stride, float *y, int64_t y_stride, const float *bias) {
-    switch (fmt) {
-    case F16: TILE_CASES(F16)
-    case Q4_0: TILE_CASES(Q4_0)
-    case Q4_1: TILE_CASES(Q4_1)
-    default: TILE_CASES(Q8_0)
-    }
-}
+#define TILE_VECTOR tile_avx512
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2 (no AVX-512: e.g. AMD EPYC before Zen 4): one block as four vectors of 8, decoded from bytes with integer
  * widening and converted, the 4-bit formats' values as fma(q, d, m) (Q4_1: ggml's value, one rounding) or codes
@@ -268,23 +251,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const int fmt, const
         for (int r = 0; r < rows; r++) y[i * y_stride + r] = sum8(acc[r][i]) + (bias ? bias[r] : 0.0f);
 }
 
-#define TILE8_CASES(FMT)                                                                                          \
-    switch (xrows) {                                                                                              \
-    case 1: tile_avx2(FMT, 1, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                   \
-    case 2: tile_avx2(FMT, 2, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                   \
-    case 3: tile_avx2(FMT, 3, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                   \
-    default: tile_avx2(FMT, 4, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                  \
-    }
-
-static void tile(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const float *x,
-                 int64_t x_stride, float *y, int64_t y_stride, const float *bias) {
-    switch (fmt) {
-    case F16: TILE8_CASES(F16)
-    case Q4_0: TILE8_CASES(Q4_0)
-    case Q4_1: TILE8_CASES(Q4_1)
-    default: TILE8_CASES(Q8_0)
-    }
-}
+#define TILE_VECTOR tile_avx2
 #else
 /* Portable C: each row of W decoded into a buffer that stays in L1, then one dot product per row of x. */
 static void tile(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const float *x,
@@ -307,6 +274,28 @@ static void tile(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int r
             for (int j = 0; j < 32; j++) sum += acc[i][j];
             y[i * y_stride + r] = sum + (bias ? bias[r] : 0.0f);
         }
+    }
+}
+#endif
+
+#ifdef TILE_VECTOR
+#define TILE_CASES(FMT)                                                                                           \
+    switch (xrows) {                                                                                              \
+    case 1: TILE_VECTOR(FMT, 1, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                 \
+    case 2: TILE_VECTOR(FMT, 2, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                 \
+    case 3: TILE_VECTOR(FMT, 3, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                 \
+    default: TILE_VECTOR(FMT, 4, w, row_stride, rows, nb, x, x_stride, y, y_stride, bias); return;                \
+    }
+
+/* The vector tile (tile_avx512 or tile_avx2) compiled for each format and count of x rows (16 loops with every
+ * branch resolved). */
+static void tile(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const float *x,
+                 int64_t x_stride, float *y, int64_t y_stride, const float *bias) {
+    switch (fmt) {
+    case F16: TILE_CASES(F16)
+    case Q4_0: TILE_CASES(Q4_0)
+    case Q4_1: TILE_CASES(Q4_1)
+    default: TILE_CASES(Q8_0)
     }
 }
 #endif
@@ -421,22 +410,7 @@ static inline __attribute__((always_inline)) void tile_q8_avx512(const int fmt, 
         }
 }
 
-#define TILE_Q8_CASES(FMT)                                                                                        \
-    switch (xrows) {                                                                                              \
-    case 1: tile_q8_avx512(FMT, 1, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
-    case 2: tile_q8_avx512(FMT, 2, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
-    case 3: tile_q8_avx512(FMT, 3, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
-    default: tile_q8_avx512(FMT, 4, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;           \
-    }
-
-static void tile_q8(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const int8_t *xq,
-                    const float *xd, const int32_t *xs, int64_t k, float *y, int64_t y_stride, const float *bias) {
-    switch (fmt) {
-    case Q4_0: TILE_Q8_CASES(Q4_0)
-    case Q4_1: TILE_Q8_CASES(Q4_1)
-    default: TILE_Q8_CASES(Q8_0)
-    }
-}
+#define TILE_Q8_VECTOR tile_q8_avx512
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2: as tile_q8_avx512, the byte products summed by vpmaddubsw (unsigned by signed bytes, pairs to int16: at most
  * 2 x 128 x 127, no saturation) then vpmaddwd by ones (to int32): the same integer sums per block. */
@@ -490,22 +464,7 @@ static inline __attribute__((always_inline)) void tile_q8_avx2(const int fmt, co
         for (int r = 0; r < rows; r++) y[i * y_stride + r] = sum8(acc[r][i]) + mins[r][i] + (bias ? bias[r] : 0.0f);
 }
 
-#define TILE_Q8_CASES(FMT)                                                                                        \
-    switch (xrows) {                                                                                              \
-    case 1: tile_q8_avx2(FMT, 1, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;              \
-    case 2: tile_q8_avx2(FMT, 2, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;              \
-    case 3: tile_q8_avx2(FMT, 3, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;              \
-    default: tile_q8_avx2(FMT, 4, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;             \
-    }
-
-static void tile_q8(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const int8_t *xq,
-                    const float *xd, const int32_t *xs, int64_t k, float *y, int64_t y_stride, const float *bias) {
-    switch (fmt) {
-    case Q4_0: TILE_Q8_CASES(Q4_0)
-    case Q4_1: TILE_Q8_CASES(Q4_1)
-    default: TILE_Q8_CASES(Q8_0)
-    }
-}
+#define TILE_Q8_VECTOR tile_q8_avx2
 #else
 /* Portable C: the same integer sums per block, scaled by d_w d_x (and Q4_1's m d_x sum). */
 static void tile_q8(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const int8_t *xq,
@@ -522,6 +481,26 @@ static void tile_q8(int fmt, int xrows, const uint8_t *w, int64_t row_stride, in
             }
             y[i * y_stride + r] = sum + mins + (bias ? bias[r] : 0.0f);
         }
+}
+#endif
+
+#ifdef TILE_Q8_VECTOR
+#define TILE_Q8_CASES(FMT)                                                                                        \
+    switch (xrows) {                                                                                              \
+    case 1: TILE_Q8_VECTOR(FMT, 1, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
+    case 2: TILE_Q8_VECTOR(FMT, 2, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
+    case 3: TILE_Q8_VECTOR(FMT, 3, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;            \
+    default: TILE_Q8_VECTOR(FMT, 4, w, row_stride, rows, nb, xq, xd, xs, k, y, y_stride, bias); return;           \
+    }
+
+/* The vector q8 tile (tile_q8_avx512 or tile_q8_avx2) compiled for each format and count of x rows. */
+static void tile_q8(int fmt, int xrows, const uint8_t *w, int64_t row_stride, int rows, int64_t nb, const int8_t *xq,
+                    const float *xd, const int32_t *xs, int64_t k, float *y, int64_t y_stride, const float *bias) {
+    switch (fmt) {
+    case Q4_0: TILE_Q8_CASES(Q4_0)
+    case Q4_1: TILE_Q8_CASES(Q4_1)
+    default: TILE_Q8_CASES(Q8_0)
+    }
 }
 #endif
 
