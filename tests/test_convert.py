@@ -236,8 +236,24 @@ def test_a_conversion_the_source_cannot_initialise_is_refused_in_one_line():
             convert_model(cfg, model, attention)
         assert "\n" not in str(error.value)
     coda_cfg, coda = tiny_model({"kind": "coda"}).cfg, tiny_model({"kind": "coda"})
-    with pytest.raises(ConfigError, match="a conversion starts from mha or sliding"):
+    with pytest.raises(ConfigError, match="a conversion of the attention starts from mha or sliding"):
         convert_model(coda_cfg, coda, {"kind": "mha"})
+
+
+@pytest.mark.parametrize("attention", [{"kind": "coda", "n_kv_heads": 2}, {"kind": "mla", "d_latent": 32}])
+def test_a_memory_alone_is_given_to_any_attention_with_its_weights_as_they_are(attention):
+    """--memory without --attention on a model whose attention no conversion starts from (CoDA, MLA): the attention
+    is kept, its weights copied; while a sequence fits in the window the logits are the source's."""
+    source = tiny_model(attention, perturb=True)
+    memory = {"kind": "streaming", "recent_window": 32, "sink_tokens": 4}
+    conversion = convert_model(source.cfg, source, None, memory)
+    assert conversion.cfg.attention == source.cfg.attention and conversion.cfg.memory.kind == "streaming"
+    assert conversion.fresh == []
+    tokens = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(conversion.model(tokens)[0], source(tokens)[0], rtol=1e-5, atol=1e-5)
+        longer = torch.randint(0, 97, (2, 60), generator=torch.Generator().manual_seed(1))
+        assert (conversion.model(longer)[0][:, 40:] - source(longer)[0][:, 40:]).abs().max() > 1e-3
 
 
 def test_the_convert_command_writes_a_reference_that_loads_with_the_sources_tokenizer(tmp_path, capsys, data_dir):

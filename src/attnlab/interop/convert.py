@@ -65,8 +65,14 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
     """The source's config with `attention` (a kind and its options; unset options keep the source's head count,
     KV heads and head_dim where the kind has them) and `memory` in place."""
     if source.attention.kind not in SOURCE_KINDS:
-        raise ConfigError(f"convert: the source's attention is {source.attention.kind}; a conversion starts from "
-                          f"{' or '.join(SOURCE_KINDS)} (a pretrained model's)")  # fmt: skip
+        if attention:
+            raise ConfigError(f"convert: the source's attention is {source.attention.kind}; a conversion of the "
+                              f"attention starts from {' or '.join(SOURCE_KINDS)} (a pretrained model's); a memory "
+                              "alone can be given to any model (--memory without --attention)")  # fmt: skip
+        data = source.to_dict()  # a memory alone: the attention stays as it is, weights and all
+        if memory is not None:
+            data["memory"] = dict(memory)
+        return model_config_from_dict(data, source="convert")
     attention = dict(attention or {})
     kind = attention.get("kind", source.attention.kind)
     if kind not in TARGET_KINDS:
@@ -470,7 +476,8 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
     """`model` (config `cfg`) with another attention and/or memory, initialised from its weights (module
     docstring). ConfigError (one line each) for a target the source cannot initialise."""
     new_cfg = target_config(cfg, attention, memory)
-    low_rank = new_cfg.attention.kind in LOW_RANK
+    kept = new_cfg.attention == cfg.attention  # a memory alone: the attention's weights are copied as they are
+    low_rank = new_cfg.attention.kind in LOW_RANK and not kept
     whitening = None
     if low_rank and calibration is not None:  # activation-aware: the factorisations fit the calibration inputs
         whitening = input_whitening(model, torch.as_tensor(calibration).long().flatten(), calibration_seq_len)
@@ -488,13 +495,15 @@ def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None =
     taken, pooled = set(), []  # pooled: a memory's per-KV-head parameters, pooled like the keys and values
     with torch.no_grad():
         for name, tensor in new.state_dict().items():
-            if ".attn." in name or name not in source_state:
+            if (".attn." in name and not kept) or name not in source_state:
                 continue
             if source_state[name].shape != tensor.shape:
                 pooled.append(name.split(".", 2)[-1])
             tensor.copy_(outside_attention(name, source_state[name], tensor, cfg, new_cfg))
             taken.add(name)
         for i, (src_block, dst_block) in enumerate(zip(model.blocks, new.blocks, strict=True)):
+            if kept:
+                continue
             if new_cfg.attention.kind == "mla":
                 convert_mla(src_block.attn, dst_block.attn, cfg, new_cfg, pairs, whitening and whitening[i])
             elif low_rank:
