@@ -136,8 +136,7 @@ def test_generate_continues_a_given_cache(model):
 # ----------------------------------------------------------------------------- compiled decode (torch.compile)
 # Each case compiles the decode step once (seconds): keep these few and small.
 
-COMPILED_CASES = {
-    "mha": {"kind": "mha"},
+COMPILED_CASES = {  # plain mha compiles in test_one_compiled_region_serves_every_layer_and_every_length
     # Grouped KV heads (gqa, mqa take mha's path with fewer KV heads) here; and 2 + 4 dims per head: attend keeps
     # SDPA under compile for heads this narrow (the others use plain ops).
     "decoupled-null-gqa": {"kind": "decoupled", "d_sem": 8, "d_geo": 16, "null_attn": True, "n_kv_heads": 2},
