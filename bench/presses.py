@@ -4,6 +4,7 @@
                             [--ratios 0.5,0.75] [--slots 128,256] [--presses streaming,snapkv,tova,knorm]
                             [--decode-kinds h2o,quest,tova,knorm] [--windows 2] [--continuation 128]
                             [--data-dir DIR] [--no-record] [--passkey [--trials 2]]
+    python bench/presses.py --plot PNG      # NLL against the KV kept, drawn from bench/results/presses.jsonl
 
 Each window: C tokens of WikiText-2 raw test text as the context, the next `--continuation` tokens scored. The
 context is prefilled with the press (kvpress: `with press(model)`, then the continuation as one forward over the
@@ -186,6 +187,75 @@ def passkey(args, model, tokenizer, hf, versions, env) -> list[list]:
     return table
 
 
+def nll_by_budget(records: list[dict]) -> dict[int, dict[str, list[tuple[float, float, int]]]]:
+    """{context: {line label: [(share of the context's KV kept, mean NLL over windows, windows), ...]}} from the
+    `presses` records: the newest row of each (context, window, press, budget, impl); a line per press and
+    implementation (the full cache at share 1 on every line), a point only where every window of that context
+    was scored, so the lines compare the same tokens."""
+    newest: dict[tuple, dict] = {}
+    for r in sorted(records, key=lambda r: r["timestamp"]):
+        if r.get("benchmark") == "presses":
+            newest[r["context"], r["window"], r["press"], r["budget"], r["impl"]] = r
+    windows: dict[int, set] = {}
+    for context, window, press, _, _ in newest:
+        if press == "none":
+            windows.setdefault(context, set()).add(window)
+    cells: dict[tuple, dict[int, float]] = {}
+    for (context, window, press, _, impl), r in newest.items():
+        kept = 1.0 if press == "none" else r["slots"] / context
+        cells.setdefault((context, press, impl, kept), {})[window] = r["nll"]
+    out: dict[int, dict[str, list]] = {}
+    for (context, press, impl, kept), by_window in cells.items():
+        if set(by_window) != windows.get(context) or press == "none":
+            continue
+        mean = sum(by_window.values()) / len(by_window)
+        label = press if "(decode)" in press else f"{press}, {impl}"
+        out.setdefault(context, {}).setdefault(label, []).append((kept, mean, len(by_window)))
+    for context, lines in out.items():
+        full = [cells[context, "none", impl, 1.0] for impl in ("attnlab", "kvpress") if (context, "none", impl, 1.0)
+                in cells]  # fmt: skip
+        for points in lines.values():
+            if full and set(full[0]) == windows[context]:
+                points.append((1.0, sum(full[0].values()) / len(full[0]), len(full[0])))
+            points.sort()
+    return out
+
+
+def plot_nll_by_budget(records: list[dict], path: Path) -> Path | None:
+    """NLL of the continuation against the share of the context's KV kept, a panel per context, a line per press
+    (kvpress's dashed); None when no context has a whole set of windows."""
+    lines_by_context = nll_by_budget(records)
+    if not lines_by_context:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted(lines_by_context)
+    presses = sorted({label.split(",")[0] for lines in lines_by_context.values() for label in lines})
+    color = {press: plt.cm.tab10(i % 10) for i, press in enumerate(presses)}  # one press, one colour
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5.2 * len(contexts), 4.2), squeeze=False)
+    for ax, context in zip(axes[0], contexts, strict=True):
+        for label, points in sorted(lines_by_context[context].items()):
+            style = "--" if label.endswith("kvpress") else (":" if "(decode)" in label else "-")
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", ms=3, label=label,
+                    color=color[label.split(",")[0]])  # fmt: skip
+        n = max(p[2] for points in lines_by_context[context].values() for p in points)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"context {context:,} tokens ({n} windows)", fontsize=9)
+        ax.set_xlabel("share of the context's KV kept (per KV head)")
+        ax.set_ylabel("NLL of the next tokens (nats)")
+        ax.grid(alpha=0.3, which="both", lw=0.4)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def budgets(context: int, ratios: list[float], slots: list[int]) -> list[tuple[str, float, int]]:
     """(label, kvpress ratio, slots kept per KV head) for each budget that leaves something to drop."""
     out = [(f"ratio {r:g}", r, max(1, int(context * (1.0 - r)))) for r in ratios]
@@ -245,7 +315,14 @@ def main(argv=None) -> int:
     parser.add_argument("--passkey", action="store_true",
                         help="passkey retrieval at 5 depths instead of the continuation's NLL")  # fmt: skip
     parser.add_argument("--trials", type=int, default=2, help="--passkey: keys per depth")
+    parser.add_argument("--plot", metavar="PNG", help="draw NLL against the KV kept from the records, run nothing")
     args = parser.parse_args(argv)
+    if args.plot:
+        path = RESULTS_DIR / "presses.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        drawn = plot_nll_by_budget(records, Path(args.plot))
+        print(f"wrote {drawn}" if drawn else f"no context in {path} has every window scored: nothing drawn")
+        return 0 if drawn else 2
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     contexts, slots = ints(args.contexts), ints(args.slots)
     ratios = [float(x) for x in args.ratios.split(",") if x]

@@ -4,14 +4,14 @@ run, as ratios to the dense cache.
 
     python bench/sparse_decode.py [--ref models/SmolLM2-135M-Instruct.Q4_1.gguf] [--weights native]
                                   [--contexts 4096,8192] [--shares 0.25,0.125] [--page-size 16]
-                                  [--kinds dense,quest,tova,knorm] [--steps 16] [--rounds 3] [--data-dir DIR]
+                                  [--kinds dense,quest,tova,knorm,snapkv,h2o] [--steps 16] [--rounds 3] [--data-dir DIR]
                                   [--no-record]
 
 After an untimed prefill of C - steps * rounds tokens of WikiText-2 raw test text, `--rounds` rounds of `--steps`
 single-token decode steps (eager, fed the text's own next tokens), the last at C tokens of context; tok/s = steps /
 seconds, the median of the rounds.
 quest reads `share` of the pages (pages of `--page-size`; recent window 64 and 4 sinks on top); a press keeps the same
-number of tokens (`budget`, press_at decode). Bytes: what one step reads from the KV cache of every layer
+number of tokens (`budget`, press_at decode; h2o: half of them heavy hitters, half its recent window). Bytes: what one step reads from the KV cache of every layer
 (`read_nbytes()`), and what the cache holds (`nbytes()`).
 """
 
@@ -43,7 +43,10 @@ def memory_for(kind: str, context: int, share: float, page_size: int) -> MemoryC
     pages = max(1, int(context * share) // page_size)
     if kind == "quest":
         return MemoryConfig(kind="quest", recent_window=WINDOW, page_size=page_size, pages=pages, sink_tokens=SINKS)
-    return MemoryConfig(kind=kind, budget=pages * page_size + WINDOW + SINKS, press_at="decode")
+    budget = pages * page_size + WINDOW + SINKS
+    if kind == "h2o":  # half heavy hitters, half recent window, as bench/presses.py's decode-time h2o
+        return MemoryConfig(kind="h2o", recent_window=budget - budget // 2, heavy_slots=budget // 2)
+    return MemoryConfig(kind=kind, budget=budget, press_at="decode")
 
 
 def with_memory(model, memory: MemoryConfig | None):

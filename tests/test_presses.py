@@ -4,6 +4,7 @@ written with loops; what later queries read; budgets large enough to keep everyt
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -270,3 +271,38 @@ def test_generate_presses_the_whole_prompt_whatever_its_chunks():
             first.append(token)
             token = int(model(torch.tensor([[token]]), cache)[0][0, -1].argmax())
     assert first != whole
+
+
+def _bench_presses():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "presses.py"
+    spec = importlib.util.spec_from_file_location("bench_presses", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_presses_plot_averages_whole_window_sets_and_keeps_the_newest_row(tmp_path):
+    """bench/presses.py --plot: a point is the mean over every window of its context (a context scored on fewer
+    windows for one press leaves that point out), a re-run row replaces the older one, the full cache closes each
+    line at share 1, and the figure is written."""
+    bench = _bench_presses()
+
+    def rec(window, press, budget, impl, nll, slots=None, stamp="2026-12-01T00:00:00"):
+        r = {"benchmark": "presses", "context": 1024, "window": window, "press": press, "budget": budget,
+             "impl": impl, "nll": nll, "timestamp": stamp}  # fmt: skip
+        return r if slots is None else {**r, "slots": slots}
+
+    records = [rec(w, "none", "full", "attnlab", 2.0 + w) for w in (0, 1)]
+    records += [rec(0, "tova", "ratio 0.5", "attnlab", 9.0, 512), rec(1, "tova", "ratio 0.5", "attnlab", 3.5, 512)]
+    records += [rec(0, "tova", "ratio 0.5", "attnlab", 2.5, 512, stamp="2026-12-02T00:00:00")]  # newer: wins
+    records += [rec(0, "knorm", "128 slots", "kvpress", 4.0, 128)]  # window 1 missing: no point
+    records += [rec(0, "quest (decode)", "ratio 0.5", "attnlab", 2.2, 512), rec(1, "quest (decode)", "ratio 0.5",
+                "attnlab", 3.2, 512)]  # fmt: skip
+    lines = bench.nll_by_budget(records)[1024]
+    assert lines["tova, attnlab"] == [(0.5, 3.0, 2), (1.0, 2.5, 2)]
+    assert lines["quest (decode)"] == [(0.5, pytest.approx(2.7), 2), (1.0, 2.5, 2)]
+    assert "knorm, kvpress" not in lines
+    assert bench.plot_nll_by_budget(records, tmp_path / "nll.png").stat().st_size > 1000
+    assert bench.plot_nll_by_budget(records[2:], tmp_path / "none.png") is None  # no full cache: no windows known
