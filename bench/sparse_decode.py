@@ -7,12 +7,13 @@ run, as ratios to the dense cache.
                                   [--kinds dense,quest,tova,knorm,snapkv,h2o] [--steps 16] [--rounds 3] [--data-dir DIR]
                                   [--no-record]
 
-After an untimed prefill of C - steps * rounds tokens of WikiText-2 raw test text, `--rounds` rounds of `--steps`
-single-token decode steps (eager, fed the text's own next tokens), the last at C tokens of context; tok/s = steps /
-seconds, the median of the rounds.
+After an untimed prefill of C - steps * rounds tokens of WikiText-2 raw test text into every arm's cache,
+`--rounds` rounds of `--steps` single-token decode steps (eager, fed the text's own next tokens), the last at C
+tokens of context; in each round every arm decodes the same tokens, in an order rotated each round. tok/s = steps /
+seconds, the median of the rounds; the ratio to the dense cache is the median of each round's ratio.
 quest reads `share` of the pages (pages of `--page-size`; recent window 64 and 4 sinks on top); a press keeps the same
-number of tokens (`budget`, press_at decode; h2o: half of them heavy hitters, half its recent window). Bytes: what one step reads from the KV cache of every layer
-(`read_nbytes()`), and what the cache holds (`nbytes()`).
+number of tokens (`budget`, press_at decode; h2o: half of them heavy hitters, half its recent window). Bytes: what
+one step reads from the KV cache of every layer (`read_nbytes()`), and what the cache holds (`nbytes()`).
 """
 
 from __future__ import annotations
@@ -60,22 +61,35 @@ def with_memory(model, memory: MemoryConfig | None):
 
 
 @torch.no_grad()
-def decode_rate(model, tokens: torch.Tensor, context: int, steps: int, rounds: int) -> tuple[float, int, int]:
-    """(tok/s median over rounds, bytes read by the last step, bytes held): one prefill of context - steps * rounds
-    tokens, then `rounds` timed rounds of `steps` single-token steps, the last at `context` tokens."""
-    dense = model.cfg.memory.kind == "none"
-    cache = model.new_cache(1, context if dense else None)
-    prefill = context - steps * rounds
-    for start in range(0, prefill, CHUNK):
-        model(tokens[None, start : min(prefill, start + CHUNK)], cache)
-    rates = []
+def prefill(model, tokens: torch.Tensor, context: int, steps: int, rounds: int):
+    """A cache for `model` holding tokens[: context - steps * rounds] (untimed, in chunks)."""
+    cache = model.new_cache(1, context if model.cfg.memory.kind == "none" else None)
+    end = context - steps * rounds
+    for start in range(0, end, CHUNK):
+        model(tokens[None, start : min(end, start + CHUNK)], cache)
+    return cache
+
+
+@torch.no_grad()
+def decode_round(model, cache, tokens: torch.Tensor, start: int, steps: int) -> float:
+    """tok/s of `steps` single-token steps fed tokens[start:start + steps]."""
+    began = time.perf_counter()
+    for t in range(start, start + steps):
+        model(tokens[None, t : t + 1], cache)
+    return steps / (time.perf_counter() - began)
+
+
+def interleaved_rates(arms: list, tokens: torch.Tensor, context: int, steps: int, rounds: int) -> list[list[float]]:
+    """Each arm's tok/s in each round. Every arm is prefilled first; then in each round every arm decodes the same
+    `steps` tokens, in an order rotated each round, so a change of the machine's load falls on all arms alike
+    (the last round ends at `context` tokens)."""
+    caches = [prefill(model, tokens, context, steps, rounds) for model in arms]
+    rates = [[0.0] * rounds for _ in arms]
+    first = context - steps * rounds
     for r in range(rounds):
-        began = time.perf_counter()
-        for t in range(prefill + r * steps, prefill + (r + 1) * steps):
-            model(tokens[None, t : t + 1], cache)
-        rates.append(steps / (time.perf_counter() - began))
-    read = sum(layer.read_nbytes() for layer in cache.layers)
-    return median(rates), read, cache.nbytes()
+        for i in [(j + r) % len(arms) for j in range(len(arms))]:
+            rates[i][r] = decode_round(arms[i], caches[i], tokens, first + r * steps, steps)
+    return rates, caches
 
 
 def main(argv=None) -> int:
@@ -100,23 +114,26 @@ def main(argv=None) -> int:
     env, records, table, load = environment(), [], [], OtherLoad()
     for context in contexts:
         tokens = stream[:context]
-        dense_rate = None
-        for kind in kinds:
-            for share in [1.0] if kind == "dense" else shares:
-                memory = memory_for(kind, context, share, args.page_size)
-                rate, read, held = decode_rate(with_memory(model, memory), tokens, context, args.steps, args.rounds)
-                dense_rate = rate if kind == "dense" else dense_rate
-                ratio = None if dense_rate is None else rate / dense_rate
-                other = load.lap()
-                records.append(row("sparse_decode", cfg.config_hash(), env, context=context, kind=kind, share=share,
-                                   weights=args.weights, tok_s=rate, ratio_to_dense=ratio, read_bytes=read,
-                                   held_bytes=held, other_load=other))  # fmt: skip
-                table.append([context, kind, share, rate, ratio, read / 1e6, held / 1e6, other])
-                print(
-                    f"C={context} {kind:6s} share {share:<6g} {rate:7.2f} tok/s  x{ratio or 1:.2f}  "
-                    f"reads {read / 1e6:.1f} MB holds {held / 1e6:.1f} MB  other load {other or 0:.0%}",
-                    flush=True,
-                )
+        arms = [(kind, share) for kind in kinds for share in ([1.0] if kind == "dense" else shares)]
+        models = [with_memory(model, memory_for(kind, context, share, args.page_size)) for kind, share in arms]
+        rates, caches = interleaved_rates(models, tokens, context, args.steps, args.rounds)
+        other = load.lap()
+        dense = next((i for i, (kind, _) in enumerate(arms) if kind == "dense"), None)
+        for (kind, share), arm_rates, cache in zip(arms, rates, caches, strict=True):
+            rate = median(arm_rates)
+            # the ratio of each round (both arms in the same minute), median over rounds
+            ratio = None if dense is None else median([a / d for a, d in zip(arm_rates, rates[dense], strict=True)])
+            read, held = sum(layer.read_nbytes() for layer in cache.layers), cache.nbytes()
+            records.append(row("sparse_decode", cfg.config_hash(), env, context=context, kind=kind, share=share,
+                               weights=args.weights, tok_s=rate, ratio_to_dense=ratio, read_bytes=read,
+                               held_bytes=held, rounds_tok_s=arm_rates, interleaved=True,
+                               other_load=other))  # fmt: skip
+            table.append([context, kind, share, rate, ratio, read / 1e6, held / 1e6, other])
+            print(
+                f"C={context} {kind:6s} share {share:<6g} {rate:7.2f} tok/s  x{ratio or 1:.2f}  "
+                f"reads {read / 1e6:.1f} MB holds {held / 1e6:.1f} MB  other load {other or 0:.0%}",
+                flush=True,
+            )
     print_table(["context", "kind", "share", "tok/s", "x dense", "MB read/step", "MB held", "other load"], table, ".3g")
     finish("sparse_decode", records, load.fraction(), record=not args.no_record)
     return 0
