@@ -94,10 +94,16 @@ def gathered_optimizer(model: nn.Module, optimizer) -> dict:
 
 
 def load_full_optimizer(model: nn.Module, optimizer, state: dict) -> None:
-    """A full optimizer state keyed by parameter name (every rank read the same file) into the shards."""
+    """A full optimizer state keyed by parameter name (every rank read the same file) into the shards. Not strict:
+    a parameter that has had no gradient yet (a bounded memory's write gate before the memory writes) has no state,
+    as a plain optimizer saves it; the names were checked against the model before (checkpoint._state_problem)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_optimizer_state_dict(model, optimizer, state, options=options)
+    for name, param in model.named_parameters():  # torch made a zero state for each (one lr=0 step): a plain
+        if name not in state["state"]:  # optimizer has none until the first gradient, so nor does this one
+            optimizer.state.pop(param, None)
 
 
 def load_full_weights(model: nn.Module, weights: dict[str, torch.Tensor], dropped: set[str]) -> None:
