@@ -273,6 +273,27 @@ def lock_holder(path: Path) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def appending_in(folder: str | Path) -> Iterator[None]:
+    """Waits for, then holds for the block, an exclusive lock on `folder` itself (its directory's fd, so no file is
+    left there): a read of a file, then its atomic replacement with more rows, is one step for every process that
+    appends in the folder this way (attnlab.eval.records.append_records); two at once would each write the old rows
+    plus their own, and the first one's rows would be lost. A file system without locks appends unlocked."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a write: milliseconds
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        yield
+    finally:
+        os.close(fd)  # lets go of the lock
+
+
 FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket",
               stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}  # fmt: skip
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from attnlab.cache.codecs import as_policy
-from attnlab.data.files import atomic_write_text, downloads_allowed
+from attnlab.data.files import atomic_write_text, downloads_allowed, folder_lock
 from attnlab.data.pretrained import PretrainedTokenizer
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.lmeval_tasks import (
@@ -461,10 +461,7 @@ def run_lm_eval(
             raise ConfigError(f"include_path {path} is not a folder (give a folder of lm-eval task YAML files)")
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():  # before the evaluation
         raise ConfigError(f"--out {out_dir}: exists and is not a folder (give a folder for lm_eval.json)")
-    for name in RESULT_FILES if out_dir is not None else ():  # an earlier evaluation's results are never replaced
-        if (Path(out_dir) / name).exists():
-            raise ConfigError(f"--out {out_dir}: already holds {name} (an earlier evaluation's results, which this "
-                              "one would replace): give another --out folder")  # fmt: skip
+    _check_no_results(out_dir)
     broken = check_task_files([str(p) for p in paths])  # before lm-eval reads them (and imports !function code)
     check_duplicate_tasks([str(p) for p in paths], list(tasks))  # before lm-eval picks one of them by file order
     manager = attach(task_manager([str(p) for p in paths], list(tasks)), data_dir)
@@ -473,6 +470,10 @@ def run_lm_eval(
 
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # "Generating validation split" bars would hide an error's one line
+    held = contextlib.ExitStack()
+    if out_dir is not None:  # one evaluation at a time writes into out_dir: a second is refused now, not replaced later
+        held.enter_context(folder_lock(out_dir, RESULTS_LOCK, lambda holder: _busy(out_dir, holder)))
+        _check_no_results(out_dir)  # (one that ended while this one loaded its tasks)
     try:
         with _one_line(tasks, manager, num_fewshot), _hub_offline_if_asked():
             built = build_tasks(manager, names, limit, num_fewshot)  # the task files and items, before the model loads
@@ -494,10 +495,27 @@ def run_lm_eval(
                 model=lm, tasks=built, num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=True,
                 bootstrap_iters=bootstrap_iters, batch_size=batch_size,
             )  # fmt: skip
+        results["config"]["model"] = str(model.path) if not isinstance(ref, EvalModel) else model.name
+        if out_dir is not None:
+            write_results(out_dir, results)
     finally:
+        held.close()
         if bars:
             datasets.enable_progress_bars()
-    results["config"]["model"] = str(model.path) if not isinstance(ref, EvalModel) else model.name
-    if out_dir is not None:
-        write_results(out_dir, results)
     return results
+
+
+RESULTS_LOCK = ".lm_eval.lock"  # in an --out folder: held (flock) while an evaluation will write its results there
+
+
+def _busy(out_dir, holder: str) -> str:
+    return (f"--out {out_dir}: another attnlab lm-eval{holder} is evaluating into this folder (one would replace the "
+            "other's results): wait for it to finish, or give another --out")  # fmt: skip
+
+
+def _check_no_results(out_dir) -> None:
+    """ConfigError when out_dir holds an earlier evaluation's results: they are never replaced."""
+    for name in RESULT_FILES if out_dir is not None else ():
+        if (Path(out_dir) / name).exists():
+            raise ConfigError(f"--out {out_dir}: already holds {name} (an earlier evaluation's results, which this "
+                              "one would replace): give another --out folder")  # fmt: skip

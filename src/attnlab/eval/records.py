@@ -15,7 +15,15 @@ from pathlib import Path
 import torch
 
 import attnlab
-from attnlab.data.files import LINK_LOOP, atomic_write_text, file_kind, json_objects, link_loop, read_json_lines
+from attnlab.data.files import (
+    LINK_LOOP,
+    appending_in,
+    atomic_write_text,
+    file_kind,
+    json_objects,
+    link_loop,
+    read_json_lines,
+)
 from attnlab.errors import AttnlabWarning, DataError, InputError
 
 
@@ -93,10 +101,12 @@ def append_records(path: str | Path, rows: list[dict]) -> Path:
     """Appends rows to a JSONL file atomically (old content + new rows to a temporary file, flushed to the disk,
     then renamed over it); see records_target for the paths refused."""
     path = records_target(path)
-    old = path.read_text() if path.exists() else ""
-    if old and not old.endswith("\n"):
-        old += "\n"
-    atomic_write_text(path, old + "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), durable=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with appending_in(path.parent):  # another process appending to the same file waits: its rows are kept too
+        old = path.read_text() if path.exists() else ""
+        if old and not old.endswith("\n"):
+            old += "\n"
+        atomic_write_text(path, old + "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), durable=True)
     return path
 
 

@@ -31,7 +31,7 @@ from attnlab.errors import DataError, InputError, LengthWarning
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
 from attnlab.interop.tokenizer import warn_unknown
-from attnlab.memory.state import DamagedStateError, load_state, require_memory, save_state
+from attnlab.memory.state import DamagedStateError, MemoryStateError, load_state, require_memory, save_state
 from attnlab.paths import cache_dir
 from attnlab.paths import check_name as check_name_of
 
@@ -289,7 +289,7 @@ def query(store: MemoryStore, name: str, prompt: str, model_path: str | Path | N
                          "its new place with --model, or re-ingest the documents")  # fmt: skip
     loaded = _load_model(model_path or entry.model_path, data_dir)
     try:
-        cache, header = load_state(store.path(entry), loaded.model)
+        cache, header, entry = _load_registered(store, name, entry, loaded.model)
     except DamagedStateError as e:  # (the store's own commands are the way out)
         raise StoreError(f"{e.problem}; re-ingest memory {name!r} (attnlab memory ingest MODEL DOCS --name {name} "
                          f"--replace) or remove it (attnlab memory rm {name})") from None  # fmt: skip
@@ -307,3 +307,17 @@ def query(store: MemoryStore, name: str, prompt: str, model_path: str | Path | N
         generate_kwargs["max_new_tokens"] = MAX_ANSWER_TOKENS
     out = generate(loaded.model, torch.tensor(ids, device=loaded.device), cache=cache, **generate_kwargs)
     return loaded.tokenizer.decode(out.tolist())
+
+
+def _load_registered(store: MemoryStore, name: str, entry: Entry, model) -> tuple:
+    """(cache, header, entry): the state the index names for `name`, loaded. Read from the index again when the
+    file went while the model loaded (an `ingest --replace` of that name registered a new state, then deleted the
+    old one): that is the memory now, not a missing file."""
+    while True:
+        try:
+            return (*load_state(store.path(entry), model), entry)
+        except MemoryStateError:
+            latest = store.get(name)  # (StoreError when it was removed meanwhile: said as for any missing name)
+            if latest.file == entry.file:
+                raise
+            entry = latest
