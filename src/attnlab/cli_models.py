@@ -125,6 +125,8 @@ def check_kv_dataset(args) -> None:
 def check_dataset_path(flag: str, dataset: str, data_dir) -> None:
     """A --dataset that is not a named dataset must be a text file (DataError naming it otherwise): said before its
     splits are, since a folder or device has none."""
+    if not dataset.strip():  # (Path("") is ".", which would be named as a folder)
+        raise InputError(f"{flag} is empty: give a named dataset ({', '.join(NAMED_SOURCES)}) or a text file")
     if dataset not in NAMED_SOURCES:
         try:
             local_path(dataset, data_dir)
@@ -152,6 +154,11 @@ def check_kv_arguments(args) -> Path | None:
                              f"or 'none' for the full-precision cache)")  # fmt: skip
         KVPolicy.parse(policy)  # a typo is said before the model is loaded
     policies = getattr(args, "policies", None)  # (kv-tune: None, it measures policies of its own)
+    named = [",".join(sorted(str(KVPolicy.parse(p)).split(","))) for p in policies or ()]  # (k=..,v=.. as v=..,k=..)
+    twice = next((p for i, p in enumerate(named) if p in named[:i]), None)
+    if twice is not None:  # it would be measured twice, and its rows recorded twice
+        given = ", ".join(repr(p) for p, n in zip(policies, named, strict=True) if n == twice)
+        raise InputError(f"--policies: {twice!r} is given twice (as {given}): give each policy once")
     problem = chunk_problem(args.seq_len, args.chunk)
     if problem and (policies is None or any(KVPolicy.parse(p).formats for p in policies)):
         raise InputError(problem)

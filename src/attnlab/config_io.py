@@ -95,6 +95,34 @@ def _depth_exceeds(data: Any, limit: int) -> bool:
     return False
 
 
+MAX_VALUES = 1_000_000  # values a config may hold once its aliases are expanded (its largest hold thousands)
+
+
+class TooLarge(TooDeep):
+    """YAML whose aliases (`*name` of an `&name` anchor) expand to more than MAX_VALUES values: a few lines of nested
+    aliases make billions, which whatever reads the config would walk without end."""
+
+    def __str__(self) -> str:
+        return (f"expands to more than {MAX_VALUES:,} values through its aliases (*name of an &name anchor, nested): "
+                "write the values out, or use fewer aliases of aliases")  # fmt: skip
+
+
+def _expands_beyond(data: Any, limit: int) -> bool:
+    """Whether `data` holds more than `limit` values with each alias counted where it is used (stops counting there)."""
+    stack, count = [data], 0
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > limit:
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
 def yaml_problem(e: yaml.YAMLError, text: str = "") -> str:
     """A PyYAML error as one line: `not valid YAML at line L, column C: what`."""
     if isinstance(e, TooDeep):
@@ -111,13 +139,16 @@ def yaml_problem(e: yaml.YAMLError, text: str = "") -> str:
 
 def parse_yaml(text: str) -> Any:
     """YAML text -> data, strictly (StrictLoader); raises yaml.YAMLError (TooDeep for data nested more than
-    MAX_DEPTH levels, which would exhaust the recursion of whatever reads it)."""
+    MAX_DEPTH levels, which would exhaust the recursion of whatever reads it; TooLarge for aliases that expand to
+    more than MAX_VALUES values)."""
     try:
         data = yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader)
     except RecursionError:
         raise TooDeep() from None
     if _depth_exceeds(data, MAX_DEPTH):
         raise TooDeep()
+    if _expands_beyond(data, MAX_VALUES):
+        raise TooLarge()
     return data
 
 

@@ -250,6 +250,10 @@ def read_pointer(root: Path, tag: str) -> dict | None:
     ):
         raise CheckpointError(f'{path}: not a checkpoint pointer (expected {{"dir": "step-N", "step": N}}); '
                               "delete it to start over")  # fmt: skip
+    if pointer["step"] != int(pointer["dir"][5:]):  # a resume (and a dry run) would count from the wrong step
+        raise CheckpointError(f"{path}: names {pointer['dir']} but step {pointer['step']} (a checkpoint folder holds "
+                              f"the step in its name): write {_pointer_text(Path(root) / pointer['dir'])} into "
+                              f"{path.name}, or delete it to start over")  # fmt: skip
     return pointer
 
 

@@ -162,9 +162,10 @@ def compiled(source: Path, load: Callable[[Path], object], builder: Callable[...
         except OSError as err:
             with tempfile.TemporaryDirectory(prefix="attnlab-kernels-") as folder:
                 lib = load(builder(Path(folder)))  # the loaded library outlives its file
-            warnings.warn(f"attnlab CPU kernels: cannot use the cache {kernel_dir()} ({err.strerror or err}): built "
-                          "for this run only (make it writable, or set XDG_CACHE_HOME, to keep them)", AttnlabWarning,
-                          stacklevel=3)  # fmt: skip
+            where = f"{err.filename}: " if err.filename and Path(err.filename) != kernel_dir() else ""  # in it
+            warnings.warn(f"attnlab CPU kernels: cannot use the cache {kernel_dir()} ({where}{err.strerror or err}): "
+                          "built for this run only (make it writable, or set XDG_CACHE_HOME, to keep them)",
+                          AttnlabWarning, stacklevel=3)  # fmt: skip
             return lib
     except (OSError, RuntimeError) as err:
         warnings.warn(f"attnlab CPU kernels unavailable, using the PyTorch path: {err}", AttnlabWarning, stacklevel=3)
