@@ -243,7 +243,7 @@ def plot_nll_by_budget(records: list[dict], path: Path) -> Path | None:
                     color=color[label.split(",")[0]])  # fmt: skip
         n = max(p[2] for points in lines_by_context[context].values() for p in points)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"context {context:,} tokens ({n} windows)", fontsize=9)
+        ax.set_title(f"context {context:,} tokens ({n} window{'s' if n > 1 else ''})", fontsize=9)
         ax.set_xlabel("share of the context's KV kept (per KV head)")
         ax.set_ylabel("NLL of the next tokens (nats)")
         ax.grid(alpha=0.3, which="both", lw=0.4)
