@@ -52,6 +52,8 @@ import attnlab  # noqa: E402
 from attnlab.config import MemoryConfig  # noqa: E402
 from attnlab.eval.longctx import DEPTHS  # noqa: E402
 from attnlab.eval.perplexity import dataset_tokens  # noqa: E402
+from attnlab.eval.plots import _pyplot, _save  # noqa: E402
+from attnlab.eval.records import latest_records, read_records  # noqa: E402
 
 SMOLLM2 = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 SINKS = 4
@@ -189,34 +191,26 @@ def passkey(args, model, tokenizer, hf, versions, env) -> list[list]:
 
 def nll_by_budget(records: list[dict]) -> dict[int, dict[str, list[tuple[float, float, int]]]]:
     """{context: {line label: [(share of the context's KV kept, mean NLL over windows, windows), ...]}} from the
-    `presses` records: the newest row of each (context, window, press, budget, impl); a line per press and
+    `presses` records: the latest row of each cell (attnlab.eval.records.latest_records); a line per press and
     implementation (the full cache at share 1 on every line), a point only where every window of that context
     was scored, so the lines compare the same tokens."""
-    newest: dict[tuple, dict] = {}
-    for r in sorted(records, key=lambda r: r["timestamp"]):
-        if r.get("benchmark") == "presses":
-            newest[r["context"], r["window"], r["press"], r["budget"], r["impl"]] = r
-    windows: dict[int, set] = {}
-    for context, window, press, _, _ in newest:
-        if press == "none":
-            windows.setdefault(context, set()).add(window)
     cells: dict[tuple, dict[int, float]] = {}
-    for (context, window, press, _, impl), r in newest.items():
-        kept = 1.0 if press == "none" else r["slots"] / context
-        cells.setdefault((context, press, impl, kept), {})[window] = r["nll"]
+    for r in latest_records([r for r in records if r.get("benchmark") == "presses"])[0]:
+        kept = 1.0 if r["press"] == "none" else r["slots"] / r["context"]
+        impl = "attnlab" if r["press"] == "none" else r["impl"]  # the full cache is the same model in both
+        cells.setdefault((r["context"], r["press"], impl, kept), {})[r["window"]] = r["nll"]
     out: dict[int, dict[str, list]] = {}
     for (context, press, impl, kept), by_window in cells.items():
-        if set(by_window) != windows.get(context) or press == "none":
+        full = cells.get((context, "none", "attnlab", 1.0))
+        if press == "none" or full is None or set(by_window) != set(full):
             continue
-        mean = sum(by_window.values()) / len(by_window)
         label = press if "(decode)" in press else f"{press}, {impl}"
-        out.setdefault(context, {}).setdefault(label, []).append((kept, mean, len(by_window)))
+        out.setdefault(context, {}).setdefault(label, []).append((kept, sum(by_window.values()) / len(by_window),
+                                                                   len(by_window)))  # fmt: skip
     for context, lines in out.items():
-        full = [cells[context, "none", impl, 1.0] for impl in ("attnlab", "kvpress") if (context, "none", impl, 1.0)
-                in cells]  # fmt: skip
+        full = cells[context, "none", "attnlab", 1.0]
         for points in lines.values():
-            if full and set(full[0]) == windows[context]:
-                points.append((1.0, sum(full[0].values()) / len(full[0]), len(full[0])))
+            points.append((1.0, sum(full.values()) / len(full), len(full)))
             points.sort()
     return out
 
@@ -227,11 +221,7 @@ def plot_nll_by_budget(records: list[dict], path: Path) -> Path | None:
     lines_by_context = nll_by_budget(records)
     if not lines_by_context:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     contexts = sorted(lines_by_context)
     presses = sorted({label.split(",")[0] for lines in lines_by_context.values() for label in lines})
     color = {press: plt.cm.tab10(i % 10) for i, press in enumerate(presses)}  # one press, one colour
@@ -249,11 +239,7 @@ def plot_nll_by_budget(records: list[dict], path: Path) -> Path | None:
         ax.grid(alpha=0.3, which="both", lw=0.4)
         ax.legend(fontsize=6)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def budgets(context: int, ratios: list[float], slots: list[int]) -> list[tuple[str, float, int]]:
@@ -319,8 +305,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.plot:
         path = RESULTS_DIR / "presses.jsonl"
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        drawn = plot_nll_by_budget(records, Path(args.plot))
+        drawn = plot_nll_by_budget(read_records(path, "presses"), Path(args.plot))
         print(f"wrote {drawn}" if drawn else f"no context in {path} has every window scored: nothing drawn")
         return 0 if drawn else 2
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731

@@ -79,10 +79,10 @@ def decode_round(model, cache, tokens: torch.Tensor, start: int, steps: int) -> 
     return steps / (time.perf_counter() - began)
 
 
-def interleaved_rates(arms: list, tokens: torch.Tensor, context: int, steps: int, rounds: int) -> list[list[float]]:
-    """Each arm's tok/s in each round. Every arm is prefilled first; then in each round every arm decodes the same
-    `steps` tokens, in an order rotated each round, so a change of the machine's load falls on all arms alike
-    (the last round ends at `context` tokens)."""
+def interleaved_rates(arms: list, tokens: torch.Tensor, context: int, steps: int, rounds: int) -> tuple[list, list]:
+    """(each arm's tok/s in each round, each arm's cache). Every arm is prefilled first; then in each round every
+    arm decodes the same `steps` tokens, in an order rotated each round, so a change of the machine's load falls on
+    all arms alike (the last round ends at `context` tokens)."""
     caches = [prefill(model, tokens, context, steps, rounds) for model in arms]
     rates = [[0.0] * rounds for _ in arms]
     first = context - steps * rounds

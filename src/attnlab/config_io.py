@@ -80,21 +80,6 @@ class TooDeep(yaml.YAMLError):
         return f"nested too deeply to be a config (more than {MAX_DEPTH} levels of lists or mappings)"
 
 
-def _depth_exceeds(data: Any, limit: int) -> bool:
-    """Whether lists/mappings nest more than `limit` levels in `data` (iteratively: no recursion)."""
-    stack = [(data, 1)]
-    seen: set[int] = set()
-    while stack:
-        node, depth = stack.pop()
-        if not isinstance(node, (list, dict)) or id(node) in seen:
-            continue
-        if depth > limit:
-            return True
-        seen.add(id(node))  # an alias is one object: walked once
-        stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-    return False
-
-
 MAX_VALUES = 1_000_000  # values a config may hold once its aliases are expanded (its largest hold thousands)
 
 
@@ -107,20 +92,23 @@ class TooLarge(TooDeep):
                 "write the values out, or use fewer aliases of aliases")  # fmt: skip
 
 
-def _expands_beyond(data: Any, limit: int) -> bool:
-    """Whether `data` holds more than `limit` values with each alias counted where it is used (stops counting there)."""
-    stack, count = [data], 0
+def _too_big(data: Any) -> yaml.YAMLError | None:
+    """TooDeep when lists/mappings nest more than MAX_DEPTH levels in `data`, TooLarge when it holds more than
+    MAX_VALUES values with each alias counted where it is used (a cycle of aliases nests without end); None
+    otherwise. One walk, iterative (no recursion), stopping at the first limit passed."""
+    stack, count = [(data, 1)], 0
     while stack:
-        node = stack.pop()
+        node, depth = stack.pop()
         count += 1
-        if count > limit:
-            return True
-        if isinstance(node, dict):
-            stack.extend(node.keys())
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return False
+        if count > MAX_VALUES:
+            return TooLarge()
+        if not isinstance(node, (list, dict)):
+            continue
+        if depth > MAX_DEPTH:
+            return TooDeep()
+        children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children)
+    return None
 
 
 def yaml_problem(e: yaml.YAMLError, text: str = "") -> str:
@@ -145,10 +133,9 @@ def parse_yaml(text: str) -> Any:
         data = yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader)
     except RecursionError:
         raise TooDeep() from None
-    if _depth_exceeds(data, MAX_DEPTH):
-        raise TooDeep()
-    if _expands_beyond(data, MAX_VALUES):
-        raise TooLarge()
+    problem = _too_big(data)
+    if problem is not None:
+        raise problem
     return data
 
 

@@ -157,6 +157,7 @@ SETTING: dict[str, tuple[str, ...]] = {
     "attention_maps": ("prompt", "unit"),
     "probes": ("record", "suite_fingerprint", "id"),
     "kv_quant": ("policy", "dataset", "split", "seq_len", "tokens", "chunk", "dtype"),
+    "presses": ("context", "window", "continuation", "press", "budget", "impl"),  # bench/presses.py's rows
 }
 VOLATILE = ("time", "attnlab", "torch", "python", "threads", "weights")  # when and with what: not what was measured
 
