@@ -189,7 +189,9 @@ def evaluate_policies(
             "dnll": dnll,
             "dnll_ci": [v / BLOCK for v in bootstrap_ci(total.blocks, n=2000)] if total.blocks else None,
             "ppl_ratio": math.exp(dnll),
-            "kl": total.kl / total.tokens,
+            # KL >= 0: the float sum for two distributions equal but for rounding can end a hair below (printed
+            # -0.000000); the mean is clamped at 0, its terms are not (clamping each token's would bias it upward)
+            "kl": max(total.kl / total.tokens, 0.0),
             "top1": total.top1 / total.tokens,
             "greedy": greedy_agreement(model, prompts, want, policy) if greedy_prompts else None,
             "tokens": total.tokens,

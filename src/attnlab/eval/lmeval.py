@@ -361,8 +361,10 @@ def write_results(out_dir: str | Path, results: dict) -> tuple[Path, Path]:
     rows = [{"task": task, **row} for task, items in (results.get("samples") or {}).items() for row in items]
     dump = lambda obj, **kw: json.dumps(obj, default=handle_non_serializable, ensure_ascii=False, **kw)  # noqa: E731
     summary_path, samples_path = (out_dir / name for name in RESULT_FILES)
-    atomic_write_text(summary_path, dump(summary, indent=1) + "\n")
+    # the items first and the results last: lm_eval.json is the mark of a finished evaluation, so a run killed
+    # between the two leaves only an items file that the next evaluation into this folder replaces
     atomic_write_text(samples_path, "".join(dump(row) + "\n" for row in rows))
+    atomic_write_text(summary_path, dump(summary, indent=1) + "\n")
     return summary_path, samples_path
 
 
@@ -471,6 +473,7 @@ def run_lm_eval(
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # "Generating validation split" bars would hide an error's one line
     held = contextlib.ExitStack()
+    made = out_dir is not None and not Path(out_dir).exists()  # removed again if the evaluation fails
     if out_dir is not None:  # one evaluation at a time writes into out_dir: a second is refused now, not replaced later
         held.enter_context(folder_lock(out_dir, RESULTS_LOCK, lambda holder: _busy(out_dir, holder)))
         _check_no_results(out_dir)  # (one that ended while this one loaded its tasks)
@@ -498,6 +501,12 @@ def run_lm_eval(
         results["config"]["model"] = str(model.path) if not isinstance(ref, EvalModel) else model.name
         if out_dir is not None:
             write_results(out_dir, results)
+    except BaseException:
+        if made:  # the folder this evaluation made for its results holds nothing of the user's: not left behind
+            with contextlib.suppress(OSError):
+                (Path(out_dir) / RESULTS_LOCK).unlink()
+                Path(out_dir).rmdir()
+        raise
     finally:
         held.close()
         if bars:
@@ -514,8 +523,9 @@ def _busy(out_dir, holder: str) -> str:
 
 
 def _check_no_results(out_dir) -> None:
-    """ConfigError when out_dir holds an earlier evaluation's results: they are never replaced."""
-    for name in RESULT_FILES if out_dir is not None else ():
+    """ConfigError when out_dir holds an earlier evaluation's results (its lm_eval.json, written last): they are
+    never replaced. An items file alone is what an evaluation killed while writing left; the next one replaces it."""
+    for name in RESULT_FILES[:1] if out_dir is not None else ():
         if (Path(out_dir) / name).exists():
             raise ConfigError(f"--out {out_dir}: already holds {name} (an earlier evaluation's results, which this "
                               "one would replace): give another --out folder")  # fmt: skip

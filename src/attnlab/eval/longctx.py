@@ -438,6 +438,9 @@ def run_stream_loss(
     max_seq_len without a memory is too_long; text shorter than one stream is not_enough_text."""
     if length < 2 or streams < 1 or bucket < 1:
         raise InputError(f"length={length} must be >= 2, streams={streams} and bucket={bucket} >= 1")
+    if bucket > length:
+        raise InputError(f"bucket={bucket} is longer than a stream (length={length}): give a bucket of at most "
+                         f"{length} positions")  # fmt: skip
     problem = press_problem(model.cfg, "length", length)
     if problem:
         raise InputError(problem)
