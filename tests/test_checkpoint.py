@@ -161,3 +161,37 @@ def test_an_optimizer_state_of_another_model_is_refused_before_it_is_used(tmp_pa
     other, other_opt = make(seed=1)
     with pytest.raises(ckpt.CheckpointError, match="optimizer.pt: .*it does not belong to this run's model"):
         ckpt.load_optimizer(other_opt, found, other)
+
+
+def draws_no_random_numbers(build) -> bool:
+    torch.manual_seed(0)
+    build()
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    return torch.equal(after, torch.rand(4))
+
+
+def test_a_model_built_to_be_filled_skips_the_random_init_and_one_with_parameters_no_file_fills_does_not():
+    """build_model(init=False) draws no random numbers (its parameters are filled afterwards) and leaves torch's
+    initialisers as they were; interop.hf.fillable_model uses it only when the Hugging Face names cover every
+    parameter, and otherwise initialises exactly as build_model does."""
+    from torch import nn
+
+    from attnlab.interop.hf import fillable_model
+
+    plain = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4}
+    cfg = attnlab.model_config_from_dict(plain)
+    normal = nn.init.normal_
+    assert not draws_no_random_numbers(lambda: attnlab.build_model(cfg))  # (the test can fail)
+    assert draws_no_random_numbers(lambda: attnlab.build_model(cfg, init=False))
+    assert nn.init.normal_ is normal
+    assert draws_no_random_numbers(lambda: fillable_model(cfg))
+    memory = {"kind": "bounded", "recent_window": 8, "exact_slots": 4, "summary_slots": 4}
+    bounded = attnlab.model_config_from_dict({**plain, "memory": memory})  # its write gate: no Hugging Face name
+    torch.manual_seed(1)
+    filled = fillable_model(bounded)
+    torch.manual_seed(1)
+    built = attnlab.build_model(bounded)
+    assert any("memory" in name for name, _ in built.named_parameters())
+    for (name, a), (_, b) in zip(filled.named_parameters(), built.named_parameters(), strict=True):
+        assert torch.equal(a, b), name

@@ -319,9 +319,20 @@ def nonfinite_line(where: str, name: str, tensor: torch.Tensor, dtype: torch.dty
             "damaged (a corrupt file, or a model whose training diverged) and cannot be used")  # fmt: skip
 
 
+def fillable_model(cfg: ModelConfig, dtype=None) -> Transformer:
+    """A model of `cfg` for a WeightFiller to fill: built without its random init (build_model init=False) when its
+    Hugging Face names cover every parameter, as they do a pretrained model's; else initialised as usual, so that a
+    parameter no file fills never holds whatever memory held."""
+    model = build_model(cfg, dtype=dtype, init=False)
+    covered = {t.untyped_storage().data_ptr() for t in hf_targets(model).values()}
+    if all(p.untyped_storage().data_ptr() in covered for p in model.parameters()):
+        return model
+    return build_model(cfg, dtype=dtype)
+
+
 def fill_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], source: str, dtype=None) -> Transformer:
     """A model of `cfg` (in dtype, default fp32) holding the named Hugging Face tensors."""
-    filler = WeightFiller(build_model(cfg, dtype=dtype), source)
+    filler = WeightFiller(fillable_model(cfg, dtype=dtype), source)
     for name, tensor in tensors:
         filler.fill(name, tensor)
     return filler.finish()
@@ -424,7 +435,7 @@ def load_hf_folder(folder: str | Path, dtype=torch.float32, name: str | None = N
     config_path = folder / "config.json"
     cfg = config_from_hf(read_json(config_path), source=str(config_path), name=name or folder.name)
     files = safetensors_files(folder)
-    filler = WeightFiller(build_model(cfg, dtype=dtype), str(folder))
+    filler = WeightFiller(fillable_model(cfg, dtype=dtype), str(folder))
     for tensor_name, tensor, path in safetensors_tensors(files):
         filler.fill(tensor_name, tensor, where=path)
     return cfg, filler.finish()

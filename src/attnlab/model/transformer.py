@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -159,7 +160,36 @@ class Transformer(nn.Module):
         return logits[..., : self.cfg.vocab_size]
 
 
-def build_model(cfg: ModelConfig, device=None, dtype=None) -> Transformer:
-    """A freshly initialised model (fp32 unless dtype says otherwise)."""
-    model = Transformer(cfg)
+def build_model(cfg: ModelConfig, device=None, dtype=None, init: bool = True) -> Transformer:
+    """A freshly initialised model (fp32 unless dtype says otherwise). init=False leaves the parameters' values as
+    allocated (torch.empty: anything), for a caller that then fills every one of them (a strict load_state_dict, or
+    interop.hf.WeightFiller, which refuses a model with a parameter it will not fill): it skips the random init,
+    some 10 s for a 135M model on one core."""
+    if init:
+        model = Transformer(cfg)
+    else:
+        with _init_skipped():
+            model = Transformer(cfg)
     return model.to(device=device, dtype=dtype) if (device or dtype) else model
+
+
+# torch.nn.init's in-place initialisers (nn.Linear's and nn.Embedding's own, and Transformer.reset_parameters's)
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                 "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _init_skipped():
+    """torch.nn.init's initialisers leave their tensor as it is inside the block (as transformers' no_init_weights)."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in _INITIALISERS:
+            setattr(nn.init, name, _left_as_is)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def _left_as_is(tensor, *args, **kwargs):
+    return tensor

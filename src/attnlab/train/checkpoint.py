@@ -441,6 +441,12 @@ def _stale_pointer(root: Path, tag: str, missing: str) -> str:
             f"{_pointer_text(newest)} into {pointer.name} to use it{resumes}, or give {newest} itself")  # fmt: skip
 
 
+def finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in `tensor`: its float32 sum (one read, which no real weights overflow) is finite when every
+    value is; only a non-finite sum has the values looked at one by one (isfinite().all() costs some 40x more)."""
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32))) or bool(tensor.isfinite().all())
+
+
 def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
     """The checkpoint's weights into `model`, after checking model.safetensors against its recorded sha256."""
     folder = Path(getattr(checkpoint, "path", checkpoint))
@@ -456,7 +462,7 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
     if missing or unexpected:
         detail = f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
         raise CheckpointError(f"{path}: weights do not fit this model ({detail})")
-    bad = [name for name, p in unwrap(model).state_dict().items() if p.is_floating_point() and not p.isfinite().all()]
+    bad = [name for name, p in unwrap(model).state_dict().items() if p.is_floating_point() and not finite(p)]
     if bad:  # a diverged run saves none (the loop stops first): these were written in, checksum or not
         raise CheckpointError(f"{path}: {len(bad)} weight tensor(s) hold NaN or infinity ({', '.join(bad[:3])}); "
                               f"{_fix(folder)}")  # fmt: skip
@@ -567,7 +573,7 @@ def load_checkpoint(path: str | Path, tag: str = "best") -> LoadedCheckpoint:
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"{config_path}: no model config in it (expected an object with a 'model' key)")
     cfg = model_config_from_dict(config["model"], source=str(config_path))
-    model = build_model(cfg)
+    model = build_model(cfg, init=False)  # load_weights fills every tensor, or refuses the checkpoint
     load_weights(model, folder)
     return LoadedCheckpoint(folder, config, cfg, model.eval(), trainer if isinstance(trainer, dict) else None)
 
