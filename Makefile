@@ -28,8 +28,9 @@ lint: $(STAMP)
 # One worker process per core (pytest-xdist), each test file on one worker (its module fixtures built once).
 PYTEST_PARALLEL ?= -n auto --dist loadfile
 
+# --durations: the slowest tests, so that a CI log says where the suite's time goes (README: under 10 minutes)
 test: lint
-	$(PY) -m pytest $(PYTEST_PARALLEL)
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=25
 
 # Everything but the tests marked slow (more than ~5 s each, or a big model): for the edit-test loop.
 test-fast: lint
