@@ -30,6 +30,7 @@ export): a folder with anything else in it (a data directory, the user's notes) 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -420,9 +421,10 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     raise InputError(f"dtype={dtype!r} cannot be exported (use fp32, fp16 or bf16)")
 
 
-def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+def check_out_dir(out_dir: Path, overwrite: bool) -> tuple[int, int] | None:
     """InputError (one line) unless out_dir can take the export: missing, empty, or with overwrite=True a folder
-    holding an earlier export only (not_exported)."""
+    holding an earlier export only (not_exported). Returns that earlier export's identity (device, inode), which
+    replace_folder alone may replace; None when out_dir is missing or empty."""
     if out_dir.is_symlink() and not out_dir.exists():
         raise InputError(f"{out_dir}: is a symbolic link to {os.readlink(out_dir)}, which does not exist (give a "
                          "folder's path, or make the folder it points to)")  # fmt: skip
@@ -437,6 +439,22 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
         others = not_exported(out_dir)
         if others:
             raise InputError(refused_overwrite(out_dir, others))
+        return folder_identity(out_dir)
+    return None
+
+
+def folder_identity(folder: Path) -> tuple[int, int]:
+    """(device, inode) of the folder itself (not what a link points to): what tells the folder check_out_dir looked
+    at from one another command put in its place since."""
+    found = os.lstat(folder)
+    return found.st_dev, found.st_ino
+
+
+def written_meanwhile(out_dir: Path) -> str:
+    return (
+        f"{out_dir}: another command wrote it while this export ran (it is left as it is; this export was not put "
+        "there): give another folder, or export again (with --overwrite to replace it)"
+    )
 
 
 def not_exported(folder: Path) -> list[str]:
@@ -457,22 +475,34 @@ def refused_overwrite(out_dir: Path, others: list[str]) -> str:
     )
 
 
-def replace_folder(tmp: Path, out_dir: Path) -> None:
+def replace_folder(tmp: Path, out_dir: Path, earlier: tuple[int, int] | None = None) -> None:
     """Renames the complete folder tmp to out_dir; an existing out_dir (an earlier export: check_out_dir) is moved
-    aside first, and its files removed after, one by one (never anything an export does not write)."""
+    aside first, and its files removed after, one by one (never anything an export does not write). earlier: the
+    identity of the export check_out_dir agreed to replace (None: out_dir was missing or empty). A folder another
+    command put at out_dir since (another export into the same new folder, started at the same time) is refused,
+    never replaced: rename() puts a folder over a missing or empty one only, so one that appears at the last moment
+    is refused too."""
     old = None
     if out_dir.is_dir() and any(out_dir.iterdir()):
         old = temp_path_beside(out_dir)
-        os.replace(out_dir, old)
+        try:
+            os.replace(out_dir, old)
+        except FileNotFoundError:  # moved away by another command since it was looked at
+            raise InputError(written_meanwhile(out_dir)) from None
         others = [] if old.is_symlink() else not_exported(old)
         if others:  # put there since check_out_dir looked (the weights take a while to load)
             os.replace(old, out_dir)
             raise InputError(refused_overwrite(out_dir, others))
+        if folder_identity(old) != earlier:  # not the export check_out_dir looked at: another command's
+            os.replace(old, out_dir)
+            raise InputError(written_meanwhile(out_dir))
     try:
         os.replace(tmp, out_dir)  # over a missing or empty folder
-    except OSError:
+    except OSError as e:
         if old is not None:
             os.replace(old, out_dir)  # put the old folder back
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):  # a folder filled since it was looked at
+            raise InputError(written_meanwhile(out_dir)) from None
         raise
     if old is None:
         return
@@ -504,7 +534,7 @@ def export_hf(
     out_dir, dtype = Path(out_dir), as_dtype(dtype)
     if out_dir.is_symlink() and out_dir.is_dir():  # a link to a folder: the export goes into the folder (probe N, n11)
         out_dir = out_dir.resolve()
-    check_out_dir(out_dir, overwrite)
+    earlier = check_out_dir(out_dir, overwrite)
     if isinstance(ref_or_model, Transformer):
         model = ref_or_model
     else:
@@ -542,7 +572,7 @@ def export_hf(
             generation = {key: value for key, value in generation.items() if value not in (None, [])}
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
             files += ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
-        replace_folder(tmp, out_dir)
+        replace_folder(tmp, out_dir, earlier)
     except OSError as e:  # a file of the temporary folder is named as the file of out_dir it would have become
         if isinstance(e.filename, str) and Path(e.filename).is_relative_to(tmp):
             e.filename = str(out_dir / Path(e.filename).relative_to(tmp))

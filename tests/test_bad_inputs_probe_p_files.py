@@ -1,0 +1,46 @@
+"""Probe P's findings: `attnlab report` drew perplexity records that contradict themselves, a ppl that is not
+exp(loss) (r1) and a loss outside its own loss_ci (r3); two exports of different models into one new --hf folder
+at once both said they were done, the folder holding only one of them (cc2); a second convert into one new --out
+said "checksums.json: Directory not empty" where another command had written --out meanwhile (cc3); and a task
+file of lm-eval's --include-path with one Latin-1 byte made its task "unknown", naming neither the file nor its
+encoding (le1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import fails
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+# ----------------------------------------------------------------------------- cc2: two exports into one new folder
+
+
+def test_an_export_into_a_folder_another_export_wrote_meanwhile_is_refused(tiny_run, tmp_path, monkeypatch, capsys):
+    """cc2: the second export to finish moved the first one's folder aside as an earlier export, put its own there
+    and deleted the first's files, both exiting 0. It is refused now, and the other's export stays as it is."""
+    from attnlab.interop import export
+
+    out, real, other = tmp_path / "hf", export.write_tokenizer, []
+
+    def another_export_meanwhile(*args, **kwargs):
+        if not other:  # this export is writing its temporary folder: another one into the same folder finishes now
+            other.append("started")
+            export.export_hf(tiny_run, out, "fp16")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export, "write_tokenizer", another_export_meanwhile)
+    assert fails(capsys, ["export", str(tiny_run), "--hf", str(out)], f"{out}: another command wrote it while this "
+                 "export ran", "this export was not put there", "give another folder")  # fmt: skip
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"  # the other export's
+    before = snapshot(out)
+    assert fails(capsys, ["export", str(tiny_run), "--hf", str(out)], "not empty")
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary left behind
