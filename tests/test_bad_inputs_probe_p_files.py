@@ -44,3 +44,26 @@ def test_an_export_into_a_folder_another_export_wrote_meanwhile_is_refused(tiny_
     assert fails(capsys, ["export", str(tiny_run), "--hf", str(out)], "not empty")
     assert snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary left behind
+
+
+# ----------------------------------------------------------------------------- cc3: two converts into one new --out
+
+
+def test_a_convert_into_an_out_another_command_wrote_meanwhile_says_so(tiny_run, tmp_path, monkeypatch, capsys):
+    """cc3: the second convert to finish said "could not write .../cv: checksums.json: Directory not empty; nothing
+    was written" (its complete folder could not be renamed over the other's)."""
+    from attnlab.interop import export
+
+    out, real = tmp_path / "cv", export.write_tokenizer
+
+    def another_convert_meanwhile(*args, **kwargs):  # (save_conversion writes the tokenizer into its temporary)
+        out.mkdir()
+        (out / "config.json").write_text("another command's conversion")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export, "write_tokenizer", another_convert_meanwhile)
+    argv = ["convert", str(tiny_run), "--attention", "kind=mha,n_kv_heads=1", "--eval-tokens", "0", "--out", str(out)]
+    assert fails(capsys, argv, f"--out {out}: already exists: another command wrote it while this conversion ran",
+                 "this conversion was not saved", "choose another --out")  # fmt: skip
+    assert snapshot(out) == {"config.json": b"another command's conversion"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cv"]  # no temporary left behind

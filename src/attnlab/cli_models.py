@@ -47,6 +47,7 @@ from attnlab.interop.export import export
 from attnlab.interop.references import model_config_of, resolve
 from attnlab.interop.tokenizer import warn_unknown_tokens
 from attnlab.manifest_pretrained import MIN_CALIBRATION_TOKENS, calibration_tokens_problem
+from attnlab.train.checkpoint import CheckpointError
 
 
 def key_values(flag: str, text: str, example: str) -> dict:
@@ -374,6 +375,7 @@ def check_something_to_convert(args, source, target) -> None:
 def cmd_convert(args) -> int:
     if Path(args.out).exists():  # before minutes of loading and scoring
         raise InputError(f"--out {args.out}: already exists (choose another folder, or delete it first)")
+    out_was_there = os.path.lexists(args.out)  # (a link to nothing)
     check_writable("--out", Path(args.out))
     remove_killed_temporaries(Path(args.out), "conversion")
     given = convert_options_given(args)
@@ -443,7 +445,16 @@ def cmd_convert(args) -> int:
             s = summarize_losses(window_losses(model, tokens, seq_len, max_tokens=args.eval_tokens))
             scores.append(f"  {name}: perplexity {s['ppl']:.2f} [{s['ppl_ci'][0]:.2f}, {s['ppl_ci'][1]:.2f}] on the "
                           f"first {s['tokens']:,} tokens of {args.dataset} test, context {seq_len}")  # fmt: skip
-    folder = save_conversion(args.out, conversion, source.tokenizer, source=str(args.ref))
+    try:
+        folder = save_conversion(args.out, conversion, source.tokenizer, source=str(args.ref))
+    except CheckpointError:
+        if out_was_there or not os.path.lexists(args.out):
+            raise
+        # made since the check above: another command (a second convert into the same --out, say) wrote it, and the
+        # rename of this conversion's complete folder, which puts a folder over a missing or empty one only, failed
+        raise InputError(f"--out {args.out}: already exists: another command wrote it while this conversion ran (it "
+                         "is left as it is; this conversion was not saved): choose another --out, or delete it and "
+                         "convert again") from None  # fmt: skip
     rows = []
     for name, cfg in (("original", source.cfg), ("converted", conversion.cfg)):
         what = ", ".join(f"{k}={v}" for k, v in cfg.attention.to_dict().items())
