@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import fails
+from helpers import fails, lm_task_folders, lm_task_yaml
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,3 +67,21 @@ def test_a_convert_into_an_out_another_command_wrote_meanwhile_says_so(tiny_run,
                  "this conversion was not saved", "choose another --out")  # fmt: skip
     assert snapshot(out) == {"config.json": b"another command's conversion"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cv"]  # no temporary left behind
+
+
+# ----------------------------------------------------------------------------- le1: a task file that is not UTF-8
+
+
+def test_a_task_file_that_is_not_utf8_is_named_with_its_first_such_byte(tiny_run, tmp_path, monkeypatch, capsys):
+    """le1: lm-eval skipped the file without a word, and its task was called unknown ("did you mean 'arc_ne'?")."""
+    item = {"q": "a cat", "gold": 0, "choices": [" sat", " dog"]}
+    tasks, data_folder = lm_task_folders(tmp_path, monkeypatch, lm_task_yaml(), [item])
+    latin1 = lm_task_yaml().replace('"{{q}}"', '"Qu\xe9stion: {{q}}"').encode("latin-1")  # one byte 0xe9
+    (tasks / "mytask.yaml").write_bytes(latin1)
+    offset = latin1.index(b"\xe9")
+    argv = ["lm-eval", str(tiny_run), "--tasks", "mytask", "--include-path", str(tasks), "--data-dir",
+            str(data_folder), "--out", str(tmp_path / "out")]  # fmt: skip
+    line = fails(capsys, argv, f"{tasks / 'mytask.yaml'}: not UTF-8 text (byte 0xe9 at offset "
+                 f"{offset}): save it as UTF-8")  # fmt: skip
+    assert "unknown" not in line
+    assert not (tmp_path / "out").exists()

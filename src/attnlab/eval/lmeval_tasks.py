@@ -109,6 +109,17 @@ def _read_task_file(path: Path, strict: bool = False) -> tuple[Any, list[str]]:
         loader.dispose()
 
 
+def _not_utf8(path: Path) -> str | None:
+    """What is wrong with a task file that is not UTF-8 text (lm-eval reads only that, and skips the file), or None:
+    its first such byte and the offset of it, which _read_task_file would read as a replacement character."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): save it as UTF-8"
+    return None
+
+
 def check_keys_once(path: Path) -> None:
     """ConfigError naming the task file `path` (or a file it `include`s) and the line of a key it gives twice in one
     mapping: lm-eval keeps the last without a word (attnlab refuses a key given twice in its own YAML files).
@@ -136,8 +147,8 @@ def check_keys_once(path: Path) -> None:
 def check_task_files(folders: list[str]) -> dict[Path, str]:
     """Every task YAML file of the include_path folders (and the files they `include`), read without running
     anything: a file using the `!function` tag (lm-eval would import and run Python code next to it) is refused
-    (ConfigError naming it); {file: what is wrong} for files that are not valid YAML or `include` a missing file
-    (lm-eval then skips them: named when a task is not found)."""
+    (ConfigError naming it); {file: what is wrong} for files that are not UTF-8 text, not valid YAML or `include` a
+    missing file (lm-eval then skips them: named when a task is not found)."""
     broken: dict[Path, str] = {}
     todo = [f for folder in folders for f in sorted(Path(folder).rglob("*")) if f.suffix in (".yaml", ".yml")]
     seen: set[Path] = set()
@@ -146,6 +157,10 @@ def check_task_files(folders: list[str]) -> dict[Path, str]:
         if path.resolve() in seen or not path.is_file():
             continue
         seen.add(path.resolve())
+        not_utf8 = _not_utf8(path)
+        if not_utf8:
+            broken[path] = not_utf8
+            continue
         try:
             data, tags = _read_task_file(path)
         except yaml.YAMLError as e:
