@@ -70,9 +70,9 @@ def test_a_stream_loss_bucket_longer_than_a_stream_is_refused(tiny_run):
         run_stream_loss(load_for_eval(tiny_run), length=8, streams=1, bucket=9, text="a b c " * 40)
 
 
-def test_the_kl_of_a_policy_that_rounds_like_the_full_cache_is_never_below_zero(tiny_run, monkeypatch):
+def test_the_kl_of_a_policy_that_rounds_like_the_full_cache_is_never_printed_below_zero(tiny_run, monkeypatch):
     """Two distributions equal but for rounding: summed over tokens and a vocabulary, p (log p - log q) can come out
-    a hair below zero (kv-eval printed KL -0.000000); the mean is clamped at 0, as KL is."""
+    a hair below zero (kv-eval printed KL -0.000000); the table prints it as 0, the record keeps the sum."""
     model = load_for_eval(tiny_run).model
     windows = torch.randint(0, model.cfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
     shape = (4, 32, model.cfg.vocab_size)
@@ -82,5 +82,5 @@ def test_the_kl_of_a_policy_that_rounds_like_the_full_cache_is_never_below_zero(
     p, q = full.log_softmax(-1), rounded.log_softmax(-1)
     assert (p.exp() * (p - q)).sum().item() < 0  # the case: the float sum is below zero
     rows = kvquant.evaluate_policies(model, windows, ["k=fp32,v=fp32"], greedy_prompts=0)
-    assert rows[0]["kl"] == 0.0
+    assert -1e-6 < rows[0]["kl"] < 0
     assert "-0.000000" not in kvquant.table(rows) and " 0.000000" in kvquant.table(rows)

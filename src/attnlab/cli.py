@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import warnings
@@ -302,6 +303,17 @@ def cmd_report(args) -> int:
     return 0
 
 
+def item_limit(text: str) -> int | float:
+    """--limit of lm-eval: a whole number of items (as an int), or a fraction of them (lm-eval's limit below 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (give N items, or a fraction in (0, 1))")
+    return int(value) if value.is_integer() else value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="attnlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -416,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a folder of task YAML files besides lm-eval's own (repeatable); a relative data file a task "
                         "names is looked up in the data directory")  # fmt: skip
     p.add_argument("--kv-policy", default=None, help=kv_help.replace("policies", "policy"))
-    p.add_argument("--limit", type=int, default=None, help="only the first N items of each task")
+    p.add_argument("--limit", type=item_limit, default=None,
+                   help="the first N items of each task, or a fraction of them (0.1: the first tenth)")  # fmt: skip
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences scored per forward pass (default 1)")
     p.add_argument("--out", default=None, help="write OUT/lm_eval.json and the items to OUT/lm_eval_samples.jsonl")

@@ -6,6 +6,7 @@ own config class); this module puts them together for a whole model config.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,35 @@ class StrictLoader(yaml.SafeLoader):
             first_line[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """YAML 1.1's integers but the two forms that read as another number than written: a leading zero (010 is
+        octal 8) and base 60 (1:30 is 90). Refused, as YAML 1.2 reads neither so."""
+        text = str(node.value).replace("_", "").lstrip("+-")
+        value = super().construct_yaml_int(node)
+        if ":" in text or (len(text) > 1 and text[0] == "0" and text[1].isdigit()):
+            form = "base 60" if ":" in text else "octal (a leading zero)"
+            raise yaml.constructor.ConstructorError(
+                problem=f"{node.value} reads in YAML 1.1 as {form}, the number {value}: write {value} if that is "
+                f"meant, the digits without the leading zero{' or colon' if ':' in text else ''} if not, or quote it "
+                "for a string",
+                problem_mark=node.start_mark,
+            )
+        return value
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        """YAML 1.1's floats but base 60 (1:30.5 is 90.5), refused as construct_yaml_int refuses 1:30."""
+        value = super().construct_yaml_float(node)
+        if ":" in str(node.value):
+            raise yaml.constructor.ConstructorError(
+                problem=f"{node.value} reads in YAML 1.1 as base 60, the number {value}: write {value} if that is "
+                "meant, or quote it for a string",
+                problem_mark=node.start_mark,
+            )
+        return value
+
+
+StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
+StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
 
 MAX_DEPTH = 100  # levels of nesting a config may have (its deepest is a handful): deeper is a mistake or an attack
 
@@ -145,6 +175,10 @@ def read_yaml(path: str | Path) -> Any:
     path = Path(path)
     if not path.exists():
         raise ConfigError("file not found (check the path)", source=str(path))
+    mode = path.stat().st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO would wait for a writer without end (a folder: below)
+        raise ConfigError("is not a regular file (a FIFO, socket or device): give the YAML file itself",
+                          source=str(path))  # fmt: skip
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -172,9 +206,11 @@ MODEL_KEYS = {"vocab_size", "d_model", "n_layers"}  # a model config has some of
 
 def is_gguf(path: str | Path) -> bool:
     """Whether `path` is a regular file beginning as a GGUF model file does."""
+    if not Path(path).is_file():  # before opening: a FIFO would wait for a writer without end
+        return False
     try:
         with open(path, "rb") as file:
-            return Path(path).is_file() and file.read(4) == GGUF_MAGIC
+            return file.read(4) == GGUF_MAGIC
     except OSError:
         return False
 

@@ -176,6 +176,9 @@ def parse_set(assignments: list[str] | tuple[str, ...]) -> dict:
         except yaml.YAMLError as e:
             fix = "" if isinstance(e, TooDeep) else " (quote the whole value, or drop a stray quote or bracket)"
             raise ConfigError(f"--set {brief(item)}: the value {brief(raw)} is {yaml_problem(e)}{fix}") from None
+        if len(parts) == 1 and not isinstance(value, dict):  # train=null would drop the whole section, defaults in
+            raise ConfigError(f"--set {brief(item)}: {parts[0]} is a section, not a value: set its keys "
+                              f"(--set {parts[0]}.KEY=VALUE), or give a mapping ({parts[0]}={{KEY: V}})")  # fmt: skip
         node = out
         for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})

@@ -37,7 +37,7 @@ from typing import IO
 import numpy as np
 
 from attnlab.config import DataConfig, names_model
-from attnlab.data.files import atomic_path, atomic_write_text, remove_stale_temporaries, sha256_file
+from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove_stale_temporaries, sha256_file
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
 from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
 from attnlab.errors import ConfigError, DataError
@@ -256,6 +256,10 @@ def open_prepared(path: str | Path, verify: bool = False) -> Prepared:
     itemsize = np.dtype(meta["dtype"]).itemsize
     for entry in meta["splits"].values():
         file, expected = path / entry["file"], entry["tokens"] * itemsize
+        kind = file_kind(file) if file.exists() else None
+        if kind is not None:  # a folder or a FIFO is no token file, not a truncated one
+            raise DataError(f"{file} is {kind}, not a token file (meta.json records {entry['tokens']:,} "
+                            f"{meta['dtype']} tokens there); {redo}")  # fmt: skip
         size = file.stat().st_size if file.exists() else None
         if size != expected:
             found = "missing" if size is None else f"{size:,} bytes"

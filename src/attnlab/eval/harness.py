@@ -236,9 +236,7 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
                             f"chunk below {seq_len}; 1, the default, decodes token by token)")  # fmt: skip
         if name == "stream_loss":  # a bucket longer than a stream, said before any model is loaded
             length, bucket = ((params or {}).get(key, default) for key, default in (("length", 8192), ("bucket", 256)))
-            if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (length, bucket)) and (
-                bucket > length
-            ):
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in (length, bucket)) and 2 <= length < bucket:
                 problems.append(f"{where}.{name}.bucket={bucket} is longer than a stream (length={length}): give a "
                                 f"bucket of at most {length} positions")  # fmt: skip
         if name == "attention_maps" and (params or {}).get("regions") is not None:

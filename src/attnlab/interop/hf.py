@@ -191,8 +191,9 @@ def config_from_hf(hf: dict, source: str = "config.json", name: str | None = Non
     if problems:
         raise ConfigError(problems, source=source)
     n_heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-    heads = {"n_kv_heads": hf.get("num_key_value_heads") or n_heads, "head_dim": head_dim,
+    head_dim = hf["hidden_size"] // n_heads if hf.get("head_dim") is None else hf["head_dim"]
+    kv_heads = hf.get("num_key_value_heads")  # 0 is zero heads (refused by the attention's check), not "unset"
+    heads = {"n_kv_heads": n_heads if kv_heads is None else kv_heads, "head_dim": head_dim,
              "qkv_bias": arch == "Qwen2ForCausalLM"}  # fmt: skip
     attention = SlidingConfig(window=window, **heads) if window else MHAConfig(**heads)
     try:

@@ -34,7 +34,7 @@ from attnlab import __version__
 from attnlab.cache.base import ModelCache
 from attnlab.cache.memories import MemoryCache
 from attnlab.config import PRESSES
-from attnlab.data.files import atomic_write_bytes
+from attnlab.data.files import atomic_write_bytes, file_kind
 from attnlab.errors import AttnlabWarning, DataError, InputError
 
 FORMAT = "attnlab-memory-state"
@@ -145,6 +145,9 @@ def read_state(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(header, tensors) of a state file whose checksum holds; MemoryStateError naming the file otherwise."""
     path = Path(path)
     try:
+        kind = file_kind(path)  # a FIFO would wait for a writer without end
+        if kind is not None:
+            raise MemoryStateError(f"{path}: is {kind}, not a memory state file (put the state file itself there)")
         blob = path.read_bytes()
     except OSError as e:
         raise MemoryStateError(f"{path}: cannot read the memory state ({e.strerror or e})") from None
