@@ -95,7 +95,8 @@ def test_figures_no_plot_can_show_are_one_warning_line_and_a_note(records, tmp_p
     rows = [dict(r) for r in records]
     for r in rows:
         if r["benchmark"] == "perplexity":
-            r["loss"], r["ppl"] = 709.0, 1e308
+            r["loss"], r["ppl"] = 709.0, 1e308  # each inside its interval (else refused as contradictory)
+            r["loss_ci"], r["ppl_ci"] = [709.0, 709.0], [1e308, 1e308]
     write(tmp_path / "r", rows)
     assert main(["report", str(tmp_path / "r")]) == 0
     err = capsys.readouterr().err.strip().splitlines()

@@ -85,3 +85,47 @@ def test_a_task_file_that_is_not_utf8_is_named_with_its_first_such_byte(tiny_run
                  f"{offset}): save it as UTF-8")  # fmt: skip
     assert "unknown" not in line
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------- r1, r3: records that contradict themselves
+
+
+def perplexity_record() -> dict:
+    from attnlab.eval.perplexity import summarize_losses
+
+    windows = [(float(n * (2.6 + 0.05 * i)), n) for i, n in enumerate([6, 8, 5, 7, 8, 6])]
+    return {"benchmark": "perplexity", "model": "m", "kind": "mha", "split": "val", **summarize_losses(windows)}
+
+
+@pytest.mark.parametrize(
+    "damage, fragment",
+    [
+        ({"ppl": 2.0}, "field 'ppl' is 2.0, which is impossible (it is exp(loss) = "),  # r1
+        (
+            {"loss": 9.0, "ppl": 8103.083927575384},
+            "field 'loss' is 9.0, which is impossible (it lies outside its own interval, 'loss_ci' [",
+        ),  # r3: ppl = exp(9), so only the interval says it
+        ({"ppl_ci": [1.0, 1.5]}, "field 'ppl' is "),
+    ],
+)
+def test_a_perplexity_record_that_contradicts_itself_is_refused(tmp_path, capsys, damage, fragment):
+    """r1, r3: a ppl of 2.0 beside a loss of 2.63 (whose exp is 13.9), and a loss outside its own loss_ci, were drawn
+    in the tables and plots as they were."""
+    folder = tmp_path / "r"
+    folder.mkdir()
+    rows = [perplexity_record(), {**perplexity_record(), "model": "n", **damage}]
+    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert fails(capsys, ["report", str(folder)], "record 2 (perplexity, n): ", fragment, "(the file was changed)")
+    assert not (folder / "report.md").exists() and not (folder / "tables").exists()
+
+
+def test_figures_a_record_writes_rounded_still_agree(tmp_path):
+    """exp(loss) and the interval are compared within the rounding of the figures as written (66.7 for
+    exp(4.2) = 66.686...), and a diverged model's NaN or infinite figures are shown as such."""
+    from attnlab.eval.report import build_report
+
+    rounded = {"benchmark": "perplexity", "model": "m", "kind": "mha", "split": "val", "tokens": 64, "loss": 4.2,
+               "loss_ci": [4.1, 4.3], "ppl": 66.7, "ppl_ci": [60.3, 73.7]}  # fmt: skip
+    diverged = {**perplexity_record(), "model": "d", "loss": float("nan"), "ppl": float("inf")}
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (rounded, diverged)))
+    assert build_report(tmp_path)["markdown"].is_file()

@@ -293,6 +293,18 @@ AT_LEAST_0 = ("loss", "kv_bytes", "kv_bytes_analytic", "peak_rss_bytes", "bytes_
 AT_LEAST_1 = ("ppl",)
 FRACTIONS = ("acc", "acc_norm", "accuracy", "top1", "greedy")
 
+# Figures a record holds twice, so that one must agree with the other: a perplexity is the exponential of its loss
+# (a perplexity ratio of its loss difference), and a bootstrap interval holds its own point (summarize_losses: the
+# mean of the resampled windows' losses spreads around the mean of the windows). A record where they disagree was
+# changed by hand: which of the two figures a table shows would be a guess.
+EXPONENTIALS = {"perplexity": [("loss", "ppl")], "rope_extrapolation": [("loss", "ppl")],
+                "stream_loss": [("loss", "ppl")], "kv_quant": [("dnll", "ppl_ratio")],
+                "context_sweep": [("last_chunk_loss", "last_chunk_ppl")]}  # fmt: skip
+INTERVALS = {"perplexity": [("loss", "loss_ci"), ("ppl", "ppl_ci")],
+             "rope_extrapolation": [("loss", "loss_ci"), ("ppl", "ppl_ci")],
+             "stream_loss": [("loss", "loss_ci"), ("ppl", "ppl_ci")]}  # fmt: skip
+AGREE = 1e-6  # relative: what float arithmetic (and a figure written with fewer digits) may leave between them
+
 
 def pair_labels(text: str, models: list[str], records_path: Path) -> tuple[str, str]:
     """--paired A:B -> (A, B), two labels of `models`: split at the colon that leaves two of them, so that a label
@@ -330,6 +342,46 @@ def _range_problem(field: str, value) -> str | None:
         if (low is not None and v < low) or (high is not None and v > high):
             bound = f"between {low} and {high}" if high is not None else f">= {low}"
             return f"field '{field}' is {_shown(value)}, which is impossible (it is {bound})"
+    return None
+
+
+def _slack(value: float) -> float:
+    """How far the figure a record holds may be from the one it stands for: half a unit of its last digit (66.7, as
+    a test or a hand-made record writes it, stands for 66.65 to 66.75; a figure attnlab wrote has all 17), and at
+    least AGREE of it."""
+    mantissa, _, exponent = repr(float(value)).partition("e")
+    digits = len(mantissa.partition(".")[2])
+    return max(0.5 * 10.0 ** (int(exponent or 0) - digits), AGREE * abs(value))
+
+
+def _finite(*values) -> bool:
+    return all(_number(v) and math.isfinite(v) for v in values)
+
+
+def _contradiction(record: dict) -> str | None:
+    """Why two figures of a record contradict each other (EXPONENTIALS, INTERVALS), or None. NaN and infinities
+    (a diverged model's figures, shown as such) are left alone."""
+    benchmark = record["benchmark"]
+    for log_field, exp_field in EXPONENTIALS.get(benchmark, []):
+        loss, ppl = record.get(log_field), record.get(exp_field)
+        if not _finite(loss, ppl):
+            continue
+        # in logarithms (exp(loss) can overflow): ppl +- its slack, against loss +- its slack
+        low, high = ppl - _slack(ppl), ppl + _slack(ppl)
+        low = math.log(low) if low > 0 else -math.inf
+        high = math.log(high) if high > 0 else -math.inf
+        if high + AGREE < loss - _slack(loss) or low - AGREE > loss + _slack(loss):
+            shown = f"{math.exp(loss):.6g}" if loss < 709 else f"e^{loss:.6g}"
+            return (f"field '{exp_field}' is {_shown(ppl)}, which is impossible (it is exp({log_field}) = {shown}, "
+                    f"'{log_field}' being {_shown(loss)})")  # fmt: skip
+    for point_field, interval_field in INTERVALS.get(benchmark, []):
+        point, interval = record.get(point_field), record.get(interval_field)
+        if not (isinstance(interval, list) and len(interval) == 2 and _finite(point, *interval)):
+            continue
+        low, high = interval
+        if point + _slack(point) < low - _slack(low) or point - _slack(point) > high + _slack(high):
+            return (f"field '{point_field}' is {_shown(point)}, which is impossible (it lies outside its own "
+                    f"interval, '{interval_field}' {_shown(interval)})")  # fmt: skip
     return None
 
 
@@ -392,6 +444,9 @@ def record_problem(record: dict) -> str | None:
         problem = _range_problem(field, value)
         if problem:
             return problem
+    problem = _contradiction(record)
+    if problem:
+        return problem
     losses, counts = record.get("window_loss"), record.get("window_tokens")
     if isinstance(losses, list) and isinstance(counts, list) and (len(losses) != len(counts) or not losses):
         return (f"field 'window_loss' has {len(losses)} entries and 'window_tokens' {len(counts)}: one of each per "
