@@ -141,7 +141,7 @@ def rope_extrapolation(model, out_dir, data_dir, factors: list = (1, 2, 4), max_
     return run_extrapolation(model, factors=tuple(factors), max_tokens=max_tokens, data_dir=data_dir, dataset=dataset)
 
 
-def stream_loss(model, out_dir, data_dir, length: int = 8192, streams: int = 8, bucket: int = 256,
+def stream_loss(model, out_dir, data_dir, length: int = 8192, streams: int = 8, bucket: int | None = None,
                 split: str | None = None, dataset: str | None = None) -> list[dict]:  # fmt: skip
     """Loss by position over long held-out streams read whole (a memory model: through its memory), in buckets."""
     return run_stream_loss(model, length=length, streams=streams, bucket=bucket, split=split, data_dir=data_dir,
@@ -234,8 +234,8 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
             problems.append(f"{where}.{name}.chunk={chunk} >= seq_len={seq_len}: each window goes in as one chunk, "
                             "whose queries read their own keys at full precision, so no policy is measured (give a "
                             f"chunk below {seq_len}; 1, the default, decodes token by token)")  # fmt: skip
-        if name == "stream_loss":  # a bucket longer than a stream, said before any model is loaded
-            length, bucket = ((params or {}).get(key, default) for key, default in (("length", 8192), ("bucket", 256)))
+        if name == "stream_loss":  # a bucket given longer than a stream, said before any model is loaded
+            length, bucket = ((params or {}).get(key, default) for key, default in (("length", 8192), ("bucket", None)))
             if all(isinstance(v, int) and not isinstance(v, bool) for v in (length, bucket)) and 2 <= length < bucket:
                 problems.append(f"{where}.{name}.bucket={bucket} is longer than a stream (length={length}): give a "
                                 f"bucket of at most {length} positions")  # fmt: skip

@@ -421,11 +421,14 @@ def bucket_means(losses: torch.Tensor, bucket: int, n_boot: int = 2000, seed: in
     return starts, per_stream.mean(axis=0).tolist(), [[float(a), float(b)] for a, b in zip(low, high, strict=True)]
 
 
+DEFAULT_BUCKET = 256  # stream_loss's positions per bucket when none is given (a shorter stream: one bucket)
+
+
 def run_stream_loss(
     model,
     length: int = 8192,
     streams: int = 8,
-    bucket: int = 256,
+    bucket: int | None = None,
     text=None,
     split: str | None = None,
     data_dir=None,
@@ -433,9 +436,11 @@ def run_stream_loss(
 ) -> list[dict]:
     """One `stream_loss` record: the loss at every position of `streams` non-overlapping streams of `length`
     held-out tokens, each read whole in one forward pass (a model with a memory reads it through the memory, block
-    by block, so its later positions see only what the memory kept), as the mean over each `bucket` positions with
+    by block, so its later positions see only what the memory kept), as the mean over each `bucket` positions (default
+    DEFAULT_BUCKET, or the whole stream when shorter) with
     a bootstrap interval over streams, and the streams' perplexity (bootstrap over streams). A length beyond
     max_seq_len without a memory is too_long; text shorter than one stream is not_enough_text."""
+    bucket = min(DEFAULT_BUCKET, length) if bucket is None else bucket  # (the default: at most the whole stream)
     if length < 2 or streams < 1 or bucket < 1:
         raise InputError(f"length={length} must be >= 2, streams={streams} and bucket={bucket} >= 1")
     if bucket > length:
