@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 from helpers import PROBE_MODEL, at_most, fails, lm_task_folders, lm_task_yaml, train_tiny_run
+from test_bad_inputs_probe_b import write_manifest
 
 from attnlab.cli import item_limit, main
 from attnlab.config_io import parse_yaml
@@ -64,20 +65,8 @@ def test_yaml_numbers_that_read_as_another_number_are_refused(text, value, tmp_p
     assert parse_yaml("a: [10, 0, -0, 0x1f, 1_000, 0.5, 00.5]") == {"a": [10, 0, 0, 31, 1000, 0.5, 0.5]}
 
 
-def tiny_manifest(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join("the cat sat on the mat " * 8 for _ in range(20)))
-    manifest = tmp_path / "m.yml"
-    manifest.write_text(
-        "name: m\ndefaults:\n  model: {d_model: 32, n_layers: 1, n_heads: 4, max_seq_len: 32}\n"
-        f"  data: {{source: '{corpus}', tokenizer: char, val_fraction: 0.1}}\n"
-        "  train: {seq_len: 16, batch_size: 2, steps: 2}\ntargets:\n  a: {}\n"
-    )
-    return manifest
-
-
 def test_a_set_of_a_whole_section_to_a_value_is_refused(tmp_path, capsys):
-    manifest = tiny_manifest(tmp_path)
+    manifest = write_manifest(tmp_path)
     base = ["run", str(manifest), "--dry-run", "--out", str(tmp_path / "runs")]
     fails(capsys, [*base, "--set", "train=null"], "train=null", "train is a section, not a value",
           "--set train.KEY=VALUE")  # fmt: skip

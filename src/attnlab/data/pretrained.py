@@ -186,23 +186,27 @@ def _token_id(tokenizer: HFTokenizer, token: Any) -> int | None:
 
 
 def _ids(value: Any) -> list[int]:
-    return [value] if isinstance(value, int) else [v for v in value if isinstance(v, int)] if value else []
+    """A bos_token_id or eos_token_id (checked by special_ids) as a list of ids."""
+    return value if isinstance(value, list) else [] if value is None else [value]
 
 
-def check_special_ids(folder: Path, tokenizer: HFTokenizer) -> None:
-    """DataError naming the file and key when config.json or generation_config.json gives a bos_token_id or
-    eos_token_id (an id or a list of ids) that is no id of the tokenizer: a bool (true would be id 1), a negative id
-    or one past the vocabulary, which generation would stop at never, or at an ordinary token."""
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
+def special_ids(folder: Path, tokenizer: HFTokenizer) -> dict:
+    """config.json's keys with generation_config.json's over them. DataError naming the file and key when either
+    gives a bos_token_id or eos_token_id (an id or a list of ids) that is no id of the tokenizer: a bool (true would
+    be id 1), a negative id or one past the vocabulary, which generation would stop at never, or at an ordinary
+    token."""
+    size, merged = tokenizer.get_vocab_size(with_added_tokens=True), {}
     for file in ("config.json", "generation_config.json"):
         data = _read_json(folder / file)
+        merged.update(data)
         for key in ("bos_token_id", "eos_token_id"):
             value = data.get(key)
-            values = value if isinstance(value, list) else [] if value is None else [value]
+            values = _ids(value)
             if any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < size for v in values):
                 raise DataError(f"{folder / file}: {key}={json.dumps(value)[:60]} is not a token id of the tokenizer "
                                 f"(ids 0 .. {size - 1}): give the id (or a list of ids) of the model's special token, "
                                 "or remove the key")  # fmt: skip
+    return merged
 
 
 def tokenizer_from_folder(folder: str | Path, name: str | None = None) -> PretrainedTokenizer:
@@ -220,8 +224,7 @@ def tokenizer_from_folder(folder: str | Path, name: str | None = None) -> Pretra
     except Exception as e:  # the tokenizers library raises plain Exceptions
         raise DataError(f"{path}: not a valid tokenizer.json ({' '.join(str(e).split())})") from None
     settings = _read_json(folder / "tokenizer_config.json")
-    check_special_ids(folder, tokenizer)
-    config = {**_read_json(folder / "config.json"), **_read_json(folder / "generation_config.json")}
+    config = special_ids(folder, tokenizer)
     bos_id = _token_id(tokenizer, settings.get("bos_token"))
     bos_id = bos_id if bos_id is not None else next(iter(_ids(config.get("bos_token_id"))), None)
     eos = _token_id(tokenizer, settings.get("eos_token"))

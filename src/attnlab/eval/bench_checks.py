@@ -39,6 +39,11 @@ def parameter_problems(name: str, params: dict, where: str = "benchmarks") -> li
         problems.append(f"{where}.memory.cache_dtype={brief(dtype)} is not known (use one of "
                         f"{', '.join(FLOAT_FORMATS)}; for a quantized cache set memory.kv_policy, e.g. "
                         "k=q8_0,v=q8_0)")  # fmt: skip
+    if name == "stream_loss":
+        length, bucket = whole("length") if "length" in params else 8192, whole("bucket")
+        if length is not None and bucket is not None and 2 <= length < bucket:
+            problems.append(f"{where}.stream_loss.bucket={bucket} is longer than a stream (length={length}): give a "
+                            f"bucket of at most {length} positions")  # fmt: skip
     if name == "perplexity":
         max_tokens = whole("max_tokens")
         if max_tokens is not None and max_tokens < MIN_PERPLEXITY_TOKENS:

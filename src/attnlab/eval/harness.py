@@ -234,11 +234,6 @@ def check_benchmarks(spec: dict, where: str = "benchmarks") -> list[str]:
             problems.append(f"{where}.{name}.chunk={chunk} >= seq_len={seq_len}: each window goes in as one chunk, "
                             "whose queries read their own keys at full precision, so no policy is measured (give a "
                             f"chunk below {seq_len}; 1, the default, decodes token by token)")  # fmt: skip
-        if name == "stream_loss":  # a bucket given longer than a stream, said before any model is loaded
-            length, bucket = ((params or {}).get(key, default) for key, default in (("length", 8192), ("bucket", None)))
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in (length, bucket)) and 2 <= length < bucket:
-                problems.append(f"{where}.{name}.bucket={bucket} is longer than a stream (length={length}): give a "
-                                f"bucket of at most {length} positions")  # fmt: skip
         if name == "attention_maps" and (params or {}).get("regions") is not None:
             unit = params.get("unit") if params.get("unit") in ("chars", "tokens") else "chars"
             problems += [f"{where}.{name}.{p}" for p in region_problems(params["regions"], unit)]

@@ -36,6 +36,7 @@ from attnlab.config_io import model_config_from_dict
 from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove_stale_temporaries, sha256_file
 from attnlab.errors import AttnlabWarning, DataError
 from attnlab.model.transformer import Transformer, build_model
+from attnlab.ops.finite import all_finite
 from attnlab.paths import blocking_file, system_folder
 
 WEIGHTS, OPTIMIZER, TRAINER, CONFIG = "model.safetensors", "optimizer.pt", "trainer.json", "config.json"
@@ -441,12 +442,6 @@ def _stale_pointer(root: Path, tag: str, missing: str) -> str:
             f"{_pointer_text(newest)} into {pointer.name} to use it{resumes}, or give {newest} itself")  # fmt: skip
 
 
-def finite(tensor: torch.Tensor) -> bool:
-    """No NaN or infinity in `tensor`: its float32 sum (one read, which no real weights overflow) is finite when every
-    value is; only a non-finite sum has the values looked at one by one (isfinite().all() costs some 40x more)."""
-    return bool(torch.isfinite(tensor.sum(dtype=torch.float32))) or bool(tensor.isfinite().all())
-
-
 def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
     """The checkpoint's weights into `model`, after checking model.safetensors against its recorded sha256."""
     folder = Path(getattr(checkpoint, "path", checkpoint))
@@ -462,7 +457,7 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
     if missing or unexpected:
         detail = f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
         raise CheckpointError(f"{path}: weights do not fit this model ({detail})")
-    bad = [name for name, p in unwrap(model).state_dict().items() if p.is_floating_point() and not finite(p)]
+    bad = [name for name, p in unwrap(model).state_dict().items() if p.is_floating_point() and not all_finite(p)]
     if bad:  # a diverged run saves none (the loop stops first): these were written in, checksum or not
         raise CheckpointError(f"{path}: {len(bad)} weight tensor(s) hold NaN or infinity ({', '.join(bad[:3])}); "
                               f"{_fix(folder)}")  # fmt: skip
