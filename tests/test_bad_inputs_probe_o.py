@@ -1,9 +1,9 @@
 """Probe O's findings: records appended by two commands at once lost one's rows (o3), two lm-evals into one --out
 both wrote (the second silently replaced the first's results, o178), a memory query that raced an ingest --replace
-blamed a missing file (o8), an FSDP run with a bounded memory could not resume (o11), kv-eval measured a policy given
-twice twice (o131), an empty --dataset was named '.' (o139), the kernel cache's warning hid the path in the way
-(o141), a YAML alias bomb hung every command reading it (o166), and a checkpoint pointer whose step disagrees with its
-folder was trusted by the dry run and not by the run (o186)."""
+blamed a missing file (o8), kv-eval measured a policy given twice twice (o131), an empty --dataset was named '.'
+(o139), the kernel cache's warning hid the path in the way (o141), a YAML alias bomb hung every command reading it
+(o166), and a checkpoint pointer whose step disagrees with its folder was trusted by the dry run and not by the run
+(o186). (o11, an FSDP run with a bounded memory could not resume, is tested in test_fsdp, under its torchruns.)"""
 
 from __future__ import annotations
 
@@ -14,10 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-import test_fsdp as fsdp
-import torch
 from helpers import PROBE_MODEL, at_most, fails, lm_task_folders, lm_task_yaml, train_tiny_run
-from test_fsdp import BOUNDED, KINDS, job, torchrun
 
 from attnlab.cli import main
 from attnlab.config_io import parse_yaml
@@ -26,7 +23,6 @@ from attnlab.errors import AttnlabWarning
 from attnlab.eval import records
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
-env, data = fsdp.env, fsdp.data  # (module fixtures of test_fsdp, for the FSDP resume below)
 
 
 def test_two_appends_to_one_records_file_at_once_keep_both_rows(tmp_path, monkeypatch):
@@ -90,27 +86,6 @@ def test_a_query_that_an_ingest_replace_overtakes_reads_the_new_state(bounded_ru
     capsys.readouterr()
     assert main(["memory", "query", "notes", "the cat", "--store", str(store), "--max-new-tokens", "2"]) == 0
     assert "error" not in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_an_fsdp_run_with_a_bounded_memory_resumes_bit_exactly(tmp_path, data, env):
-    """o11: every resume of an FSDP run with a bounded memory was refused: "step-000030/optimizer.pt: not a
-    readable optimizer state (RuntimeError: Missing optimizer state for parameter 'blocks.0.memory.write' ...): it was
-    truncated or damaged; ... delete checkpoints" (a parameter without a gradient yet has no state, and torch's FSDP
-    loader was strict). The file was fine; the run now resumes and ends on the uninterrupted run's weights."""
-    runs = {name: job(tmp_path / name, data, KINDS["mha"], stop_at=stop, distributed="fsdp")
-            for name, stop in (("whole", None), ("stopped", 10))}  # fmt: skip
-    for run in runs.values():
-        run["model"]["memory"] = BOUNDED
-    done = torchrun(2, list(runs.values()), tmp_path, env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    runs["stopped"]["stop_at"] = None
-    resumed = torchrun(2, [runs["stopped"]], tmp_path, env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    final = [tmp_path / name / "checkpoints" / "step-000020" for name in runs]
-    assert (final[0] / "model.safetensors").read_bytes() == (final[1] / "model.safetensors").read_bytes()
-    moments = [torch.load(folder / "optimizer.pt", weights_only=True)["optimizer"]["state"] for folder in final]
-    assert moments[0].keys() == moments[1].keys()  # no state made up for the parameters that had none
 
 
 def test_kv_eval_refuses_a_policy_given_twice(tiny_run, capsys):
