@@ -18,7 +18,32 @@ from gguf_files import add_hf_hparams, add_tensors, finish  # noqa: E402  (needs
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "gguf_parsed_once")
+
+
+@pytest.fixture(scope="module")
+def gguf_parsed_once():
+    """transformers reads a GGUF file through gguf-py once for its config, once for its weights and once for its
+    tokenizer, and builds gguf-py's tensor-name map once per module of the model: for SmolLM2-135M about three
+    quarters of its load time (cProfile). Here each file (by path, size and time) is parsed once, and each name map
+    built once; what transformers does with them is unchanged."""
+    import functools
+    import os
+
+    readers, reader = {}, gguf.GGUFReader
+
+    def parsed(path, mode="r"):
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", parsed)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
 
 SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 Q = gguf.GGMLQuantizationType
