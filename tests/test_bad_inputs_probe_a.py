@@ -138,12 +138,19 @@ def test_lm_eval_data_file_leaving_the_data_dir_or_unreadable(run, lm_tasks, cap
     assert fails(capsys, lm_eval_argv(run, tasks, data), "mytask.yaml", "data.jsonl", "could not be loaded")
 
 
-def test_lm_eval_names_a_task_file_that_is_not_yaml(run, lm_tasks, capsys):
+def test_lm_eval_names_a_task_file_that_is_not_yaml(run, lm_tasks, capsys, monkeypatch):
+    """And without indexing lm-eval's own ~15,000 tasks first (10-30 s): they cannot stand in for a task file of
+    the include_path that declares the task."""
+    from attnlab.eval import lmeval_tasks
+
+    built, manager = [], lmeval_tasks.TaskManager
+    monkeypatch.setattr(lmeval_tasks, "TaskManager", lambda **kw: built.append(kw) or manager(**kw))
     tasks, data = lm_tasks
     (tasks / "bad_task.yaml").write_text("task: bad_task\ndoc_to_text: [unclosed\n")
     argv = lm_eval_argv(run, tasks, data)
     argv[3] = "bad_task"
     assert fails(capsys, argv, "bad_task.yaml", "not valid YAML")
+    assert built and all(kw.get("include_defaults") is False for kw in built), built
 
 
 def test_lm_eval_out_is_checked_before_evaluating(lm_tasks, tmp_path, capsys):

@@ -466,7 +466,7 @@ def run_lm_eval(
     _check_no_results(out_dir)
     broken = check_task_files([str(p) for p in paths])  # before lm-eval reads them (and imports !function code)
     check_duplicate_tasks([str(p) for p in paths], list(tasks))  # before lm-eval picks one of them by file order
-    manager = attach(task_manager([str(p) for p in paths], list(tasks)), data_dir)
+    manager = attach(task_manager([str(p) for p in paths], list(tasks), broken), data_dir)
     names = task_specs(manager, list(tasks), data_dir, broken)  # checks the names before the model is loaded
     import datasets  # lm-eval's own dependency
 

@@ -235,12 +235,14 @@ def _declares(path: Path, name: str) -> bool:
     return declared == name if isinstance(declared, str) else path.stem == name
 
 
-def task_manager(include_path: list[str], tasks: list[str]) -> TaskManager:
+def task_manager(include_path: list[str], tasks: list[str], broken: dict[Path, str] | None = None) -> TaskManager:
     """lm-eval's TaskManager over the include_path folders, with lm-eval's own ~15,000 tasks too (indexing them
-    takes seconds) unless every task asked for is a task of those folders (or a group of such tasks)."""
+    takes 10-30 seconds) unless every task asked for is a task of those folders (or a group of such tasks) or is
+    declared by one of their broken files (check_task_files: task_specs names the file, lm-eval's tasks cannot
+    stand in for it)."""
     if include_path:
         local = TaskManager(include_path=include_path, include_defaults=False)
-        if all(_all_local(local, name) for name in tasks):
+        if all(_all_local(local, name) or any(_declares(path, name) for path in broken or {}) for name in tasks):
             return local
     return TaskManager(include_path=include_path or None)
 
