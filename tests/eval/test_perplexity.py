@@ -86,3 +86,32 @@ def test_bootstrap_interval_is_reproducible_and_covers_the_mean():
 def test_bad_stride_is_an_error():
     with pytest.raises(InputError, match="stride=20 must be between 1 and seq_len=16"):
         window_losses(Uniform(5), np.zeros(50, dtype=np.uint16), 16, 20)
+
+
+def test_a_dataset_split_is_tokenized_once_per_tokenizer_and_each_caller_gets_its_own_ids(tmp_path):
+    from attnlab.data.tokenizers import ByteTokenizer
+    from attnlab.eval.perplexity import STREAMS_KEPT, dataset_tokens
+
+    class Counting(ByteTokenizer):
+        calls = 0
+
+        def encode(self, text):
+            Counting.calls += 1
+            return super().encode(text)
+
+    text = tmp_path / "a.txt"
+    text.write_text("the cat sat on the mat\n" * 50)
+    tokenizer, plain = Counting(), dataset_tokens(ByteTokenizer(), str(text), "train")
+    first = dataset_tokens(tokenizer, str(text), "train")
+    first[:] = 0  # the caller's own array: the next caller's ids are unchanged
+    again = dataset_tokens(tokenizer, str(text), "train")
+    assert Counting.calls == 1 and again.tolist() == plain.tolist() and again.any()
+    text.write_text("another text\n" * 50)  # a changed file is read and tokenized again
+    changed = dataset_tokens(tokenizer, str(text), "train")
+    assert Counting.calls == 2 and changed.tolist() == dataset_tokens(ByteTokenizer(), str(text), "train").tolist()
+    assert dataset_tokens(Counting(), str(text), "train").tolist() == changed.tolist()
+    assert Counting.calls == 3  # another tokenizer tokenizes for itself
+    for i in range(STREAMS_KEPT + 1):  # a few texts are kept, not every one
+        text.write_text(f"text {i}\n" * 9)
+        dataset_tokens(tokenizer, str(text), "train")
+    assert len(tokenizer._stream_ids) == STREAMS_KEPT
