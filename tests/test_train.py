@@ -1,5 +1,7 @@
 """The trainer end to end on a small local text: outputs, exact resume, config guards, runner, compare."""
 
+import contextlib
+import io
 import json
 import random
 import subprocess
@@ -114,8 +116,15 @@ targets:
 """
 
 
-def cli(*args, env_path=None, module="attnlab.cli"):
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300)
+def cli(*args) -> subprocess.CompletedProcess:
+    """`attnlab ARGS` in this process (a new Python would import torch again for each: seconds each), as a
+    CompletedProcess; test_cli runs the command in processes of its own."""
+    from attnlab.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["attnlab", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.slow
