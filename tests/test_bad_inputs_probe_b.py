@@ -270,5 +270,6 @@ def test_a_benchmark_kv_policy_is_checked_before_anything_runs_and_info_refuses_
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "memory.kv_policy='k=q3_0' is not a KV policy" in err
     config = Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny-mha.yaml"
-    assert main(["info", str(config), "--kv-policy", ""]) == 2
-    assert "--kv-policy is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # argparse's refusal, as for any other bad flag
+        main(["info", str(config), "--kv-policy", ""])
+    assert exited.value.code == 2 and "--kv-policy: is empty" in capsys.readouterr().err

@@ -143,8 +143,6 @@ def cmd_info(args) -> int:
     cfg = config_file(args.config) if is_config else model_config_of(args.config, args.data_dir)
     if args.memory is not None:
         cfg = cfg.replace(memory=memory_option(args.memory))
-    if args.kv_policy is not None and not args.kv_policy.strip():
-        raise InputError("--kv-policy is empty (give a policy, e.g. k=q8_0,v=q4_0, or leave the flag out)")
     if args.seq_len is not None and not 1 <= args.seq_len <= MAX_INT:
         raise InputError(f"--seq-len {args.seq_len} must be in 1 .. {MAX_INT:,} (2**31 - 1) tokens")
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
@@ -303,6 +301,13 @@ def cmd_report(args) -> int:
     return 0
 
 
+def kv_policy_text(text: str) -> str:
+    """--kv-policy: a policy string; an empty one is refused (read as no policy, it ran the full-precision cache)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (give a policy, e.g. k=q8_0,v=q4_0, or leave the flag out)")
+    return text
+
+
 def item_limit(text: str) -> int | float:
     """--limit of lm-eval: a whole number of items (as an int), or a fraction of them (lm-eval's limit below 1)."""
     try:
@@ -383,7 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp16", help="KV storage dtype: fp32, fp16, bf16 (default fp16)")
     p.add_argument("--seq-len", type=int, default=None, help="context length (default max_seq_len)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--kv-policy", default=None, help='quantized KV cache, e.g. "ksem=q4_0,kgeo=q8_0,v=q4_0,resid=128"')
+    p.add_argument(
+        "--kv-policy",
+        default=None,
+        type=kv_policy_text,
+        help='quantized KV cache, e.g. "ksem=q4_0,kgeo=q8_0,v=q4_0,resid=128"',
+    )
     add_train_memory_flags(p)
     p.set_defaults(func=cmd_info)
     kv_help = "KV policies, e.g. 'k=q8_0,v=q4_0,resid=128' (formats: fp16 bf16 q8_0 q4_0 nf4 kivi2 kivi4 kivi8)"
@@ -418,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="the prompt as a user turn of the model's chat template; "
                    "prints the answer only")  # fmt: skip
     add_sampling_arguments(p, streams=False)
-    p.add_argument("--kv-policy", default=None, help=kv_help.replace("policies", "policy"))
+    p.add_argument("--kv-policy", default=None, type=kv_policy_text, help=kv_help.replace("policies", "policy"))
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on a model (needs the lmeval extra)")
@@ -427,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-path", action="append", default=None, metavar="DIR",
                    help="a folder of task YAML files besides lm-eval's own (repeatable); a relative data file a task "
                         "names is looked up in the data directory")  # fmt: skip
-    p.add_argument("--kv-policy", default=None, help=kv_help.replace("policies", "policy"))
+    p.add_argument("--kv-policy", default=None, type=kv_policy_text, help=kv_help.replace("policies", "policy"))
     p.add_argument("--limit", type=item_limit, default=None,
                    help="the first N items of each task, or a fraction of them (0.1: the first tenth)")  # fmt: skip
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")

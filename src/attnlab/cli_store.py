@@ -35,7 +35,8 @@ def cmd_memory_ls(args) -> int:
 
 def cmd_memory_rm(args) -> int:
     entry = MemoryStore(args.store, create=False).remove(args.name)
-    print(f"removed {entry.name} ({entry.file})")
+    kept = "" if MemoryStore.holds(entry) else ", a file outside the store: left where it is"
+    print(f"removed {entry.name} ({entry.file}{kept})")
     return 0
 
 

@@ -136,7 +136,18 @@ class MemoryStore:
         return entry
 
     def path(self, entry: Entry) -> Path:
+        if not self.holds(entry):
+            raise StoreError(f"{self.index}: the row of memory {entry.name!r} names the file {entry.file!r}, which is "
+                             f"not a state file of {self.root / 'states'} (the index was changed by hand); `attnlab "
+                             "memory rm` it (its row goes, no file is deleted), or restore the index")  # fmt: skip
         return self.root / entry.file
+
+    @staticmethod
+    def holds(entry: Entry) -> bool:
+        """Whether the row's file is one the store writes: states/<name>.safetensors, nothing outside the store (a
+        row changed by hand could name any file, and `rm` or `--replace` would delete it)."""
+        parts = Path(entry.file).parts
+        return len(parts) == 2 and parts[0] == "states" and parts[1].endswith(".safetensors") and parts[1][0] != "."
 
     def put(self, entry: Entry, replace: bool = False) -> None:
         """Registers `entry`; with `replace`, in place of the entry of the same name (whose file goes)."""
@@ -147,13 +158,15 @@ class MemoryStore:
             self._run(f"{verb} INTO states ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})", row, True)
         except sqlite3.IntegrityError:
             raise StoreError(f"a memory named {entry.name!r} exists in {self.root} (pass --replace)") from None
-        if old is not None and old.file != entry.file:
+        if old is not None and old.file != entry.file and self.holds(old):  # never a file outside the store
             self.path(old).unlink(missing_ok=True)
 
     def remove(self, name: str) -> Entry:
+        """Deletes the row of memory `name`, and its state file when that is one of the store's."""
         entry = self.get(name)
         self._run("DELETE FROM states WHERE name = ?", (name,), write=True)
-        self.path(entry).unlink(missing_ok=True)
+        if self.holds(entry):
+            self.path(entry).unlink(missing_ok=True)
         return entry
 
 

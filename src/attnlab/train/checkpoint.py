@@ -253,7 +253,7 @@ def read_pointer(root: Path, tag: str) -> dict | None:
                               "delete it to start over")  # fmt: skip
     if pointer["step"] != int(pointer["dir"][5:]):  # a resume (and a dry run) would count from the wrong step
         raise CheckpointError(f"{path}: names {pointer['dir']} but step {pointer['step']} (a checkpoint folder holds "
-                              f"the step in its name): write {_pointer_text(Path(root) / pointer['dir'])} into "
+                              f"the step in its name): write {pointer_text(Path(root) / pointer['dir'])} into "
                               f"{path.name}, or delete it to start over")  # fmt: skip
     return pointer
 
@@ -425,7 +425,7 @@ def step_folders(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def _pointer_text(folder: Path) -> str:
+def pointer_text(folder: Path) -> str:
     return json.dumps({"dir": folder.name, "step": int(folder.name[5:])})
 
 
@@ -439,7 +439,7 @@ def _stale_pointer(root: Path, tag: str, missing: str) -> str:
     newest = folders[-1]
     resumes = f" (the run then resumes from step {int(newest.name[5:])})" if tag == "last" else ""
     return (f"{pointer} names {missing}, which is missing (a stale pointer), but {newest.name} is intact: write "
-            f"{_pointer_text(newest)} into {pointer.name} to use it{resumes}, or give {newest} itself")  # fmt: skip
+            f"{pointer_text(newest)} into {pointer.name} to use it{resumes}, or give {newest} itself")  # fmt: skip
 
 
 def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
@@ -549,7 +549,7 @@ def load_checkpoint(path: str | Path, tag: str = "best") -> LoadedCheckpoint:
         if folders:  # a run whose pointers are gone: its checkpoint folders are still there
             raise CheckpointError(
                 f"{path}: no last.json or best.json in {path / 'checkpoints'}, but {folders[-1].name} is there: give "
-                f"{folders[-1]} itself, or write {_pointer_text(folders[-1])} into {path / 'checkpoints'}/last.json"
+                f"{folders[-1]} itself, or write {pointer_text(folders[-1])} into {path / 'checkpoints'}/last.json"
             )
         raise CheckpointError(
             f"{path}: no checkpoint here (expected a run directory or a folder with model.safetensors)"
