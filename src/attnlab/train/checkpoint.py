@@ -401,10 +401,17 @@ def _unreadable_weights(path: Path, error: BaseException) -> CheckpointError:
 
 
 def find_checkpoint(run_dir: Path, tag: str = "last") -> Checkpoint | None:
-    """The checkpoint a tag points at (its trainer.json and config.json checked), or None when the run has none."""
+    """The checkpoint a tag points at (its trainer.json and config.json checked), or None when the run has none. A
+    run whose last.json is gone while its checkpoint folders are there is a CheckpointError, not a run without
+    checkpoints (a resume would start over and its checkpoint rotation delete them)."""
     root = Path(run_dir) / "checkpoints"
     pointer = read_pointer(root, tag)
     if pointer is None:
+        folders = step_folders(root) if tag == "last" else []
+        if folders:
+            raise CheckpointError(f"{run_dir}: no last.json in {root}, but {folders[-1].name} is there: to resume "
+                                  f"from it write {pointer_text(folders[-1])} into {root}/last.json; to start over, "
+                                  f"delete {root}")  # fmt: skip
         return None
     path = root / pointer["dir"]
     if not path.is_dir():
@@ -540,17 +547,16 @@ def load_checkpoint(path: str | Path, tag: str = "best") -> LoadedCheckpoint:
     """The model and config of a run directory (its `tag` checkpoint, else its last) or of a checkpoint
     folder, the model in eval mode. Reads safetensors and JSON only, each file checked against its sha256."""
     path = Path(path)
-    checkpoint = (
-        find_checkpoint(path, tag) or find_checkpoint(path, "last") if (path / "checkpoints").exists() else None
-    )
+    root = path / "checkpoints"
+    folders = step_folders(root)
+    if folders and not any((root / f"{name}.json").exists() for name in ("best", "last")):  # both pointers gone
+        raise CheckpointError(
+            f"{path}: no last.json or best.json in {root}, but {folders[-1].name} is there: give "
+            f"{folders[-1]} itself, or write {pointer_text(folders[-1])} into {root}/last.json"
+        )
+    checkpoint = find_checkpoint(path, tag) or find_checkpoint(path, "last") if root.exists() else None
     folder = checkpoint.path if checkpoint else path
     if checkpoint is None and not (folder / WEIGHTS).exists():
-        folders = step_folders(path / "checkpoints")
-        if folders:  # a run whose pointers are gone: its checkpoint folders are still there
-            raise CheckpointError(
-                f"{path}: no last.json or best.json in {path / 'checkpoints'}, but {folders[-1].name} is there: give "
-                f"{folders[-1]} itself, or write {pointer_text(folders[-1])} into {path / 'checkpoints'}/last.json"
-            )
         raise CheckpointError(
             f"{path}: no checkpoint here (expected a run directory or a folder with model.safetensors)"
         )

@@ -29,10 +29,8 @@ from attnlab.train.checkpoint import (
     load_model_from_checkpoint,
     load_optimizer,
     load_weights,
-    pointer_text,
     recorded_checksums,
     save_checkpoint,
-    step_folders,
     unwrap,
     verify_file,
     write_json_atomic,
@@ -196,12 +194,6 @@ def train(
     )  # fmt: skip
     state = {"step": 0, "tokens": 0, "best_val_loss": None, "train_seconds": 0.0, "window_loss": 0.0, "window_steps": 0}
     checkpoint = find_checkpoint(run_dir) if resume else None
-    folders = step_folders(Path(run_dir) / "checkpoints") if resume and checkpoint is None else []
-    if folders:  # its pointer is gone, its checkpoints are not: starting over would delete them
-        root = Path(run_dir) / "checkpoints"
-        raise CheckpointError(f"{run_dir}: no last.json in {root}, but {folders[-1].name} is there: to resume from "
-                              f"it write {pointer_text(folders[-1])} into {root}/last.json; to start over, delete "
-                              f"{root}")  # fmt: skip
     if checkpoint is not None:
         check_resume(checkpoint, config, data_cfg.source, prepared)  # the same config, the same data
         # Every file is checked (sha256) before it is used; a refusal leaves the run folder as it was.
