@@ -190,3 +190,83 @@ def test_the_cli_refuses_q8_activations_on_float_weights(tiny_run, capsys):
                  "--activations q8: activations=q8 quantizes the inputs", "(given --weights fp32)")  # fmt: skip
     assert main(["generate", str(tiny_run), "hello", "--weights", "q8_0", "--activations", "q8", "--max-new-tokens",
                  "4"]) == 0  # fmt: skip
+
+
+def pack_reference(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """qmatmul.pack_q8's layout written out plainly (see qmatmul.c): per group of 16 rows and block, the 16 rows'
+    scales (and q4_1's mins) side by side, then their codes 4 bytes of each row at a time (q8_0's plus 128)."""
+    n, width = blocks.shape
+    bb = {"q4_0": 18, "q4_1": 20, "q8_0": 34}[fmt]
+    scales = 2 if fmt == "q4_1" else 1
+    raw = blocks.view(n // 16, 16, width // bb, bb).transpose(1, 2)  # (group, block, row, bytes)
+    heads = raw[..., : 2 * scales].reshape(*raw.shape[:3], scales, 2).transpose(2, 3)  # (group, block, scale, row, 2)
+    codes = raw[..., 2 * scales :]
+    if fmt == "q8_0":
+        codes = codes ^ 0x80
+    chunks = codes.reshape(*raw.shape[:3], -1, 4).transpose(2, 3)  # (group, block, chunk, row, 4 bytes)
+    return torch.cat([heads.flatten(2), chunks.flatten(2)], dim=-1).reshape(n, width)
+
+
+@kernels
+@pytest.mark.parametrize("fmt", CODED)
+def test_packed_rows_are_the_layout_and_give_the_kernels_results(fmt):
+    """pack_q8 against its layout written plainly; the packed kernel (AVX-512 VNNI where the CPU has it) against
+    float64 over gguf's dequantized weights, within the same bound as the unpacked kernel, one result per output
+    whatever the threads."""
+    previous = torch.get_num_threads()
+    try:
+        for n, k in [(16, 32), (48, 64), (64, 576), (32, 1536)]:
+            blocks = adversarial_blocks(fmt, n, k, seed=n + k)
+            packed = qmatmul.pack_q8(fmt, blocks, k)
+            assert packed.shape == blocks.shape and torch.equal(packed, pack_reference(blocks, fmt))
+            bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
+            for m in (1, 2, 5):
+                x = awkward_x(m, k, seed=m)
+                outputs = []
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    outputs.append(qmatmul.matmul(fmt, packed, x, bias, activations="q8", packed=True))
+                assert_q8_close(outputs[0], x, blocks, fmt, bias)
+                assert torch.equal(outputs[0], outputs[1])
+                unpacked = qmatmul.matmul(fmt, blocks, x, bias, gemm=False, activations="q8")
+                assert torch.allclose(outputs[0], unpacked, rtol=1e-5, atol=1e-4 * unpacked.abs().max().item())
+    finally:
+        torch.set_num_threads(previous)
+    with pytest.raises(ValueError, match="rows a multiple of 16"):
+        qmatmul.pack_q8(fmt, adversarial_blocks(fmt, 20, 64, seed=1), 64)
+
+
+@kernels
+def test_the_portable_c_build_multiplies_packed_rows_too(tmp_path, monkeypatch):
+    portable = use_portable_build(tmp_path, monkeypatch)
+    assert not portable.attnlab_packed_q8_fast()  # and so attnlab keeps no packed rows on such a machine
+    for fmt in CODED:
+        blocks = adversarial_blocks(fmt, 48, 576, seed=3)
+        packed = qmatmul.pack_q8(fmt, blocks, 576)
+        for m in (1, 3):
+            x = awkward_x(m, 576, seed=m)
+            assert_q8_close(qmatmul.matmul(fmt, packed, x, activations="q8", packed=True), x, blocks, fmt)
+
+
+@kernels
+@pytest.mark.skipif(not qmatmul.packed_fast(), reason="this CPU has no AVX-512 VNNI: weights are not packed")
+def test_a_layer_packs_for_q8_decoding_and_never_keeps_stale_packed_rows():
+    g = torch.Generator().manual_seed(6)
+    layer = QuantizedLinear.from_weight(torch.randn(48, 96, generator=g), "q4_1")
+    odd = QuantizedLinear.from_weight(torch.randn(40, 96, generator=g), "q4_1")  # 40 rows: not a multiple of 16
+    attnlab.set_activations(layer, "q8")
+    attnlab.set_activations(odd, "q8")
+    assert layer.packed is not None and odd.packed is None
+    assert "packed" not in layer.state_dict()  # a checkpoint holds the rows as they are, once
+    x = torch.randn(2, 96, generator=g)
+    with torch.no_grad():
+        y = layer(x)
+        assert torch.equal(y, torch.ops.attnlab.qlinear(x, layer.packed, None, "q4_1:q8p"))
+        assert_q8_close(y, x, layer.blocks, "q4_1")
+        assert_q8_close(odd(x), x, odd.blocks, "q4_1")
+        other = QuantizedLinear.from_weight(torch.randn(48, 96, generator=g), "q4_1")
+        layer.load_state_dict(other.state_dict())  # new weights: packed again
+        assert torch.equal(layer.packed, qmatmul.pack_q8("q4_1", other.blocks, 96))
+        assert_q8_close(layer(x), x, other.blocks, "q4_1")
+    attnlab.set_activations(layer, "fp32")
+    assert layer.packed is None

@@ -7,8 +7,9 @@
  *
  *   attnlab_cpp::qlinear(Tensor x, Tensor blocks, Tensor? bias, str fmt) -> Tensor
  *       x (..., k) float32 times W^T (+ bias), W the rows `blocks` (n, row bytes) uint8 in fmt (fp16, q4_0, q4_1,
- *       q8_0: ggml's layouts), through attnlab_qmatmul (qmatmul.c). For the few rows of x of decoding: many rows
- *       (prefill) go to torch's GEMM from Python (attnlab.kernels.cpu.qmatmul).
+ *       q8_0: ggml's layouts), through attnlab_qmatmul (qmatmul.c); fmt "q4_1:q8" quantizes x to 8 bits first
+ *       (attnlab_qmatmul_q8), "q4_1:q8p" does so over rows packed by attnlab_pack_q8 (attnlab_qmatmul_q8p). For the
+ *       few rows of x of decoding: many rows (prefill) go to torch's GEMM from Python (attnlab.kernels.cpu.qmatmul).
  *
  * Built with qmatmul.c and qattn.c by attnlab.kernels.cpu.ops.build with the system C and C++ compilers against
  * this torch's headers (no Python headers: the stable ABI), loaded by torch.ops.load_library.
@@ -32,6 +33,8 @@ int attnlab_qmatmul(int fmt, const uint8_t *w, int64_t n, int64_t k, const float
                     const float *bias);
 int attnlab_qmatmul_q8(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                        const float *bias);
+int attnlab_qmatmul_q8p(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+                        const float *bias);
 int attnlab_quantize(int fmt, const float *x, int64_t batch, int64_t n, int64_t width, int64_t x_bstride,
                      int64_t x_rstride, uint8_t *quants, int64_t q_bstride, int64_t q_rstride, uint8_t *scales,
                      int64_t s_bstride, int64_t s_rstride, const uint8_t *nf4_below, const float *nf4_inside);
@@ -65,10 +68,13 @@ int64_t row_bytes(int code, int64_t k) {
 }
 
 Tensor qlinear(Tensor x, Tensor blocks, std::optional<Tensor> bias, std::string fmt) {
-    const std::string q8_suffix = ":q8";  // x quantized to 8 bits first (attnlab.model.qlinear's Q8)
-    const bool q8 = fmt.size() > q8_suffix.size() && fmt.compare(fmt.size() - q8_suffix.size(), q8_suffix.size(),
-                                                                 q8_suffix) == 0;
-    if (q8) fmt = fmt.substr(0, fmt.size() - q8_suffix.size());
+    // x quantized to 8 bits first (attnlab.model.qlinear's Q8), the rows as they are or packed (Q8P: qmatmul.c's
+    // attnlab_pack_q8 layout, the same bytes in another order)
+    const auto ends_with = [&fmt](const std::string &suffix) {
+        return fmt.size() > suffix.size() && fmt.compare(fmt.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    const bool packed = ends_with(":q8p"), q8 = packed || ends_with(":q8");
+    if (q8) fmt = fmt.substr(0, fmt.size() - (packed ? 4 : 3));
     const int code = weight_format(fmt);
     STD_TORCH_CHECK(x.scalar_type() == ScalarType::Float && x.is_cpu(), "attnlab_cpp::qlinear: x must be float32 on the CPU");
     const int64_t k = x.size(-1), n = blocks.size(0);
@@ -88,7 +94,7 @@ Tensor qlinear(Tensor x, Tensor blocks, std::optional<Tensor> bias, std::string 
     shape.back() = n;
     Tensor out = torch::stable::new_empty(rows, shape);
     const int64_t m = k ? rows.numel() / k : 0;
-    const auto kernel = q8 && code != 1 ? attnlab_qmatmul_q8 : attnlab_qmatmul;
+    const auto kernel = packed ? attnlab_qmatmul_q8p : q8 && code != 1 ? attnlab_qmatmul_q8 : attnlab_qmatmul;
     const int status = kernel(code, static_cast<const uint8_t *>(blocks.data_ptr()), n, k,
                               static_cast<const float *>(rows.data_ptr()), m,
                               static_cast<float *>(out.mutable_data_ptr()), bias_pointer);

@@ -47,7 +47,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.attnlab_dequantize.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr]
     lib.attnlab_quantize_q8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
     lib.attnlab_block_dot_q8.argtypes = [ctypes.c_int, _ptr, _ptr, ctypes.c_int32]
-    for name in ("attnlab_qmatmul", "attnlab_qmatmul_q8", "attnlab_dequantize", "attnlab_quantize_q8"):
+    lib.attnlab_qmatmul_q8p.argtypes = lib.attnlab_qmatmul.argtypes
+    lib.attnlab_pack_q8.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr]
+    lib.attnlab_packed_q8_fast.argtypes = []
+    names = ("attnlab_qmatmul", "attnlab_qmatmul_q8", "attnlab_qmatmul_q8p", "attnlab_dequantize",
+             "attnlab_quantize_q8", "attnlab_pack_q8", "attnlab_packed_q8_fast")  # fmt: skip
+    for name in names:
         getattr(lib, name).restype = ctypes.c_int
     lib.attnlab_block_dot_q8.restype = ctypes.c_int32
     return lib
@@ -75,23 +80,28 @@ def matmul(
     bias: torch.Tensor | None = None,
     gemm: bool | None = None,
     activations: str = "fp32",
+    packed: bool = False,
 ) -> torch.Tensor:
     """x (..., k) float32 (CPU) times W^T, W the rows `blocks` (n, row_bytes(fmt, k)) uint8, contiguous, plus bias
     (n,) float32 -> (..., n) float32. k must be a multiple of 32. gemm: torch's GEMM over dequantized tiles (True)
     or the kernel (False); None chooses by the rows of x (GEMM_MIN_ROWS). activations "q8" (q8_0, q4_0, q4_1):
     x quantized to 8 bits per block first (attnlab.model.qlinear.quantize_activations); the kernel then takes
-    integer dot products (attnlab_qmatmul_q8), the GEMM those values in float32."""
+    integer dot products (attnlab_qmatmul_q8), the GEMM those values in float32. packed: `blocks` is pack_q8's
+    layout (activations "q8", the kernel only: a GEMM needs the rows as they are)."""
     n, k = blocks.shape[0], x.shape[-1]
     q8 = activations == "q8" and fmt != "fp16"
     if not x.is_contiguous():
         x = x.contiguous()
     m = x.numel() // k  # rows of x
-    if gemm if gemm is not None else m >= GEMM_MIN_ROWS:
+    if packed:
+        if not q8 or gemm:
+            raise ValueError("packed weights are multiplied by the q8 kernel only (activations='q8', gemm=False)")
+    elif gemm if gemm is not None else m >= GEMM_MIN_ROWS:
         rows = quantized(x.view(m, k)) if q8 else x.view(m, k)
         return _gemm(fmt, blocks, rows, bias).view(x.shape[:-1] + (n,))
     out = torch.empty(x.shape[:-1] + (n,), dtype=torch.float32)
     bias_pointer = None if bias is None else bias.data_ptr()
-    kernel = _qmatmul_q8() if q8 else _qmatmul()
+    kernel = library().attnlab_qmatmul_q8p if packed else _qmatmul_q8() if q8 else _qmatmul()
     status = kernel(FORMAT_CODES[fmt], blocks.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(), bias_pointer)
     _check(status, fmt, k)
     return out
@@ -100,6 +110,24 @@ def matmul(
 @functools.cache
 def _qmatmul_q8():
     return library().attnlab_qmatmul_q8
+
+
+def packed_fast() -> bool:
+    """Whether this machine multiplies packed rows (pack_q8) with its vector kernel (AVX-512 VNNI); where it does
+    not, the packed kernel runs portable loops and attnlab keeps the rows as they are."""
+    return available() and bool(library().attnlab_packed_q8_fast())
+
+
+def pack_q8(fmt: str, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """The rows `blocks` (n, row_bytes(fmt, k)) uint8 (q8_0, q4_0, q4_1; n a multiple of 16) interleaved 16 at a time
+    for the 8-bit-activation kernel (qmatmul.c's attnlab_pack_q8): the same bytes, another order, the same shape."""
+    blocks = blocks.contiguous()
+    out = torch.empty_like(blocks)
+    status = library().attnlab_pack_q8(FORMAT_CODES[fmt], blocks.data_ptr(), blocks.shape[0], k, out.data_ptr())
+    if status:
+        raise ValueError(f"qmatmul.c cannot pack {blocks.shape[0]} rows of {k} {fmt} weights (q8_0, q4_0 or q4_1; "
+                         "rows a multiple of 16, k of 32)")  # fmt: skip
+    return out
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
