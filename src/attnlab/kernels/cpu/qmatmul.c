@@ -603,6 +603,12 @@ int attnlab_dequantize(int fmt, const uint8_t *w, int64_t n, int64_t k, float *o
  * A nibble byte j holds codes j (low) and j + 16 (high), so chunk c's low nibbles are codes 4c..4c+3 of each row
  * and its high nibbles codes 16 + 4c..16 + 4c + 3. Group g's block b starts at g 16 row_bytes + b 16 bb. */
 #define PACK 16
+#ifndef PACK_AHEAD
+#define PACK_AHEAD 16 /* blocks: 4.6-8.7 KB ahead (one prefetch per line: a block is 4.5-8.5 lines) */
+#endif
+#ifndef PACK_HINT
+#define PACK_HINT _MM_HINT_T0
+#endif
 
 /* Whether this build multiplies packed rows with vector instructions (AVX-512 VNNI); the portable loops otherwise
  * (they give the same integer sums, slowly: attnlab packs weights only where this is 1). */
@@ -648,7 +654,8 @@ static inline __attribute__((always_inline)) void group_q8(const int fmt, const 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = group + b * PACK * bb, *chunks = p + 2 * scales * PACK;
         const int32_t *x4 = (const int32_t *)(xq + b * 32); /* x's codes 4 at a time */
-        _mm_prefetch((const char *)(p + 8 * PACK * bb), _MM_HINT_T0);
+        for (int64_t line = 0; line < PACK * bb; line += 64) /* every line of the block PACK_AHEAD blocks on */
+            _mm_prefetch((const char *)(p + PACK_AHEAD * PACK * bb + line), PACK_HINT);
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
         int32_t offset;
         if (fmt == Q8_0) {
