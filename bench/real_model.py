@@ -70,7 +70,8 @@ def weight_bytes(model) -> int:
     RoPE tables."""
     seen, total = set(), 0
     # RoPE's cos/sin tables are read one row (the position) per token: left out like the embedding.
-    buffers = [t for name, t in model.named_buffers() if "rotary" not in name]
+    # A layer's packed rows (set_activations "q8") are read instead of its blocks, and have their size: counted once.
+    buffers = [t for name, t in model.named_buffers() if "rotary" not in name and not name.endswith(".packed")]
     for t in [*model.parameters(), *buffers]:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
