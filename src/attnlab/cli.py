@@ -23,6 +23,7 @@ from attnlab.cli_errors import (
     Parser,
     check_greedy_flags,
     check_torchrun,
+    check_utf8_arguments,
     echoed_by_rank0,
     escaped_stdout,
     fail,
@@ -493,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     """Runs one command: its exit code. A user's mistake or a damaged file (an AttnlabError, or an OS error
     the user can act on, see os_error_line) ends in one line on stderr, `attnlab <command>: error: ...`, and
     exit code 2; any other exception is a bug and keeps its traceback."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     with warnings.catch_warnings(), escaped_stdout():  # restores showwarning, the filters and stdout on the way out
         warnings.simplefilter("always", LengthWarning)  # every cut request said, not only the first
         warnings.showwarning = warning_printer(args.command, warnings.showwarning)
@@ -501,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             for dest in PATH_OPTIONS:  # an empty path ('' from an unset shell variable) names no file or folder
                 if getattr(args, dest, None) == "":
                     raise InputError(f"--{dest.replace('_', '-')} is empty: give a path")
+            check_utf8_arguments(args, parser.argument_names(args))  # a path of bytes that are not UTF-8
             check_torchrun(args.command)  # only `run` shares its work among torchrun's processes
             if hasattr(args, "data_dir"):
                 check_data_dirs(args.data_dir)  # --data-dir and $ATTNLAB_DATA name folders: checked before anything

@@ -75,6 +75,21 @@ class Parser(argparse.ArgumentParser):
         vars(parsed).pop(GIVEN, None)  # subcommands' records are copied up into this namespace
         return parsed
 
+    def argument_names(self, parsed) -> dict[str, str]:
+        """dest -> the argument as a user names it (its long option, or a positional's name) for every argument of
+        this parser and of the subcommands `parsed` went through."""
+        names = {}
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                sub = action.choices.get(getattr(parsed, action.dest, None))
+                if isinstance(sub, Parser):
+                    names.update(sub.argument_names(parsed))
+            elif action.option_strings:
+                names[action.dest] = max(action.option_strings, key=len)
+            else:
+                names[action.dest] = action.metavar if isinstance(action.metavar, str) else action.dest
+        return names
+
     def _command_of(self, parsed) -> argparse.ArgumentParser:
         """The innermost subcommand's parser `parsed` went through (`attnlab memory query`)."""
         for action in self._actions:
@@ -248,6 +263,36 @@ def too_deep_line(e: RecursionError, command: str) -> str | None:
                     "or not the file expected); restore or replace it")  # fmt: skip
     return (f"a file `attnlab {command}` read is nested too deeply to read (JSON or YAML thousands of levels deep: "
             "damaged, or not the file expected); check the files it reads")  # fmt: skip
+
+
+def check_utf8_arguments(args, names: dict[str, str]) -> None:
+    """InputError naming the first string argument that is not UTF-8 text (names: dest -> how the user names it).
+    On Linux a path's bytes that are not UTF-8 reach Python as surrogate escapes: such a path cannot be written
+    into a run's config or records (UTF-8 files), nor printed, so it is refused before anything is made."""
+    for dest, value in vars(args).items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and not _is_utf8(item):
+                fix = ("write it as UTF-8 text" if dest in NOT_PATHS else
+                       "rename the file or folder to a UTF-8 name, or choose another")  # fmt: skip
+                raise InputError(f"{names.get(dest, dest)} {_bytes_shown(item)} is not valid UTF-8 text (the bytes "
+                                 "shown as \\xNN are not UTF-8), and attnlab writes the paths and values it is given "
+                                 f"into UTF-8 files: {fix}")  # fmt: skip
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bytes_shown(text: str) -> str:
+    """`text` as the bytes it was given as, those that are not UTF-8 shown as \\xNN."""
+    try:
+        return os.fsencode(text).decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no byte made (given to main() by a caller)
+        return text.encode("utf-8", "backslashreplace").decode("ascii")
 
 
 def fail(command: str, message: str) -> int:

@@ -3,7 +3,6 @@ parser and dispatches to them)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -46,6 +45,7 @@ from attnlab.interop.convert import LOW_RANK, convert_model, kv_heads, save_conv
 from attnlab.interop.export import export
 from attnlab.interop.references import model_config_of, resolve
 from attnlab.interop.tokenizer import warn_unknown_tokens
+from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import MIN_CALIBRATION_TOKENS, calibration_tokens_problem
 from attnlab.train.checkpoint import CheckpointError
 
@@ -79,7 +79,7 @@ def records_file(out: str) -> Path:
     target = records_target(out)  # a regular file of JSON objects, or none yet
     if target.is_file():
         for number, line in enumerate(target.read_bytes().decode("utf-8-sig").splitlines(), 1):
-            if line.strip() and "benchmark" not in json.loads(line):
+            if line.strip() and "benchmark" not in loads_json(line):
                 raise InputError(f"--out {out}: line {number} is not an attnlab record (a JSON object without "
                                  f"'benchmark': {line.strip()[:60]}): records are appended only to a file of "
                                  "records (one kv-eval, kv-tune or bench wrote); give a new file, or a folder as "

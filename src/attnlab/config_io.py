@@ -17,6 +17,7 @@ from attnlab.attention.registry import parse_attention
 from attnlab.config import MemoryConfig, ModelConfig, RopeScaling
 from attnlab.config_checks import build_collecting, dataclass_kwargs
 from attnlab.errors import ConfigError
+from attnlab.jsonio import MAX_INT_BITS, MAX_INT_DIGITS, too_many_digits
 from attnlab.paths import brief
 
 
@@ -50,6 +51,10 @@ def model_config_from_dict(data: Any, source: str | None = None) -> ModelConfig:
         raise e.with_source(source) if source else e from None
 
 
+class IntTooLarge(yaml.constructor.ConstructorError):
+    """An integer of more digits than Python converts (jsonio.MAX_INT_DIGITS): no setting is anywhere near."""
+
+
 class StrictLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML would keep the last silently).
     Keys a merge brings in (`<<: *anchor`) may still be overridden, as YAML intends."""
@@ -72,9 +77,14 @@ class StrictLoader(yaml.SafeLoader):
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         """YAML 1.1's integers but the two forms that read as another number than written: a leading zero (010 is
-        octal 8) and base 60 (1:30 is 90). Refused, as YAML 1.2 reads neither so."""
+        octal 8) and base 60 (1:30 is 90). Refused, as YAML 1.2 reads neither so. So is an integer of more digits
+        than Python converts (jsonio.MAX_INT_DIGITS): far too large for any setting, and it would fail to read."""
         text = str(node.value).replace("_", "").lstrip("+-")
+        if too_many_digits(text):
+            raise self._too_large(node, f"an integer of {sum(c.isalnum() for c in text)} digits")
         value = super().construct_yaml_int(node)
+        if value.bit_length() > MAX_INT_BITS:  # fewer digits, in hex or binary, but still too many to print
+            raise self._too_large(node, f"an integer of {value.bit_length()} bits")
         if ":" in text or (len(text) > 1 and text[0] == "0" and text[1].isdigit()):
             form = "base 60" if ":" in text else "octal (a leading zero)"
             raise yaml.constructor.ConstructorError(
@@ -84,6 +94,14 @@ class StrictLoader(yaml.SafeLoader):
                 problem_mark=node.start_mark,
             )
         return value
+
+    @staticmethod
+    def _too_large(node: yaml.ScalarNode, what: str) -> IntTooLarge:
+        return IntTooLarge(
+            problem=f"{what}, far too large for any setting (at most {MAX_INT_DIGITS} digits): write the number "
+            "meant, or quote it for a string",
+            problem_mark=node.start_mark,
+        )
 
     def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
         """YAML 1.1's floats but base 60 (1:30.5 is 90.5), refused as construct_yaml_int refuses 1:30."""

@@ -53,7 +53,6 @@ the trainer refuses them as well). Whether a local data file exists depends on -
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -74,8 +73,9 @@ from attnlab.config import (
     untrainable_memory_problem,
 )
 from attnlab.config_checks import unknown_key_problem
-from attnlab.config_io import TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
+from attnlab.config_io import IntTooLarge, TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
+from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import (
     plain_name_problem,
     pretrained_model_problems,
@@ -174,7 +174,8 @@ def parse_set(assignments: list[str] | tuple[str, ...]) -> dict:
         try:
             value = parse_yaml(raw) if raw.strip() else None
         except yaml.YAMLError as e:
-            fix = "" if isinstance(e, TooDeep) else " (quote the whole value, or drop a stray quote or bracket)"
+            plain = isinstance(e, (TooDeep, IntTooLarge))  # (quoting would not help)
+            fix = "" if plain else " (quote the whole value, or drop a stray quote or bracket)"
             raise ConfigError(f"--set {brief(item)}: the value {brief(raw)} is {yaml_problem(e)}{fix}") from None
         if len(parts) == 1 and not isinstance(value, dict):  # train=null would drop the whole section, defaults in
             raise ConfigError(f"--set {brief(item)}: {parts[0]} is a section, not a value: set its keys "
@@ -235,7 +236,7 @@ def _check_keys(data: Any, allowed: tuple[str, ...], where: str, problems: list[
 def _run_tokenizer(ref: str) -> str | None:
     """The data.tokenizer an attnlab run or checkpoint folder was trained with (its config.json's), else None."""
     try:
-        config = json.loads((Path(ref) / "config.json").read_text(encoding="utf-8"))
+        config = loads_json((Path(ref) / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
     data = config.get("data") if isinstance(config, dict) else None

@@ -12,7 +12,6 @@ runs would download first, and downloads nothing; for each run it says what the 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import sys
@@ -30,6 +29,7 @@ from attnlab.data.pretrained import tokenizer_from_folder
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
 from attnlab.errors import ConfigError, DataError
 from attnlab.interop.convert import LOW_RANK
+from attnlab.jsonio import loads_json
 from attnlab.manifest import Manifest, RunSpec
 from attnlab.paths import inside
 from attnlab.retrofit import (
@@ -47,6 +47,7 @@ from attnlab.train.fsdp import check_launch
 from attnlab.train.lock import LOCK_NAME, busy_problem, run_lock
 from attnlab.train.loop import full_config, pick_device, train, vocab_problem
 from attnlab.train.resume import (
+    FINISHED,
     check_resume,
     config_differences,
     data_change,
@@ -179,9 +180,11 @@ def vocab_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
     return problems
 
 
-def finished_run(run_dir: Path, config: dict, source=None) -> dict | None:
+def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) -> dict | None:
     """The summary of the finished run in run_dir (None when it is not finished); ConfigError when it was made with
-    another config than `config`."""
+    another config than `config`; DataError when data_problem (see _data_problem) says its last checkpoint was
+    trained on other data than today's (also when the config differs only in the vocabulary, fitted on the data):
+    skipped, the run would report its old results as if for the new data."""
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         return None
@@ -190,8 +193,12 @@ def finished_run(run_dir: Path, config: dict, source=None) -> dict | None:
         check_run_file(path)  # (a link to /dev/zero would be read without end)
     saved, summary = read_json_object(run_dir / "config.json", fix), read_json_object(summary_path, fix)
     differences = config_differences(saved, config, saved_as="saved")
-    checkpoint = find_checkpoint(run_dir) if not differences else None
-    if checkpoint is not None:
+    derived = all(d.startswith("model.vocab_size:") for d in differences)  # the tokenizer's, fitted on the data
+    checkpoint = find_checkpoint(run_dir) if not differences or (derived and data_problem is not None) else None
+    problem = data_problem(checkpoint.trainer) if checkpoint is not None and data_problem is not None else None
+    if problem:
+        raise DataError(problem)
+    if checkpoint is not None and not differences:
         # The run's config.json and config.yaml are plain files anyone may edit; its last checkpoint's config.json
         # is checksummed: the config its weights were trained with (which of the two changed cannot be told: a
         # step folder copied in from another run brings its own, checksums and all).
@@ -262,7 +269,7 @@ def _is_run_folder(folder: Path) -> bool:
     if not ((folder / "checkpoints").is_dir() or (folder / "summary.json").is_file()):
         return False
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config = loads_json((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return False
     return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
@@ -294,7 +301,7 @@ def _prepared_meta(data, data_dir) -> dict | None:
         return None
     path = default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json"
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = loads_json(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     ok = isinstance(meta, dict) and isinstance(meta.get("splits"), dict)
@@ -318,6 +325,21 @@ def _dry_config(spec: RunSpec, converted: Path | None, meta: dict | None, saved:
     return full_config(model_cfg, spec.data, spec.train)
 
 
+def _data_problem(data, meta: dict | None, data_dir, run_dir: Path, finished: bool = False):
+    """How to check a checkpoint of run_dir against today's data (a function: its trainer.json -> the line refusing
+    it, or None): by the prepared data's meta when known, else (a dry run, before the data is prepared again) by
+    the local source file; None when neither can be (a named dataset not prepared yet). finished: the words for a
+    finished run."""
+    source, where, words = data.source, str(run_dir), FINISHED if finished else {}
+    if meta is not None:
+        now = data_fingerprint(meta)
+        return lambda trainer: data_change(trainer, now, source, where, **words)
+    if source not in NAMED_SOURCES:
+        path = local_path(source, data_dir)
+        return lambda trainer: source_file_change(trainer, path, source, where, **words)
+    return None
+
+
 def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_dir, resume: bool, start: str) -> str:
     """What `attnlab run` would do with a run, for --dry-run: train it, resume it from its last checkpoint, skip it
     (finished) or refuse it (another config, other data, another process training it, a damaged checkpoint)."""
@@ -329,7 +351,8 @@ def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_di
         if (run_dir / "summary.json").exists():
             saved = read_json_object(run_dir / "config.json", "delete the run's folder to train it again")
             config = _dry_config(spec, converted, meta, saved)
-            summary = finished_run(run_dir, config) if config is not None else None
+            check = _data_problem(spec.data, meta, data_dir, run_dir, finished=True)
+            summary = finished_run(run_dir, config, data_problem=check) if config is not None else None
             loss = f" (val loss {summary.get('val_loss', float('nan')):.4f})" if summary else ""
             return f"done already{loss}, would be skipped ({run_dir})"
         if not resume:
@@ -347,13 +370,8 @@ def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_di
             if differences:
                 more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
                 return f"would be refused: checkpoint {checkpoint.path} is from another config: {differences[0]}{more}"
-            where, source = str(run_dir), spec.data.source
-            if meta is not None:
-                problem = data_change(checkpoint.trainer, data_fingerprint(meta), source, where)
-            elif source not in NAMED_SOURCES:
-                problem = source_file_change(checkpoint.trainer, local_path(source, data_dir), source, where)
-            else:
-                problem = None
+            check = _data_problem(spec.data, meta, data_dir, run_dir)
+            problem = check(checkpoint.trainer) if check is not None else None
             if problem:
                 return f"would be refused: {problem}"
             return f"would resume from step {checkpoint.step} of {spec.train.steps} in {run_dir}"
@@ -489,7 +507,8 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         else:
             model_cfg = spec.model_config(prepared.vocab_size)
         config = full_config(model_cfg, spec.data, spec.train)
-        summary = finished_run(run_dir, config, manifest.path)
+        check = _data_problem(spec.data, prepared.meta, data_dir, run_dir, finished=True)
+        summary = finished_run(run_dir, config, manifest.path, check)
         if summary is not None:
             log(f"{label}: done already (val loss {summary.get('val_loss', float('nan')):.4f}), skipped")
             summaries.append(summary)
@@ -497,7 +516,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         made = _missing_folders(run_dir)
         with run_lock(run_dir) if dist_info.is_main else contextlib.nullcontext():
             try:
-                summary = finished_run(run_dir, config, manifest.path)  # (finished by another process just now)
+                summary = finished_run(run_dir, config, manifest.path, check)  # (finished by another process just now)
                 if summary is not None:
                     log(f"{label}: done already (val loss {summary.get('val_loss', float('nan')):.4f}), skipped")
                     summaries.append(summary)

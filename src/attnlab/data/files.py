@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from attnlab.errors import DataError, InputError
+from attnlab.jsonio import IntegerTooLong, loads_json
 
 try:
     import fcntl
@@ -194,7 +195,7 @@ def read_json_object(path: str | Path, fix: str = "") -> dict:
     unreadable or not an object. fix: what to do, said after the problem."""
     path = Path(path)
     try:
-        value = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark is read past
+        value = loads_json(path.read_text(encoding="utf-8-sig"))  # a byte-order mark is read past
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: unreadable ({' '.join(str(e).split())}){'; ' + fix if fix else ''}") from None
     except RecursionError:  # thousands of nested brackets: a damaged file, not a bug of ours
@@ -229,7 +230,9 @@ def json_objects(lines: list[str]) -> list[dict] | tuple[int, str]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = loads_json(line)
+        except IntegerTooLong as e:  # an object, but not one to read
+            return number, f"is not valid JSON: {e.msg} at column {e.colno}"
         except json.JSONDecodeError:
             row = None
         except RecursionError:

@@ -41,6 +41,7 @@ from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
 from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
 from attnlab.errors import ConfigError, DataError
+from attnlab.jsonio import loads_json
 from attnlab.paths import cache_dir
 
 FORMAT_VERSION = 1
@@ -245,7 +246,7 @@ def open_prepared(path: str | Path, verify: bool = False) -> Prepared:
     path = Path(path)
     redo = _redo(path)
     try:
-        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        meta = loads_json((path / "meta.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise DataError(f"{path} is not a prepared data folder (no meta.json)") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from attnlab.data.files import atomic_write_text, file_kind
 from attnlab.data.tokenizers import Tokenizer
 from attnlab.errors import DataError, InputError
+from attnlab.jsonio import loads_json
 
 # The ids a document ends with in pretraining, when the vocabulary has one (GPT-2 family, SmolLM, Llama 3);
 # otherwise end-of-text is the end-of-sequence id.
@@ -161,7 +162,7 @@ def _read_json(path: Path) -> dict:
     if not regular_file(path):
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
     except PermissionError:  # not a damaged file: the OS's error names it
         raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -37,6 +37,7 @@ from attnlab.data.files import (
     temp_path_beside,
 )
 from attnlab.errors import DataError
+from attnlab.jsonio import loads_json
 from attnlab.paths import cache_dir, data_dirs, find_data_file
 
 SPLITS = ("train", "val", "test")
@@ -141,7 +142,7 @@ def jsonl_texts(path: Path) -> Iterator[str]:
             if not line.strip():
                 continue
             try:
-                text = json.loads(line).get("text")
+                text = loads_json(line).get("text")
             except (json.JSONDecodeError, AttributeError) as e:
                 raise DataError(f"{path}:{number}: not a JSON object ({e})") from None
             if not isinstance(text, str):

@@ -28,6 +28,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from attnlab.config import names_model
 from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed, sha256_file
 from attnlab.errors import ConfigError, DataError
+from attnlab.jsonio import loads_json
 from attnlab.paths import data_dirs
 
 EOT = "<|endoftext|>"
@@ -375,7 +376,7 @@ def load_tokenizer(
     try:
         if cls is BPETokenizer:
             return BPETokenizer(name, HFTokenizer.from_file(str(path)))
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
         tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
             raise DataError('expected {"tokens": [text, ...]}')
@@ -422,7 +423,7 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 
 def _ranks_from_encoder_json(encoder_json: Path, vocab_bpe: Path) -> dict[bytes, int]:
     """tiktoken's mergeable ranks are GPT-2's encoder.json ids; vocab.bpe (the merges) is checked by hash."""
-    encoder = json.loads(_checked_bytes(encoder_json, "encoder.json"))
+    encoder = loads_json(_checked_bytes(encoder_json, "encoder.json"))
     _checked_bytes(vocab_bpe, "vocab.bpe")
     byte_of = _gpt2_byte_decoder()
     return {bytes(byte_of[c] for c in token): rank for token, rank in encoder.items() if token != EOT}

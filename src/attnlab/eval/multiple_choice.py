@@ -48,6 +48,7 @@ import hashlib
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ from attnlab.data.files import special_file
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.loading import EvalModel
 from attnlab.eval.records import append_records, make_record
+from attnlab.jsonio import BoundedDecoder, loads_json
 from attnlab.paths import find_data_file
 
 
@@ -99,7 +101,7 @@ def _read_jsonl(path: Path, task: str = "", fields: str = "") -> list[tuple[int,
     for line, raw in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit in a string
         if raw.strip():
             try:
-                out.append((line, json.loads(raw)))
+                out.append((line, loads_json(raw)))
             except json.JSONDecodeError as e:
                 _not_jsonl(path, text, task, fields, first=not out)
                 raise DataError(f"{path}:{line}: not valid JSON ({e.msg}, column {e.colno})") from None
@@ -125,7 +127,7 @@ def _one_document(text: str) -> str | None:
     """What a text that is one JSON document spread over lines holds ("array of N items (an arc_easy file? ...)",
     "object spread over N lines"), or None when it is not one."""
     try:
-        whole = json.loads(text)
+        whole = loads_json(text)
     except (json.JSONDecodeError, RecursionError):
         return None
     if isinstance(whole, dict):
@@ -140,9 +142,11 @@ _WS = re.compile(r"\s*")
 TOO_DEEP = "not valid JSON (nested too deeply to read: the file is damaged or not a task file)"
 
 
-def _read_json_array(path: Path) -> list[tuple[int, Any]]:
-    """(line number where the item starts, object) for every item of a file holding one JSON array."""
-    text, decoder, out = _read_text(path), json.JSONDecoder(), []
+def _read_json_array(path: Path) -> list[tuple[int | str, Any]]:
+    """(where the item starts, object) for every item of a file holding one JSON array: its line number, or
+    "LINE (item N)" (N counted from 1 over the whole array) when other items start on that line too, as in a file
+    written on one line."""
+    text, decoder, out = _read_text(path), BoundedDecoder(), []
     pos = _WS.match(text).end()
     if not text.startswith("[", pos):
         jsonl = " (this file starts with an object: JSONL, as piqa, winogrande and hellaswag read?)"
@@ -167,13 +171,14 @@ def _read_json_array(path: Path) -> list[tuple[int, Any]]:
         pos = _WS.match(text, pos + 1).end()
     if text[pos + 1 :].strip():
         raise DataError(f"{path}: text after the closing ']'")
-    return out
+    starts = Counter(line for line, _ in out)
+    return [(line if starts[line] == 1 else f"{line} (item {n})", obj) for n, (line, obj) in enumerate(out, 1)]
 
 
 _KINDS = {str: "a string", int: "an integer", list: "a list", dict: "an object"}
 
 
-def _get(obj: Any, key: str, kind: type, path: Path, line: int, name: str | None = None) -> Any:
+def _get(obj: Any, key: str, kind: type, path: Path, line: int | str, name: str | None = None) -> Any:
     """obj[key], checked to be of `kind`; the DataError names file, line and field."""
     name = name or key
     if not isinstance(obj, dict):
@@ -186,7 +191,7 @@ def _get(obj: Any, key: str, kind: type, path: Path, line: int, name: str | None
     return value
 
 
-def _strings(obj: Any, key: str, path: Path, line: int, name: str | None = None, item: str = "",
+def _strings(obj: Any, key: str, path: Path, line: int | str, name: str | None = None, item: str = "",
              distinct: bool = False) -> list[str]:  # fmt: skip
     """A list of at least two non-empty strings (the choices of one question); with `distinct`, no two the same
     (a choice given twice ties with itself, and the tie goes to whichever comes first: the item scores nothing)."""
@@ -201,7 +206,7 @@ def _strings(obj: Any, key: str, path: Path, line: int, name: str | None = None,
     return value
 
 
-def _gold(value: Any, n_choices: int, key: str, path: Path, line: int) -> int:
+def _gold(value: Any, n_choices: int, key: str, path: Path, line: int | str) -> int:
     """An index into the choices: an int, or a string of digits (HellaSwag's HF copy stores "0".."3")."""
     if isinstance(value, str) and value.isdigit():
         value = int(value)

@@ -62,6 +62,7 @@ from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.interop.hf import hf_targets
 from attnlab.interop.references import load_model, model_config_of
 from attnlab.interop.tokenizer import _byte_alphabet
+from attnlab.jsonio import loads_json
 from attnlab.model.transformer import Transformer
 
 # The files export_hf writes (EXPORT_FILES): all that a folder --overwrite replaces may hold.
@@ -394,7 +395,7 @@ def write_tokenizer(tokenizer: Tokenizer, folder: str | Path, max_len: int | Non
     folder = Path(folder)
     if isinstance(tokenizer, PretrainedTokenizer):
         tokenizer.save(folder)
-        settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        settings = loads_json((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         what = f"{tokenizer.name} (its tokenizer.json)"
     else:
         atomic_write_text(folder / "tokenizer.json", hf_tokenizer(tokenizer).to_str())

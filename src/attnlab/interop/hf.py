@@ -29,6 +29,7 @@ from attnlab.attention.sliding import SlidingConfig
 from attnlab.config import ModelConfig, RopeScaling
 from attnlab.data.pretrained import regular_file
 from attnlab.errors import AttnlabWarning, ConfigError, DataError
+from attnlab.jsonio import loads_json
 from attnlab.model.transformer import Transformer, build_model
 from attnlab.ops.finite import all_finite
 
@@ -354,7 +355,7 @@ def read_json(path: Path) -> dict:
     if not regular_file(path):
         raise DataError(f"{path}: not found")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise DataError(f"{path}: not found") from None
     except PermissionError:  # not a damaged file: the OS's error names it

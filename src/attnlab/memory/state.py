@@ -36,6 +36,7 @@ from attnlab.cache.memories import MemoryCache
 from attnlab.config import PRESSES
 from attnlab.data.files import atomic_write_bytes, file_kind
 from attnlab.errors import AttnlabWarning, DataError, InputError
+from attnlab.jsonio import loads_json
 
 FORMAT = "attnlab-memory-state"
 SCHEMA_VERSION = 1
@@ -162,11 +163,14 @@ def parse_state(blob: bytes, path: str | Path = "<bytes>") -> tuple[dict, dict[s
     except SafetensorError as e:
         raise DamagedStateError(f"{damaged}: {e})") from None
     size = int.from_bytes(blob[:8], "little")  # safetensors: u64 header length, JSON header, tensor bytes
-    metadata = json.loads(blob[8 : 8 + size]).get("__metadata__") or {}
+    try:
+        metadata = loads_json(blob[8 : 8 + size]).get("__metadata__") or {}
+    except json.JSONDecodeError as e:  # (safetensors read it, but not an integer too long for Python)
+        raise DamagedStateError(f"{damaged}: {e})") from None
     if HEADER_KEY not in metadata:
         raise DamagedStateError(f"{path}: a safetensors file but not an attnlab memory state (no {HEADER_KEY!r})")
     try:
-        header = json.loads(metadata[HEADER_KEY])
+        header = loads_json(metadata[HEADER_KEY])
     except json.JSONDecodeError as e:
         raise DamagedStateError(f"{damaged}: header {e})") from None
     except RecursionError:

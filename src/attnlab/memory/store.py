@@ -31,6 +31,7 @@ from attnlab.errors import DataError, InputError, LengthWarning
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
 from attnlab.interop.tokenizer import warn_unknown
+from attnlab.jsonio import loads_json
 from attnlab.memory.state import DamagedStateError, MemoryStateError, load_state, require_memory, save_state
 from attnlab.paths import cache_dir
 from attnlab.paths import check_name as check_name_of
@@ -117,7 +118,7 @@ class MemoryStore:
         types = (str, str, list, int, int, str, str, str, str)
         for row in rows:
             try:
-                values = (*row[:2], json.loads(row[2]), *row[3:])
+                values = (*row[:2], loads_json(row[2]), *row[3:])
             except (TypeError, ValueError, RecursionError):  # (nested too deeply for the json module)
                 values = ()
             if len(values) != len(types) or not all(isinstance(v, t) for v, t in zip(values, types, strict=True)):

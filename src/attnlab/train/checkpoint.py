@@ -35,6 +35,7 @@ from attnlab.config import ModelConfig
 from attnlab.config_io import model_config_from_dict
 from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove_stale_temporaries, sha256_file
 from attnlab.errors import AttnlabWarning, DataError
+from attnlab.jsonio import loads_json
 from attnlab.model.transformer import Transformer, build_model
 from attnlab.ops.finite import all_finite
 from attnlab.paths import blocking_file, system_folder
@@ -196,7 +197,7 @@ def canonical_header(path: Path) -> None:
     changed."""
     with open(path, "r+b") as f:
         size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
+        header = loads_json(f.read(size))
         metadata = header.pop("__metadata__", None)
         ordered = dict(sorted(header.items(), key=lambda item: (item[1]["data_offsets"], item[0])))
         if metadata is not None:
@@ -240,7 +241,7 @@ def read_pointer(root: Path, tag: str) -> dict | None:
     if not path.exists():
         return None
     try:
-        pointer = json.loads(path.read_text())
+        pointer = loads_json(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); delete it to start over") from None
     if not (
@@ -301,7 +302,7 @@ def recorded_checksums(folder: Path) -> dict | None:
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable ({_why(e)}); {_fix(folder)}") from None
     try:
-        data = json.loads(text)
+        data = loads_json(text)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}): it was damaged or changed; {_fix(folder)}") from None
     files = data.get("files") if isinstance(data, dict) and data.get("format") == CHECKSUMS_FORMAT else None
@@ -372,7 +373,7 @@ def verify_file(folder: Path, name: str, recorded: dict | None) -> Path:
 def _read_json(folder: Path, name: str, recorded: dict | None):
     path = verify_file(folder, name, recorded)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return loads_json(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         detail = e.strerror if isinstance(e, OSError) else e
         raise CheckpointError(f"{path}: unreadable ({detail}); the checkpoint is incomplete or damaged") from None

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from attnlab.data.files import atomic_write_text
 from attnlab.errors import DataError
+from attnlab.jsonio import loads_json
 
 
 class MetricsLog:
@@ -37,7 +38,7 @@ class MetricsLog:
         kept = []
         for number, line in enumerate(rows, 1):
             try:
-                row = json.loads(line)
+                row = loads_json(line)
             except json.JSONDecodeError:
                 raise DataError(f"{self.path}: line {number} is not JSON (the metrics log was damaged); repair or "
                                 "remove that line, or delete the file to start the log afresh") from None  # fmt: skip

@@ -16,6 +16,9 @@ from attnlab.errors import ConfigError, DataError
 from attnlab.train.checkpoint import CheckpointError
 
 HOW = "restore the data as it was to resume, or train into a new --out"
+# What data_change and source_file_change say of a finished run (skipped, its results reported) on changed data.
+FINISHED = {"since": "this run was trained", "how": "restore the data as it was, or train into a new --out (or "
+            "delete the run's folder to train it again)"}  # fmt: skip
 
 
 # How the work is spread over processes and memory, not what is computed: a run saved with DDP resumes with FSDP
@@ -65,10 +68,12 @@ def _edited(saved: dict, now: dict) -> str | None:
     return None
 
 
-def data_change(trainer: dict, now: dict, source: str, where: str) -> str | None:
+def data_change(trainer: dict, now: dict, source: str, where: str, since: str = "this run started",
+                how: str = HOW) -> str | None:  # fmt: skip
     """The one line refusing a resume on data other than the checkpoint's (trainer: its trainer.json; now:
     data_fingerprint of the data prepared today; where: the run folder), or None when it is the same data or the
-    checkpoint recorded none."""
+    checkpoint recorded none. since, how: when the data was the checkpoint's, and the fix (FINISHED's for a finished
+    run, which would be skipped with results of the old data)."""
     saved = _recorded(trainer)
     if saved is None:
         return None
@@ -81,11 +86,12 @@ def data_change(trainer: dict, now: dict, source: str, where: str) -> str | None
         what = "it is read from other files than then"
     if what is None:
         what = "the same source files, tokenized otherwise (another attnlab or tokenizer version)"
-    return (f"{where}: the data {source} changed since this run started ({what}; its prepared {', '.join(changed)} "
-            f"tokens differ from those the checkpoint was trained on); {HOW}")  # fmt: skip
+    return (f"{where}: the data {source} changed since {since} ({what}; its prepared {', '.join(changed)} "
+            f"tokens differ from those the checkpoint was trained on); {how}")  # fmt: skip
 
 
-def source_file_change(trainer: dict, path: Path, source: str, where: str) -> str | None:
+def source_file_change(trainer: dict, path: Path, source: str, where: str, since: str = "this run started",
+                       how: str = HOW) -> str | None:  # fmt: skip
     """data_change for a dry run, from a local source file alone (before it is prepared again): the line refusing
     the resume when the checkpoint recorded `path` with another sha256, else None."""
     saved = _recorded(trainer)
@@ -95,7 +101,7 @@ def source_file_change(trainer: dict, path: Path, source: str, where: str) -> st
     if now == saved["source_files"][str(path)]:
         return None
     what = _edited(saved["source_files"], {str(path): now})
-    return f"{where}: the data {source} changed since this run started ({what}); {HOW}"
+    return f"{where}: the data {source} changed since {since} ({what}); {how}"
 
 
 def token_count_change(trainer: dict, n_tokens: int, source: str, where: str) -> str | None:
