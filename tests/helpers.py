@@ -221,3 +221,15 @@ metric_list:
 def lm_task_yaml(name: str = "mytask", data: str = "x/data.jsonl") -> str:
     """An lm-eval multiple-choice task file over a local JSON-lines file (fields q, gold, choices)."""
     return LM_TASK.format(name=name, data=data)
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under `folder` by its relative path: its bytes (to assert a refused command wrote nothing)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def edit_one_word(path: Path) -> None:
+    """'cat' -> 'act' in one paragraph of a text file: the same characters, so the same vocabulary."""
+    docs = path.read_text().split("\n\n")
+    docs[7] = docs[7].replace("cat", "act")
+    path.write_text("\n\n".join(docs))

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import fails
+from helpers import edit_one_word, fails, snapshot
 
 from attnlab.cli import main
 
@@ -65,17 +65,6 @@ def interrupted_run(tmp_path, monkeypatch, capsys) -> tuple[Path, Path, Path]:
     run_dir = out / "m" / "base" / "seed0"
     assert (run_dir / "checkpoints" / "step-000002").is_dir() and not (run_dir / "summary.json").exists()
     return manifest, out, run_dir
-
-
-def snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def edit_one_word(path: Path) -> None:
-    """'cat' -> 'act' in one document: the same characters, so the same vocabulary."""
-    docs = path.read_text().split("\n\n")
-    docs[7] = docs[7].replace("cat", "act")
-    path.write_text("\n\n".join(docs))
 
 
 # ----------------------------------------------------------------------------- T-datachg4, T-datachg2

@@ -14,7 +14,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from helpers import PROBE_MODEL, error_line, fails, hat_text, probe_manifest, train_tiny_run
+from helpers import PROBE_MODEL, edit_one_word, error_line, fails, hat_text, probe_manifest, snapshot, train_tiny_run
 
 from attnlab.cli import main
 
@@ -134,17 +134,19 @@ def test_an_hf_config_json_integer_too_long_is_named(tmp_path, capsys):
     folder = tmp_path / "h"
     folder.mkdir()
     (folder / "config.json").write_text(f'{{"model_type": "llama", "vocab_size": {BIG}}}')
-    fails(capsys, ["info", str(folder)], "config.json: not valid JSON", "an integer of 5000 digits", "column 39")
+    assert fails(capsys, ["info", str(folder)], "config.json: not valid JSON", "an integer of 5000 digits", "column 39")
 
 
 def test_a_records_line_or_a_summary_with_an_integer_too_long_is_named(tmp_path, capsys):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "records.jsonl").write_text(f'{{"benchmark": "perplexity"}}\n{{"benchmark": "x", "n": {BIG}}}\n')
-    fails(capsys, ["report", str(tmp_path / "r")], "records.jsonl: line 2 is not valid JSON", "an integer of 5000")
+    report = ["report", str(tmp_path / "r")]
+    assert fails(capsys, report, "records.jsonl: line 2 is not valid JSON", "an integer of 5000")
     run = tmp_path / "runs" / "t" / "seed0"
     run.mkdir(parents=True)
     (run / "summary.json").write_text(f'{{"val_loss": {BIG}}}')
-    fails(capsys, ["compare", str(tmp_path / "runs")], "summary.json", "an integer of 5000 digits, far too large")
+    compare = ["compare", str(tmp_path / "runs")]
+    assert fails(capsys, compare, "summary.json", "an integer of 5000 digits, far too large")
 
 
 def test_a_jsonl_data_source_with_an_integer_too_long_is_named(tmp_path, capsys):
@@ -173,11 +175,11 @@ def test_a_report_of_a_folder_or_a_manifest_named_in_bytes_that_are_not_utf8_is_
     os.mkdir(folder)
     with open(folder + b"/records.jsonl", "w") as f:
         f.write('{"benchmark": "perplexity"}\n')
-    fails(capsys, ["report", os.fsdecode(folder)], "dir ", "bench\\xff", "rename the file or folder")
+    assert fails(capsys, ["report", os.fsdecode(folder)], "dir ", "bench\\xff", "rename the file or folder")
     manifest = os.fsencode(probe_manifest(tmp_path, hat_text(tmp_path), "{steps: 2}"))
     os.rename(manifest, manifest[:-4] + b"\xff.yml")
     argv = ["run", os.fsdecode(manifest[:-4] + b"\xff.yml"), "--dry-run"]
-    fails(capsys, argv, "manifest ", "m\\xff.yml is not valid UTF-8")
+    assert fails(capsys, argv, "manifest ", "m\\xff.yml is not valid UTF-8")
 
 
 # ----------------------------------------------------------------------------- q6: the items of a one-line array
@@ -187,23 +189,13 @@ def test_the_items_of_a_one_line_arc_file_are_told_apart(tiny_run, tmp_path, cap
     good = {"id": "a", "question": "q", "choices": {"text": ["x", "y"], "label": ["A", "B"]}, "answerKey": "A"}
     path = tmp_path / "arc.json"
     path.write_text(json.dumps([good, dict(good, id="b"), {k: v for k, v in good.items() if k != "question"}]))
-    fails(capsys, ["mc", "arc_easy", str(tiny_run), "--file", str(path)], f"{path}:1 (item 3): field 'question' is")
+    mc = ["mc", "arc_easy", str(tiny_run), "--file", str(path)]
+    assert fails(capsys, mc, f"{path}:1 (item 3): field 'question' is")
 
 
 # ----------------------------------------------------------------------------- q7: a finished run on changed data
 
 TRAIN = "{seq_len: 16, batch_size: 2, steps: 4, warmup_steps: 1, eval_every: 4, eval_tokens: 64, checkpoint_every: 2}"
-
-
-def snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def edit_one_word(path: Path) -> None:
-    """'cat' -> 'act' in one paragraph: the same characters, so the same vocabulary."""
-    docs = path.read_text().split("\n\n")
-    docs[7] = docs[7].replace("cat", "act")
-    path.write_text("\n\n".join(docs))
 
 
 @pytest.mark.parametrize("edit", ["a new character", "one word"])

@@ -509,20 +509,30 @@ int32_t attnlab_block_dot_q8(int fmt, const uint8_t *block, const int8_t *xq, in
     return block_dot_q8_c(fmt, block, xq, xsum);
 }
 
+/* x (m, k) quantized by attnlab_quantize_q8 into buffers the caller frees: 0, or -2 when out of memory. */
+static int quantized_x(const float *x, int64_t m, int64_t k, int8_t **xq, float **xd, int32_t **xs) {
+    const int64_t nb = k / 32;
+    *xq = malloc((size_t)(m * k) + 1);
+    *xd = malloc(sizeof(float) * (size_t)(m * nb) + 1);
+    *xs = malloc(sizeof(int32_t) * (size_t)(m * nb) + 1);
+    if (!*xq || !*xd || !*xs) {
+        free(*xq), free(*xd), free(*xs);
+        return -2;
+    }
+    attnlab_quantize_q8(x, m, k, *xq, *xd, *xs);
+    return 0;
+}
+
 /* y (m, n) = x (m, k) W^T + bias with x quantized to 8 bits first (see the top of this file): Q4_0, Q4_1, Q8_0.
  * Returns 0, -1 for a format without codes (F16) or a k that is not a multiple of 32, -2 when out of memory. */
 int attnlab_qmatmul_q8(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                        const float *bias) {
     if (fmt == F16 || !block_bytes(fmt) || k % 32) return -1;
     const int64_t nb = k / 32, row_stride = nb * block_bytes(fmt), tiles = (n + ROWS - 1) / ROWS;
-    int8_t *xq = malloc((size_t)(m * k) + 1);
-    float *xd = malloc(sizeof(float) * (size_t)(m * nb) + 1);
-    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(m * nb) + 1);
-    if (!xq || !xd || !xs) {
-        free(xq), free(xd), free(xs);
-        return -2;
-    }
-    attnlab_quantize_q8(x, m, k, xq, xd, xs);
+    int8_t *xq;
+    float *xd;
+    int32_t *xs;
+    if (quantized_x(x, m, k, &xq, &xd, &xs)) return -2;
 #pragma omp parallel for schedule(dynamic, CHUNK) if (n * k >= PARALLEL_MIN)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t first = t * ROWS;
@@ -711,14 +721,10 @@ int attnlab_qmatmul_q8p(int fmt, const uint8_t *w, int64_t n, int64_t k, const f
                         const float *bias) {
     if (fmt == F16 || !block_bytes(fmt) || k % 32 || n % PACK) return -1;
     const int64_t nb = k / 32, group_bytes = PACK * nb * block_bytes(fmt), groups = n / PACK;
-    int8_t *xq = malloc((size_t)(m * k) + 1);
-    float *xd = malloc(sizeof(float) * (size_t)(m * nb) + 1);
-    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(m * nb) + 1);
-    if (!xq || !xd || !xs) {
-        free(xq), free(xd), free(xs);
-        return -2;
-    }
-    attnlab_quantize_q8(x, m, k, xq, xd, xs);
+    int8_t *xq;
+    float *xd;
+    int32_t *xs;
+    if (quantized_x(x, m, k, &xq, &xd, &xs)) return -2;
 #pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t i = 0; i < m; i++) {
