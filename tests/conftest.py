@@ -96,3 +96,21 @@ def pytest_collection_modifyitems(config, items):
     worker a whole file at a time, so a long file left to the end would keep one worker busy alone."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each group is kept
+
+
+@pytest.fixture
+def file_size_limit():
+    """limit(bytes): files larger than that cannot be written (as `ulimit -f`) until the test ends; writes past
+    it fail with EFBIG instead of killing the process (SIGXFSZ ignored)."""
+    import resource
+    import signal
+
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def limit(size: int | None):
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous if size is None else (size, previous[1]))
+
+    yield limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+    signal.signal(signal.SIGXFSZ, handler)

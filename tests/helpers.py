@@ -233,3 +233,14 @@ def edit_one_word(path: Path) -> None:
     docs = path.read_text().split("\n\n")
     docs[7] = docs[7].replace("cat", "act")
     path.write_text("\n\n".join(docs))
+
+
+def run_limited(limit, size, argv):
+    """main(argv) with files limited to `size` bytes (limit: the file_size_limit fixture); its exit code."""
+    from attnlab.cli import main
+
+    limit(size)
+    try:
+        return main(argv)
+    finally:
+        limit(None)  # pytest's own files are written past it

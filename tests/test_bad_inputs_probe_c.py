@@ -17,6 +17,7 @@ import pytest
 from helpers import fails, lm_task_yaml, train_tiny_run
 
 from attnlab.cli import main
+from attnlab.data.files import read_only_file_system
 from attnlab.data.sources import TINYSHAKESPEARE_URL
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -259,10 +260,11 @@ def test_probes_out_on_a_read_only_file_system_is_refused_first(tmp_path, capsys
     readonly = Path("/proc/sys")
     if not readonly.is_dir() or os.access(readonly, os.W_OK):
         pytest.skip("no read-only folder here (/proc/sys is writable)")
+    why = ("a read-only file system): give a folder on a writable one" if read_only_file_system(readonly) else
+           "permission denied): make it writable, or give another folder")  # fmt: skip
     assert fails(
         capsys, ["probes", PROBES, str(tmp_path / "absent"), "--out", str(readonly / "attnlab")],
-        f"--out {readonly / 'attnlab'}: probes.jsonl cannot be written in {readonly} (permission denied or a "
-        "read-only file system)",
+        f"--out {readonly / 'attnlab'}: probes.jsonl cannot be written in {readonly} ({why}",
     )  # fmt: skip
 
 

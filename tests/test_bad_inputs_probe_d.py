@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import error_line, fails
+from helpers import error_line, fails, run_limited
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -167,34 +167,6 @@ def plain_run(tmp_path_factory):
 
     model = {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64}
     return train_tiny_run(tmp_path_factory.mktemp("plainrun"), model, steps=4)
-
-
-@pytest.fixture
-def file_size_limit():
-    """limit(bytes): files larger than that cannot be written (as `ulimit -f`) until the test ends; writes past
-    it fail with EFBIG instead of killing the process (SIGXFSZ ignored)."""
-    import resource
-    import signal
-
-    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
-    def limit(size: int | None):
-        resource.setrlimit(resource.RLIMIT_FSIZE, previous if size is None else (size, previous[1]))
-
-    yield limit
-    resource.setrlimit(resource.RLIMIT_FSIZE, previous)
-    signal.signal(signal.SIGXFSZ, handler)
-
-
-def run_limited(limit, size, argv):
-    from attnlab.cli import main
-
-    limit(size)
-    try:
-        return main(argv)
-    finally:
-        limit(None)  # pytest's own files are written past it
 
 
 def test_an_export_past_a_file_size_limit_names_the_file(plain_run, tmp_path, capsys, file_size_limit):

@@ -373,7 +373,7 @@ def test_a_non_finite_loss_is_shown_as_such_not_as_missing(tmp_path, loss, shown
     from attnlab.eval.report import build_report
 
     row = ppl_record(loss=4.0)
-    row = {**row, "loss": loss} if loss is not None else row
+    row = {**row, "loss": loss, "ppl": loss} if loss is not None else row  # (exp(nan) is nan, exp(inf) inf)
     build_report(write_records(tmp_path / "r", row))
     cells = table_rows((tmp_path / "r" / "report.md").read_text(), "m")[0]
     assert cells[4] == (shown if loss is not None else "4.000")

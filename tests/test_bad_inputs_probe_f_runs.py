@@ -154,7 +154,9 @@ def test_a_missing_calibration_text_is_refused_where_the_data_directory_is_known
     assert fails(capsys, command, "calibrate_on=missing.txt")
     mha = retro_manifest(tmp_path, llama, text, f"{{model: {llama}, calibrate_on: missing.txt}}",
                          "{kind: mha, n_kv_heads: 1}")  # fmt: skip
-    assert main(["validate", str(mha), "--data-dir", str(tmp_path)]) == 0  # no factorisation: the text is not read
+    assert main(["validate", str(mha), "--data-dir", str(tmp_path)]) == 2  # no factorisation: the option does nothing
+    assert "init_from.calibrate_on='missing.txt' applies to bottleneck/decoupled/mla conversions" in (
+        capsys.readouterr().err)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- RET-co-noresume

@@ -86,7 +86,8 @@ def test_impossible_figures_are_refused_naming_the_record(records, tmp_path, cap
     write(tmp_path / "r", rows)
     assert fails(capsys, ["report", str(tmp_path / "r")], f"record {number} ({benchmark}, tiny/seed0): {fragment}")
     assert not (tmp_path / "r" / "report.md").exists()
-    rows[number - 1][field] = float("nan")  # a diverged model's figure is no impossible one: shown as such
+    for name in ("loss", "ppl") if benchmark == "perplexity" else (field,):  # (its loss and perplexity together)
+        rows[number - 1][name] = float("nan")  # a diverged model's figure is no impossible one: shown as such
     (tmp_path / "r" / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert build_report(tmp_path / "r")["markdown"].exists()
 

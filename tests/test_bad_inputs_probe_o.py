@@ -7,6 +7,7 @@ blamed a missing file (o8), kv-eval measured a policy given twice twice (o131), 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
@@ -29,16 +30,18 @@ def test_two_appends_to_one_records_file_at_once_keep_both_rows(tmp_path, monkey
     """o3: six `kv-eval --out race.jsonl` at once left five records: each read the file, then renamed the old rows
     plus its own over it. A second append that starts while the first has read the file now waits for it."""
     path = tmp_path / "r.jsonl"
-    real, other = records.atomic_write_text, []
+    real, other = records.atomic_path, []
 
-    def write_late(target, text, durable=False):
+    @contextlib.contextmanager
+    def write_late(target, durable=False):
         if not other:  # the first append has read the file: a second one starts now
             other.append(threading.Thread(target=records.append_records, args=(path, [{"benchmark": "b", "n": 2}])))
             other[0].start()
             other[0].join(timeout=1)  # unlocked, it writes its row now; locked, it waits for this one
-        real(target, text, durable)
+        with real(target, durable) as tmp:
+            yield tmp
 
-    monkeypatch.setattr(records, "atomic_write_text", write_late)
+    monkeypatch.setattr(records, "atomic_path", write_late)
     records.append_records(path, [{"benchmark": "b", "n": 1}])
     other[0].join()
     assert sorted(json.loads(line)["n"] for line in path.read_text().splitlines()) == [1, 2]

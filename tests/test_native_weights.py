@@ -43,7 +43,7 @@ def write_gguf(path, model, types: dict[str, Q]):
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(TOKENS)
     writer.add_token_types([3] + [1] * (len(TOKENS) - 1))
-    writer.add_token_merges([])
+    writer.add_token_merges(["a b", "c d"])  # (its tokens "ab" and "cd")
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(0)
     tensors = {gguf_name(hf): tensor.detach().float().numpy() for hf, tensor in hf_targets(model).items()}

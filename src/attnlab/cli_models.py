@@ -18,7 +18,7 @@ from attnlab.cache.codecs import FORMATS, KVPolicy
 from attnlab.cli_errors import one_line
 from attnlab.config import DTYPE_BYTES, source_problem
 from attnlab.config_io import parse_yaml
-from attnlab.data.files import TEMPORARY, remove_stale_temporaries
+from attnlab.data.files import TEMPORARY, read_only_file_system, remove_stale_temporaries
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, DataError, InputError
 from attnlab.eval import append_records, load_for_eval, make_record
@@ -94,6 +94,9 @@ def check_writable(flag: str, path: Path) -> None:
     target = path if path.exists() else next((p for p in path.absolute().parents if p.exists()), None)
     if target is not None and not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
         what = "the file" if target == path else f"its folder {target}"
+        if read_only_file_system(target):
+            raise InputError(f"{flag} {path}: {what} is on a read-only file system: give a path on a writable "
+                             "one")  # fmt: skip
         raise InputError(f"{flag} {path}: {what} is not writable by this user (permission denied): give a path you "
                          "can write to")  # fmt: skip
     # os.access says yes to root anywhere, also in /proc or /sys, where nothing can be made: a file made and removed

@@ -27,8 +27,13 @@ def cmd_memory_ls(args) -> int:
     rows = [("name", "tokens", "bytes", "model hash", "created")]
     rows += [(e.name, f"{e.tokens:,}", f"{e.bytes:,}", e.config_hash, e.created) for e in entries]
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    for row in rows:  # numbers right-aligned
+    for row, entry in zip(rows, [None, *entries], strict=True):  # numbers right-aligned
         cells = [row[i].rjust(w) if i in (1, 2) else row[i].ljust(w) for i, w in enumerate(widths)]
+        if entry is not None and not store.holds(entry):  # (a row changed by hand)
+            cells.append(f"(its row names {entry.file}, not a state file of the store: `attnlab memory rm "
+                         f"{entry.name}`)")  # fmt: skip
+        elif entry is not None and not (store.root / entry.file).is_file():
+            cells.append(f"(its state file {entry.file} is gone: `attnlab memory rm {entry.name}`)")
         print("  ".join(cells).rstrip())
     return 0
 

@@ -16,6 +16,7 @@ import yaml
 from attnlab.attention.registry import parse_attention
 from attnlab.config import MemoryConfig, ModelConfig, RopeScaling
 from attnlab.config_checks import build_collecting, dataclass_kwargs
+from attnlab.data.files import unreachable
 from attnlab.errors import ConfigError
 from attnlab.jsonio import MAX_INT_BITS, MAX_INT_DIGITS, too_many_digits
 from attnlab.paths import brief
@@ -191,8 +192,9 @@ def read_yaml(path: str | Path) -> Any:
     """A YAML file's data ({} when empty). A missing or unreadable file, text that is not UTF-8, bad YAML or a
     key given twice is a ConfigError naming the file (and the line)."""
     path = Path(path)
-    if not path.exists():
-        raise ConfigError("file not found (check the path)", source=str(path))
+    problem = unreachable(path)
+    if problem:
+        raise ConfigError(problem, source=str(path))
     mode = path.stat().st_mode
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO would wait for a writer without end (a folder: below)
         raise ConfigError("is not a regular file (a FIFO, socket or device): give the YAML file itself",

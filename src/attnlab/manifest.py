@@ -75,6 +75,7 @@ from attnlab.config import (
 from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import IntTooLarge, TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
+from attnlab.interop.convert import LOW_RANK
 from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import (
     plain_name_problem,
@@ -253,6 +254,22 @@ def _given_keys(layers) -> dict[str, set]:
     return keys
 
 
+def conversion_options_problem(init_from: Any, attention: Any, where: str) -> str | None:
+    """An init_from mapping's options of a low-rank conversion (rope_pairs, calibration_tokens other than 0,
+    calibrate_on) given for a target whose attention is not bottleneck/decoupled/mla: they would do nothing (as
+    `attnlab convert` refuses them)."""
+    kind = attention.get("kind") if isinstance(attention, dict) else None
+    if not isinstance(init_from, dict) or kind in LOW_RANK:
+        return None
+    given = [key for key in ("rope_pairs", "calibration_tokens", "calibrate_on")
+             if key in init_from and not (key == "calibration_tokens" and init_from[key] == 0)]  # fmt: skip
+    if not given:
+        return None
+    this = f"this target's model.attention.kind is {kind}" if kind else "this target keeps the source's attention"
+    return (f"{where}.{given[0]}={brief(init_from[given[0]])} applies to bottleneck/decoupled/mla conversions "
+            f"({this}): leave it out")  # fmt: skip
+
+
 def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict, pretrained: bool = False,
                       inherited: tuple[str, set] = ("", set())) -> None:  # fmt: skip
     """Validates one fully merged {model, data, train} config; records problems; fills spec. `pretrained`: the
@@ -284,6 +301,14 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
         spec["train"] = section_from_dict(TrainConfig, train, "train.")
     except ConfigError as e:
         problems.extend(f"{where}: {p}" for p in e.problems)
+    if (data is not None and "train" in spec and spec["train"].test_tokens is not None and data.test_fraction == 0
+            and data.source not in OWN_SPLITS):  # fmt: skip
+        # the final test score would be left out without a word: there is no test split to score
+        problems.append(
+            f"{where}: train.test_tokens={spec['train'].test_tokens} asks for a test score, but data.test_fraction=0 "
+            f"leaves data.source={brief(data.source)} no test split (only {', '.join(OWN_SPLITS)} have their own): "
+            "give data.test_fraction > 0 (e.g. 0.05), or remove train.test_tokens"
+        )
     model = config.get("model")
     if model is None and pretrained:  # the pretrained model as it is
         model = {}
@@ -554,6 +579,9 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                 merged["model"] = {**model_section, "attention": copy.deepcopy(inherited)}
             if i == 0 and source is not None and isinstance(merged.get("model"), dict):
                 attentions[name_] = merged["model"].get("attention")
+                problem = conversion_options_problem(target.get("init_from"), attentions[name_], f"{where}.init_from")
+                if problem:
+                    problems.append(problem)
             spec: dict = {}
             found: list[str] = []
             from_defaults = set(merged.get("model") or {}) - own["model"] if source is not None else set()

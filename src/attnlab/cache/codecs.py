@@ -56,7 +56,10 @@ class KVPolicy:
             return cls()
         for item in text.split(","):
             key, sep, value = (part.strip() for part in item.partition("="))
-            if not sep or not key or not value:
+            if not item.strip():
+                problems.append(f"kv policy {text!r} has an empty item (a comma at its start or end, or two in a "
+                                "row): remove the comma")  # fmt: skip
+            elif not sep or not key or not value:
                 problems.append(f"kv policy item {item!r} must look like name=value (e.g. k=q8_0 or resid=128)")
             elif key in ("resid", "group", "flush"):
                 if not re.fullmatch(r"\d+", value):
@@ -86,7 +89,7 @@ class KVPolicy:
         if flush < 1:
             problems.append(f"kv policy flush={flush} must be >= 1")
         if problems:
-            raise ConfigError(problems)
+            raise ConfigError(list(dict.fromkeys(problems)))  # (each said once: two empty items are one problem)
         return cls(tuple(formats), resid, group, flush)
 
     def __str__(self) -> str:

@@ -314,6 +314,31 @@ def link_loop(path: str | os.PathLike) -> bool:
     return False
 
 
+def unreachable(path: str | os.PathLike) -> str | None:
+    """Why nothing can be read at `path`, in words for a one-line error, or None when something is there: not
+    found, a symbolic link to nothing (ls shows it: not "not found"), or a link loop."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{LINK_LOOP}: point the link at the file itself"
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            return None  # (permissions: whatever reads it says so)
+        if os.path.islink(path):
+            return f"a symbolic link to {os.readlink(path)}, which is not there (point it at the file itself)"
+        return "file not found (check the path)"
+    return None
+
+
+def read_only_file_system(path: str | os.PathLike) -> bool:
+    """Whether `path` is on a file system mounted read-only (where os.access says "not writable" too, but making it
+    writable is not the fix)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # (no statvfs on Windows)
+        return False
+
+
 def file_kind(path: str | Path) -> str | None:
     """What is at `path` when it is not a regular file (symbolic links followed): "a folder", "a FIFO (named
     pipe)", a socket or a device (FILE_KINDS); None for a regular file. os.stat's OSError when nothing is there.

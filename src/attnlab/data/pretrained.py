@@ -10,15 +10,17 @@ model's tokenizer (`data.tokenizer: <model reference>`); attnlab.interop builds 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from attnlab.data.files import atomic_write_text, file_kind
+from attnlab.data.files import LINK_LOOP, atomic_write_text, file_kind
 from attnlab.data.tokenizers import Tokenizer
 from attnlab.errors import DataError, InputError
 from attnlab.jsonio import loads_json
@@ -45,8 +47,10 @@ class PretrainedTokenizer(Tokenizer):
         eos_ids: Sequence[int],
         add_bos: bool,
         chat_template: str | None = None,
+        template_source: str | None = None,
     ):
         self.name = name
+        self.template_source = template_source or name  # the file the chat template was read from, for its errors
         self.tokenizer = tokenizer
         self.tokenizer.encode_special_tokens = True  # ordinary text: "<|endoftext|>" inside it is plain text
         self._prompt_tokenizer: HFTokenizer | None = None
@@ -74,14 +78,14 @@ class PretrainedTokenizer(Tokenizer):
         Jinja template rendered and tokenized as transformers' apply_chat_template does (special tokens in it
         recognised, no BOS added beyond what the template writes). InputError without a template."""
         if not self.chat_template:
-            raise InputError(f"{self.name}: the model has no chat template (leave out --chat)")
+            raise InputError(f"{self.template_source}: the model has no chat template (leave out --chat)")
         import jinja2  # a dependency of torch; imported here only: chat prompts alone need it
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message):
-            raise InputError(f"{self.name}: the chat template refuses the prompt: {message}")
+            raise InputError(f"{self.template_source}: the chat template refuses the prompt: {message}")
 
         environment.globals["raise_exception"] = raise_exception
         token = self.tokenizer.id_to_token
@@ -95,7 +99,8 @@ class PretrainedTokenizer(Tokenizer):
             raise
         except (jinja2.TemplateError, ArithmeticError, TypeError, ValueError, RecursionError) as e:
             # ArithmeticError: range(10**12) overflows; the sandbox raises the Python errors a template causes
-            raise DataError(f"{self.name}: its chat template does not render ({' '.join(str(e).split())})") from None
+            raise DataError(f"{self.template_source}: its chat template does not render ({' '.join(str(e).split())})"
+                            ) from None  # fmt: skip
         return self.prompt_tokenizer.encode(rendered, add_special_tokens=False).ids
 
     @property
@@ -152,7 +157,13 @@ def regular_file(path: str | Path, fix: str = "put the file itself there") -> bo
     try:
         kind = file_kind(path)
     except (FileNotFoundError, NotADirectoryError):
+        if os.path.islink(path):  # a link to nothing: not "not found" (ls shows it)
+            raise DataError(f"{path}: a symbolic link to {os.readlink(path)}, which is not there ({fix})") from None
         return False
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DataError(f"{path}: {LINK_LOOP} ({fix})") from None
+        raise  # (permissions: the command's line for the operating system's refusals names it)
     if kind is None:
         return True
     raise DataError(f"{path}: is {kind}, where a file is expected ({fix})")
@@ -184,6 +195,29 @@ def _token_id(tokenizer: HFTokenizer, token: Any) -> int | None:
     if isinstance(token, dict):
         token = token.get("content")
     return tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+
+def check_settings(path: Path, settings: dict, tokenizer: HFTokenizer) -> None:
+    """DataError (one line naming the file and key) for a tokenizer_config.json setting read here that is of the
+    wrong type (add_bos_token "false", a string, would be read as true) or a bos_token / eos_token the tokenizer has
+    no id for (it would be dropped without a word: no BOS, or no stop at the end of a turn)."""
+    for key in ("add_bos_token", "add_eos_token"):
+        value = settings.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise DataError(f"{path}: {key}={json.dumps(value)[:60]} is not true or false (JSON booleans, unquoted): "
+                            "fix it, or remove the key")  # fmt: skip
+    for key in ("bos_token", "eos_token"):
+        value = settings.get(key)
+        token = value.get("content") if isinstance(value, dict) else value
+        if value is None:
+            continue
+        if not isinstance(token, str):
+            raise DataError(f"{path}: {key}={json.dumps(value)[:60]} is not a token (a string, or an object with a "
+                            '"content" string): fix it, or remove the key')  # fmt: skip
+        if tokenizer.token_to_id(token) is None:
+            raise DataError(f"{path}: {key}={token!r} is not a token of tokenizer.json (the two files are of "
+                            "different models, or one was changed): give a token of its vocabulary, or remove the "
+                            "key")  # fmt: skip
 
 
 def _ids(value: Any) -> list[int]:
@@ -225,6 +259,7 @@ def tokenizer_from_folder(folder: str | Path, name: str | None = None) -> Pretra
     except Exception as e:  # the tokenizers library raises plain Exceptions
         raise DataError(f"{path}: not a valid tokenizer.json ({' '.join(str(e).split())})") from None
     settings = _read_json(folder / "tokenizer_config.json")
+    check_settings(folder / "tokenizer_config.json", settings, tokenizer)
     config = special_ids(folder, tokenizer)
     bos_id = _token_id(tokenizer, settings.get("bos_token"))
     bos_id = bos_id if bos_id is not None else next(iter(_ids(config.get("bos_token_id"))), None)
@@ -243,12 +278,12 @@ def tokenizer_from_folder(folder: str | Path, name: str | None = None) -> Pretra
                         "remove the key to use the model without a chat template)")  # fmt: skip
     if named:  # named templates: [{"name": ..., "template": ...}]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    jinja = folder / "chat_template.jinja"
+    jinja, template_source = folder / "chat_template.jinja", folder / "tokenizer_config.json"
     if template is None and regular_file(jinja):
-        template = _read_text(jinja, "a Jinja chat template")
+        template, template_source = _read_text(jinja, "a Jinja chat template"), jinja
     return PretrainedTokenizer(
         name or f"hf:{folder.name}", tokenizer, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
-        chat_template=template,
+        chat_template=template, template_source=str(template_source if template is not None else folder),
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ jinja's traceback halfway through an evaluation."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from pathlib import Path
@@ -19,7 +20,7 @@ from attnlab.paths import find_data_file
 try:
     import jinja2
     from lm_eval.api.group import Group
-    from lm_eval.api.task import Task
+    from lm_eval.api.task import Task, TaskConfig
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._factory import TaskFactory
     from lm_eval.tasks._index import Entry, Kind
@@ -181,9 +182,32 @@ def check_task_files(folders: list[str]) -> dict[Path, str]:
             target = Path(include) if Path(include).is_absolute() else path.parent / include
             if not target.is_file():
                 broken[path] = f"include: {include}: no such file {target} (give the file it builds on)"
-            else:
-                todo.append(target)
+                continue
+            todo.append(target)
+        unknown_task_key(path)
     return broken
+
+
+# The keys of a task file: lm-eval's TaskConfig's, and those its factory takes away before it builds one.
+TASK_KEYS = (*(f.name for f in dataclasses.fields(TaskConfig)), "tag", "group", "task_list", "include")
+
+
+def unknown_task_key(path: Path) -> None:
+    """ConfigError naming the file and key when a task file (one task: `task` a name, with its includes merged)
+    gives a key lm-eval's TaskConfig does not have: lm-eval would stop with a TypeError when it builds the task.
+    Groups, task lists and Python tasks (`class`) are left to lm-eval."""
+    try:
+        cfg = load_yaml(path, resolve_func=False, recursive=True)
+    except Exception:  # noqa: BLE001  (an include that cannot be read: named by check_task_files or lm-eval)
+        return
+    if not isinstance(cfg.get("task"), str) or "class" in cfg or "task_list" in cfg:
+        return
+    for key in cfg:
+        if key not in TASK_KEYS:
+            close = difflib.get_close_matches(str(key), TASK_KEYS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{path}: task {cfg['task']!r} has the key {key!r}, which lm-eval's task files do not "
+                              f"have ({hint}see lm-eval's docs/task_guide.md): fix or remove it")  # fmt: skip
 
 
 def check_duplicate_tasks(folders: list[str], tasks: list[str]) -> None:

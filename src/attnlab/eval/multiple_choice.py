@@ -60,7 +60,7 @@ from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import special_file
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.loading import EvalModel
-from attnlab.eval.records import append_records, make_record
+from attnlab.eval.records import append_records_together, make_record
 from attnlab.jsonio import BoundedDecoder, loads_json
 from attnlab.paths import find_data_file
 
@@ -459,5 +459,8 @@ def write_multiple_choice(out_dir: str | Path, rows: list[dict], summary: dict) 
     hash and time) to OUT/multiple_choice_items.jsonl; returns both paths."""
     out_dir = Path(out_dir)
     tag = {k: summary.get(k) for k in ("model", "config_hash", "task", "time")}
-    items = append_records(out_dir / "multiple_choice_items.jsonl", [{**tag, **row} for row in rows])
-    return append_records(out_dir / "multiple_choice.jsonl", [summary]), items
+    items = [{**tag, **row} for row in rows]
+    summary_path, items_path = append_records_together(
+        {out_dir / "multiple_choice.jsonl": [summary], out_dir / "multiple_choice_items.jsonl": items}
+    )
+    return summary_path, items_path

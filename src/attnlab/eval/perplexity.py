@@ -78,6 +78,12 @@ def token_digest(tokens) -> str:
     return digest.hexdigest()[:16]
 
 
+def exp_or_inf(loss: float) -> float:
+    """exp(loss), infinite past the largest float (math.exp raises OverflowError there: a diverged model's loss of
+    710 nats or more); NaN stays NaN."""
+    return math.exp(loss) if not loss > 709.78 else math.inf
+
+
 def summarize_losses(windows: list[tuple[float, int]], n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
     """Mean loss per token, perplexity, and a percentile-bootstrap interval over windows."""
     sums = np.array([s for s, _ in windows], dtype=np.float64)
@@ -88,8 +94,8 @@ def summarize_losses(windows: list[tuple[float, int]], n_boot: int = 2000, seed:
     boot = sums[picks].sum(axis=1) / counts[picks].sum(axis=1)
     low, high = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
     return {
-        "loss": float(loss), "ppl": math.exp(loss), "tokens": int(counts.sum()), "windows": len(windows),
-        "loss_ci": [float(low), float(high)], "ppl_ci": [math.exp(low), math.exp(high)], "ci_level": level,
+        "loss": float(loss), "ppl": exp_or_inf(loss), "tokens": int(counts.sum()), "windows": len(windows),
+        "loss_ci": [float(low), float(high)], "ppl_ci": [exp_or_inf(low), exp_or_inf(high)], "ci_level": level,
         "window_loss": sums.tolist(), "window_tokens": counts.astype(int).tolist(),  # for paired comparisons
     }  # fmt: skip
 
@@ -124,8 +130,8 @@ def paired_difference(a: dict, b: dict, n_boot: int = 10000, seed: int = 0, leve
     dloss = bootstrap_ci(sums_a, sums_b, counts, stat=stat(False), n=n_boot, seed=seed, level=level)
     dppl = bootstrap_ci(sums_a, sums_b, counts, stat=stat(True), n=n_boot, seed=seed, level=level)
     loss_a, loss_b = float(sums_a.sum() / counts.sum()), float(sums_b.sum() / counts.sum())
-    return {"dloss": loss_a - loss_b, "dloss_ci": list(dloss), "dppl": math.exp(loss_a) - math.exp(loss_b),
-            "dppl_ci": list(dppl), "ppl_a": math.exp(loss_a), "ppl_b": math.exp(loss_b), "windows": len(counts),
+    return {"dloss": loss_a - loss_b, "dloss_ci": list(dloss), "dppl": exp_or_inf(loss_a) - exp_or_inf(loss_b),
+            "dppl_ci": list(dppl), "ppl_a": exp_or_inf(loss_a), "ppl_b": exp_or_inf(loss_b), "windows": len(counts),
             "tokens": int(counts.sum()), "ci_level": level}  # fmt: skip
 
 

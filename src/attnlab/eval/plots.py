@@ -31,10 +31,24 @@ def quiet_missing_glyphs() -> None:
     warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font", category=UserWarning)
 
 
+# Every PNG attnlab draws says so in its Software text chunk: a PNG without it at a place a command writes is the
+# user's own, never replaced (attnlab_png).
+PNG_METADATA = {"Software": "attnlab"}
+PNG_MARK = b"tEXtSoftware\x00attnlab"
+
+
+def attnlab_png(path: Path, mark: bytes = PNG_MARK) -> bool:
+    """Whether the file at path is a PNG attnlab drew (its Software chunk, before the image data, says so; `mark`:
+    another Software chunk to look for)."""
+    with open(path, "rb") as file:
+        start = file.read(4096)
+    return start.startswith(b"\x89PNG") and mark in start.split(b"IDAT", 1)[0]
+
+
 def _save(fig, path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata=PNG_METADATA)
     fig.clf()
     _pyplot().close(fig)
     return path
@@ -222,6 +236,6 @@ def plot_val_loss(runs: list[dict], path: str | Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata=PNG_METADATA)
     plt.close(fig)
     return Path(path)

@@ -8,8 +8,10 @@ import json
 import math
 import os
 import platform
+import sys
 import warnings
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -18,11 +20,12 @@ import attnlab
 from attnlab.data.files import (
     LINK_LOOP,
     appending_in,
-    atomic_write_text,
+    atomic_path,
     file_kind,
     json_objects,
     link_loop,
     read_json_lines,
+    read_only_file_system,
 )
 from attnlab.errors import AttnlabWarning, DataError, InputError
 
@@ -92,22 +95,33 @@ def records_folder(folder: str | Path, *names: str, flag: str = "--out") -> list
     for target in targets:
         holder = next(p for p in [target.parent, *target.parent.parents] if p.exists())
         if not os.access(holder, os.W_OK | os.X_OK):  # the file is written beside itself, then renamed
-            raise InputError(f"{flag} {folder}: {target.name} cannot be written in {holder} (permission denied or a "
-                             "read-only file system): make it writable, or give another folder")  # fmt: skip
+            why = ("a read-only file system): give a folder on a writable one" if read_only_file_system(holder) else
+                   "permission denied): make it writable, or give another folder")  # fmt: skip
+            raise InputError(f"{flag} {folder}: {target.name} cannot be written in {holder} ({why}")
     return targets
 
 
 def append_records(path: str | Path, rows: list[dict]) -> Path:
     """Appends rows to a JSONL file atomically (old content + new rows to a temporary file, flushed to the disk,
     then renamed over it); see records_target for the paths refused."""
-    path = records_target(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with appending_in(path.parent):  # another process appending to the same file waits: its rows are kept too
-        old = path.read_text() if path.exists() else ""
-        if old and not old.endswith("\n"):
-            old += "\n"
-        atomic_write_text(path, old + "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), durable=True)
-    return path
+    return append_records_together({path: rows})[0]
+
+
+def append_records_together(rows_by_path: dict) -> list[Path]:
+    """append_records for files of one folder that go together (a summary and its item rows): every new file is
+    written in full before any is renamed over its old one, so a write that fails (a full disk) leaves every file
+    as it was, not item rows without their summary (which a rerun would append again)."""
+    paths = [records_target(p) for p in rows_by_path]
+    folder = paths[0].parent
+    folder.mkdir(parents=True, exist_ok=True)
+    with appending_in(folder), ExitStack() as stack:  # another process appending there waits: its rows are kept too
+        for path, rows in zip(paths, rows_by_path.values(), strict=True):
+            old = path.read_text() if path.exists() else ""
+            if old and not old.endswith("\n"):
+                old += "\n"
+            tmp = stack.enter_context(atomic_path(path, durable=True))  # renamed when every one is written
+            tmp.write_text(old + "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), encoding="utf-8")
+    return paths
 
 
 def bench_records(folder: str | Path) -> Path:
@@ -364,6 +378,12 @@ def _contradiction(record: dict) -> str | None:
     benchmark = record["benchmark"]
     for log_field, exp_field in EXPONENTIALS.get(benchmark, []):
         loss, ppl = record.get(log_field), record.get(exp_field)
+        if _number(loss) and _number(ppl) and not _finite(loss, ppl):  # a diverged model's: NaN with NaN, inf with
+            # inf (or a finite loss past exp's range); one NaN or infinity beside a finite figure was written by hand
+            both_nan = math.isnan(loss) and math.isnan(ppl)
+            if not (both_nan or (ppl == math.inf and loss > math.log(sys.float_info.max))):
+                return (f"field '{exp_field}' is {_shown(ppl)}, which is impossible beside '{log_field}' "
+                        f"{_shown(loss)} (it is exp({log_field}): NaN with NaN, infinite with infinite)")  # fmt: skip
         if not _finite(loss, ppl):
             continue
         # in logarithms (exp(loss) can overflow): ppl +- its slack, against loss +- its slack

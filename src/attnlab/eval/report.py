@@ -19,7 +19,14 @@ from attnlab.data.files import atomic_write_text, read_json_lines
 from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.bench_checks import status_notes
 from attnlab.eval.paired import paired_rows
-from attnlab.eval.plots import plot_val_loss, quiet_missing_glyphs, rank_spectra, region_mass_bars
+from attnlab.eval.plots import (
+    PNG_METADATA,
+    attnlab_png,
+    plot_val_loss,
+    quiet_missing_glyphs,
+    rank_spectra,
+    region_mass_bars,
+)
 from attnlab.eval.records import bench_records, latest_and_distinct, pair_labels, read_records, record_problem
 from attnlab.eval.stats import paired_comparison
 
@@ -303,7 +310,7 @@ def pareto_plot(records: list[dict], path: Path) -> Path | None:
             ax.set_xscale("log")
     fig.suptitle("Quality against efficiency")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata=PNG_METADATA)
     plt.close(fig)
     return path
 
@@ -333,7 +340,7 @@ def _save_lines(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata=PNG_METADATA)
     plt.close(fig)
     return path
 
@@ -354,7 +361,7 @@ def probe_bars(records: list[dict], path: Path) -> Path | None:
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata=PNG_METADATA)
     plt.close(fig)
     return path
 
@@ -423,24 +430,12 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
                           kv_quant_table(records))
               if t]  # fmt: skip
     tables += probes_tables(records)
+    drawings = _drawings(records, out_dir)
+    check_outputs(out_dir, tables, [name for name, _ in drawings.values()])  # before anything is written
     (out_dir / "tables").mkdir(exist_ok=True)
     for t in tables:
         for suffix, text in ((".md", t.markdown()), (".csv", t.csv()), (".tex", t.latex())):
             atomic_write_text(out_dir / "tables" / f"{t.name}{suffix}", text)
-    drawings = {  # title: (file name, draw(path))
-        "Validation loss during training": ("loss_curves.png", lambda path: loss_curves(records, path)),
-        "Quality against efficiency": ("pareto.png", lambda path: pareto_plot(records, path)),
-        "Decode speed against prompt length": ("latency.png", lambda path: lines_plot(
-            records, "latency", "prompt_length", "decode_tokens_per_s_median", "prompt tokens", "decode tokens/s",
-            path)),
-        "KV memory against context length": ("memory.png", lambda path: lines_plot(
-            records, "memory", "length", "kv_bytes", "tokens", "KV bytes (measured)", path)),
-        "Decode cost at context": ("context_sweep.png", lambda path: lines_plot(
-            records, "context_sweep", "length", "decode_ms_per_token", "tokens", "decode ms/token", path)),
-        "Probe accuracy by category": ("probes.png", lambda path: probe_bars(records, path)),
-        "Loss by position over long streams": ("stream_loss.png", lambda path: stream_loss_plot(records, path)),
-    }  # fmt: skip
-    drawings.update(_analysis_plots(records, out_dir))
     plots = {title: _drawn(out_dir / name, draw, notes, records_path) for title, (name, draw) in drawings.items()}
     plots = {title: p for title, p in plots.items() if p}
     parts = [f"# Evaluation report: {out_dir.name}", "",
@@ -470,6 +465,74 @@ DRAWN = ("perplexity", "memory", "latency", "multiple_choice", "needle", "contex
 
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'s' * (n != 1)}"
+
+
+def _drawings(records: list[dict], out_dir: Path) -> dict:
+    """{title: (file name, draw(path))} of the plots a report may draw (a draw returns None when it has nothing)."""
+    drawings = {  # title: (file name, draw(path))
+        "Validation loss during training": ("loss_curves.png", lambda path: loss_curves(records, path)),
+        "Quality against efficiency": ("pareto.png", lambda path: pareto_plot(records, path)),
+        "Decode speed against prompt length": ("latency.png", lambda path: lines_plot(
+            records, "latency", "prompt_length", "decode_tokens_per_s_median", "prompt tokens", "decode tokens/s",
+            path)),
+        "KV memory against context length": ("memory.png", lambda path: lines_plot(
+            records, "memory", "length", "kv_bytes", "tokens", "KV bytes (measured)", path)),
+        "Decode cost at context": ("context_sweep.png", lambda path: lines_plot(
+            records, "context_sweep", "length", "decode_ms_per_token", "tokens", "decode ms/token", path)),
+        "Probe accuracy by category": ("probes.png", lambda path: probe_bars(records, path)),
+        "Loss by position over long streams": ("stream_loss.png", lambda path: stream_loss_plot(records, path)),
+    }  # fmt: skip
+    drawings.update(_analysis_plots(records, out_dir))
+    return drawings
+
+
+# How the report's own files begin (and its tables' Markdown and LaTeX): another file at their place is the user's,
+# never replaced. PNGs carry attnlab's mark (plots.attnlab_png); a table's CSV goes with its Markdown.
+OWN_START = {"report.md": "# Evaluation report: ", "report.html": "<!doctype html><html><head><meta charset='utf-8'>",
+             ".md": "| ", ".tex": "\\begin{tabular}"}  # fmt: skip
+MATPLOTLIB_PNG = b"tEXtSoftware\x00Matplotlib version"
+
+
+def _ours(path: Path, start: str) -> bool:
+    with path.open("rb") as file:
+        return file.read(len(start.encode())) == start.encode()
+
+
+def check_outputs(out_dir: Path, tables: list[Table], plots: list[str]) -> None:
+    """Refuses (InputError, naming it) a file at a place the report writes that the report did not write (the
+    user's own report.md or pareto.png is never replaced), a link there, and a tables/ folder that is a link (the
+    report writes only inside the bench folder)."""
+
+    def refuse(path: Path, what: str) -> None:
+        raise InputError(f"{path}: {what} (the report would replace it): move it away, then run the report "
+                         "again")  # fmt: skip
+
+    folder = out_dir / "tables"
+    if folder.is_symlink():
+        refuse(folder, "a link, not the tables folder a report makes (the report writes only inside its folder)")
+    places = [(out_dir / "report.md", OWN_START["report.md"]), (out_dir / "report.html", OWN_START["report.html"])]
+    for t in tables:
+        places += [(folder / f"{t.name}.md", OWN_START[".md"]), (folder / f"{t.name}.tex", OWN_START[".tex"]),
+                   (folder / f"{t.name}.csv", None)]  # fmt: skip
+    places += [(out_dir / name, "png") for name in plots]
+    old = out_dir / "report.md"  # a plot of a report drawn before PNGs carried the mark: matplotlib's, in its report.md
+    earlier = (old.read_text(encoding="utf-8", errors="replace") if old.is_file() and not old.is_symlink() and
+               _ours(old, OWN_START["report.md"]) else "")  # fmt: skip
+    for path, start in places:
+        if path.is_symlink():
+            refuse(path, "a link where the report writes a file")
+        if not os.path.lexists(path):
+            continue
+        if not path.is_file():
+            refuse(path, "not a regular file where the report writes one")
+        if start is None:  # a table's CSV: the report's own when its Markdown is
+            markdown = path.with_suffix(".md")
+            own = markdown.is_file() and _ours(markdown, OWN_START[".md"])
+        else:
+            own = ((attnlab_png(path) or (f"]({path.name})" in earlier and attnlab_png(path, MATPLOTLIB_PNG)))
+                   if start == "png" else _ours(path, start))  # fmt: skip
+        if not own:
+            refuse(path, "not a file attnlab report wrote")
 
 
 def _analysis_plots(records: list[dict], out_dir: Path) -> dict:

@@ -61,6 +61,13 @@ def architecture_of(hf: dict, source: str) -> str:
         raise ConfigError(f"architecture {name} is not supported yet: {REFUSED_ARCHITECTURES[name]}", source=source)
     if name not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"architecture {name} is not supported (supported: {supported})", source=source)
+    model_type = hf.get("model_type")
+    own = next(kind for kind, arch in MODEL_TYPES.items() if arch == name)
+    if model_type is not None and model_type != own:  # transformers builds the model model_type names
+        raise ConfigError(f"model_type={json.dumps(model_type)[:40]} and architectures={json.dumps(names)[:80]} "
+                          f"disagree (transformers would build a {json.dumps(model_type)[:40]} model, attnlab a "
+                          f"{name}): make model_type {own!r}, or use the model's own config.json",
+                          source=source)  # fmt: skip
     return name
 
 

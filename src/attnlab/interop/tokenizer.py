@@ -27,7 +27,7 @@ from attnlab.data.tokenizers import CharTokenizer, WordTokenizer
 from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.paths import brief
 
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (tokenizer.ggml.token_type)
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (tokenizer.ggml.token_type)
 
 # Pre-tokenizer regexes, as the models' own tokenizer.json files split text (llama.cpp: llama-vocab.cpp).
 LLAMA3_SPLIT = (
@@ -78,6 +78,14 @@ def _byte_level(meta: dict, source: str) -> HFTokenizer:
         token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): i
         for i, token in enumerate(meta["tokenizer.ggml.tokens"])
     }
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    merged = next((t for t, kind in zip(tokens, types, strict=False) if kind == NORMAL and len(t) > 1), None)
+    if meta.get("tokenizer.ggml.merges") is None and merged is not None:  # (llama.cpp refuses a file without
+        # merges): its tokens of more than one byte could never be made, and text would be read a byte a token
+        raise DataError(f"{source}: tokenizer.ggml.model='gpt2' (byte-level BPE) without tokenizer.ggml.merges, "
+                        f"while tokens such as {merged!r} need them: the file is damaged or was written without its "
+                        "merges; convert the model again with its tokenizer")  # fmt: skip
     merges = checked_merges(meta.get("tokenizer.ggml.merges") or (), vocab, source)
     tokenizer = HFTokenizer(
         models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
@@ -188,6 +196,7 @@ def tokenizer_from_gguf(meta: dict, source: str = "gguf", name: str | None = Non
     return PretrainedTokenizer(
         name or f"gguf:{Path(source).name}", tokenizer, bos_id=bos_id, eos_ids=[] if eos_id is None else [eos_id],
         add_bos=add_bos, chat_template=meta.get("tokenizer.chat_template"),
+        template_source=f"{source} (tokenizer.chat_template)" if meta.get("tokenizer.chat_template") else source,
     )  # fmt: skip
 
 

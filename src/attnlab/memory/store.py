@@ -82,7 +82,25 @@ class MemoryStore:
                 (self.root / "states").mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise StoreError(f"{self.root}: cannot use as a memory store ({e.strerror or e})") from None
+            self._check_index()
             self._run(SCHEMA, write=True)
+
+    def _check_index(self) -> None:
+        """Refuses an index that lost its table (emptied or replaced) while the store holds state files: a fresh
+        index in its place would forget them, where ls, query and rm refuse it (an index with no state files
+        beside it has nothing to lose, and is made anew)."""
+        if not self.index.exists():
+            return
+        try:
+            tables = self._run("SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'states'")
+        except StoreError:
+            tables = []
+        states = [p.name for p in (self.root / "states").glob("*.safetensors")]
+        if not tables and states:
+            raise StoreError(f"{self.index}: not a readable memory index (it was emptied or replaced) while "
+                             f"{self.root / 'states'} holds {len(states)} state file{'s' * (len(states) > 1)}: "
+                             f"restore the index from a copy, or move {self.root} away to start an empty "
+                             "store")  # fmt: skip
 
     def _run(self, sql: str, args: tuple = (), write: bool = False) -> list[tuple]:
         uri = f"{self.index.resolve().as_uri()}?mode={'rwc' if write else 'ro'}"
