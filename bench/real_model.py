@@ -1,11 +1,11 @@
 """A real model's speed side by side in one run (issue 16): SmolLM2-135M (the GGUF in the data directory) on this
-CPU, attnlab with fp32 / Q8_0 / the file's own (Q4_1) weights and fp32 / q8_0 / q4_0 KV caches, transformers (fp32),
+CPU, attnlab with fp32 / Q8_0 / the file's own (Q4_1) weights and fp32 / fp16 / q8_0 / q4_0 KV caches, transformers (fp32),
 and llama.cpp (llama-cpp-python, optional: skipped with a note when it is not installed) with f16 / q8_0 / q4_0 KV
 caches, at 1 and 2 threads.
 
     python bench/real_model.py [--threads 1,2] [--contexts 128,4096,8192] [--prefill 512,4096] [--new-tokens 32]
                                [--impls attnlab,transformers,llama.cpp] [--weights fp32,q8_0,native,native+q8]
-                               [--kv fp32,q8_0,q4_0] [--models REF,...] [--repeats 2] [--data-dir DIR] [--no-record]
+                               [--kv fp32,fp16,q8_0,q4_0] [--models REF,...] [--repeats 2] [--data-dir DIR] [--no-record]
 
 decode   after an untimed prefill of C - N - 1 tokens of WikiText-2 raw test, N single-token steps, the last at
          C tokens of context (attnlab: `generate`'s own loop, compiled step included, timed token by token
@@ -45,7 +45,7 @@ from attnlab.generate import generate, prefill_last  # noqa: E402
 from attnlab.paths import find_data_file  # noqa: E402
 
 SMOLLM2 = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-KV_POLICIES = {"fp32": None, "q8_0": "k=q8_0,v=q8_0", "q4_0": "k=q4_0,v=q4_0"}
+KV_POLICIES = {"fp32": None, "fp16": "k=fp16,v=fp16", "q8_0": "k=q8_0,v=q8_0", "q4_0": "k=q4_0,v=q4_0"}
 LLAMA_KV = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids (GGML_TYPE_F16, _Q8_0, _Q4_0)
 LLAMA_KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # bytes per cached value
 
@@ -226,7 +226,7 @@ def main() -> None:
         help="attnlab weights (eval.loading.WEIGHTS); "
         "+q8 after one: 8-bit activations (attnlab.set_activations), e.g. native+q8",
     )
-    parser.add_argument("--kv", default="fp32,q8_0,q4_0", help="attnlab KV caches (fp32, q8_0, q4_0)")
+    parser.add_argument("--kv", default="fp32,q8_0,q4_0", help="attnlab KV caches (fp32, fp16, q8_0, q4_0)")
     parser.add_argument("--llama-kv", default="f16,q8_0,q4_0", help="llama.cpp KV caches")
     parser.add_argument("--models", default="", help="other attnlab references, comma-separated (fp32 weights)")
     parser.add_argument("--repeats", type=int, default=2)
