@@ -257,6 +257,7 @@ def test_a_layer_packs_for_q8_decoding_and_never_keeps_stale_packed_rows():
     attnlab.set_activations(layer, "q8")
     attnlab.set_activations(odd, "q8")
     assert layer.packed is not None and odd.packed is None
+    assert layer.nbytes == layer.blocks.nbytes + layer.packed.nbytes and odd.nbytes == odd.blocks.nbytes  # held
     assert "packed" not in layer.state_dict()  # a checkpoint holds the rows as they are, once
     x = torch.randn(2, 96, generator=g)
     with torch.no_grad():
@@ -269,4 +270,4 @@ def test_a_layer_packs_for_q8_decoding_and_never_keeps_stale_packed_rows():
         assert torch.equal(layer.packed, qmatmul.pack_q8("q4_1", other.blocks, 96))
         assert_q8_close(layer(x), x, other.blocks, "q4_1")
     attnlab.set_activations(layer, "fp32")
-    assert layer.packed is None
+    assert layer.packed is None and layer.nbytes == layer.blocks.nbytes

@@ -221,8 +221,10 @@ class QuantizedLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the blocks and the bias."""
-        return self.blocks.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        """Bytes held: the blocks, the bias, and the packed copy of the rows when there is one (`pack`: memory held,
+        not read per token: a decoding step reads the packed rows instead of the blocks)."""
+        packed = 0 if self.packed is None else self.packed.nbytes
+        return self.blocks.nbytes + packed + (0 if self.bias is None else self.bias.nbytes)
 
     def extra_repr(self) -> str:
         q8 = ", activations=q8" if self.activations == "q8" and self.fmt != "fp16" else ""
