@@ -347,3 +347,13 @@ def test_a_loss_past_exps_range_is_an_infinite_perplexity_the_report_draws(tmp_p
     assert summary["loss"] == 795.0 and summary["ppl"] == float("inf") and summary["ppl_ci"] == [float("inf")] * 2
     record = {"benchmark": "perplexity", "model": "m", "kind": "mha", "split": "val", **summary}
     assert record_problem(record) is None
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_a_dry_run_refuses_a_device_this_machine_lacks(tmp_path, capsys):
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN.replace(", test_tokens: 64", ""))
+    out = tmp_path / "o"
+    for dry in (["--dry-run"], []):
+        assert fails(capsys, ["run", str(manifest), "--out", str(out), "--set", "train.device=cuda", *dry],
+                     "train.device=cuda: this machine has no CUDA")  # fmt: skip
+    assert not out.exists()

@@ -439,6 +439,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
     # Under torchrun every rank runs this loop; rank 0 alone writes files and prints.
     for spec in runs:
         check_launch(spec.train)  # fsdp outside torchrun: one line, also for a dry run
+        pick_device(spec.train.device)  # a device this machine lacks (cuda here): refused before any run, dry or not
     sharded = any(spec.train.distributed == "fsdp" for spec in runs)
     dist_info = env if dry_run else init_distributed(pick_device(runs[0].train.device).type, sharded) if runs else None
     if dist_info is not None and not dist_info.is_main:
