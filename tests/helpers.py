@@ -244,3 +244,18 @@ def run_limited(limit, size, argv):
         return main(argv)
     finally:
         limit(None)  # pytest's own files are written past it
+
+
+def dry_run(capsys, argv) -> str:
+    """main(argv), a `run ... --dry-run`: what it printed. Its exit code is 2 when it says a run would be refused
+    (then with one stderr line saying how many), else 0."""
+    from attnlab.cli import main
+
+    code = main(argv)
+    captured = capsys.readouterr()
+    refused = "would be refused" in captured.out
+    assert code == (2 if refused else 0), (code, captured.out, captured.err)
+    if refused:
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and "runs would be refused" in lines[0] and "Traceback" not in captured.err, lines
+    return captured.out

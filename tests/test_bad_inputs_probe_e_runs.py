@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import edit_one_word, fails, snapshot
+from helpers import dry_run, edit_one_word, fails, snapshot
 
 from attnlab.cli import main
 
@@ -183,8 +183,8 @@ def test_a_second_run_into_a_folder_being_trained_is_refused_and_a_killed_ones_l
         line = fails(capsys, command, str(run_dir), f"another attnlab run (pid {holder.pid}) is training it")
         assert "another --out" in line
         assert sorted(p.name for p in run_dir.iterdir()) == ["run.lock"]  # nothing of this run written
-        assert main(command[:-1] + ["--dry-run"]) == 0
-        assert f"would be refused: {run_dir}: another attnlab run (pid {holder.pid})" in capsys.readouterr().out
+        said = dry_run(capsys, command[:-1] + ["--dry-run"])
+        assert f"would be refused: {run_dir}: another attnlab run (pid {holder.pid})" in said
     finally:
         holder.kill()
         holder.wait()
@@ -206,8 +206,7 @@ def test_the_lock_is_released_when_a_run_ends(tmp_path):
 
 
 def _dry_run(command, capsys) -> str:
-    assert main([*command, "--dry-run"]) == 0
-    return capsys.readouterr().out
+    return dry_run(capsys, [*command, "--dry-run"])
 
 
 def test_a_dry_run_says_what_the_real_run_would_do_with_the_folder(tmp_path, monkeypatch, capsys):

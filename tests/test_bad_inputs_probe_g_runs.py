@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fails, hat_text, tiny_model
+from helpers import dry_run, fails, hat_text, tiny_model
 
 from attnlab.cli import main
 from attnlab.config import DataConfig
@@ -119,8 +119,7 @@ def test_no_resume_refuses_an_interrupted_run_of_another_config(interrupted, cap
     before = snapshot(folder)
     argv = ["run", str(path), "--out", str(folder.parents[2]), "--no-resume", "--set", "train.lr=5e-3"]
     capsys.readouterr()
-    assert main([*argv, "--dry-run"]) == 0
-    said = capsys.readouterr().out
+    said = dry_run(capsys, [*argv, "--dry-run"])
     assert f"would be refused: {folder} holds an interrupted run made with another config" in said
     assert "checkpointed at step 4 (train.lr: saved 0.001, now 0.005)" in said
     assert fails(capsys, [*argv, "--no-progress"], str(folder), "interrupted run made with another config",

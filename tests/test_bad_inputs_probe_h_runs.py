@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import PROBE_MODEL, at_most, fails, hat_text, probe_manifest, tiny_model
+from helpers import PROBE_MODEL, at_most, dry_run, fails, hat_text, probe_manifest, tiny_model
 
 from attnlab.cli import main
 from attnlab.cli_errors import os_error_line
@@ -112,8 +112,7 @@ def test_a_finished_run_whose_config_json_was_edited_is_not_taken_as_done(tmp_pa
                  "model.rope_base: trained with 10000.0, now 500.0", "checkpoints/step-000004/config.json",
                  "edited after training")  # fmt: skip
     assert fails(capsys, argv + ["--no-progress"], *fragments)
-    assert main(argv + ["--dry-run"]) == 0
-    said = capsys.readouterr().out
+    said = dry_run(capsys, argv + ["--dry-run"])
     assert "would be refused" in said and "trained with 10000.0, now 500.0" in said and "done already" not in said
 
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import PROBE_MODEL, fails, hat_text, probe_manifest
+from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest
 
 from attnlab.cli import main
 from attnlab.config import DataConfig, TrainConfig
@@ -221,8 +221,7 @@ def test_a_checkpoint_whose_trainer_step_disagrees_is_not_resumed(tmp_path, caps
     path, out, folder = interrupted(tmp_path, text, monkeypatch)
     capsys.readouterr()
     edit_trainer(folder, lambda t: t["sampler"].update(step=value) if key == "sampler" else t.update(step=value))
-    assert main(["run", str(path), "--out", str(out), "--dry-run"]) == 0
-    said = capsys.readouterr().out
+    said = dry_run(capsys, ["run", str(path), "--out", str(out), "--dry-run"])
     assert "would be refused" in said and fragment in said and "would resume" not in said, said
     before = sorted(p.name for p in folder.parent.parent.iterdir())
     line = fails(capsys, ["run", str(path), "--out", str(out), "--no-progress"], fragment, "restore it from a copy")

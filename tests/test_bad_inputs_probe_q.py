@@ -14,7 +14,17 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from helpers import PROBE_MODEL, edit_one_word, error_line, fails, hat_text, probe_manifest, snapshot, train_tiny_run
+from helpers import (
+    PROBE_MODEL,
+    dry_run,
+    edit_one_word,
+    error_line,
+    fails,
+    hat_text,
+    probe_manifest,
+    snapshot,
+    train_tiny_run,
+)
 
 from attnlab.cli import main
 
@@ -217,8 +227,7 @@ def test_a_finished_run_whose_data_changed_is_refused_naming_the_data(tmp_path, 
         if real:
             line = fails(capsys, command, str(run_dir), *said)
         else:
-            assert main([*command, "--dry-run"]) == 0
-            line = capsys.readouterr().out
+            line = dry_run(capsys, [*command, "--dry-run"])
             assert "would be refused: " in line and all(fragment in line for fragment in said), line
         assert "another config" not in line and "done already" not in line
     assert snapshot(run_dir) == before

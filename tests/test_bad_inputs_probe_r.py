@@ -357,3 +357,35 @@ def test_a_dry_run_refuses_a_device_this_machine_lacks(tmp_path, capsys):
         assert fails(capsys, ["run", str(manifest), "--out", str(out), "--set", "train.device=cuda", *dry],
                      "train.device=cuda: this machine has no CUDA")  # fmt: skip
     assert not out.exists()
+
+
+def test_pruning_checkpoints_deletes_only_the_trainers_own_folders(tmp_path):
+    from attnlab.train.checkpoint import _remove_unreferenced
+
+    root, outside = tmp_path / "checkpoints", tmp_path / "outside"
+    for name in ("step-000004", "step-000002"):  # the kept checkpoint and an old one of the trainer's
+        (root / name).mkdir(parents=True)
+        for file in ("model.safetensors", "optimizer.pt", "trainer.json", "config.json", "checksums.json"):
+            (root / name / file).write_text("x")
+    (root / "last.json").write_text(json.dumps({"dir": "step-000004", "step": 4}))
+    (root / "step-000100-keep").mkdir()  # a user's backup
+    (root / "step-000100-keep" / "notes.txt").write_text("mine")
+    (root / "step-000900").mkdir()  # a model converted into the folder: no trainer state
+    for file in ("model.safetensors", "config.json", "checksums.json"):
+        (root / "step-000900" / file).write_text("x")
+    outside.mkdir()
+    (outside / "trainer.json").write_text("x")
+    (root / "step-000003").symlink_to(outside)
+    _remove_unreferenced(root)
+    assert sorted(p.name for p in root.iterdir()) == ["last.json", "step-000003", "step-000004", "step-000100-keep",
+                                                      "step-000900"]  # fmt: skip
+    assert (outside / "trainer.json").exists() and (root / "step-000100-keep" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json", "config.json"])
+@pytest.mark.parametrize("content, kind", [("[1, 2]", "an array"), ('"x"', "a str"), ("null", "null")])
+def test_a_settings_file_that_is_no_json_object_is_refused(hf_folder, tmp_path, capsys, name, content, kind):
+    folder = tmp_path / "model"
+    shutil.copytree(hf_folder, folder)
+    (folder / name).write_text(content)
+    assert fails(capsys, ["generate", str(folder), "the cat", *GENERATE], f"{folder / name}: ", "JSON object")

@@ -465,6 +465,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
                 folder = converted_model(firsts[name], root, data_dir, log)
                 log(f"{name}: {_kept(folder, resume)}" if made else f"{name}: {folder}")
         return []
+    refused: list[str] = []  # runs a dry run finds would be refused
     for index, spec in enumerate(runs, 1):
         run_dir = spec.run_dir(root)
         label = f"[{index}/{len(runs)}] {spec.target} seed{spec.seed}" + (f" {spec.phase}" if spec.phase else "")
@@ -485,7 +486,10 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
             fresh = converted is not None and init_from == converted and not converted.exists()
             made = f" (converted from {spec.source['model']} first)" if fresh else ""
             start = f" from {init_from}" if init_from else ""
-            log(f"{label}: {dry_run_status(spec, run_dir, converted, data_dir, resume, start + made)}")
+            status = dry_run_status(spec, run_dir, converted, data_dir, resume, start + made)
+            log(f"{label}: {status}")
+            if status.startswith("would be refused"):
+                refused.append(label)
             summaries.append(None)
             continue
         tokenizer = None
@@ -550,4 +554,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         summaries.append(summary)
     if not dry_run and dist_info is not None and dist_info.is_main:
         write_json_atomic(root / "manifest.json", {"name": manifest.name, "path": str(manifest.path)})
+    if refused:  # a dry run says so in its exit code too, as the run would (each run's reason is printed above)
+        raise ConfigError(f"{len(refused)} of {len(runs)} runs would be refused ({', '.join(refused)}): the reasons "
+                          "are printed above", source=str(manifest.path))  # fmt: skip
     return summaries

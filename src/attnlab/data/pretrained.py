@@ -178,7 +178,11 @@ def _read_json(path: Path) -> dict:
         raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: unreadable JSON ({e})") from None
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):  # read as {}, its settings (BOS, the stop ids) would be lost without a word
+        kind = "an array" if isinstance(data, list) else "null" if data is None else f"a {type(data).__name__}"
+        raise DataError(f"{path}: {kind}, not a JSON object of settings (restore the model's own {path.name}, or "
+                        "remove the file)")  # fmt: skip
+    return data
 
 
 def _read_text(path: Path, what: str) -> str:

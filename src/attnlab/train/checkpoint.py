@@ -42,6 +42,7 @@ from attnlab.paths import blocking_file, system_folder
 
 WEIGHTS, OPTIMIZER, TRAINER, CONFIG = "model.safetensors", "optimizer.pt", "trainer.json", "config.json"
 CHECKSUMS = "checksums.json"
+CHECKPOINT_FILES = {WEIGHTS, OPTIMIZER, TRAINER, CONFIG, CHECKSUMS}  # what save_checkpoint writes, and nothing else
 CHECKSUMS_FORMAT = "attnlab-checkpoint-checksums"
 CHECKSUMS_KEY = "attnlab.checksums"  # in the weights' safetensors metadata: this checkpoint has a checksums.json
 
@@ -260,9 +261,15 @@ def read_pointer(root: Path, tag: str) -> dict | None:
 
 
 def _remove_unreferenced(root: Path) -> None:
+    """Deletes the checkpoints no pointer names: folders named as the trainer names them (step-NNNNNN) that hold
+    only a checkpoint's files. Anything else in checkpoints/ (a user's step-000100-keep, a model converted into
+    step-000900, a folder that is a link) is the user's and stays."""
     keep = {p["dir"] for tag in ("last", "best") if (p := read_pointer(root, tag))}
     for path in root.iterdir():
-        if path.is_dir() and path.name.startswith("step-") and path.name not in keep:
+        if path.name in keep or not re.fullmatch(r"step-\d{6,}", path.name) or path.is_symlink() or not path.is_dir():
+            continue
+        names = {p.name for p in path.iterdir()}
+        if TRAINER in names and names <= CHECKPOINT_FILES:  # (a model folder has no trainer state)
             shutil.rmtree(path, ignore_errors=True)
     # A writer killed mid-write (SIGKILL, out of memory) could not remove its temporary. One process writes a
     # run's checkpoints, so any temporary whose process is gone is stale, however recent.
