@@ -1,11 +1,12 @@
 """A real model's speed side by side in one run (issue 16): SmolLM2-135M (the GGUF in the data directory) on this
-CPU, attnlab with fp32 / Q8_0 / the file's own (Q4_1) weights and fp32 / fp16 / q8_0 / q4_0 KV caches, transformers (fp32),
-and llama.cpp (llama-cpp-python, optional: skipped with a note when it is not installed) with f16 / q8_0 / q4_0 KV
-caches, at 1 and 2 threads.
+CPU, attnlab with fp32 / Q8_0 / the file's own (Q4_1) weights and fp32 / fp16 / q8_0 / q4_0 KV caches, transformers
+(fp32), and llama.cpp (llama-cpp-python, optional: skipped with a note when it is not installed) with f16 / q8_0 /
+q4_0 KV caches, at 1 and 2 threads.
 
     python bench/real_model.py [--threads 1,2] [--contexts 128,4096,8192] [--prefill 512,4096] [--new-tokens 32]
                                [--impls attnlab,transformers,llama.cpp] [--weights fp32,q8_0,native,native+q8]
-                               [--kv fp32,fp16,q8_0,q4_0] [--models REF,...] [--repeats 2] [--data-dir DIR] [--no-record]
+                               [--kv fp32,fp16,q8_0,q4_0] [--models REF,...] [--repeats 2] [--data-dir DIR]
+                               [--no-record]
 
 decode   after an untimed prefill of C - N - 1 tokens of WikiText-2 raw test, N single-token steps, the last at
          C tokens of context (attnlab: `generate`'s own loop, compiled step included, timed token by token
