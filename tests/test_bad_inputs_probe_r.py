@@ -389,3 +389,17 @@ def test_a_settings_file_that_is_no_json_object_is_refused(hf_folder, tmp_path, 
     shutil.copytree(hf_folder, folder)
     (folder / name).write_text(content)
     assert fails(capsys, ["generate", str(folder), "the cat", *GENERATE], f"{folder / name}: ", "JSON object")
+
+
+@pytest.mark.parametrize("sets, said", [
+    (["train.schedule=constant", "train.min_lr_ratio=0.5"], "train.min_lr_ratio=0.5 does nothing with "
+     "train.schedule=constant"),
+    (["train.optimizer=lion", "train.eps=0.001"], "train.eps=0.001 does nothing with train.optimizer=lion"),
+    (["data.source=wikitext2"], "data.val_fraction=0.2 does nothing with data.source=wikitext2"),
+])  # fmt: skip
+def test_an_option_the_run_would_not_use_is_refused(tmp_path, capsys, sets, said):
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN.replace(", test_tokens: 64", ""))
+    argv = ["run", str(manifest), "--dry-run", "--out", str(tmp_path / "o"), *(f"--set={s}" for s in sets)]
+    assert fails(capsys, argv, said, "leave it out")
+    if len(sets) > 1:  # the first setting alone is fine (the manifest's own val_fraction is the wikitext case's)
+        assert main(["run", str(manifest), "--dry-run", "--out", str(tmp_path / "o"), f"--set={sets[0]}"]) == 0

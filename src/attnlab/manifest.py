@@ -254,6 +254,26 @@ def _given_keys(layers) -> dict[str, set]:
     return keys
 
 
+def idle_option_problems(spec: dict, given_train: dict, given_data: Any) -> list[str]:
+    """Options the user wrote that this run would not use (accepted, they would do nothing and still be recorded
+    in its config): train.min_lr_ratio under a constant schedule, train.eps under Lion (which has none), and the
+    split fractions of a dataset with splits of its own."""
+    problems, train, data = [], spec.get("train"), spec.get("data")
+    given_data = given_data if isinstance(given_data, dict) else {}
+    if train is not None and "min_lr_ratio" in given_train and train.schedule == "constant":
+        problems.append(f"train.min_lr_ratio={train.min_lr_ratio} does nothing with train.schedule=constant (the rate "
+                        "stays at train.lr after warm-up): leave it out, or use schedule linear or cosine")  # fmt: skip
+    if train is not None and "eps" in given_train and train.optimizer == "lion":
+        problems.append(f"train.eps={train.eps} does nothing with train.optimizer=lion (Lion divides by nothing): "
+                        "leave it out, or use optimizer adamw")  # fmt: skip
+    if data is not None and data.source in OWN_SPLITS:
+        for key in ("val_fraction", "test_fraction"):
+            if key in given_data:
+                problems.append(f"data.{key}={given_data[key]!r} does nothing with data.source={data.source} (it has "
+                                "train, validation and test files of its own): leave it out")  # fmt: skip
+    return problems
+
+
 def conversion_options_problem(init_from: Any, attention: Any, where: str) -> str | None:
     """An init_from mapping's options of a low-rank conversion (rope_pairs, calibration_tokens other than 0,
     calibrate_on) given for a target whose attention is not bottleneck/decoupled/mla: they would do nothing (as
@@ -339,6 +359,7 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
             "(lower train.seq_len or raise model.max_seq_len)"
         )
     given_train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    problems += [f"{where}: {p}" for p in idle_option_problems(spec, given_train, config.get("data"))]
     if "train" in spec and "warmup_steps" in given_train and spec["train"].warmup_steps > spec["train"].steps:
         # (the default warmup of 100 steps is not refused: a short run warms up for all its steps)
         problems.append(
