@@ -142,3 +142,24 @@ def build_collecting(cls: type, kwargs: dict, problems: list[str]):
     except ConfigError as e:
         problems.extend(e.problems)
         return None
+
+
+def idle_option_problems(spec: dict, given_train: dict, given_data: Any, own_splits) -> list[str]:
+    """Options the user wrote that this run would not use (accepted, they would do nothing and still be recorded
+    in its config): train.min_lr_ratio under a constant schedule, train.eps under Lion (which has none), and the
+    split fractions of a dataset with splits of its own (one of `own_splits`). spec: a manifest run's resolved
+    sections (train, data); given_*: the keys the user wrote."""
+    problems, train, data = [], spec.get("train"), spec.get("data")
+    given_data = given_data if isinstance(given_data, dict) else {}
+    if train is not None and "min_lr_ratio" in given_train and train.schedule == "constant":
+        problems.append(f"train.min_lr_ratio={train.min_lr_ratio} does nothing with train.schedule=constant (the rate "
+                        "stays at train.lr after warm-up): leave it out, or use schedule linear or cosine")  # fmt: skip
+    if train is not None and "eps" in given_train and train.optimizer == "lion":
+        problems.append(f"train.eps={train.eps} does nothing with train.optimizer=lion (Lion divides by nothing): "
+                        "leave it out, or use optimizer adamw")  # fmt: skip
+    if data is not None and data.source in own_splits:
+        for key in ("val_fraction", "test_fraction"):
+            if key in given_data:
+                problems.append(f"data.{key}={given_data[key]!r} does nothing with data.source={data.source} (it has "
+                                "train, validation and test files of its own): leave it out")  # fmt: skip
+    return problems

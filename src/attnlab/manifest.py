@@ -72,12 +72,12 @@ from attnlab.config import (
     trainable_string_problem,
     untrainable_memory_problem,
 )
-from attnlab.config_checks import unknown_key_problem
+from attnlab.config_checks import idle_option_problems, unknown_key_problem
 from attnlab.config_io import IntTooLarge, TooDeep, model_config_from_dict, parse_yaml, read_yaml, yaml_problem
 from attnlab.errors import ConfigError
-from attnlab.interop.convert import LOW_RANK
 from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import (
+    conversion_options_problem,
     plain_name_problem,
     pretrained_model_problems,
     pretrained_source,
@@ -254,42 +254,6 @@ def _given_keys(layers) -> dict[str, set]:
     return keys
 
 
-def idle_option_problems(spec: dict, given_train: dict, given_data: Any) -> list[str]:
-    """Options the user wrote that this run would not use (accepted, they would do nothing and still be recorded
-    in its config): train.min_lr_ratio under a constant schedule, train.eps under Lion (which has none), and the
-    split fractions of a dataset with splits of its own."""
-    problems, train, data = [], spec.get("train"), spec.get("data")
-    given_data = given_data if isinstance(given_data, dict) else {}
-    if train is not None and "min_lr_ratio" in given_train and train.schedule == "constant":
-        problems.append(f"train.min_lr_ratio={train.min_lr_ratio} does nothing with train.schedule=constant (the rate "
-                        "stays at train.lr after warm-up): leave it out, or use schedule linear or cosine")  # fmt: skip
-    if train is not None and "eps" in given_train and train.optimizer == "lion":
-        problems.append(f"train.eps={train.eps} does nothing with train.optimizer=lion (Lion divides by nothing): "
-                        "leave it out, or use optimizer adamw")  # fmt: skip
-    if data is not None and data.source in OWN_SPLITS:
-        for key in ("val_fraction", "test_fraction"):
-            if key in given_data:
-                problems.append(f"data.{key}={given_data[key]!r} does nothing with data.source={data.source} (it has "
-                                "train, validation and test files of its own): leave it out")  # fmt: skip
-    return problems
-
-
-def conversion_options_problem(init_from: Any, attention: Any, where: str) -> str | None:
-    """An init_from mapping's options of a low-rank conversion (rope_pairs, calibration_tokens other than 0,
-    calibrate_on) given for a target whose attention is not bottleneck/decoupled/mla: they would do nothing (as
-    `attnlab convert` refuses them)."""
-    kind = attention.get("kind") if isinstance(attention, dict) else None
-    if not isinstance(init_from, dict) or kind in LOW_RANK:
-        return None
-    given = [key for key in ("rope_pairs", "calibration_tokens", "calibrate_on")
-             if key in init_from and not (key == "calibration_tokens" and init_from[key] == 0)]  # fmt: skip
-    if not given:
-        return None
-    this = f"this target's model.attention.kind is {kind}" if kind else "this target keeps the source's attention"
-    return (f"{where}.{given[0]}={brief(init_from[given[0]])} applies to bottleneck/decoupled/mla conversions "
-            f"({this}): leave it out")  # fmt: skip
-
-
 def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict, pretrained: bool = False,
                       inherited: tuple[str, set] = ("", set())) -> None:  # fmt: skip
     """Validates one fully merged {model, data, train} config; records problems; fills spec. `pretrained`: the
@@ -359,7 +323,7 @@ def _resolve_sections(config: dict, where: str, problems: list[str], spec: dict,
             "(lower train.seq_len or raise model.max_seq_len)"
         )
     given_train = config.get("train") if isinstance(config.get("train"), dict) else {}
-    problems += [f"{where}: {p}" for p in idle_option_problems(spec, given_train, config.get("data"))]
+    problems += [f"{where}: {p}" for p in idle_option_problems(spec, given_train, config.get("data"), OWN_SPLITS)]
     if "train" in spec and "warmup_steps" in given_train and spec["train"].warmup_steps > spec["train"].steps:
         # (the default warmup of 100 steps is not refused: a short run warms up for all its steps)
         problems.append(

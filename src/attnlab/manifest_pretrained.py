@@ -8,7 +8,7 @@ from typing import Any
 
 from attnlab.config import checkpointing_memory_problem, names_model, source_problem, untrainable_memory_problem
 from attnlab.config_checks import MAX_INT, unknown_key_problem
-from attnlab.interop.convert import PAIR_RULES
+from attnlab.interop.convert import LOW_RANK, PAIR_RULES
 from attnlab.paths import brief
 
 SOURCE_DEFAULTS = {"model": None, "rope_pairs": "energy", "calibration_tokens": 4096, "calibrate_on": "wikitext2-nounk"}
@@ -103,3 +103,19 @@ def calibration_tokens_problem(tokens: int, what: str) -> str | None:
                 f"over windows of at least {MIN_CALIBRATION_TOKENS} tokens (give {MIN_CALIBRATION_TOKENS} or more, "
                 "e.g. 4096, or 0 to fit the weights alone)")  # fmt: skip
     return None
+
+
+def conversion_options_problem(init_from: Any, attention: Any, where: str) -> str | None:
+    """An init_from mapping's options of a low-rank conversion (rope_pairs, calibration_tokens other than 0,
+    calibrate_on) given for a target whose attention is not bottleneck/decoupled/mla: they would do nothing (as
+    `attnlab convert` refuses them)."""
+    kind = attention.get("kind") if isinstance(attention, dict) else None
+    if not isinstance(init_from, dict) or kind in LOW_RANK:
+        return None
+    given = [key for key in ("rope_pairs", "calibration_tokens", "calibrate_on")
+             if key in init_from and not (key == "calibration_tokens" and init_from[key] == 0)]  # fmt: skip
+    if not given:
+        return None
+    this = f"this target's model.attention.kind is {kind}" if kind else "this target keeps the source's attention"
+    return (f"{where}.{given[0]}={brief(init_from[given[0]])} applies to bottleneck/decoupled/mla conversions "
+            f"({this}): leave it out")  # fmt: skip

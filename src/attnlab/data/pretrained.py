@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from attnlab.data.files import LINK_LOOP, atomic_write_text, file_kind
+from attnlab.data.files import atomic_write_text, file_kind, unreachable
 from attnlab.data.tokenizers import Tokenizer
 from attnlab.errors import DataError, InputError
 from attnlab.jsonio import loads_json
@@ -156,14 +156,13 @@ def regular_file(path: str | Path, fix: str = "put the file itself there") -> bo
     (permissions) is still a regular file: reading it raises the PermissionError that names it."""
     try:
         kind = file_kind(path)
-    except (FileNotFoundError, NotADirectoryError):
-        if os.path.islink(path):  # a link to nothing: not "not found" (ls shows it)
-            raise DataError(f"{path}: a symbolic link to {os.readlink(path)}, which is not there ({fix})") from None
-        return False
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise DataError(f"{path}: {LINK_LOOP} ({fix})") from None
-        raise  # (permissions: the command's line for the operating system's refusals names it)
+        if e.errno in (errno.ENOENT, errno.ENOTDIR) and not os.path.islink(path):
+            return False
+        problem = unreachable(path)  # a link to nothing or a link loop: not "not found" (ls shows it)
+        if problem is None:
+            raise  # (permissions: the command's line for the operating system's refusals names it)
+        raise DataError(f"{path}: {problem}") from None
     if kind is None:
         return True
     raise DataError(f"{path}: is {kind}, where a file is expected ({fix})")

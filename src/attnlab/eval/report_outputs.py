@@ -1,0 +1,58 @@
+"""Where `attnlab report` writes, checked before it writes anything: a file there that the report did not write (the
+user's own report.md, table or plot) is refused, never replaced, and so is a link."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from attnlab.errors import InputError
+from attnlab.eval.plots import attnlab_png
+
+# How the report's own files begin (and its tables' Markdown and LaTeX): another file at their place is the user's,
+# never replaced. PNGs carry attnlab's mark (plots.attnlab_png); a table's CSV goes with its Markdown.
+OWN_START = {"report.md": "# Evaluation report: ", "report.html": "<!doctype html><html><head><meta charset='utf-8'>",
+             ".md": "| ", ".tex": "\\begin{tabular}"}  # fmt: skip
+MATPLOTLIB_PNG = b"tEXtSoftware\x00Matplotlib version"
+
+
+def _ours(path: Path, start: str) -> bool:
+    with path.open("rb") as file:
+        return file.read(len(start.encode())) == start.encode()
+
+
+def check_outputs(out_dir: Path, tables: list, plots: list[str]) -> None:
+    """Refuses (InputError, naming it) a file at a place the report writes that the report did not write (the
+    user's own report.md or pareto.png is never replaced), a link there, and a tables/ folder that is a link (the
+    report writes only inside the bench folder)."""
+
+    def refuse(path: Path, what: str) -> None:
+        raise InputError(f"{path}: {what} (the report would replace it): move it away, then run the report "
+                         "again")  # fmt: skip
+
+    folder = out_dir / "tables"
+    if folder.is_symlink():
+        refuse(folder, "a link, not the tables folder a report makes (the report writes only inside its folder)")
+    places = [(out_dir / "report.md", OWN_START["report.md"]), (out_dir / "report.html", OWN_START["report.html"])]
+    for t in tables:
+        places += [(folder / f"{t.name}.md", OWN_START[".md"]), (folder / f"{t.name}.tex", OWN_START[".tex"]),
+                   (folder / f"{t.name}.csv", None)]  # fmt: skip
+    places += [(out_dir / name, "png") for name in plots]
+    old = out_dir / "report.md"  # a plot of a report drawn before PNGs carried the mark: matplotlib's, in its report.md
+    earlier = (old.read_text(encoding="utf-8", errors="replace") if old.is_file() and not old.is_symlink() and
+               _ours(old, OWN_START["report.md"]) else "")  # fmt: skip
+    for path, start in places:
+        if path.is_symlink():
+            refuse(path, "a link where the report writes a file")
+        if not os.path.lexists(path):
+            continue
+        if not path.is_file():
+            refuse(path, "not a regular file where the report writes one")
+        if start is None:  # a table's CSV: the report's own when its Markdown is
+            markdown = path.with_suffix(".md")
+            own = markdown.is_file() and _ours(markdown, OWN_START[".md"])
+        else:
+            own = ((attnlab_png(path) or (f"]({path.name})" in earlier and attnlab_png(path, MATPLOTLIB_PNG)))
+                   if start == "png" else _ours(path, start))  # fmt: skip
+        if not own:
+            refuse(path, "not a file attnlab report wrote")
