@@ -194,8 +194,22 @@ class MemoryConfig:
         if self.write_bias is not None and self.write_policy != "gated":
             problems.append(f"memory.write_bias={self.write_bias} needs memory.write_policy: gated (with "
                             f"write_policy {self.write_policy!r} there is no write gate to bias)")  # fmt: skip
+        problems += self._idle_gate_problems()
         if problems:
             raise ConfigError(problems)
+
+    def _idle_gate_problems(self) -> list[str]:
+        """Under write_policy none every token's gate is 1, so a gate threshold in [0, 1] admits every token: a
+        threshold other than the preset's (which a saved config carries) would do nothing."""
+        if self.kind != "bounded" or self.write_policy != "none" or self.preset not in MEMORY_PRESETS:
+            return []
+        return [
+            f"memory.{key}={getattr(self, key)} does nothing with memory.write_policy: none (every token's gate is "
+            f"1 and passes any threshold; remove {key}, or set memory.write_policy: gated)"
+            for key in ("tau_gate", "tau_gate_summary")
+            if getattr(self, key) != MEMORY_PRESETS[self.preset][key]
+            and (getattr(self, key) is None or 0.0 <= getattr(self, key) <= 1.0)  # (out of range: said already)
+        ]
 
     def _quest_problems(self) -> list[str]:
         problems = []
