@@ -46,11 +46,10 @@ from attnlab.cache.codecs import as_policy
 from attnlab.data.files import atomic_write_text, downloads_allowed, folder_lock
 from attnlab.data.pretrained import PretrainedTokenizer
 from attnlab.errors import ConfigError, DataError, InputError
+from attnlab.eval.lmeval_task_files import check_duplicate_tasks, check_task_files
 from attnlab.eval.lmeval_tasks import (
     attach,
     build_tasks,
-    check_duplicate_tasks,
-    check_task_files,
     leaf_tasks,
     offline_line,
     task_file,
