@@ -76,19 +76,23 @@ def small_model(**config):
     return tiny_model(d_model=64, n_heads=2, n_layers=1, max_seq_len=64, **config)
 
 
-def write_gguf(path, *, tokens=TOKENS, types=None, merges=("a b", "c d"), context=True, poison=None, quant=Q.F32):
+def write_gguf(path, *, tokens=TOKENS, types=None, merges=("a b", "c d"), context=True, poison=None, quant=Q.F32,
+               extra=None):  # fmt: skip
     """The tiny model as a llama GGUF file with a byte-level BPE tokenizer of `tokens` (the first and any "<|...|>"
-    ones control tokens) and `merges` (None: no tokenizer.ggml.merges key); context=False leaves out
-    llama.context_length; poison=(GGUF part, value) writes that value into the first row of the first block's tensor
-    of that part. Matrices in `quant`."""
+    ones control tokens; None: no tokenizer.ggml.tokens key) and `merges` (None: no tokenizer.ggml.merges key);
+    context=False leaves out llama.context_length; poison=(GGUF part, value) writes that value into the first row of
+    the first block's tensor of that part; extra(writer) adds metadata keys of a test's own. Matrices in `quant`."""
     model = small_model()
     cfg = model.cfg
     writer = gguf.GGUFWriter(str(path), "llama")
     add_hparams(writer, cfg.n_layers, cfg.max_seq_len if context else None, cfg.d_model, cfg.hidden_dim,
                 (cfg.n_heads, cfg.n_heads), cfg.rope_base, cfg.norm_eps, cfg.vocab_size)  # fmt: skip
+    if extra is not None:
+        extra(writer)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(list(tokens))
-    writer.add_token_types(types or [3 if t.startswith("<|") else 1 for t in tokens])
+    if tokens is not None:
+        writer.add_token_list(list(tokens))
+        writer.add_token_types(types or [3 if t.startswith("<|") else 1 for t in tokens])
     if merges is not None:
         writer.add_token_merges(list(merges))
     writer.add_bos_token_id(0)

@@ -62,6 +62,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def head_counts(width: int) -> str:
+    """The head counts that split `width` channels into heads of an even width (RoPE rotates pairs), in words:
+    "1, 2, 4, 8, 16 or 32"."""
+    counts = [str(d) for d in divisors(width) if (width // d) % 2 == 0]
+    return ", ".join(counts[:-1]) + " or " + counts[-1] if len(counts) > 1 else "".join(counts) or "none"
+
+
 def check_head_split(model: ModelConfig, head_dim: int | None) -> list[str]:
     """Problems with `attention.head_dim`: below 1 (0 is no width, not "unset": leave the key out for that), or
     derived as d_model / n_heads (head_dim None) when n_heads does not divide d_model."""

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from attnlab.attention.mha import MHAConfig
-from attnlab.config import ModelConfig, RopeScaling
+from attnlab.config import ModelConfig, RopeScaling, head_counts
 from attnlab.data.pretrained import regular_file
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.interop.gguf_table import read_gguf_table
@@ -185,6 +185,11 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
         if len(set(n_kv_heads)) != 1:
             problems.append(f"per-layer KV head counts {sorted(set(n_kv_heads))} are not supported")
         n_kv_heads = n_kv_heads[0]
+    if key("attention.key_length") is None and d_model % n_heads:  # (llama.cpp asserts it too)
+        raise ConfigError(f"metadata {arch}.attention.head_count={n_heads} does not divide {arch}.embedding_length="
+                          f"{d_model} (without {arch}.attention.key_length a head is embedding_length / head_count "
+                          f"wide; head counts that fit: {head_counts(d_model)}): the file's metadata is damaged; "
+                          "download or convert it again", source=source)  # fmt: skip
     head_dim = int(key("attention.key_length") or d_model // n_heads)
     if key("attention.value_length", head_dim) != head_dim:
         problems.append(f"value heads of {key('attention.value_length')} != key heads of {head_dim} are not supported")
@@ -200,7 +205,8 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
     if problems:
         raise ConfigError(problems, source=source)
     check_token_count(file)
-    vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = key("vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)  # (a string is no token list)
     if not vocab and "token_embd.weight" in file.tensors:
         vocab = file.shape("token_embd.weight")[0]
     try:

@@ -17,6 +17,7 @@ padded rows).
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from attnlab.attention.mha import MHAConfig
 from attnlab.attention.sliding import SlidingConfig
-from attnlab.config import ModelConfig, RopeScaling
+from attnlab.config import ModelConfig, RopeScaling, head_counts
 from attnlab.data.pretrained import regular_file
 from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.jsonio import loads_json
@@ -54,7 +55,12 @@ RECOMPUTED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def architecture_of(hf: dict, source: str) -> str:
     """The one supported architecture config.json names; ConfigError (one line) for any other."""
-    names = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type"), str(hf.get("model_type")))]
+    given = hf.get("architectures")
+    if given is not None and not (isinstance(given, list) and all(isinstance(name, str) for name in given)):
+        example = json.dumps([given] if isinstance(given, str) else ["LlamaForCausalLM"])
+        raise ConfigError(f"architectures={json.dumps(given)[:80]} must be a list of names: write \"architectures\": "
+                          f"{example[:80]}", source=source)  # fmt: skip
+    names = given or [MODEL_TYPES.get(hf.get("model_type"), str(hf.get("model_type")))]
     name = names[0] if len(names) == 1 else ", ".join(map(str, names))
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     if name in REFUSED_ARCHITECTURES:
@@ -95,9 +101,15 @@ def rope_settings(hf: dict, default: float) -> tuple[float, RopeScaling | None, 
             )
             return 10000.0, None, problems
     theta, top = params.get("rope_theta"), hf.get("rope_theta")  # (export.py writes both, for transformers 4 and 5)
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, int | float)):
+        return 10000.0, None, [f"rope_parameters.rope_theta={json.dumps(theta)} must be a number"]
+    # A NaN is no base (and equals nothing, not even another NaN): said as such, not as a disagreement
+    bases = [f"{key}={json.dumps(value)} must be a finite number > 0 (the RoPE base, e.g. 10000.0)"
+             for key, value in (("rope_theta", top), ("rope_parameters.rope_theta", theta))
+             if isinstance(value, int | float) and not (math.isfinite(value) and value > 0)]  # fmt: skip
+    if bases:
+        return 10000.0, None, problems + bases
     if theta is not None:  # with rope_theta given too, the two must agree
-        if isinstance(theta, bool) or not isinstance(theta, int | float):
-            return 10000.0, None, [f"rope_parameters.rope_theta={json.dumps(theta)} must be a number"]
         if top is not None and float(top) != float(theta):
             problems.append(
                 f"rope_theta={top!r} and rope_parameters.rope_theta={theta!r} disagree (transformers silently "
@@ -197,9 +209,13 @@ def config_from_hf(hf: dict, source: str = "config.json", name: str | None = Non
     base, scaling, rope_problems = rope_settings(given, DEFAULTS[arch]["rope_theta"])
     window, window_problems = attention_window(hf, arch)
     problems += rope_problems + window_problems
+    n_heads, width = hf["num_attention_heads"], hf["hidden_size"]
+    if hf.get("head_dim") is None and n_heads > 0 and width > 0 and width % n_heads:  # (transformers floors it)
+        problems.append(f"num_attention_heads={n_heads} does not divide hidden_size={width} (without head_dim a head "
+                        "is hidden_size / num_attention_heads wide; head counts that fit: "
+                        f"{head_counts(width)}): fix num_attention_heads, or give head_dim")  # fmt: skip
     if problems:
         raise ConfigError(problems, source=source)
-    n_heads = hf["num_attention_heads"]
     head_dim = hf["hidden_size"] // n_heads if hf.get("head_dim") is None else hf["head_dim"]
     kv_heads = hf.get("num_key_value_heads")  # 0 is zero heads (refused by the attention's check), not "unset"
     heads = {"n_kv_heads": n_heads if kv_heads is None else kv_heads, "head_dim": head_dim,
@@ -410,8 +426,14 @@ def safetensors_files(folder: Path) -> list[Path]:
 def _index_shards(index: Path, folder: Path) -> list[Path]:
     """The shard files an index's weight_map names, each checked to be a file in the folder."""
     weight_map = read_json(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
+    if weight_map is None:
         raise DataError(f"{index}: no weight_map in it")
+    if not isinstance(weight_map, dict):
+        raise DataError(f"{index}: weight_map={json.dumps(weight_map)[:80]} must be a JSON object of tensor name -> "
+                        "shard file (such as {\"model.norm.weight\": \"model-00001-of-00002.safetensors\"}); the "
+                        "index is damaged")  # fmt: skip
+    if not weight_map:
+        raise DataError(f"{index}: weight_map={{}} names no tensor (the index is damaged)")
     for name, file in weight_map.items():
         if not isinstance(file, str) or not file or Path(file).name != file:
             raise DataError(f"{index}: weight_map[{name!r}]={json.dumps(file)} must be the name of a shard file in "

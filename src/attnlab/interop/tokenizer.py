@@ -168,6 +168,7 @@ def tokenizer_from_gguf(meta: dict, source: str = "gguf", name: str | None = Non
         raise ConfigError(f"tokenizer.ggml.model={kind!r} is not supported (supported: {known})", source=source)
     if not meta.get("tokenizer.ggml.tokens"):
         raise DataError(f"{source}: no tokenizer.ggml.tokens in the metadata")
+    check_token_list(meta["tokenizer.ggml.tokens"], source)
     tokenizer = GGUF_TOKENIZERS[kind](meta, source)
     # Control tokens (<|im_start|>, <s>) are special: matched whole in prompts, plain text in ordinary text.
     # User-defined ones (<think>) are always matched whole, as llama.cpp does.
@@ -198,6 +199,21 @@ def tokenizer_from_gguf(meta: dict, source: str = "gguf", name: str | None = Non
         add_bos=add_bos, chat_template=meta.get("tokenizer.chat_template"),
         template_source=f"{source} (tokenizer.chat_template)" if meta.get("tokenizer.chat_template") else source,
     )  # fmt: skip
+
+
+def check_token_list(tokens, source: str) -> None:
+    """DataError (one line naming the file, the key and what it holds) unless tokenizer.ggml.tokens is an array of
+    strings: anything else would be read as something it is not (a string as one token per character), and the
+    error would name whatever stumbled on it first (the merges)."""
+    if not isinstance(tokens, list):
+        kind = "a string" if isinstance(tokens, str) else f"a {type(tokens).__name__}"
+        raise DataError(f"{source}: tokenizer.ggml.tokens is {kind} ({brief(tokens)}), not an array of strings (one "
+                        "per token): the file is damaged; download or convert it again")  # fmt: skip
+    wrong = next((i for i, token in enumerate(tokens) if not isinstance(token, str)), None)
+    if wrong is not None:
+        raise DataError(f"{source}: tokenizer.ggml.tokens[{wrong}]={brief(tokens[wrong])} is not a string (the "
+                        "tokens must be an array of strings): the file is damaged; download or convert it "
+                        "again")  # fmt: skip
 
 
 def special_id(meta: dict, which: str, n_tokens: int, source: str) -> int | None:
