@@ -203,17 +203,13 @@ def test_a_warm_start_of_another_width_beside_an_added_memory_names_the_width(tm
     assert "memory.kind" not in line
 
 
-def test_a_memory_alone_of_another_shape_is_still_named(tmp_path, capsys):
-    """A memory of another kind than the one trained (its weights' shapes differ) is what is named."""
+def test_a_memory_alone_of_another_kind_is_still_named(tmp_path, capsys):
+    """With the width the same, a trained memory's weights that the new memory lacks are what is named."""
     trained = "{kind: bounded, recent_window: 16, exact_slots: 8, summary_slots: 8}"
-    targets = (f"  a: {{model: {{memory: {trained}}}}}\n  b:\n    init_from: a\n"
-               f"    model: {{memory: {{kind: bounded, recent_window: 16, exact_slots: 8, summary_slots: 8, "
-               "write_policy: gated, d_gate: 8}}}\n")  # fmt: skip
+    targets = f"  a: {{model: {{memory: {trained}}}}}\n  b:\n    init_from: a\n    model: {{memory: {MEMORY}}}\n"
     path = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, targets)
-    code = main(["validate", str(path)])
-    err = capsys.readouterr().err
-    if code == 2 and "cannot start from" in err:  # (a gate whose weights the trained memory lacks)
-        assert "memory." in err and "d_model" not in err
+    validate_fails(capsys, path, "targets.b: its model cannot start from target a's weights (memory.kind 'streaming', "
+                   "target a's 'bounded')")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- t7: perplexity.seq_len past the context

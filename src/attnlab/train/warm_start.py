@@ -37,6 +37,7 @@ def architecture_problem(cfg: ModelConfig, before: ModelConfig, whose: str) -> s
         return None
     now, then = _flat(cfg.to_dict()), _flat(before.to_dict())
     keys = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k) and k != "name")
+    keys = [k for k in keys if not k.startswith("memory.")] or keys  # a memory may be added: what else changed
     keys = [k for k in keys if k.endswith("kind")] or keys  # another kind: its options differ as a matter of course
     differ = [f"{k} {now.get(k)!r}, {whose} {then.get(k)!r}" for k in keys]
     shown = "; ".join(differ[:3]) + ("; ..." if len(differ) > 3 else "")
