@@ -240,6 +240,21 @@ def test_a_perplexity_seq_len_past_a_gguf_models_context_is_named_before_loading
     assert "sequence of" not in line
 
 
+def test_run_perplexity_names_a_seq_len_past_the_context(tmp_path):
+    """The library's own check (bench names the parameter before loading; a caller of run_perplexity gets this)."""
+    pytest.importorskip("gguf")
+    from gguf_files import write_gguf
+
+    from attnlab.errors import InputError
+    from attnlab.eval.loading import load_for_eval
+    from attnlab.eval.perplexity import run_perplexity
+
+    model = load_for_eval(write_gguf(tmp_path / "g.gguf"))
+    with pytest.raises(InputError, match=r"^seq_len=100 exceeds g's max_seq_len 64 \(a window is read in one pass\): "
+                       r"give seq_len <= 64$"):  # fmt: skip
+        run_perplexity(model, "val", 100, dataset=str(hat_text(tmp_path)))
+
+
 def test_a_perplexity_seq_len_within_the_context_is_measured(tmp_path, capsys):
     pytest.importorskip("gguf")
     from gguf_files import write_gguf

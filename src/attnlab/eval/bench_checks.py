@@ -73,6 +73,9 @@ def context_cells(name: str, full: dict, cfg, train_seq_len: int | None = None) 
     if name == "stream_loss":
         cells = [full["length"]]
         return cells, [n for n in cells if n > limit and not memory], ""
+    if name == "perplexity" and full.get("seq_len") is not None:  # (a window of seq_len read in one pass)
+        cells = [full["seq_len"]]
+        return cells, [n for n in cells if n > limit and not memory], ""
     if name == "rope_extrapolation" and train_seq_len:
         cells = list(full["factors"])
         return cells, [f for f in cells if round(f * train_seq_len) > limit], f"x the training context {train_seq_len}"
@@ -80,7 +83,7 @@ def context_cells(name: str, full: dict, cfg, train_seq_len: int | None = None) 
 
 
 GIVES_CELLS = {"latency": ("prompt_lengths", "new_tokens"), "rope_extrapolation": ("factors",),
-               "stream_loss": ("length",)}  # the parameters that make the cells (else `lengths`)  # fmt: skip
+               "stream_loss": ("length",), "perplexity": ("seq_len",)}  # what makes the cells  # fmt: skip
 
 
 def context_problem(name: str, full: dict, cfg, label: str, train_seq_len: int | None = None,
@@ -109,8 +112,8 @@ def context_problem(name: str, full: dict, cfg, label: str, train_seq_len: int |
     if name == "rope_extrapolation":
         return (f"benchmarks.rope_extrapolation.factors={_list(cells)}: {_join(past)} {how} {exceed} {label}'s "
                 f"max_seq_len {limit} ({what}): give factors <= {limit / train_seq_len:g}")  # fmt: skip
-    key = "length" if name == "stream_loss" else "lengths"
-    shown = cells[0] if name == "stream_loss" else _list(cells)
+    key = {"stream_loss": "length", "perplexity": "seq_len"}.get(name, "lengths")
+    shown = cells[0] if key != "lengths" else _list(cells)
     return (
         f"benchmarks.{name}.{key}={shown}: {_join(past)} {exceed} {label}'s max_seq_len {limit} ({what}): give "
         f"{key} <= {limit}" + (" (a model with a memory reads past it)" if name == "stream_loss" else "")

@@ -228,6 +228,10 @@ def run_perplexity(eval_model, split: str = "test", seq_len: int | None = None, 
     problem = press_problem(eval_model.cfg, "seq_len", seq_len)
     if problem:
         raise InputError(problem)
+    limit = eval_model.cfg.max_seq_len
+    if seq_len > limit and eval_model.cfg.memory.kind == "none":  # (a memory reads past it) before the text is read
+        raise InputError(f"seq_len={seq_len} exceeds {eval_model.name}'s max_seq_len {limit} (a window is read in one "
+                         f"pass): give seq_len <= {limit}")  # fmt: skip
     tokens, dataset, tokenizer = eval_tokens(eval_model, split, data_dir, dataset)
     windows = window_losses(eval_model.model, tokens, seq_len, stride, max_tokens)
     if len(windows) < 2 and max_tokens is not None and max_tokens < len(tokens) - 1:  # a zero-width interval
