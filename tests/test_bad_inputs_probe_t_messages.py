@@ -298,7 +298,7 @@ def test_a_damaged_summary_of_an_interrupted_run_says_to_delete_it_alone(tmp_pat
     assert "run's folder" not in line
     (folder / "summary.json").unlink()
     assert main(argv) == 0
-    assert json.loads((folder / "summary.json").read_text())["step"] == 4
+    assert json.loads((folder / "summary.json").read_text())["steps"] == 4
 
 
 def test_a_damaged_summary_of_a_finished_run_says_to_delete_it_alone(tmp_path, capsys):
@@ -313,7 +313,7 @@ def test_a_damaged_summary_of_a_finished_run_says_to_delete_it_alone(tmp_path, c
     assert "run's folder" not in line
     (folder / "summary.json").unlink()
     assert main(argv) == 0
-    assert json.loads((folder / "summary.json").read_text())["step"] == 4
+    assert json.loads((folder / "summary.json").read_text())["steps"] == 4
 
 
 # ----------------------------------------------------------------------------- t9, t10: --out through a broken link

@@ -41,7 +41,7 @@ from attnlab.retrofit import (
     model_tokenizer,
     run_config,
 )
-from attnlab.train.checkpoint import find_checkpoint, step_folders, write_json_atomic
+from attnlab.train.checkpoint import CheckpointError, find_checkpoint, step_folders, write_json_atomic
 from attnlab.train.distributed import barrier, dist_env, init_distributed, prepare_rank0_first
 from attnlab.train.fsdp import check_launch
 from attnlab.train.lock import LOCK_NAME, busy_problem, run_lock
@@ -191,7 +191,11 @@ def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) ->
     fix = "delete the run's folder to train it again"
     for path in (summary_path, run_dir / "config.json"):
         check_run_file(path)  # (a link to /dev/zero would be read without end)
-    saved, summary = read_json_object(run_dir / "config.json", fix), read_json_object(summary_path, fix)
+    saved = read_json_object(run_dir / "config.json", fix)
+    try:
+        summary = read_json_object(summary_path)
+    except DataError as e:  # the checkpoints are all there: the summary alone is rewritten by the run
+        raise DataError(f"{e}; {summary_fix(run_dir, config)}") from None
     differences = config_differences(saved, config, saved_as="saved")
     derived = all(d.startswith("model.vocab_size:") for d in differences)  # the tokenizer's, fitted on the data
     checkpoint = find_checkpoint(run_dir) if not differences or (derived and data_problem is not None) else None
@@ -219,6 +223,23 @@ def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) ->
             "use another --out directory or delete that folder", source=str(source) if source else None
         )  # fmt: skip
     return summary
+
+
+def summary_fix(run_dir: Path, config: dict) -> str:
+    """What to do about a run's summary.json that cannot be read: delete it alone, and the run resumes from its last
+    checkpoint (an interrupted run) or writes it again there (a finished one); never the folder, which holds them."""
+    try:
+        checkpoint = find_checkpoint(run_dir)
+    except (CheckpointError, DataError, ConfigError):  # (said when the run resumes)
+        checkpoint = None
+    if checkpoint is None:
+        return "delete summary.json alone and run again (the run has no checkpoint: it trains from the start)"
+    steps = (config.get("train") or {}).get("steps")
+    if isinstance(steps, int) and checkpoint.step < steps:
+        return (f"the run was interrupted at step {checkpoint.step} of {steps} (its last checkpoint): delete "
+                "summary.json alone and run again to resume it from there")  # fmt: skip
+    return (f"its last checkpoint is the last step ({checkpoint.step} of {steps}): delete summary.json alone and run "
+            "again to write it again from there")  # fmt: skip
 
 
 def interrupted_run_problem(run_dir: Path, config: dict) -> str | None:
