@@ -18,7 +18,7 @@ from attnlab.cache.codecs import FORMATS, KVPolicy
 from attnlab.cli_errors import one_line
 from attnlab.config import DTYPE_BYTES, source_problem
 from attnlab.config_io import parse_yaml
-from attnlab.data.files import TEMPORARY, read_only_file_system, remove_stale_temporaries
+from attnlab.data.files import TEMPORARY, broken_link, read_only_file_system, remove_stale_temporaries
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, DataError, InputError
 from attnlab.eval import append_records, load_for_eval, make_record
@@ -376,6 +376,9 @@ def check_something_to_convert(args, source, target) -> None:
 
 
 def cmd_convert(args) -> int:
+    broken = broken_link(args.out)  # (the conversion's folder is renamed onto --out itself: "Not a directory")
+    if broken:
+        raise InputError(f"--out {args.out}: {broken}: remove the link, or give another --out")
     if Path(args.out).exists():  # before minutes of loading and scoring
         raise InputError(f"--out {args.out}: already exists (choose another folder, or delete it first)")
     out_was_there = os.path.lexists(args.out)  # (a link to nothing)

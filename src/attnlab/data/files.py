@@ -314,6 +314,22 @@ def link_loop(path: str | os.PathLike) -> bool:
     return False
 
 
+def broken_link(path: str | os.PathLike) -> str | None:
+    """What a symbolic link at `path` that reaches nothing is, in words ("a symbolic link to X, which is not there",
+    or LINK_LOOP), for a path something is to be made at (made through the link, or failing late, "Not a
+    directory"); None for anything else."""
+    if not os.path.islink(path):
+        return None
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return LINK_LOOP
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"a symbolic link to {os.readlink(path)}, which is not there"
+    return None
+
+
 def unreachable(path: str | os.PathLike) -> str | None:
     """Why nothing can be read at `path`, in words for a one-line error, or None when something is there: not
     found, a symbolic link to nothing (ls shows it: not "not found"), or a link loop."""

@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from attnlab.data.files import as_os_error, atomic_write_text, temp_path_beside
+from attnlab.data.files import LINK_LOOP, as_os_error, atomic_write_text, broken_link, temp_path_beside
 from attnlab.data.pretrained import PretrainedTokenizer
 from attnlab.data.tokenizers import (
     EOS,
@@ -426,6 +426,8 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> tuple[int, int] | None:
     """InputError (one line) unless out_dir can take the export: missing, empty, or with overwrite=True a folder
     holding an earlier export only (not_exported). Returns that earlier export's identity (device, inode), which
     replace_folder alone may replace; None when out_dir is missing or empty."""
+    if broken_link(out_dir) == LINK_LOOP:
+        raise InputError(f"{out_dir}: is {LINK_LOOP}: remove the link, or give a folder's path")
     if out_dir.is_symlink() and not out_dir.exists():
         raise InputError(f"{out_dir}: is a symbolic link to {os.readlink(out_dir)}, which does not exist (give a "
                          "folder's path, or make the folder it points to)")  # fmt: skip
