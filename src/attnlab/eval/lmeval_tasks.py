@@ -6,6 +6,7 @@ jinja's traceback halfway through an evaluation."""
 from __future__ import annotations
 
 import difflib
+import errno
 import math
 from pathlib import Path
 from typing import Any
@@ -184,12 +185,35 @@ def _task_problem(cfg: dict, source: str, error: Exception) -> AttnlabError | No
         return None
     if type(error).__module__.split(".")[0] in ("datasets", "pyarrow", "fsspec"):  # `datasets` could not load it
         cause = error.__cause__ or error
+        full = cache_full_line(cause)
+        if full:  # not the data file's fault
+            return DataError(f"{source}: {full}")
         files = (cfg.get("dataset_kwargs") or {}).get("data_files")
         return DataError(f"{source} (data files {files}): the task data could not be loaded "
                          f"({type(cause).__name__}: {' '.join(str(cause).split())}): fix the data file")  # fmt: skip
     if isinstance(error, ValueError):  # lm-eval's checks of a task config (an unknown output_type, ...)
         return ConfigError(f"{' '.join(str(error).split())} (fix the task file)", source=source)
     return None
+
+
+DISK_FULL = {errno.ENOSPC: "no space left on its disk (OSError ENOSPC)", errno.EDQUOT: "its disk quota is used up "
+             "(OSError EDQUOT)"}  # fmt: skip
+
+
+def cache_full_line(cause: BaseException) -> str | None:
+    """What is said when `datasets` could not write a task's data into its cache (a full disk, a used-up quota, a file
+    size limit), naming the file or the cache; None for other errors."""
+    code = getattr(cause, "errno", None) if isinstance(cause, OSError) else None
+    if code not in (*DISK_FULL, errno.EFBIG):
+        return None
+    import datasets
+
+    where = cause.filename or datasets.config.HF_DATASETS_CACHE
+    if code == errno.EFBIG:
+        return (f"the task data could not be written to the datasets cache {where}: a file there is past this "
+                "process's file size limit (OSError EFBIG, ulimit -f): raise the limit")  # fmt: skip
+    return (f"the task data could not be written to the datasets cache {where}: {DISK_FULL[code]}: free space there, "
+            "or set HF_DATASETS_CACHE to a folder on a disk with room")  # fmt: skip
 
 
 def _metric_problem(cfg: dict) -> str | None:
