@@ -35,6 +35,7 @@ generate_until decodes through the same cache. Without a policy, a batch is one 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -389,6 +390,21 @@ def _quiet_git():
 
 
 @contextlib.contextmanager
+def _no_request_bar():
+    """simple_evaluate without the "0/3 .. 3/3" bar of lm-eval's Task.build_all_requests (restored on the way out):
+    every item was rendered already (build_tasks), so it is over at once, and it stood before an error's one line (a
+    continuation too long for the model is found once the requests are scored)."""
+    import lm_eval.api.task
+
+    bar = lm_eval.api.task.tqdm
+    lm_eval.api.task.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        lm_eval.api.task.tqdm = bar
+
+
+@contextlib.contextmanager
 def _hub_offline_if_asked():
     """With downloads off ($ATTNLAB_OFFLINE, as for every file attnlab reads), `datasets` and huggingface_hub do not
     reach for the Hub either: a Hub task then fails at once, not after five network retries (probe N's n6). Both
@@ -492,7 +508,7 @@ def run_lm_eval(
                     lm._sampling(dict(task.config.generation_kwargs or {}))
                 except (ConfigError, InputError) as e:
                     raise ConfigError(f"generation_kwargs: {e}", source=lm.task_files[task.task_name]) from None
-        with _one_line(tasks, manager, num_fewshot), _quiet_git():  # no "fatal: not a git repository" line
+        with _one_line(tasks, manager, num_fewshot), _quiet_git(), _no_request_bar():  # no git "fatal:" line, no bar
             results = lm_eval.simple_evaluate(
                 model=lm, tasks=built, num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=True,
                 bootstrap_iters=bootstrap_iters, batch_size=batch_size,
