@@ -67,7 +67,7 @@ from attnlab.eval.probes import (
 from attnlab.eval.records import records_folder
 from attnlab.eval.report import build_report
 from attnlab.eval.stats import paired_comparison
-from attnlab.generate import generate
+from attnlab.generate import generate, room_problem
 from attnlab.interop.convert import PAIR_RULES
 from attnlab.interop.references import model_config_of
 from attnlab.interop.tokenizer import warn_unknown
@@ -254,12 +254,14 @@ def cmd_generate(args) -> int:
     if args.chat and not getattr(tokenizer, "chat_template", None):  # named as given, not as the tokenizer names it
         raise InputError(f"{args.checkpoint}: the model has no chat template (--chat needs one; leave it out)")
     prompt = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode_prompt(args.prompt)
-    warn_unknown(tokenizer, args.prompt, "the prompt")  # a char or word vocabulary reads what it lacks as <unk>
-    new_tokens = args.max_new_tokens
+    cfg, new_tokens = model.model.cfg, args.max_new_tokens
     if new_tokens is None:  # the default: up to DEFAULT_NEW_TOKENS, as many as the context leaves room for
-        cfg = model.model.cfg
         room = cfg.max_seq_len - len(prompt) if cfg.memory.kind == "none" else DEFAULT_NEW_TOKENS
-        new_tokens = min(DEFAULT_NEW_TOKENS, max(1, room))  # no room at all: generate's error says so
+        new_tokens = min(DEFAULT_NEW_TOKENS, max(1, room))  # no room at all: said just below
+    problem = room_problem(cfg, len(prompt), new_tokens)  # before the warning: a refused command says one line
+    if problem:
+        raise InputError(problem)
+    warn_unknown(tokenizer, args.prompt, "the prompt")  # a char or word vocabulary reads what it lacks as <unk>
     out = generate(model.model, torch.tensor(prompt), max_new_tokens=new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv_policy=args.kv_policy,
                    stop_tokens=tokenizer.stop_ids)  # fmt: skip

@@ -283,6 +283,20 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
     return torch.multinomial(probs, 1, generator=generator)
 
 
+def room_problem(cfg, length: int, max_new_tokens: int, held: int = 0) -> str | None:
+    """Why a prompt of `length` tokens (after `held` cached ones) leaves no room to generate within cfg.max_seq_len,
+    or None (a bounded memory streams past it: always room). Said by generate, and by a caller before its warnings
+    about the prompt, so that a command ends in the one line."""
+    if cfg.memory.kind != "none":
+        return None
+    room = cfg.max_seq_len - held - length
+    if room < 0 or (room == 0 and max_new_tokens > 0):
+        after = f" after the cache's {held}" if held else ""
+        return (f"prompt of {length} tokens{after} leaves no room to generate: max_seq_len={cfg.max_seq_len} "
+                "(shorten the prompt or raise max_seq_len)")  # fmt: skip
+    return None
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -364,11 +378,9 @@ def generate(
         # The prompt and what follows it stay within max_seq_len (the last new token is never fed).
         room = cfg.max_seq_len - held - tokens.shape[1]
         after = f" after the cache's {held}" if held else ""
-        if room < 0 or (room == 0 and max_new_tokens > 0):
-            raise InputError(
-                f"prompt of {tokens.shape[1]} tokens{after} leaves no room to generate: max_seq_len={cfg.max_seq_len} "
-                "(shorten the prompt or raise max_seq_len)"
-            )
+        problem = room_problem(cfg, tokens.shape[1], max_new_tokens, held)
+        if problem:
+            raise InputError(problem)
         if max_new_tokens > room:
             # Produce what fits and say so (warnings.simplefilter("error", LengthWarning) makes it an error).
             # stacklevel 3: the caller of generate, past torch.no_grad's wrapper.
