@@ -15,7 +15,7 @@ from attnlab.eval.harness import load_plan
 from attnlab.eval.probes import load_suite
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.retrofit import check_pretrained
-from attnlab.runner import local_source_problems, prepared_problems, vocab_problems
+from attnlab.run_checks import local_source_problems, prepared_problems, vocab_problems
 
 LINK_LOOP = f"{LOOP_WORDS}: point the link at the file itself"
 
