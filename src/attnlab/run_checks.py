@@ -129,17 +129,18 @@ def vocab_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
     return problems
 
 
-def run_folder_problem(out_root: str | Path) -> str | None:
-    """--out naming a run's folder (or a folder inside one): the manifest's runs would nest inside that run."""
+RUNS_NEST = "runs go to OUT/<manifest>/<target>/seed<S>; give the folder that holds your runs, e.g. --out runs"
+
+
+def run_folder_problem(out_root: str | Path, why: str = RUNS_NEST, flag: str = "--out") -> str | None:
+    """--out naming a run's folder (or a folder inside one): the manifest's runs would nest inside that run (`why`
+    says what else would, for another command's output)."""
     path = Path(out_root).absolute()
     for folder in (path, *path.parents):
         if _is_run_folder(folder):
             shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
             where = "is" if folder == path else f"is inside {shown}, which is"
-            return (
-                f"--out {out_root} {where} a run's folder (it holds config.json and its checkpoints): runs go "
-                "to OUT/<manifest>/<target>/seed<S>; give the folder that holds your runs, e.g. --out runs"
-            )
+            return f"{flag} {out_root} {where} a run's folder (it holds config.json and its checkpoints): {why}"
     return None
 
 

@@ -1,0 +1,41 @@
+"""Probe S's findings on runs, fixed after it: a dry run said "would train" where the run refused its local data (not
+UTF-8, a JSON line without its text, a damaged parquet file, too few documents for a split) (t1), and "done already"
+where the run refused a conversion made with another recipe (t2); `convert --out` inside a run's folder was taken
+(t3); a run wrote and pruned through a checkpoints/ link out of its folder (t4); the user's own compare.md was refused
+only after the runs had trained (t5)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import fails, snapshot
+
+from attnlab.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
+TRAIN = "{seq_len: 16, batch_size: 2, steps: 2, warmup_steps: 1, eval_every: 2, eval_tokens: 32}"
+
+
+def run_line(capsys, command) -> str:
+    """What the refused `attnlab run` said after `attnlab run: error: `."""
+    return fails(capsys, command).split("error: ", 1)[1]
+
+
+# ----------------------------------------------------------------------------- t3: convert --out inside a run
+
+
+@pytest.mark.parametrize("inside", ["checkpoints/step-000009", "converted", "tokenizer/mine"])
+def test_t3_convert_into_a_run_folder_is_refused(tiny_run, capsys, inside):
+    out = tiny_run / inside
+    before = snapshot(tiny_run)
+    fails(capsys, ["convert", str(tiny_run), "--attention", "kind=mha,n_kv_heads=1", "--eval-tokens", "0",
+                   "--out", str(out)], f"--out {out} is inside {tiny_run}, which is a run's folder",
+          "a conversion saved there would be taken for the run's own files", "--out converted/NAME")  # fmt: skip
+    assert snapshot(tiny_run) == before and not out.exists()
+
+
+def test_t3_convert_beside_a_run_is_taken(tiny_run, tmp_path, capsys):
+    out = tiny_run.parent / "converted-mqa"
+    assert main(["convert", str(tiny_run), "--attention", "kind=mha,n_kv_heads=1", "--eval-tokens", "0",
+                 "--out", str(out)]) == 0  # fmt: skip
+    assert (out / "config.json").is_file()
