@@ -6,8 +6,10 @@ only after the runs had trained (t5)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from helpers import fails, snapshot
+from helpers import fails, hat_text, probe_manifest, snapshot
 
 from attnlab.cli import main
 
@@ -39,3 +41,28 @@ def test_t3_convert_beside_a_run_is_taken(tiny_run, tmp_path, capsys):
     assert main(["convert", str(tiny_run), "--attention", "kind=mha,n_kv_heads=1", "--eval-tokens", "0",
                  "--out", str(out)]) == 0  # fmt: skip
     assert (out / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- t5: the user's own compare.md
+
+
+@pytest.mark.parametrize("name, content", [("compare.md", b"# my notes\n"), ("compare.csv", b"a,b\n"),
+                                           ("val_loss.png", b"\x89PNX mine")])  # fmt: skip
+def test_t5_the_users_own_comparison_file_is_refused_before_any_run_trains(tmp_path, capsys, name, content):
+    manifest, out = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN), tmp_path / "runs"
+    (out / "m").mkdir(parents=True)
+    (out / "m" / name).write_bytes(content)
+    said = (f"{out / 'm' / name}: not a file attnlab compare wrote (it would be replaced): move it away",)
+    command = ["run", str(manifest), "--out", str(out), "--no-progress"]
+    for argv in ([*command, "--dry-run"], command):
+        fails(capsys, argv, *said)
+    assert snapshot(out) == {f"m/{name}": content}  # nothing trained, the user's file as it was
+    assert main([*command, "--convert-only", "--dry-run"]) == 2  # (--convert-only compares nothing: its own line)
+    assert "no selected target starts from a pretrained model" in capsys.readouterr().err
+
+
+def test_t5_a_comparison_attnlab_wrote_is_redrawn(tmp_path, capsys):
+    manifest, out = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN), tmp_path / "runs"
+    command = ["run", str(manifest), "--out", str(out), "--no-progress"]
+    assert main(command) == 0 and main(command) == 0
+    assert json.dumps((out / "m" / "compare.md").read_text()).startswith('"| target | seeds | params |')

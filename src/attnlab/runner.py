@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from attnlab.compare import check_run_file
+from attnlab.compare import OWN_START, check_outputs, check_run_file
 from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import lock_file_problem, read_json_object
@@ -281,6 +281,8 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
     root = Path(out_root) / manifest.name
     runs = select_runs(manifest, targets, seeds)
     downloads = check_runs(manifest, runs, out_root, data_dir)
+    if not convert_only:  # `attnlab run` compares the runs once they are done: the user's own compare.md said now
+        check_outputs(root / name for name in OWN_START)
     if dry_run:
         for plan in downloads:
             log(f"data: {plan} first")
