@@ -43,6 +43,66 @@ def test_t3_convert_beside_a_run_is_taken(tiny_run, tmp_path, capsys):
     assert (out / "config.json").is_file()
 
 
+# ----------------------------------------------------------------------------- t4: links out of a run's folder
+
+
+WRITTEN = [
+    ("checkpoints", "write (and prune) its checkpoints"),
+    ("tokenizer", "save its tokenizer"),
+    ("metrics.jsonl", "append its metrics"),
+]
+
+
+@pytest.mark.parametrize("name, what", WRITTEN)
+def test_t4_a_link_out_of_a_run_folder_is_refused_before_anything_is_written(tmp_path, capsys, name, what):
+    manifest, out = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN), tmp_path / "runs"
+    run_dir, elsewhere = out / "m" / "base" / "seed0", tmp_path / "elsewhere"
+    run_dir.mkdir(parents=True)
+    if name == "metrics.jsonl":
+        elsewhere.mkdir()
+        (elsewhere / "log.jsonl").write_text("")
+        (run_dir / name).symlink_to(elsewhere / "log.jsonl")
+    else:
+        elsewhere.mkdir()
+        (run_dir / name).symlink_to(elsewhere)
+    target = elsewhere / "log.jsonl" if name == "metrics.jsonl" else elsewhere
+    said = (
+        f"{run_dir / name}: a link to {target}, outside the run's folder, where the run would {what}",
+        f"replace the link with a {'file' if name == 'metrics.jsonl' else 'folder'} of the run's own",
+    )
+    command = ["run", str(manifest), "--out", str(out), "--no-progress"]
+    for argv in ([*command, "--dry-run"], command):
+        fails(capsys, argv, *said)
+    assert sorted(p.name for p in run_dir.iterdir()) == [name] and snapshot(elsewhere) in ({}, {"log.jsonl": b""})
+
+
+def test_t4_a_link_into_another_runs_folder_is_refused_too(tmp_path, capsys):
+    """Inside --out, but another run's checkpoints: the run would prune them."""
+    manifest, out = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, targets="  a: {}\n  b: {}\n"), tmp_path / "runs"
+    assert main(["run", str(manifest), "--out", str(out), "--no-progress", "--target", "a"]) == 0
+    capsys.readouterr()
+    run_dir = out / "m" / "b" / "seed0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "checkpoints").symlink_to("../../a/seed0/checkpoints")
+    before = snapshot(out / "m" / "a")
+    resolved = out.resolve() / "m/a/seed0/checkpoints"
+    fails(
+        capsys,
+        ["run", str(manifest), "--out", str(out), "--dry-run"],
+        f"{run_dir / 'checkpoints'}: a link to ../../a/seed0/checkpoints ({resolved}), outside the run's folder",
+    )
+    assert snapshot(out / "m" / "a") == before
+
+
+def test_t4_a_link_inside_the_run_folder_is_taken(tmp_path, capsys):
+    manifest, out = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN), tmp_path / "runs"
+    run_dir = out / "m" / "base" / "seed0"
+    (run_dir / "kept").mkdir(parents=True)
+    (run_dir / "checkpoints").symlink_to("kept")
+    assert main(["run", str(manifest), "--out", str(out), "--no-progress"]) == 0
+    assert any(p.name.startswith("step-") for p in (run_dir / "kept").iterdir())
+
+
 # ----------------------------------------------------------------------------- t5: the user's own compare.md
 
 

@@ -1,10 +1,11 @@
 """What `attnlab run` checks before the first run starts (dry runs too), and `attnlab validate` with it: every folder
-the runs write inside --out, no --out inside a run's folder, every local data file there, every named dataset
-prepared, found or downloadable, the prepared cache makeable, model.vocab_size against a prepared vocabulary, and the
-pretrained targets' models (runner.py runs them)."""
+the runs write inside --out (and no link in a run's folder leading the run to write out of it), no --out inside a
+run's folder, every local data file there, every named dataset prepared, found or downloadable, the prepared cache
+makeable, model.vocab_size against a prepared vocabulary, and the pretrained targets' models (runner.py runs them)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from attnlab.config import names_model
@@ -19,6 +20,11 @@ from attnlab.paths import inside
 from attnlab.retrofit import changes, check_pretrained, first_phases
 from attnlab.train.distributed import dist_env
 from attnlab.train.loop import vocab_problem
+
+# What a run writes through an entry of its folder (its other files are written to a temporary and renamed over the
+# entry: a link there is replaced, not written through).
+WRITTEN_THROUGH = {"checkpoints": "write (and prune) its checkpoints", "tokenizer": "save its tokenizer",
+                   "metrics.jsonl": "append its metrics"}  # fmt: skip
 
 
 def local_source_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
@@ -43,9 +49,10 @@ def local_source_problems(runs: list[RunSpec], data_dir: str | None) -> list[str
 
 def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, data_dir: str | None) -> list[str]:
     """What would fail once the runs start, checked before the first: a folder the runs write (or read a previous
-    phase from) outside `out_root` (ConfigError), a local data file that is not there, a named dataset that is
-    neither prepared nor found (offline) or cannot be downloaded (DataError). Downloads nothing: returns what the
-    runs would download first, one line per dataset (`attnlab run --dry-run` prints them)."""
+    phase from) outside `out_root`, or a link in a run's folder they would write through (ConfigError), a local data
+    file that is not there, a named dataset that is neither prepared nor found (offline) or cannot be downloaded
+    (DataError). Downloads nothing: returns what the runs would download first, one line per dataset (`attnlab run
+    --dry-run` prints them)."""
     root = Path(out_root) / manifest.name
     problems = []
     for path in [root, *(spec.run_dir(root) for spec in manifest.runs)]:
@@ -53,6 +60,7 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
             inside(path, out_root, "run folder")
         except ConfigError as e:
             problems.extend(e.problems)
+    problems += [] if problems else link_problems(runs, root)
     if problems:
         raise ConfigError(problems, source=str(manifest.path))
     world = dist_env().world_size  # under torchrun: each process takes an equal share of every batch
@@ -167,3 +175,21 @@ def prepared_meta(data, data_dir) -> dict | None:
         return None
     ok = isinstance(meta, dict) and isinstance(meta.get("splits"), dict)
     return meta if ok and all(isinstance(e, dict) and "sha256" in e for e in meta["splits"].values()) else None
+
+
+def link_problems(runs: list[RunSpec], root: Path) -> list[str]:
+    """One line per link in a run's folder that the run would write through (its checkpoints/, tokenizer/,
+    metrics.jsonl) and that leads out of that folder: the run would write (and prune) there, outside --out or in
+    another run's folder."""
+    problems = []
+    for run_dir in dict.fromkeys(spec.run_dir(root) for spec in runs):
+        for name, what in WRITTEN_THROUGH.items():
+            path = run_dir / name
+            if path.is_symlink() and not path.resolve().is_relative_to(run_dir.resolve()):
+                points, resolved = os.readlink(path), path.resolve()
+                shown = points if Path(points) == resolved else f"{points} ({resolved})"
+                kind = "file" if "." in name else "folder"
+                problems.append(f"{path}: a link to {shown}, outside the run's folder, where the run would {what}: "
+                                f"replace the link with a {kind} of the run's own (move what it links to there), or "
+                                "give another --out")  # fmt: skip
+    return problems
