@@ -7,9 +7,10 @@ only after the runs had trained (t5)."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
-from helpers import fails, hat_text, probe_manifest, snapshot
+from helpers import dry_run, fails, hat_text, probe_manifest, snapshot
 
 from attnlab.cli import main
 
@@ -21,6 +22,60 @@ TRAIN = "{seq_len: 16, batch_size: 2, steps: 2, warmup_steps: 1, eval_every: 2, 
 def run_line(capsys, command) -> str:
     """What the refused `attnlab run` said after `attnlab run: error: `."""
     return fails(capsys, command).split("error: ", 1)[1]
+
+
+# ----------------------------------------------------------------------------- t2: a conversion of another recipe
+
+RETRO = """name: retro
+defaults:
+  data: {{source: {corpus}, val_fraction: 0.2}}
+  train: {{steps: 2, seq_len: 16, batch_size: 2, eval_every: 2, eval_tokens: 32, lr: 0.001, warmup_steps: 1}}
+targets:
+  mla:
+    init_from: {{model: {source}, calibration_tokens: 256, calibrate_on: {corpus}}}
+    model: {{attention: {{kind: mla, d_latent: 16}}}}
+    train: {{trainable: ["blocks.*.attn.*"]}}
+"""
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny Llama folder (test_pretrained's) and a text to fine-tune and calibrate on."""
+    from test_pretrained import random_model, save
+
+    folder = tmp_path_factory.mktemp("retro")
+    source = save(random_model("llama", n_kv_heads=2), folder / "llama")
+    rng = random.Random(0)
+    words = "the cat is on the mat and this is the hat".split()
+    corpus = folder / "text.txt"
+    corpus.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(30)) for _ in range(60)))
+    return source, corpus
+
+
+@pytest.mark.parametrize("new", ["calibration_tokens: 128", "calibration_tokens: 256, rope_pairs: uniform"])
+def test_t2_a_dry_run_refuses_a_conversion_of_another_recipe_as_the_run_does(tmp_path, capsys, pretrained, new):
+    source, corpus = pretrained
+    path, out = tmp_path / "m.yml", tmp_path / "runs"
+    path.write_text(RETRO.format(source=source, corpus=corpus))
+    command = ["run", str(path), "--out", str(out), "--no-progress"]
+    assert main(command) == 0
+    capsys.readouterr()
+    assert "done already" in dry_run(capsys, [*command, "--dry-run"])  # the same recipe: skipped
+    path.write_text(RETRO.format(source=source, corpus=corpus).replace("calibration_tokens: 256", new))
+    before = snapshot(out)
+    printed = dry_run(capsys, [*command, "--dry-run"])
+    line = run_line(capsys, command)
+    assert line.startswith(f"{out / 'retro/mla/converted'} holds a conversion made with another recipe"), line
+    assert printed == f"[1/1] mla seed0: would be refused: {line}\n"
+    assert main([*command, "--dry-run", "--convert-only"]) == 2
+    said = capsys.readouterr()
+    assert said.out == f"mla: would be refused: {line}\n"
+    assert (
+        said.err == f"attnlab run: error: {path}: 1 of 1 conversions would be refused (mla): the reasons are "
+        "printed above\n"
+    )
+    assert fails(capsys, [*command, "--convert-only"]) == f"attnlab run: error: {line}"
+    assert snapshot(out) == before
 
 
 # ----------------------------------------------------------------------------- t3: convert --out inside a run

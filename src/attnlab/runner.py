@@ -3,10 +3,11 @@
 Finished runs (summary.json) are skipped, interrupted ones resume from their last checkpoint, and a run folder made
 with another config, or a checkpoint trained on other data, is an error rather than silently reused; so is a run
 folder another `attnlab run` is training (train.lock). A refused run writes nothing into its folder. Before the
-first run starts (dry runs too) every folder a run would write is checked to lie inside --out, every local data file
-to exist, and every named dataset to be prepared, found or (downloads allowed) downloadable; a dry run says what the
-runs would download first, and downloads nothing; for each run it says what the real run would do with its folder
-(train, resume from step K, skip it as finished, or refuse it and why).
+first run starts (dry runs too) every folder a run would write is checked to lie inside --out (run_checks.py), every
+local data file to exist, every named dataset to be prepared, found or (downloads allowed) downloadable, and the
+comparison's files (compare.md, ...) to be attnlab's own; a dry run says what the runs would download first, and
+downloads nothing; for each run it says what the real run would do with its folder (train, resume from step K, skip it
+as finished, or refuse it and why: a conversion of another recipe included).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from attnlab.data.sources import NAMED_SOURCES, local_path
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
 from attnlab.retrofit import (
+    conversion_problem,
     converted_folder,
     converted_model,
     first_phases,
@@ -188,9 +190,14 @@ def _data_problem(data, meta: dict | None, data_dir, run_dir: Path, finished: bo
     return None
 
 
-def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_dir, resume: bool, start: str) -> str:
+def dry_run_status(
+    spec: RunSpec, run_dir: Path, converted: Path | None, data_dir, resume: bool, start: str, before: str | None = None
+) -> str:
     """What `attnlab run` would do with a run, for --dry-run: train it, resume it from its last checkpoint, skip it
-    (finished) or refuse it (another config, other data, another process training it, a damaged checkpoint)."""
+    (finished) or refuse it (another config, other data, another process training it, a damaged checkpoint). before:
+    the line the run would be refused with before it reaches its folder (first_problem)."""
+    if before:
+        return f"would be refused: {before}"
     busy = busy_problem(run_dir) or lock_file_problem(run_dir / LOCK_NAME)
     if busy:
         return f"would be refused: {busy}"
@@ -226,6 +233,25 @@ def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_di
     except (ConfigError, DataError) as e:
         return "would be refused: " + " ".join(str(e).split())
     return f"would train {spec.train.steps} steps into {run_dir}{start}"
+
+
+def first_problem(spec: RunSpec, firsts: dict[str, RunSpec], root: Path, data_dir, seen: dict) -> str | None:
+    """For a dry run, the line the run would be refused with before it reaches its folder, as the run finds it: its
+    target's conversion made with another recipe (converted_model, by each run of the converted target). seen: the
+    lines found so far, by target (each found once)."""
+    if spec.source is not None and spec.source["target"] == spec.target:
+        if spec.target not in seen:
+            seen[spec.target] = _conversion_line(firsts[spec.target], root, data_dir)
+        return seen[spec.target]
+    return None
+
+
+def _conversion_line(first: RunSpec, root: Path, data_dir) -> str | None:
+    """The line converted_model would refuse the target's conversion made already with (its first phase: first)."""
+    try:
+        return conversion_problem(first, root, data_dir)
+    except (ConfigError, DataError) as e:
+        return " ".join(str(e).split())
 
 
 def _kept(folder: Path, resume: bool, dry_run: bool = False) -> str:
@@ -305,17 +331,26 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
                 "--convert-only: no selected target starts from a pretrained model (init_from: <model reference>): "
                 "there is nothing to convert", source=str(manifest.path)
             )  # fmt: skip
-        for name in dict.fromkeys(spec.target for spec in runs if spec.target in firsts):
+        names = list(dict.fromkeys(spec.target for spec in runs if spec.target in firsts))
+        refused = []
+        for name in names:
             folder = converted_folder(root, firsts[name])
             if dry_run:
+                problem = _conversion_line(firsts[name], root, data_dir)
+                refused += [name] if problem else []
                 log(f"{name}: would convert {firsts[name].source['model']} into {folder}" if not folder.exists() else
+                    f"{name}: would be refused: {problem}" if problem else
                     f"{name}: {_kept(folder, resume, dry_run=True)}")  # fmt: skip
             elif dist_info.is_main:
                 made = folder.exists()
                 folder = converted_model(firsts[name], root, data_dir, log)
                 log(f"{name}: {_kept(folder, resume)}" if made else f"{name}: {folder}")
+        if refused:
+            raise ConfigError(f"{len(refused)} of {len(names)} conversions would be refused ({', '.join(refused)}): "
+                              "the reasons are printed above", source=str(manifest.path))  # fmt: skip
         return []
     refused: list[str] = []  # runs a dry run finds would be refused
+    seen: dict = {}  # the lines a dry run found for each converted target (first_problem)
     for index, spec in enumerate(runs, 1):
         run_dir = spec.run_dir(root)
         label = f"[{index}/{len(runs)}] {spec.target} seed{spec.seed}" + (f" {spec.phase}" if spec.phase else "")
@@ -336,7 +371,8 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
             fresh = converted is not None and init_from == converted and not converted.exists()
             made = f" (converted from {spec.source['model']} first)" if fresh else ""
             start = f" from {init_from}" if init_from else ""
-            status = dry_run_status(spec, run_dir, converted, data_dir, resume, start + made)
+            before = first_problem(spec, first_phases(list(manifest.runs)), root, data_dir, seen)
+            status = dry_run_status(spec, run_dir, converted, data_dir, resume, start + made, before)
             log(f"{label}: {status}")
             if status.startswith("would be refused"):
                 refused.append(label)
