@@ -24,6 +24,64 @@ def run_line(capsys, command) -> str:
     return fails(capsys, command).split("error: ", 1)[1]
 
 
+# ----------------------------------------------------------------------------- t1: the local data, read by a dry run
+
+HATS = "\n\n".join(f"the cat is on the mat and this is the hat number {i}" for i in range(40))
+SOURCES = {
+    "not utf-8": ("text.txt", HATS.encode() + b"\n\nthe hat \xff\xfe\n", [], "not UTF-8 text (byte 0xff"),
+    "not utf-8 past max_tokens": ("text.txt", HATS.encode() + b"\n\nthe hat \xff\n", ["--set", "data.max_tokens=40"],
+                                  "not UTF-8 text (byte 0xff"),  # (the run reads a whole batch of 4M characters)
+    "a jsonl line without text": ("docs.jsonl", b'{"text": "the cat"}\n{"body": "the hat"}\n', [],
+                                  "docs.jsonl:2: no 'text' string field"),
+    "a damaged parquet file": ("docs.parquet", b"PAR1 not a parquet file at all", [], "not a readable parquet file"),
+    "too few documents for val": ("text.txt", b"one document only, which falls in one split\n", [],
+                                  "no document fell in the"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(SOURCES))
+def test_t1_a_dry_run_refuses_the_data_the_run_refuses_with_its_line(tmp_path, capsys, case):
+    name, content, sets, said = SOURCES[case]
+    source = tmp_path / name
+    source.write_bytes(content)
+    manifest, out = probe_manifest(tmp_path, source, TRAIN), tmp_path / "runs"
+    command = ["run", str(manifest), "--out", str(out), "--no-progress", *sets]
+    printed = dry_run(capsys, [*command, "--dry-run"])
+    line = run_line(capsys, command)
+    assert said in line and str(source) in line, line
+    assert printed == f"[1/1] base seed0: would be refused: {line}\n"
+    assert not (out / "m").exists()
+    # validate reads the file too (it is found as given): the same line
+    assert main(["validate", str(manifest), *sets]) == 2
+    err = capsys.readouterr().err
+    assert err == f"{manifest}: {line}\n", err
+
+
+def test_t1_readable_data_still_would_train_and_prepared_data_is_not_read_again(tmp_path, capsys):
+    text = hat_text(tmp_path)
+    manifest, out = probe_manifest(tmp_path, text, TRAIN, targets="  a: {}\n  b: {}\n"), tmp_path / "runs"
+    command = ["run", str(manifest), "--out", str(out), "--no-progress"]
+    printed = dry_run(capsys, [*command, "--dry-run"])
+    assert printed.count("would train 2 steps") == 2 and "refused" not in printed
+    assert main(["validate", str(manifest)]) == 0
+    capsys.readouterr()
+    assert main([*command, "--target", "a"]) == 0
+    capsys.readouterr()
+    printed = dry_run(capsys, [*command, "--dry-run"])
+    assert "a seed0: done already" in printed and "b seed0: would train" in printed
+
+
+def test_t1_a_dry_run_says_which_of_two_sources_the_run_would_refuse(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(HATS.encode() + b"\n\n\xff\n")
+    targets = f"  a: {{}}\n  b: {{data: {{source: {bad}}}}}\n"
+    manifest, out = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, targets=targets), tmp_path / "runs"
+    printed = dry_run(capsys, ["run", str(manifest), "--out", str(out), "--dry-run"])
+    lines = printed.splitlines()
+    assert lines[0].startswith("[1/2] a seed0: would train"), lines
+    assert lines[1].startswith(f"[2/2] b seed0: would be refused: {bad}: not UTF-8 text"), lines
+
+
 # ----------------------------------------------------------------------------- t2: a conversion of another recipe
 
 RETRO = """name: retro

@@ -1,7 +1,8 @@
 """What `attnlab run` checks before the first run starts (dry runs too), and `attnlab validate` with it: every folder
 the runs write inside --out (and no link in a run's folder leading the run to write out of it), no --out inside a
-run's folder, every local data file there, every named dataset prepared, found or downloadable, the prepared cache
-makeable, model.vocab_size against a prepared vocabulary, and the pretrained targets' models (runner.py runs them)."""
+run's folder, every local data file there (and, for dry runs and validate, readable as its preparation reads it),
+every named dataset prepared, found or downloadable, the prepared cache makeable, model.vocab_size against a prepared
+vocabulary, and the pretrained targets' models (runner.py runs them)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from attnlab.config import names_model
 from attnlab.data.files import downloads_allowed
-from attnlab.data.prepared import cache_key, default_cache_dir, folder_name, folder_problem
+from attnlab.data.prepared import cache_key, check_source, default_cache_dir, folder_name, folder_problem
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
 from attnlab.errors import ConfigError, DataError
 from attnlab.interop.convert import LOW_RANK
@@ -193,3 +194,22 @@ def link_problems(runs: list[RunSpec], root: Path) -> list[str]:
                                 f"replace the link with a {kind} of the run's own (move what it links to there), or "
                                 "give another --out")  # fmt: skip
     return problems
+
+
+def local_data_problem(data, data_dir) -> str | None:
+    """The line the run's data preparation would refuse a local data.source with (not readable as its kind, or too
+    few documents for a split), found by reading it as the preparation does (data.prepared.check_source); None for
+    a named dataset, a missing file (check_runs says so), or data prepared already (the run reads it no more)."""
+    if data.source in NAMED_SOURCES:
+        return None
+    try:
+        local_path(data.source, data_dir)
+    except DataError:
+        return None
+    if prepared_meta(data, data_dir) is not None:
+        return None
+    try:
+        check_source(data, data_dir)
+    except DataError as e:
+        return " ".join(str(e).split())
+    return None

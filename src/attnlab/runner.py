@@ -7,7 +7,7 @@ first run starts (dry runs too) every folder a run would write is checked to lie
 local data file to exist, every named dataset to be prepared, found or (downloads allowed) downloadable, and the
 comparison's files (compare.md, ...) to be attnlab's own; a dry run says what the runs would download first, and
 downloads nothing; for each run it says what the real run would do with its folder (train, resume from step K, skip it
-as finished, or refuse it and why: a conversion of another recipe included).
+as finished, or refuse it and why: a conversion of another recipe, data its preparation cannot read included).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from attnlab.retrofit import (
     model_tokenizer,
     run_config,
 )
-from attnlab.run_checks import check_runs, prepared_meta, run_folder_problem
+from attnlab.run_checks import check_runs, local_data_problem, prepared_meta, run_folder_problem
 from attnlab.train.checkpoint import find_checkpoint, step_folders, write_json_atomic
 from attnlab.train.distributed import barrier, dist_env, init_distributed, prepare_rank0_first
 from attnlab.train.fsdp import check_launch
@@ -237,13 +237,17 @@ def dry_run_status(
 
 def first_problem(spec: RunSpec, firsts: dict[str, RunSpec], root: Path, data_dir, seen: dict) -> str | None:
     """For a dry run, the line the run would be refused with before it reaches its folder, as the run finds it: its
-    target's conversion made with another recipe (converted_model, by each run of the converted target). seen: the
-    lines found so far, by target (each found once)."""
+    target's conversion made with another recipe (converted_model, by each run of the converted target), then its
+    local data not readable as its preparation reads it (run_checks.local_data_problem). seen: the lines found so far,
+    by target and by data (each found once)."""
     if spec.source is not None and spec.source["target"] == spec.target:
         if spec.target not in seen:
             seen[spec.target] = _conversion_line(firsts[spec.target], root, data_dir)
-        return seen[spec.target]
-    return None
+        if seen[spec.target]:
+            return seen[spec.target]
+    if spec.data not in seen:
+        seen[spec.data] = local_data_problem(spec.data, data_dir)
+    return seen[spec.data]
 
 
 def _conversion_line(first: RunSpec, root: Path, data_dir) -> str | None:
@@ -350,7 +354,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
                               "the reasons are printed above", source=str(manifest.path))  # fmt: skip
         return []
     refused: list[str] = []  # runs a dry run finds would be refused
-    seen: dict = {}  # the lines a dry run found for each converted target (first_problem)
+    seen: dict = {}  # the lines a dry run found for each converted target and each data (first_problem)
     for index, spec in enumerate(runs, 1):
         run_dir = spec.run_dir(root)
         label = f"[{index}/{len(runs)}] {spec.target} seed{spec.seed}" + (f" {spec.phase}" if spec.phase else "")
