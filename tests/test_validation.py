@@ -551,7 +551,12 @@ def test_dry_run_checks_that_local_data_files_exist(tmp_path):
     manifest = Manifest("demo", tmp_path / "m.yml", (0,), (spec("base", source=str(tmp_path / "missing.txt")),))
     with pytest.raises(DataError, match="missing.txt"):
         run_manifest(manifest, tmp_path / "runs", dry_run=True, log=lambda *a: None)
-    (tmp_path / "missing.txt").write_text("some text\n")
+    (tmp_path / "missing.txt").write_text("some text\n")  # one document: the run would find a split empty
+    logged = []
+    with pytest.raises(ConfigError, match="1 of 1 runs would be refused"):
+        run_manifest(manifest, tmp_path / "runs", dry_run=True, log=logged.append)
+    assert "would be refused: " in logged[0] and "no document fell in the" in logged[0]
+    (tmp_path / "missing.txt").write_text("\n\n".join(f"some text {i}" for i in range(40)))
     logged = []
     assert run_manifest(manifest, tmp_path / "runs", dry_run=True, log=logged.append) == [None]
     assert "would train 1 steps" in logged[0]

@@ -47,6 +47,7 @@ from attnlab.interop.references import model_config_of, resolve
 from attnlab.interop.tokenizer import warn_unknown_tokens
 from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import MIN_CALIBRATION_TOKENS, calibration_tokens_problem
+from attnlab.run_checks import run_folder_problem
 from attnlab.train.checkpoint import CheckpointError
 
 
@@ -375,12 +376,20 @@ def check_something_to_convert(args, source, target) -> None:
                      f"memory it does not have (e.g. {example})")  # fmt: skip
 
 
+INSIDE_A_RUN = ("a conversion saved there would be taken for the run's own files (in its checkpoints/, for one of "
+                "its checkpoints, which the run loads and prunes): give a folder outside any run, e.g. --out "
+                "converted/NAME")  # fmt: skip
+
+
 def cmd_convert(args) -> int:
     broken = broken_link(args.out)  # (the conversion's folder is renamed onto --out itself: "Not a directory")
     if broken:
         raise InputError(f"--out {args.out}: {broken}: remove the link, or give another --out")
     if Path(args.out).exists():  # before minutes of loading and scoring
         raise InputError(f"--out {args.out}: already exists (choose another folder, or delete it first)")
+    problem = run_folder_problem(args.out, INSIDE_A_RUN)
+    if problem:
+        raise InputError(problem)
     out_was_there = os.path.lexists(args.out)  # (a link to nothing)
     check_writable("--out", Path(args.out))
     remove_killed_temporaries(Path(args.out), "conversion")

@@ -15,7 +15,7 @@ from attnlab.eval.harness import load_plan
 from attnlab.eval.probes import load_suite
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.retrofit import check_pretrained
-from attnlab.runner import local_source_problems, prepared_problems, vocab_problems
+from attnlab.run_checks import local_data_problem, local_source_problems, prepared_problems, vocab_problems
 
 LINK_LOOP = f"{LOOP_WORDS}: point the link at the file itself"
 
@@ -47,6 +47,10 @@ def cmd_validate(args) -> int:
                 problems = check_pretrained(list(manifest.runs), list(manifest.runs), args.data_dir)
                 if args.data_dir:  # where the data is was said: its local files must be there, as `run` checks
                     problems += local_source_problems(list(manifest.runs), args.data_dir)
+                for data in dict.fromkeys(spec.data for spec in manifest.runs):  # a local file found: readable
+                    if args.data_dir or Path(data.source).expanduser().exists():  # (else --data-dir may find another)
+                        problem = local_data_problem(data, args.data_dir)
+                        problems += [problem] if problem and problem not in problems else []
                 problems += vocab_problems(list(manifest.runs), args.data_dir)  # as run and --dry-run refuse them
                 cache_problem = prepared_problems(list(manifest.runs), args.data_dir)
                 problems += [cache_problem] if cache_problem else []

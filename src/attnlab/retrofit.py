@@ -209,6 +209,21 @@ def model_tokenizer(ref: str, data_dir):
     return tokenizer
 
 
+def conversion_problem(spec: RunSpec, root: Path, data_dir) -> str | None:
+    """The line refusing the conversion made already for the target (<root>/<target>/converted) with another recipe
+    than the target's now (converted_model refuses to reuse it; run --dry-run says so); None when none is made yet,
+    or it has this recipe. DataError when its config.json cannot be read."""
+    folder = converted_folder(root, spec)
+    if not folder.exists():
+        return None
+    saved = read_json_object(folder / "config.json", f"delete {folder} to convert again").get("recipe")
+    wanted = _json_normal(recipe(spec, data_dir))
+    if saved == wanted:
+        return None
+    return (f"{folder} holds a conversion made with another recipe ({_first_difference(saved, wanted)}); delete it to "
+            "convert again, or use another --out")  # fmt: skip
+
+
 def converted_model(spec: RunSpec, root: Path, data_dir, log: Callable = print) -> Path:
     """The folder of the target's conversion (<root>/<target>/converted), made now unless it exists with the same
     recipe. Low-rank conversions fit on calibration tokens of the source's `calibrate_on` text (train split)."""
@@ -217,15 +232,12 @@ def converted_model(spec: RunSpec, root: Path, data_dir, log: Callable = print) 
     from attnlab.interop.references import load_reference
 
     folder = converted_folder(root, spec)
-    wanted = _json_normal(recipe(spec, data_dir))
+    problem = conversion_problem(spec, root, data_dir)
+    if problem:
+        raise ConfigError(problem)
     if folder.exists():
-        saved = read_json_object(folder / "config.json", f"delete {folder} to convert again").get("recipe")
-        if saved != wanted:
-            raise ConfigError(
-                f"{folder} holds a conversion made with another recipe ({_first_difference(saved, wanted)}); "
-                "delete it to convert again, or use another --out"
-            )
         return folder
+    wanted = _json_normal(recipe(spec, data_dir))
     source = spec.source
     attention, memory, others = changes(spec)
     log(f"converting {source['model']} for target {spec.target} into {folder}")

@@ -3,10 +3,11 @@
 Finished runs (summary.json) are skipped, interrupted ones resume from their last checkpoint, and a run folder made
 with another config, or a checkpoint trained on other data, is an error rather than silently reused; so is a run
 folder another `attnlab run` is training (train.lock). A refused run writes nothing into its folder. Before the
-first run starts (dry runs too) every folder a run would write is checked to lie inside --out, every local data file
-to exist, and every named dataset to be prepared, found or (downloads allowed) downloadable; a dry run says what the
-runs would download first, and downloads nothing; for each run it says what the real run would do with its folder
-(train, resume from step K, skip it as finished, or refuse it and why).
+first run starts (dry runs too) every folder a run would write is checked to lie inside --out (run_checks.py), every
+local data file to exist, every named dataset to be prepared, found or (downloads allowed) downloadable, and the
+comparison's files (compare.md, ...) to be attnlab's own; a dry run says what the runs would download first, and
+downloads nothing; for each run it says what the real run would do with its folder (train, resume from step K, skip it
+as finished, or refuse it and why: a conversion of another recipe, data its preparation cannot read included).
 """
 
 from __future__ import annotations
@@ -20,32 +21,28 @@ from pathlib import Path
 
 import yaml
 
-from attnlab.compare import check_run_file
+from attnlab.compare import OWN_START, check_outputs, check_run_file
 from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
-from attnlab.data.files import downloads_allowed, lock_file_problem, read_json_object
-from attnlab.data.prepared import cache_key, default_cache_dir, folder_name, folder_problem
+from attnlab.data.files import lock_file_problem, read_json_object
 from attnlab.data.pretrained import tokenizer_from_folder
-from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
+from attnlab.data.sources import NAMED_SOURCES, local_path
 from attnlab.errors import ConfigError, DataError
-from attnlab.interop.convert import LOW_RANK
-from attnlab.jsonio import loads_json
 from attnlab.manifest import Manifest, RunSpec
-from attnlab.paths import inside
 from attnlab.retrofit import (
-    changes,
-    check_pretrained,
+    conversion_problem,
     converted_folder,
     converted_model,
     first_phases,
     model_tokenizer,
     run_config,
 )
+from attnlab.run_checks import check_runs, local_data_problem, prepared_meta, run_folder_problem
 from attnlab.train.checkpoint import CheckpointError, find_checkpoint, step_folders, write_json_atomic
 from attnlab.train.distributed import barrier, dist_env, init_distributed, prepare_rank0_first
 from attnlab.train.fsdp import check_launch
 from attnlab.train.lock import LOCK_NAME, busy_problem, run_lock
-from attnlab.train.loop import full_config, pick_device, train, vocab_problem
+from attnlab.train.loop import full_config, pick_device, train
 from attnlab.train.resume import (
     FINISHED,
     check_resume,
@@ -70,114 +67,6 @@ def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
     if problems:
         raise ConfigError(problems, source=str(manifest.path))
     return [r for r in manifest.runs if (not targets or r.target in targets) and (not seeds or r.seed in seeds)]
-
-
-def local_source_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
-    """One line per local file the runs read that is not found (named datasets are not checked): their data.source
-    files, and the calibration texts (init_from.calibrate_on) of the low-rank conversions they make."""
-    missing = []
-    for source in dict.fromkeys(spec.data.source for spec in runs):
-        if source not in NAMED_SOURCES:
-            try:
-                local_path(source, data_dir)
-            except DataError as e:
-                missing.append(str(e))
-    for target, spec in first_phases(runs).items():
-        text, kind = spec.source["calibrate_on"], (changes(spec)[0] or {}).get("kind")
-        if spec.source["calibration_tokens"] and kind in LOW_RANK and text not in NAMED_SOURCES:
-            try:
-                local_path(text, data_dir)
-            except DataError as e:
-                missing.append(f"targets.{target}.init_from.calibrate_on={text}: {e}")
-    return missing
-
-
-def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, data_dir: str | None) -> list[str]:
-    """What would fail once the runs start, checked before the first: a folder the runs write (or read a previous
-    phase from) outside `out_root` (ConfigError), a local data file that is not there, a named dataset that is
-    neither prepared nor found (offline) or cannot be downloaded (DataError). Downloads nothing: returns what the
-    runs would download first, one line per dataset (`attnlab run --dry-run` prints them)."""
-    root = Path(out_root) / manifest.name
-    problems = []
-    for path in [root, *(spec.run_dir(root) for spec in manifest.runs)]:
-        try:
-            inside(path, out_root, "run folder")
-        except ConfigError as e:
-            problems.extend(e.problems)
-    if problems:
-        raise ConfigError(problems, source=str(manifest.path))
-    world = dist_env().world_size  # under torchrun: each process takes an equal share of every batch
-    uneven = [spec for spec in runs if spec.train.batch_size % world]
-    if uneven:
-        raise ConfigError(f"targets.{uneven[0].target}: train.batch_size={uneven[0].train.batch_size} must be "
-                          f"divisible by the {world} processes torchrun started (each takes an equal share of every "
-                          "batch)", source=str(manifest.path))  # fmt: skip
-    missing, downloads = [], []
-    if data_dir and not Path(data_dir).exists():  # a typo would fall back to the cache (or a download) silently
-        missing.append(f"--data-dir {data_dir}: no such folder (name the folder that holds the data files)")
-    missing += local_source_problems(runs, data_dir)
-    online = downloads_allowed()
-    for data in dict.fromkeys(spec.data for spec in runs):  # a named dataset: prepared already, or its files here
-        if data.source not in NAMED_SOURCES:
-            continue
-        if (
-            not names_model(data.tokenizer)
-            and (  # (a model's tokenizer is keyed by its contents: not read yet)
-                default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json"
-            ).exists()
-        ):
-            continue
-        try:
-            if online:  # what the run would download (or why it could not), said before it starts
-                plan = download_plan(data.source, data_dir, data.max_tokens)
-                if plan is not None and plan not in downloads:
-                    downloads.append(plan)
-            else:
-                open_source(data.source, data_dir, download=False)  # finds the files; reads nothing
-        except DataError as e:
-            offline = (
-                "" if online else " (downloads are off: $HF_HUB_OFFLINE, $HF_DATASETS_OFFLINE or $ATTNLAB_OFFLINE)"
-            )
-            if f"{e}{offline}" not in missing:
-                missing.append(f"{e}{offline}")
-    if missing:
-        raise DataError("; ".join(missing))
-    problem = prepared_problems(runs, data_dir)
-    if problem:
-        raise DataError(problem)
-    problems = vocab_problems(runs, data_dir)
-    problems += check_pretrained(runs, list(manifest.runs), data_dir)  # reads the models' metadata, not weights
-    if problems:
-        raise ConfigError(problems, source=str(manifest.path))
-    return downloads
-
-
-def prepared_problems(runs: list[RunSpec], data_dir: str | None) -> str | None:
-    """The line the first preparation would refuse the runs with because a file stands where its folder goes in the
-    cache (XDG_CACHE_HOME naming a file), said before anything starts (dry runs too)."""
-    for data in dict.fromkeys(spec.data for spec in runs):
-        if names_model(data.tokenizer):  # its folder's name needs the model's tokenizer: the cache's own is checked
-            problem = folder_problem(default_cache_dir())
-        else:
-            folder = default_cache_dir() / folder_name(data, cache_key(data, data_dir))
-            problem = None if (folder / "meta.json").exists() else folder_problem(folder)
-        if problem:
-            return problem
-    return None
-
-
-def vocab_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
-    """A model.vocab_size below the vocabulary of the data's tokenizer, where the data is prepared already (a fitted
-    tokenizer's size is known only then), refused with train's line before any run starts."""
-    problems = []
-    for spec in runs:
-        given = spec.model.get("vocab_size") if spec.source is None else None
-        meta = _prepared_meta(spec.data, data_dir) if isinstance(given, int) else None
-        known = meta.get("vocab_size") if meta else None
-        problem = vocab_problem(given, known) if isinstance(known, int) else None
-        if problem and f"targets.{spec.target}: {problem}" not in problems:
-            problems.append(f"targets.{spec.target}: {problem}")
-    return problems
 
 
 def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) -> dict | None:
@@ -270,32 +159,6 @@ def interrupted_config(run_dir: Path) -> tuple[int, dict | None]:
     return 0, None
 
 
-def run_folder_problem(out_root: str | Path) -> str | None:
-    """--out naming a run's folder (or a folder inside one): the manifest's runs would nest inside that run."""
-    path = Path(out_root).absolute()
-    for folder in (path, *path.parents):
-        if _is_run_folder(folder):
-            shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
-            where = "is" if folder == path else f"is inside {shown}, which is"
-            return (
-                f"--out {out_root} {where} a run's folder (it holds config.json and its checkpoints): runs go "
-                "to OUT/<manifest>/<target>/seed<S>; give the folder that holds your runs, e.g. --out runs"
-            )
-    return None
-
-
-def _is_run_folder(folder: Path) -> bool:
-    """Whether folder holds a run train() wrote: its config.json (model, data and train), and checkpoints/ or
-    summary.json."""
-    if not ((folder / "checkpoints").is_dir() or (folder / "summary.json").is_file()):
-        return False
-    try:
-        config = loads_json((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
-
-
 def _missing_folders(path: Path) -> list[Path]:
     """path and those of its parents that do not exist yet, deepest first."""
     missing = []
@@ -314,19 +177,6 @@ def _remove_empty(made: list[Path]) -> None:
             folder.rmdir()
         except OSError:
             return  # not empty: something was written, keep it
-
-
-def _prepared_meta(data, data_dir) -> dict | None:
-    """The meta.json of the data's prepared folder when it is prepared already (a dry run prepares nothing)."""
-    if names_model(data.tokenizer):  # its cache key needs the model's tokenizer
-        return None
-    path = default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json"
-    try:
-        meta = loads_json(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    ok = isinstance(meta, dict) and isinstance(meta.get("splits"), dict)
-    return meta if ok and all(isinstance(e, dict) and "sha256" in e for e in meta["splits"].values()) else None
 
 
 def _dry_config(spec: RunSpec, converted: Path | None, meta: dict | None, saved: dict) -> dict | None:
@@ -361,14 +211,19 @@ def _data_problem(data, meta: dict | None, data_dir, run_dir: Path, finished: bo
     return None
 
 
-def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_dir, resume: bool, start: str) -> str:
+def dry_run_status(
+    spec: RunSpec, run_dir: Path, converted: Path | None, data_dir, resume: bool, start: str, before: str | None = None
+) -> str:
     """What `attnlab run` would do with a run, for --dry-run: train it, resume it from its last checkpoint, skip it
-    (finished) or refuse it (another config, other data, another process training it, a damaged checkpoint)."""
+    (finished) or refuse it (another config, other data, another process training it, a damaged checkpoint). before:
+    the line the run would be refused with before it reaches its folder (first_problem)."""
+    if before:
+        return f"would be refused: {before}"
     busy = busy_problem(run_dir) or lock_file_problem(run_dir / LOCK_NAME)
     if busy:
         return f"would be refused: {busy}"
     try:
-        meta = _prepared_meta(spec.data, data_dir)
+        meta = prepared_meta(spec.data, data_dir)
         if (run_dir / "summary.json").exists():
             saved = read_json_object(run_dir / "config.json", "delete the run's folder to train it again")
             config = _dry_config(spec, converted, meta, saved)
@@ -399,6 +254,29 @@ def dry_run_status(spec: RunSpec, run_dir: Path, converted: Path | None, data_di
     except (ConfigError, DataError) as e:
         return "would be refused: " + " ".join(str(e).split())
     return f"would train {spec.train.steps} steps into {run_dir}{start}"
+
+
+def first_problem(spec: RunSpec, firsts: dict[str, RunSpec], root: Path, data_dir, seen: dict) -> str | None:
+    """For a dry run, the line the run would be refused with before it reaches its folder, as the run finds it: its
+    target's conversion made with another recipe (converted_model, by each run of the converted target), then its
+    local data not readable as its preparation reads it (run_checks.local_data_problem). seen: the lines found so far,
+    by target and by data (each found once)."""
+    if spec.source is not None and spec.source["target"] == spec.target:
+        if spec.target not in seen:
+            seen[spec.target] = _conversion_line(firsts[spec.target], root, data_dir)
+        if seen[spec.target]:
+            return seen[spec.target]
+    if spec.data not in seen:
+        seen[spec.data] = local_data_problem(spec.data, data_dir)
+    return seen[spec.data]
+
+
+def _conversion_line(first: RunSpec, root: Path, data_dir) -> str | None:
+    """The line converted_model would refuse the target's conversion made already with (its first phase: first)."""
+    try:
+        return conversion_problem(first, root, data_dir)
+    except (ConfigError, DataError) as e:
+        return " ".join(str(e).split())
 
 
 def _kept(folder: Path, resume: bool, dry_run: bool = False) -> str:
@@ -454,6 +332,8 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
     root = Path(out_root) / manifest.name
     runs = select_runs(manifest, targets, seeds)
     downloads = check_runs(manifest, runs, out_root, data_dir)
+    if not convert_only:  # `attnlab run` compares the runs once they are done: the user's own compare.md said now
+        check_outputs(root / name for name in OWN_START)
     if dry_run:
         for plan in downloads:
             log(f"data: {plan} first")
@@ -476,17 +356,26 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
                 "--convert-only: no selected target starts from a pretrained model (init_from: <model reference>): "
                 "there is nothing to convert", source=str(manifest.path)
             )  # fmt: skip
-        for name in dict.fromkeys(spec.target for spec in runs if spec.target in firsts):
+        names = list(dict.fromkeys(spec.target for spec in runs if spec.target in firsts))
+        refused = []
+        for name in names:
             folder = converted_folder(root, firsts[name])
             if dry_run:
+                problem = _conversion_line(firsts[name], root, data_dir)
+                refused += [name] if problem else []
                 log(f"{name}: would convert {firsts[name].source['model']} into {folder}" if not folder.exists() else
+                    f"{name}: would be refused: {problem}" if problem else
                     f"{name}: {_kept(folder, resume, dry_run=True)}")  # fmt: skip
             elif dist_info.is_main:
                 made = folder.exists()
                 folder = converted_model(firsts[name], root, data_dir, log)
                 log(f"{name}: {_kept(folder, resume)}" if made else f"{name}: {folder}")
+        if refused:
+            raise ConfigError(f"{len(refused)} of {len(names)} conversions would be refused ({', '.join(refused)}): "
+                              "the reasons are printed above", source=str(manifest.path))  # fmt: skip
         return []
     refused: list[str] = []  # runs a dry run finds would be refused
+    seen: dict = {}  # the lines a dry run found for each converted target and each data (first_problem)
     for index, spec in enumerate(runs, 1):
         run_dir = spec.run_dir(root)
         label = f"[{index}/{len(runs)}] {spec.target} seed{spec.seed}" + (f" {spec.phase}" if spec.phase else "")
@@ -507,7 +396,8 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
             fresh = converted is not None and init_from == converted and not converted.exists()
             made = f" (converted from {spec.source['model']} first)" if fresh else ""
             start = f" from {init_from}" if init_from else ""
-            status = dry_run_status(spec, run_dir, converted, data_dir, resume, start + made)
+            before = first_problem(spec, first_phases(list(manifest.runs)), root, data_dir, seen)
+            status = dry_run_status(spec, run_dir, converted, data_dir, resume, start + made, before)
             log(f"{label}: {status}")
             if status.startswith("would be refused"):
                 refused.append(label)

@@ -405,6 +405,41 @@ def _encode(source: Source, tokenizer: Tokenizer, writers: dict[str, _SplitWrite
     flush()
 
 
+def _empty_split(source: Source, split: str, train_documents: int) -> str:
+    return (f"{source.name}: no document fell in the {split!r} split ({train_documents} training documents); use a "
+            "larger source, more documents (blank-line separated), or other fractions")  # fmt: skip
+
+
+def check_source(data_cfg: DataConfig, data_dir: str | Path | None = None) -> None:
+    """Reads a local source's documents as prepare() would before it tokenizes them (run --dry-run, validate): the
+    DataError prepare() would raise for a file it cannot read (not UTF-8, a JSON line without its text, a damaged
+    parquet file or archive) or a split no document falls in. What prepare() may leave unread (past data.max_tokens,
+    which only tokenizing can place) is not read here either, so nothing is refused that prepare() would take."""
+    source = open_source(data_cfg.source, data_dir, val_fraction=data_cfg.val_fraction,
+                         test_fraction=data_cfg.test_fraction, download=False)  # fmt: skip
+    limit = data_cfg.max_tokens
+    fit = FIT_CHARS_PER_TOKEN * limit if limit is not None and needs_training(data_cfg.tokenizer) else 0
+    counts = dict.fromkeys(_expected_splits(data_cfg, source), 0)
+    train_chars = batch_chars = most_tokens = 0  # most_tokens: no tokenizer makes more than a token per UTF-8 byte
+    may_stop = False  # _encode may have stopped reading (its training budget spent at the end of a batch)
+    for split, text in source.documents():
+        counts[split] = counts.get(split, 0) + 1
+        if split == "train":
+            train_chars += len(text)
+            most_tokens += len(text.encode("utf-8")) + 1  # (+ the <eot> between documents)
+        batch_chars += len(text)
+        if batch_chars >= ENCODE_BATCH_CHARS:  # where _encode flushes a batch, and may find its budget spent
+            batch_chars = 0
+            may_stop = may_stop or (limit is not None and most_tokens >= limit)
+        if may_stop and train_chars >= fit:  # (a fitted tokenizer reads fit characters of training text first)
+            return
+    if limit is not None and most_tokens >= limit:  # the budget may cut a split short: only tokenizing can tell
+        return
+    for split, count in counts.items():
+        if count == 0:
+            raise DataError(_empty_split(source, split, counts["train"]))
+
+
 def _expected_splits(data_cfg: DataConfig, source: Source) -> list[str]:
     if source.own_splits:
         return list(SPLITS)
@@ -495,10 +530,7 @@ def _fill(data_cfg: DataConfig, folder: Path, source, data_dir, download, model_
                     "read); raise data.max_tokens, or use more, shorter documents (blank-line separated)"
                 )
             if writer.tokens == 0:
-                raise DataError(
-                    f"{source.name}: no document fell in the {split!r} split ({writers['train'].documents} training "
-                    "documents); use a larger source, more documents (blank-line separated), or other fractions"
-                )
+                raise DataError(_empty_split(source, split, writers["train"].documents))
     splits = {split: writer.summary(f"{split}.bin") for split, writer in writers.items()}
 
     meta = {

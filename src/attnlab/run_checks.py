@@ -1,0 +1,215 @@
+"""What `attnlab run` checks before the first run starts (dry runs too), and `attnlab validate` with it: every folder
+the runs write inside --out (and no link in a run's folder leading the run to write out of it), no --out inside a
+run's folder, every local data file there (and, for dry runs and validate, readable as its preparation reads it),
+every named dataset prepared, found or downloadable, the prepared cache makeable, model.vocab_size against a prepared
+vocabulary, and the pretrained targets' models (runner.py runs them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from attnlab.config import names_model
+from attnlab.data.files import downloads_allowed
+from attnlab.data.prepared import cache_key, check_source, default_cache_dir, folder_name, folder_problem
+from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
+from attnlab.errors import ConfigError, DataError
+from attnlab.interop.convert import LOW_RANK
+from attnlab.jsonio import loads_json
+from attnlab.manifest import Manifest, RunSpec
+from attnlab.paths import inside
+from attnlab.retrofit import changes, check_pretrained, first_phases
+from attnlab.train.distributed import dist_env
+from attnlab.train.loop import vocab_problem
+
+# What a run writes through an entry of its folder (its other files are written to a temporary and renamed over the
+# entry: a link there is replaced, not written through).
+WRITTEN_THROUGH = {"checkpoints": "write (and prune) its checkpoints", "tokenizer": "save its tokenizer",
+                   "metrics.jsonl": "append its metrics"}  # fmt: skip
+
+
+def local_source_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
+    """One line per local file the runs read that is not found (named datasets are not checked): their data.source
+    files, and the calibration texts (init_from.calibrate_on) of the low-rank conversions they make."""
+    missing = []
+    for source in dict.fromkeys(spec.data.source for spec in runs):
+        if source not in NAMED_SOURCES:
+            try:
+                local_path(source, data_dir)
+            except DataError as e:
+                missing.append(str(e))
+    for target, spec in first_phases(runs).items():
+        text, kind = spec.source["calibrate_on"], (changes(spec)[0] or {}).get("kind")
+        if spec.source["calibration_tokens"] and kind in LOW_RANK and text not in NAMED_SOURCES:
+            try:
+                local_path(text, data_dir)
+            except DataError as e:
+                missing.append(f"targets.{target}.init_from.calibrate_on={text}: {e}")
+    return missing
+
+
+def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, data_dir: str | None) -> list[str]:
+    """What would fail once the runs start, checked before the first: a folder the runs write (or read a previous
+    phase from) outside `out_root`, or a link in a run's folder they would write through (ConfigError), a local data
+    file that is not there, a named dataset that is neither prepared nor found (offline) or cannot be downloaded
+    (DataError). Downloads nothing: returns what the runs would download first, one line per dataset (`attnlab run
+    --dry-run` prints them)."""
+    root = Path(out_root) / manifest.name
+    problems = []
+    for path in [root, *(spec.run_dir(root) for spec in manifest.runs)]:
+        try:
+            inside(path, out_root, "run folder")
+        except ConfigError as e:
+            problems.extend(e.problems)
+    problems += [] if problems else link_problems(runs, root)
+    if problems:
+        raise ConfigError(problems, source=str(manifest.path))
+    world = dist_env().world_size  # under torchrun: each process takes an equal share of every batch
+    uneven = [spec for spec in runs if spec.train.batch_size % world]
+    if uneven:
+        raise ConfigError(f"targets.{uneven[0].target}: train.batch_size={uneven[0].train.batch_size} must be "
+                          f"divisible by the {world} processes torchrun started (each takes an equal share of every "
+                          "batch)", source=str(manifest.path))  # fmt: skip
+    missing, downloads = [], []
+    if data_dir and not Path(data_dir).exists():  # a typo would fall back to the cache (or a download) silently
+        missing.append(f"--data-dir {data_dir}: no such folder (name the folder that holds the data files)")
+    missing += local_source_problems(runs, data_dir)
+    online = downloads_allowed()
+    for data in dict.fromkeys(spec.data for spec in runs):  # a named dataset: prepared already, or its files here
+        if data.source not in NAMED_SOURCES:
+            continue
+        if (
+            not names_model(data.tokenizer)
+            and (  # (a model's tokenizer is keyed by its contents: not read yet)
+                default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json"
+            ).exists()
+        ):
+            continue
+        try:
+            if online:  # what the run would download (or why it could not), said before it starts
+                plan = download_plan(data.source, data_dir, data.max_tokens)
+                if plan is not None and plan not in downloads:
+                    downloads.append(plan)
+            else:
+                open_source(data.source, data_dir, download=False)  # finds the files; reads nothing
+        except DataError as e:
+            offline = (
+                "" if online else " (downloads are off: $HF_HUB_OFFLINE, $HF_DATASETS_OFFLINE or $ATTNLAB_OFFLINE)"
+            )
+            if f"{e}{offline}" not in missing:
+                missing.append(f"{e}{offline}")
+    if missing:
+        raise DataError("; ".join(missing))
+    problem = prepared_problems(runs, data_dir)
+    if problem:
+        raise DataError(problem)
+    problems = vocab_problems(runs, data_dir)
+    problems += check_pretrained(runs, list(manifest.runs), data_dir)  # reads the models' metadata, not weights
+    if problems:
+        raise ConfigError(problems, source=str(manifest.path))
+    return downloads
+
+
+def prepared_problems(runs: list[RunSpec], data_dir: str | None) -> str | None:
+    """The line the first preparation would refuse the runs with because a file stands where its folder goes in the
+    cache (XDG_CACHE_HOME naming a file), said before anything starts (dry runs too)."""
+    for data in dict.fromkeys(spec.data for spec in runs):
+        if names_model(data.tokenizer):  # its folder's name needs the model's tokenizer: the cache's own is checked
+            problem = folder_problem(default_cache_dir())
+        else:
+            folder = default_cache_dir() / folder_name(data, cache_key(data, data_dir))
+            problem = None if (folder / "meta.json").exists() else folder_problem(folder)
+        if problem:
+            return problem
+    return None
+
+
+def vocab_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
+    """A model.vocab_size below the vocabulary of the data's tokenizer, where the data is prepared already (a fitted
+    tokenizer's size is known only then), refused with train's line before any run starts."""
+    problems = []
+    for spec in runs:
+        given = spec.model.get("vocab_size") if spec.source is None else None
+        meta = prepared_meta(spec.data, data_dir) if isinstance(given, int) else None
+        known = meta.get("vocab_size") if meta else None
+        problem = vocab_problem(given, known) if isinstance(known, int) else None
+        if problem and f"targets.{spec.target}: {problem}" not in problems:
+            problems.append(f"targets.{spec.target}: {problem}")
+    return problems
+
+
+RUNS_NEST = "runs go to OUT/<manifest>/<target>/seed<S>; give the folder that holds your runs, e.g. --out runs"
+
+
+def run_folder_problem(out_root: str | Path, why: str = RUNS_NEST, flag: str = "--out") -> str | None:
+    """--out naming a run's folder (or a folder inside one): the manifest's runs would nest inside that run (`why`
+    says what else would, for another command's output)."""
+    path = Path(out_root).absolute()
+    for folder in (path, *path.parents):
+        if _is_run_folder(folder):
+            shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
+            where = "is" if folder == path else f"is inside {shown}, which is"
+            return f"{flag} {out_root} {where} a run's folder (it holds config.json and its checkpoints): {why}"
+    return None
+
+
+def _is_run_folder(folder: Path) -> bool:
+    """Whether folder holds a run train() wrote: its config.json (model, data and train), and checkpoints/ or
+    summary.json."""
+    if not ((folder / "checkpoints").is_dir() or (folder / "summary.json").is_file()):
+        return False
+    try:
+        config = loads_json((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
+
+
+def prepared_meta(data, data_dir) -> dict | None:
+    """The meta.json of the data's prepared folder when it is prepared already (a dry run prepares nothing)."""
+    if names_model(data.tokenizer):  # its cache key needs the model's tokenizer
+        return None
+    path = default_cache_dir() / folder_name(data, cache_key(data, data_dir)) / "meta.json"
+    try:
+        meta = loads_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    ok = isinstance(meta, dict) and isinstance(meta.get("splits"), dict)
+    return meta if ok and all(isinstance(e, dict) and "sha256" in e for e in meta["splits"].values()) else None
+
+
+def link_problems(runs: list[RunSpec], root: Path) -> list[str]:
+    """One line per link in a run's folder that the run would write through (its checkpoints/, tokenizer/,
+    metrics.jsonl) and that leads out of that folder: the run would write (and prune) there, outside --out or in
+    another run's folder."""
+    problems = []
+    for run_dir in dict.fromkeys(spec.run_dir(root) for spec in runs):
+        for name, what in WRITTEN_THROUGH.items():
+            path = run_dir / name
+            if path.is_symlink() and not path.resolve().is_relative_to(run_dir.resolve()):
+                points, resolved = os.readlink(path), path.resolve()
+                shown = points if Path(points) == resolved else f"{points} ({resolved})"
+                kind = "file" if "." in name else "folder"
+                problems.append(f"{path}: a link to {shown}, outside the run's folder, where the run would {what}: "
+                                f"replace the link with a {kind} of the run's own (move what it links to there), or "
+                                "give another --out")  # fmt: skip
+    return problems
+
+
+def local_data_problem(data, data_dir) -> str | None:
+    """The line the run's data preparation would refuse a local data.source with (not readable as its kind, or too
+    few documents for a split), found by reading it as the preparation does (data.prepared.check_source); None for
+    a named dataset, a missing file (check_runs says so), or data prepared already (the run reads it no more)."""
+    if data.source in NAMED_SOURCES:
+        return None
+    try:
+        local_path(data.source, data_dir)
+    except DataError:
+        return None
+    if prepared_meta(data, data_dir) is not None:
+        return None
+    try:
+        check_source(data, data_dir)
+    except DataError as e:
+        return " ".join(str(e).split())
+    return None
