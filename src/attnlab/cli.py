@@ -349,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("compare", help="table and plot of the runs under a folder")
     p.add_argument("runs_dir")
-    p.add_argument("--out", default=None, help="where to write compare.md/.csv/val_loss.png (default RUNS_DIR)")
+    p.add_argument("--out", default=None, help="where to write compare.md/.csv/val_loss.png (default RUNS_DIR; "
+                   "not in a run's folder)")  # fmt: skip
     p.add_argument("--baseline", default=None, help="target the others are compared with")
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("mc", help="zero-shot multiple choice (arc_easy, piqa, winogrande, hellaswag), lm-eval style")

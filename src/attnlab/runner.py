@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from attnlab.compare import check_run_file
+from attnlab.compare import check_run_file, is_run_folder
 from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import downloads_allowed, lock_file_problem, read_json_object
@@ -253,7 +253,7 @@ def run_folder_problem(out_root: str | Path) -> str | None:
     """--out naming a run's folder (or a folder inside one): the manifest's runs would nest inside that run."""
     path = Path(out_root).absolute()
     for folder in (path, *path.parents):
-        if _is_run_folder(folder):
+        if is_run_folder(folder):
             shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
             where = "is" if folder == path else f"is inside {shown}, which is"
             return (
@@ -261,18 +261,6 @@ def run_folder_problem(out_root: str | Path) -> str | None:
                 "to OUT/<manifest>/<target>/seed<S>; give the folder that holds your runs, e.g. --out runs"
             )
     return None
-
-
-def _is_run_folder(folder: Path) -> bool:
-    """Whether folder holds a run train() wrote: its config.json (model, data and train), and checkpoints/ or
-    summary.json."""
-    if not ((folder / "checkpoints").is_dir() or (folder / "summary.json").is_file()):
-        return False
-    try:
-        config = loads_json((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
 
 
 def _missing_folders(path: Path) -> list[Path]:

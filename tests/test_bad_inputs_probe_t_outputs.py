@@ -1,0 +1,135 @@
+"""Probe S's findings on where commands write, fixed in round T: `compare` on one run's folder wrote its files among
+the run's own (t1); past a full disk, `report` left tables/ without report.md and `compare` its .md and .csv without
+the .png (t2); a refused `memory ingest` made the store folder (t3); `bench --list` ignored --out and --benchmarks
+(t4); `memory ingest --chunk` took any number (t5); `info --seq-len` far past max_seq_len printed bytes with no word
+(t6)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from helpers import error_line, fails, run_limited, snapshot
+
+from attnlab.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
+FILES = "compare.md, compare.csv and val_loss.png"
+
+
+# ----------------------------------------------------------------------------- t1: compare into a run's folder
+
+
+def test_compare_of_one_runs_folder_writes_nothing_into_it(tiny_run, capsys):
+    before = snapshot(tiny_run)
+    assert fails(capsys, ["compare", str(tiny_run)], f"{tiny_run} is a run's folder", f"would write {FILES} among "
+                 "the run's own files", "give --out another folder", f"compare the folder above the runs "
+                 f"({tiny_run.resolve().parents[1]}) to write them there")  # fmt: skip
+    assert snapshot(tiny_run) == before
+
+
+@pytest.mark.parametrize("inside", [".", "checkpoints", "new/sub"])
+def test_compare_out_inside_a_run_is_refused(tiny_run, tmp_path, capsys, inside):
+    out = tiny_run / inside
+    before = snapshot(tiny_run)
+    where = "is" if inside == "." else f"is inside {tiny_run.resolve()}, which is"
+    assert fails(capsys, ["compare", str(tiny_run.parents[1]), "--out", str(out)], f"--out {out} {where} a run's "
+                 "folder", f"compare writes {FILES} elsewhere; give --out a folder outside the run")  # fmt: skip
+    assert snapshot(tiny_run) == before and not (tiny_run / "new").exists()
+
+
+def test_compare_of_one_run_writes_where_out_says(tiny_run, tmp_path, capsys):
+    out = tmp_path / "one"
+    assert main(["compare", str(tiny_run), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["compare.csv", "compare.md", "val_loss.png"]
+    assert main(["compare", str(tiny_run.parent)]) == 0  # a target's folder is not a run's: written there
+    assert (tiny_run.parent / "compare.md").is_file()
+    for name in ("compare.md", "compare.csv", "val_loss.png"):
+        (tiny_run.parent / name).unlink()
+
+
+# ----------------------------------------------------------------------------- t2: all outputs or none
+
+
+PERPLEXITY = {"benchmark": "perplexity", "model": "m", "kind": "mha", "split": "val", "tokens": 64, "loss": 4.2,
+              "loss_ci": [4.1, 4.3], "ppl": 66.7, "ppl_ci": [60.3, 73.7]}  # fmt: skip
+STREAM = {"benchmark": "stream_loss", "model": "m", "status": "ok", "bucket": 4, "positions": [0, 4],
+          "bucket_loss": [4.0, 3.9], "bucket_ci": [[3.9, 4.1], [3.8, 4.0]], "length": 8, "streams": 1}  # fmt: skip
+LIMIT = 8 * 1024  # every table and text file fits; no plot does
+
+
+@pytest.fixture(autouse=True)
+def fonts_cached():
+    """matplotlib's font list written to its cache before a file size limit (else it says, on stderr, that it could
+    not write it)."""
+    import matplotlib.font_manager  # noqa: F401  (its import writes the list)
+
+
+def bench_folder(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (PERPLEXITY, STREAM)))
+    return folder
+
+
+def test_a_report_past_a_full_disk_writes_nothing(tmp_path, capsys, file_size_limit):
+    folder = bench_folder(tmp_path / "b")
+    before = snapshot(folder)
+    assert run_limited(file_size_limit, LIMIT, ["report", str(folder)]) == 2
+    error_line(capsys, "report", f"{folder / 'stream_loss.png'}: file too large")
+    assert snapshot(folder) == before and sorted(p.name for p in folder.iterdir()) == ["records.jsonl"]
+
+
+def test_a_report_past_a_full_disk_leaves_the_earlier_report_whole(tmp_path, capsys, file_size_limit):
+    folder = bench_folder(tmp_path / "b")
+    assert main(["report", str(folder)]) == 0
+    before = snapshot(folder)
+    assert {"report.md", "report.html", "stream_loss.png", "tables/perplexity.md"} <= set(before)
+    with (folder / "records.jsonl").open("a") as records:  # the next report has other figures
+        records.write(json.dumps({**PERPLEXITY, "model": "n", "loss": 3.0, "loss_ci": [2.9, 3.1], "ppl": math.exp(3.0),
+                                  "ppl_ci": [math.exp(2.9), math.exp(3.1)]}) + "\n")  # fmt: skip
+    before["records.jsonl"] = (folder / "records.jsonl").read_bytes()
+    capsys.readouterr()
+    assert run_limited(file_size_limit, LIMIT, ["report", str(folder)]) == 2
+    error_line(capsys, "report", "file too large")
+    assert snapshot(folder) == before  # the earlier tables beside the earlier report.md, no temporary
+    assert main(["report", str(folder)]) == 0 and "| n |" in (folder / "tables" / "perplexity.md").read_text()
+
+
+def test_compare_past_a_full_disk_writes_none_of_its_files(tiny_run, tmp_path, capsys, file_size_limit):
+    out, runs = tmp_path / "c", tiny_run.parents[1]
+    assert run_limited(file_size_limit, LIMIT, ["compare", str(runs), "--out", str(out)]) == 2
+    error_line(capsys, "compare", f"{out / 'val_loss.png'}: file too large")
+    assert not out.exists()  # no .md and .csv without their plot, and not the folder made for them
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert run_limited(file_size_limit, LIMIT, ["compare", str(runs), "--out", str(out)]) == 2
+    assert snapshot(out) == {"notes.txt": b"mine"}  # a folder of the user's stays
+    capsys.readouterr()
+    assert main(["compare", str(runs), "--out", str(out)]) == 0
+    before = snapshot(out)
+    assert run_limited(file_size_limit, LIMIT, ["compare", str(runs), "--out", str(out)]) == 2
+    assert snapshot(out) == before  # the earlier three whole
+
+
+def test_outputs_together_rename_all_or_none(tmp_path, file_size_limit):
+    from attnlab.data.files import outputs_together
+
+    folder = tmp_path / "f"
+    with outputs_together(folder, "x") as stage:
+        (stage / "a.txt").write_text("old a")
+        (stage / "sub").mkdir()
+        (stage / "sub" / "b.txt").write_text("old b")
+    assert snapshot(folder) == {"a.txt": b"old a", "sub/b.txt": b"old b"}
+    file_size_limit(100)
+    try:
+        with pytest.raises(OSError) as caught, outputs_together(folder, "x") as stage:
+            (stage / "a.txt").write_text("new a")
+            (stage / "sub").mkdir()
+            (stage / "sub" / "b.txt").write_text("b" * 200)
+    finally:
+        file_size_limit(None)
+    assert caught.value.filename is None or ".tmp" not in str(caught.value.filename)
+    assert snapshot(folder) == {"a.txt": b"old a", "sub/b.txt": b"old b"}  # no new a beside the old b
