@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import error_line, fails, run_limited, snapshot
+from helpers import PROBE_MODEL, error_line, fails, run_limited, snapshot, train_tiny_run
 
 from attnlab.cli import main
 
@@ -133,3 +133,64 @@ def test_outputs_together_rename_all_or_none(tmp_path, file_size_limit):
         file_size_limit(None)
     assert caught.value.filename is None or ".tmp" not in str(caught.value.filename)
     assert snapshot(folder) == {"a.txt": b"old a", "sub/b.txt": b"old b"}  # no new a beside the old b
+
+
+# ----------------------------------------------------------------------------- t3, t5: memory ingest's options
+
+
+@pytest.fixture(scope="module")
+def memory_run(tmp_path_factory) -> Path:
+    memory = {"kind": "streaming", "recent_window": 16, "sink_tokens": 2}
+    return train_tiny_run(tmp_path_factory.mktemp("memrun"), {**PROBE_MODEL, "memory": memory}, steps=2)
+
+
+def ingest(run: Path, tmp_path: Path, store: Path, *options: str) -> list[str]:
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the cat sat on the mat " * 10)
+    return ["memory", "ingest", str(run), str(doc), "--store", str(store), "--no-progress", *options]
+
+
+@pytest.mark.parametrize("name, said", [("../x", "memory name '../x'"), ("", "memory name must not be empty"),
+                                        ("a/b", "memory name 'a/b'")])  # fmt: skip
+def test_a_refused_ingest_makes_no_store(memory_run, tmp_path, capsys, name, said):
+    store = tmp_path / "store"
+    assert fails(capsys, ingest(memory_run, tmp_path, store, "--name", name), said)
+    assert not store.exists()
+
+
+def test_an_ingest_refused_after_the_model_loads_makes_no_store(tiny_run, tmp_path, capsys):
+    store = tmp_path / "deep" / "store"
+    assert main(ingest(tiny_run, tmp_path, store, "--name", "notes")) == 2  # a model without a memory
+    assert "Traceback" not in capsys.readouterr().err
+    assert not (tmp_path / "deep").exists()
+
+
+def test_a_store_that_cannot_be_made_is_said_before_the_model_loads(memory_run, tmp_path, capsys, monkeypatch):
+    (tmp_path / "afile").write_text("x")
+    store = tmp_path / "afile" / "store"
+    import attnlab.memory.store as store_module
+
+    monkeypatch.setattr(store_module, "_load_model", lambda *a: pytest.fail("the model was loaded"))
+    assert fails(capsys, ingest(memory_run, tmp_path, store, "--name", "notes"), f"{store}: cannot use as a memory "
+                 f"store (Not a directory: {tmp_path / 'afile'})")  # fmt: skip
+
+
+def test_an_ingest_makes_its_store_and_a_second_one_adds_to_it(memory_run, tmp_path, capsys):
+    store = tmp_path / "new" / "store"
+    assert main(ingest(memory_run, tmp_path, store, "--name", "one")) == 0
+    assert main(ingest(memory_run, tmp_path, store, "--name", "two")) == 0
+    capsys.readouterr()
+    assert main(["memory", "ls", "--store", str(store)]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["one", "two"]
+
+
+@pytest.mark.parametrize("chunk", ["100000000000000000000", "2147483648", "0", "-5"])
+def test_an_ingest_chunk_out_of_range_is_refused(memory_run, tmp_path, capsys, chunk):
+    store = tmp_path / "store"
+    assert fails(capsys, ingest(memory_run, tmp_path, store, "--name", "n", "--chunk", chunk), f"--chunk {chunk} "
+                 "must be in 1 .. 2,147,483,647 (2**31 - 1) tokens per prefill step (the default is 512)")  # fmt: skip
+    assert not store.exists()
+
+
+def test_the_largest_chunk_is_taken(memory_run, tmp_path):
+    assert main(ingest(memory_run, tmp_path, tmp_path / "store", "--name", "n", "--chunk", "2147483647")) == 0
