@@ -194,3 +194,30 @@ def test_an_ingest_chunk_out_of_range_is_refused(memory_run, tmp_path, capsys, c
 
 def test_the_largest_chunk_is_taken(memory_run, tmp_path):
     assert main(ingest(memory_run, tmp_path, tmp_path / "store", "--name", "n", "--chunk", "2147483647")) == 0
+
+
+# ----------------------------------------------------------------------------- t4: bench --list's options
+
+
+@pytest.mark.parametrize("options, unused", [(["--out", "x"], "--out is"), (["--set", "perplexity.split=val"],
+                                             "--set is"), (["--data-dir", "."], "--data-dir is"),
+                                             (["--out", "x", "--set", "a.b=1"], "--out and --set are")])  # fmt: skip
+def test_bench_list_refuses_an_option_it_does_not_use(tmp_path, capsys, monkeypatch, options, unused):
+    monkeypatch.chdir(tmp_path)
+    assert fails(capsys, ["bench", "--list", *options], f"--list prints the benchmarks and runs none: {unused} not "
+                 "used with it (leave", "drop --list to run benchmarks")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_list_lists_the_benchmarks_named(capsys):
+    assert main(["bench", "--list", "--benchmarks", "needle, perplexity"]) == 0
+    listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
+    assert listed == ["needle", "perplexity"]
+    assert main(["bench", "--list"]) == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]) > 2
+
+
+@pytest.mark.parametrize("names, said", [("perplexty", "unknown benchmark 'perplexty' (did you mean 'perplexity'?)"),
+                                         (" , ", "--benchmarks names no benchmark")])  # fmt: skip
+def test_bench_list_refuses_a_benchmark_it_does_not_know(capsys, names, said):
+    assert fails(capsys, ["bench", "--list", "--benchmarks", names], said)
