@@ -17,6 +17,7 @@ from attnlab.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
+MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 FILES = "compare.md, compare.csv and val_loss.png"
 
 
@@ -221,3 +222,28 @@ def test_bench_list_lists_the_benchmarks_named(capsys):
                                          (" , ", "--benchmarks names no benchmark")])  # fmt: skip
 def test_bench_list_refuses_a_benchmark_it_does_not_know(capsys, names, said):
     assert fails(capsys, ["bench", "--list", "--benchmarks", names], said)
+
+
+# ----------------------------------------------------------------------------- t6: info past max_seq_len
+
+PAST = ("attnlab info: warning: --seq-len 100000 is past max_seq_len 256: the KV figures are the cache's size at "
+        "100,000 tokens, a context this model (no memory) does not read (generate and bench stop at 256 tokens; "
+        "--memory gives a cache that streams)")  # fmt: skip
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_info_past_max_seq_len_says_so_beside_the_figures(capsys, json_flag):
+    assert main(["info", str(MODELS / "tiny-mha.yaml"), "--seq-len", "100000", *json_flag]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [PAST]
+    if json_flag:
+        assert json.loads(out)["seq_len"] == 100000  # stdout stays one JSON object
+    else:
+        assert "seq_len 100000" in out
+
+
+@pytest.mark.parametrize("options", [["--seq-len", "256"], ["--seq-len", "100000", "--memory",
+                                                            "kind=window,recent_window=64"]])  # fmt: skip
+def test_info_within_max_seq_len_or_with_a_memory_says_nothing(capsys, options):
+    assert main(["info", str(MODELS / "tiny-mha.yaml"), *options]) == 0
+    assert capsys.readouterr().err == ""

@@ -50,7 +50,7 @@ from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT, unknown_key_problem
 from attnlab.config_io import load_config, memory_from_dict, other_config
 from attnlab.data.files import link_loop, special_file
-from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
+from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
 from attnlab.eval.loading import WEIGHTS
@@ -149,6 +149,12 @@ def cmd_info(args) -> int:
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
     check_train_memory_flags(args)
     training = train_memory_report(cfg, args) if args.train_memory else None
+    if report["seq_len"] > cfg.max_seq_len and cfg.memory.kind == "none":
+        # Said beside the figures, not refused: the bytes of a longer context are what a model made longer needs.
+        warnings.warn(f"--seq-len {report['seq_len']} is past max_seq_len {cfg.max_seq_len}: the KV figures are the "
+                      f"cache's size at {report['seq_len']:,} tokens, a context this model (no memory) does not read "
+                      f"(generate and bench stop at {cfg.max_seq_len} tokens; --memory gives a cache that streams)",
+                      AttnlabWarning, stacklevel=1)  # fmt: skip
     if args.json:
         print(json.dumps(report if training is None else {**report, "train_memory": training[0]}))
         return 0
