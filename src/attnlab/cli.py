@@ -255,8 +255,8 @@ def list_benchmarks(args) -> int:
                                        ("--data-dir", args.data_dir is not None)) if given]  # fmt: skip
     if unused:
         raise InputError(f"--list prints the benchmarks and runs none: {' and '.join(unused)} "
-                         f"{'is' if len(unused) == 1 else 'are'} not used with it (leave {unused[0]} out, or drop "
-                         "--list to run benchmarks; --benchmarks A,B lists only those)")  # fmt: skip
+                         f"{'is' if len(unused) == 1 else 'are'} not used with it (remove {' and '.join(unused)}, or "
+                         "drop --list to run benchmarks; --benchmarks A,B lists only those)")  # fmt: skip
     names = list(BENCHMARKS)
     if args.benchmarks is not None:
         names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
