@@ -466,8 +466,8 @@ def fake_run(folder, val_loss: float, seed: int = 0, lr: float = 1e-3, d_model: 
     return folder
 
 
-def compare_rows(capsys, folder) -> dict[str, list[str]]:
-    assert main(["compare", str(folder)]) == 0
+def compare_rows(capsys, folder, *options) -> dict[str, list[str]]:
+    assert main(["compare", str(folder), *options]) == 0
     out = capsys.readouterr().out
     return {row[0]: row for row in table_rows(out)}
 
@@ -495,7 +495,7 @@ def test_compare_does_not_average_seeds_trained_with_different_configs(tmp_path,
 @pytest.mark.parametrize("below", ["base", "base/seed0"])
 def test_compare_on_a_target_or_run_folder_reads_its_runs(tmp_path, capsys, below):
     fake_run(tmp_path / "m" / "base" / "seed0", 3.4)
-    rows = compare_rows(capsys, tmp_path / "m" / below)
+    rows = compare_rows(capsys, tmp_path / "m" / below, "--out", str(tmp_path / "out"))  # (not into a run: probe T)
     assert list(rows) == ["base"] and rows["base"][5] == "3.4000"
 
 

@@ -47,10 +47,10 @@ from attnlab.cli_store import DEFAULT_NEW_TOKENS, REFERENCE_HELP, add_memory_par
 from attnlab.cli_validate import LINK_LOOP, cmd_validate
 from attnlab.compare import compare
 from attnlab.config import ModelConfig
-from attnlab.config_checks import MAX_INT
+from attnlab.config_checks import MAX_INT, unknown_key_problem
 from attnlab.config_io import load_config, memory_from_dict, other_config
 from attnlab.data.files import link_loop, special_file
-from attnlab.errors import AttnlabError, ConfigError, InputError, LengthWarning
+from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
 from attnlab.eval.loading import WEIGHTS
@@ -149,6 +149,12 @@ def cmd_info(args) -> int:
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
     check_train_memory_flags(args)
     training = train_memory_report(cfg, args) if args.train_memory else None
+    if report["seq_len"] > cfg.max_seq_len and cfg.memory.kind == "none":
+        # Said beside the figures, not refused: the bytes of a longer context are what a model made longer needs.
+        warnings.warn(f"--seq-len {report['seq_len']} is past max_seq_len {cfg.max_seq_len}: the KV figures are the "
+                      f"cache's size at {report['seq_len']:,} tokens, a context this model (no memory) does not read "
+                      f"(generate and bench stop at {cfg.max_seq_len} tokens; --memory gives a cache that streams)",
+                      AttnlabWarning, stacklevel=1)  # fmt: skip
     if args.json:
         print(json.dumps(report if training is None else {**report, "train_memory": training[0]}))
         return 0
@@ -229,12 +235,7 @@ def cmd_probes(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.list:
-        if args.targets:  # a stray target would be silently ignored
-            raise InputError(f"--list takes no manifest or checkpoint ({' '.join(args.targets)}): give --list alone")
-        for name, fn in BENCHMARKS.items():
-            params = ", ".join(f"{k}={v!r}" for k, v in parameters(name).items())
-            print(f"{name}: {fn.__doc__.splitlines()[0]}\n    {params}")
-        return 0
+        return list_benchmarks(args)
     if not args.targets:
         raise ConfigError("give a benchmark manifest or checkpoint folders (or --list)")
     benchmarks = args.benchmarks.split(",") if args.benchmarks is not None else None
@@ -242,6 +243,33 @@ def cmd_bench(args) -> int:
     out = Path(args.out or Path("results") / plan.name)
     records = run_plan(plan, out)
     print(f"records: {records}  (render them with: attnlab report {out})")
+    return 0
+
+
+def list_benchmarks(args) -> int:
+    """`bench --list [--benchmarks A,B]`: each benchmark (those named) with its parameters. An option --list does not
+    use (a target, --out, --set, --data-dir) is one line, not silently ignored."""
+    if args.targets:
+        raise InputError(f"--list takes no manifest or checkpoint ({' '.join(args.targets)}): give --list alone")
+    unused = [flag for flag, given in (("--out", args.out is not None), ("--set", bool(args.set)),
+                                       ("--data-dir", args.data_dir is not None)) if given]  # fmt: skip
+    if unused:
+        raise InputError(f"--list prints the benchmarks and runs none: {' and '.join(unused)} "
+                         f"{'is' if len(unused) == 1 else 'are'} not used with it (remove {' and '.join(unused)}, or "
+                         "drop --list to run benchmarks; --benchmarks A,B lists only those)")  # fmt: skip
+    names = list(BENCHMARKS)
+    if args.benchmarks is not None:
+        names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+        if not names:
+            raise InputError("--benchmarks names no benchmark: give a comma-separated list (e.g. perplexity,needle), "
+                             "or leave it out to list them all")  # fmt: skip
+        unknown = [b for b in names if b not in BENCHMARKS]
+        if unknown:
+            raise ConfigError([unknown_key_problem(b, list(BENCHMARKS), "", what="benchmark")
+                               for b in unknown])  # fmt: skip
+    for name in dict.fromkeys(names):
+        params = ", ".join(f"{k}={v!r}" for k, v in parameters(name).items())
+        print(f"{name}: {BENCHMARKS[name].__doc__.splitlines()[0]}\n    {params}")
     return 0
 
 
@@ -351,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("compare", help="table and plot of the runs under a folder")
     p.add_argument("runs_dir")
-    p.add_argument("--out", default=None, help="where to write compare.md/.csv/val_loss.png (default RUNS_DIR)")
+    p.add_argument("--out", default=None, help="where to write compare.md/.csv/val_loss.png (default RUNS_DIR; "
+                   "not in a run's folder)")  # fmt: skip
     p.add_argument("--baseline", default=None, help="target the others are compared with")
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("mc", help="zero-shot multiple choice (arc_easy, piqa, winogrande, hellaswag), lm-eval style")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from attnlab.cli_errors import Parser, check_greedy_flags
 from attnlab.memory import MemoryStore, ingest, query
+from attnlab.memory.store import check_ingest_options
 
 REFERENCE_HELP = "an attnlab run or checkpoint folder, a .gguf file, a Hugging Face model folder, or hf:ORG/NAME[@REV]"
 
 
 def cmd_memory_ingest(args) -> int:
-    store = MemoryStore(args.store)
+    check_ingest_options(args.name, args.chunk)  # before the store is looked at
+    store = MemoryStore(args.store)  # (made only when the state is written: a refused ingest leaves none behind)
     entry = ingest(store, args.model, args.documents, args.name, chunk=args.chunk, replace=args.replace,
                    data_dir=args.data_dir, progress=not args.no_progress)  # fmt: skip
     print(f"{entry.name}: {entry.tokens:,} tokens from {len(entry.documents)} document(s) -> "
@@ -65,7 +67,7 @@ def add_memory_parser(sub) -> None:
     p.add_argument("model", help="a model reference (its model config must have a bounded memory): " + REFERENCE_HELP)
     p.add_argument("documents", nargs="+", help="UTF-8 text files, read in order")
     p.add_argument("--name", required=True, help="the name to store the state under")
-    p.add_argument("--chunk", type=int, default=512, help="tokens per prefill step (default 512)")
+    p.add_argument("--chunk", type=int, default=512, help="tokens per prefill step, 1 .. 2**31 - 1 (default 512)")
     p.add_argument("--replace", action="store_true", help="replace an existing memory of this name")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one shows on stderr after 2 s)")
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")

@@ -3,9 +3,10 @@ of validation loss against tokens seen. Pure functions of the run folders' summa
 and metrics.jsonl, so a table can be redrawn at any time without training anything.
 
 RUNS_DIR is the folder `attnlab run` wrote for a manifest (runs/<manifest>), or any folder above or below it: a
-folder holding several manifests' runs, a target's folder or one run's. Seeds are averaged only when they are
-runs of one target folder trained with one config (train.seed apart): targets of the same name from different
-manifests, or seeds trained with another config (a --set on one seed), are rows of their own, and said."""
+folder holding several manifests' runs, a target's folder or one run's (then with --out elsewhere: a run's folder
+keeps only what training wrote). Seeds are averaged only when they are runs of one target folder trained with one
+config (train.seed apart): targets of the same name from different manifests, or seeds trained with another config
+(a --set on one seed), are rows of their own, and said."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import re
 import statistics
 from pathlib import Path
 
-from attnlab.data.files import atomic_write_text, read_json_lines, read_json_object, special_file
+from attnlab.data.files import atomic_write_text, outputs_together, read_json_lines, read_json_object, special_file
 from attnlab.errors import DataError, InputError
 from attnlab.eval.plots import plot_val_loss
 from attnlab.eval.records import distinct_labels
+from attnlab.jsonio import loads_json
 
 SEED_DIR = re.compile(r"seed(\d+)")
 WHERE = "give the folder `attnlab run --out` wrote for a manifest, e.g. runs/quickstart"
@@ -221,27 +223,60 @@ def to_csv(rows: list[dict]) -> str:
 
 
 def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: str | None = None) -> dict:
-    """Writes compare.md, compare.csv and val_loss.png into out_dir (default runs_dir); returns paths + text."""
+    """Writes compare.md, compare.csv and val_loss.png into out_dir (default runs_dir), all three or none; returns
+    paths + text. A run's folder (or a folder inside one) is refused as out_dir: the run's files are training's."""
 
     runs = collect_runs(runs_dir)
     rows = compare_table(runs, baseline)
     groups, notes = group_runs(runs)
     runs = [{**run, "row": name} for name, members in groups.items() for run in members]  # the plot's names
+    check_not_in_run(runs_dir, out_dir)
     out_dir = Path(out_dir or runs_dir)
     paths = {"markdown": out_dir / "compare.md", "csv": out_dir / "compare.csv", "plot": out_dir / "val_loss.png"}
     check_outputs(paths.values())  # nothing written while one of them is the user's own
-    out_dir.mkdir(parents=True, exist_ok=True)
     markdown = to_markdown(rows, notes)
-    atomic_write_text(paths["markdown"], markdown)
-    atomic_write_text(paths["csv"], to_csv(rows))
-    try:
-        plot_val_loss(runs, paths["plot"])
-    except OSError as e:  # (the image library names no file: a file size limit would name nothing)
-        paths["plot"].unlink(missing_ok=True)  # no half-written PNG left
-        if e.filename is None:
-            e.filename = str(paths["plot"])
-        raise
+    with outputs_together(out_dir, "compare") as stage:  # the three written, then renamed: together or not at all
+        atomic_write_text(stage / "compare.md", markdown)
+        atomic_write_text(stage / "compare.csv", to_csv(rows))
+        try:
+            plot_val_loss(runs, stage / "val_loss.png")
+        except OSError as e:  # (the image library names no file: a file size limit would name nothing)
+            if e.filename is None:
+                e.filename = str(stage / "val_loss.png")
+            raise
     return {"rows": rows, "text": markdown, **paths}
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether folder holds a run train() wrote: its config.json (model, data and train), and checkpoints/ or
+    summary.json."""
+    if not ((folder / "checkpoints").is_dir() or (folder / "summary.json").is_file()):
+        return False
+    try:
+        config = loads_json((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
+
+
+def check_not_in_run(runs_dir: str | Path, out_dir: str | Path | None) -> None:
+    """Refuses (InputError, one line) writing compare's files into a run's folder or a folder inside one (the
+    default out_dir when runs_dir is one run's folder): that folder holds what training wrote, and is kept as
+    training left it; a comparison of one run goes where --out says."""
+    given = Path(out_dir if out_dir is not None else runs_dir)
+    path = given.resolve()
+    run = next((folder for folder in (path, *path.parents) if is_run_folder(folder)), None)
+    if run is None:
+        return
+    where = "is" if run == path else f"is inside {run}, which is"
+    files = "compare.md, compare.csv and val_loss.png"
+    if out_dir is not None:
+        raise InputError(f"--out {out_dir} {where} a run's folder (it holds config.json and the run's checkpoints): "
+                         f"compare writes {files} elsewhere; give --out a folder outside the run")  # fmt: skip
+    manifest = next((f.parent.parent for f in (run, *run.parents) if SEED_DIR.fullmatch(f.name)), None)
+    above = f", or compare the folder above the runs ({manifest}) to write them there" if manifest else ""
+    raise InputError(f"{runs_dir} {where} a run's folder (it holds config.json and the run's checkpoints): compare "
+                     f"would write {files} among the run's own files; give --out another folder{above}")  # fmt: skip
 
 
 # How compare's own files begin: another file at their place is the user's, never replaced.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from attnlab.compare import is_run_folder
 from attnlab.config import names_model
 from attnlab.data.files import downloads_allowed
 from attnlab.data.prepared import cache_key, check_source, default_cache_dir, folder_name, folder_problem
@@ -146,23 +147,11 @@ def run_folder_problem(out_root: str | Path, why: str = RUNS_NEST, flag: str = "
     says what else would, for another command's output)."""
     path = Path(out_root).absolute()
     for folder in (path, *path.parents):
-        if _is_run_folder(folder):
+        if is_run_folder(folder):
             shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
             where = "is" if folder == path else f"is inside {shown}, which is"
             return f"{flag} {out_root} {where} a run's folder (it holds config.json and its checkpoints): {why}"
     return None
-
-
-def _is_run_folder(folder: Path) -> bool:
-    """Whether folder holds a run train() wrote: its config.json (model, data and train), and checkpoints/ or
-    summary.json."""
-    if not ((folder / "checkpoints").is_dir() or (folder / "summary.json").is_file()):
-        return False
-    try:
-        config = loads_json((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
 
 
 def prepared_meta(data, data_dir) -> dict | None:

@@ -148,6 +148,36 @@ def atomic_write_text(path: str | Path, text: str, durable: bool = False) -> Non
         tmp.write_text(text, encoding="utf-8")
 
 
+@contextlib.contextmanager
+def outputs_together(folder: str | Path, command: str) -> Iterator[Path]:
+    """Yields a temporary folder inside `folder` in which a command writes every file of its outputs, each at the
+    path it has under `folder` (stage/tables/x.md for folder/tables/x.md); when the block ends, every one is
+    renamed into place. A write that fails (a full disk, a file size limit) leaves `folder` as it was: the earlier
+    outputs whole, never some new files beside old ones. The temporary goes in any case (one a killed process left
+    is removed by the next call); a folder made for the outputs goes when the block raises. `command` names the
+    temporary (.<command>.<pid>.<random>.tmp)."""
+    folder = Path(folder)
+    made = [f for f in (folder, *folder.parents) if not os.path.lexists(f)]  # deepest first
+    stage = temp_path_beside(folder / command)
+    remove_stale_temporaries(folder, re.escape(command))
+    try:
+        stage.mkdir()
+        yield stage
+        for file in sorted(p for p in stage.rglob("*") if p.is_file()):  # every one written in full: now renamed
+            target = folder / file.relative_to(stage)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, target)
+    except BaseException as e:
+        if isinstance(e, OSError):
+            _name_the_path(e, stage, folder)
+        shutil.rmtree(stage, ignore_errors=True)
+        for f in made:
+            with contextlib.suppress(OSError):  # (not empty: something else wrote there meanwhile)
+                f.rmdir()
+        raise
+    shutil.rmtree(stage, ignore_errors=True)
+
+
 def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
     """Hex sha256 of a file's stored bytes (compressed files are hashed as stored)."""
     digest = hashlib.sha256()

@@ -15,7 +15,7 @@ import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from attnlab.data.files import atomic_write_text, read_json_lines
+from attnlab.data.files import atomic_write_text, outputs_together, read_json_lines
 from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.bench_checks import status_notes
 from attnlab.eval.paired import paired_rows
@@ -432,13 +432,23 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
     tables += probes_tables(records)
     drawings = _drawings(records, out_dir)
     check_outputs(out_dir, tables, [name for name, _ in drawings.values()])  # before anything is written
-    (out_dir / "tables").mkdir(exist_ok=True)
+    with outputs_together(out_dir, "report") as stage:  # every file written, then all renamed into out_dir
+        plots = _write_report(stage, out_dir.name, records, models, tables, drawings, notes, records_path)
+    return {"markdown": out_dir / "report.md", "html": out_dir / "report.html", "tables": [t.name for t in tables],
+            "plots": [str(out_dir / name) for name in plots], "notes": notes}  # fmt: skip
+
+
+def _write_report(stage: Path, folder_name: str, records: list[dict], models: list[str], tables: list[Table],
+                  drawings: dict, notes: list[str], records_path: Path) -> list[str]:  # fmt: skip
+    """The report's files in `stage` (a temporary folder): its tables, plots, report.md and report.html; the
+    names of the plots drawn."""
+    (stage / "tables").mkdir()
     for t in tables:
         for suffix, text in ((".md", t.markdown()), (".csv", t.csv()), (".tex", t.latex())):
-            atomic_write_text(out_dir / "tables" / f"{t.name}{suffix}", text)
-    plots = {title: _drawn(out_dir / name, draw, notes, records_path) for title, (name, draw) in drawings.items()}
+            atomic_write_text(stage / "tables" / f"{t.name}{suffix}", text)
+    plots = {title: _drawn(stage / name, draw, notes, records_path) for title, (name, draw) in drawings.items()}
     plots = {title: p for title, p in plots.items() if p}
-    parts = [f"# Evaluation report: {out_dir.name}", "",
+    parts = [f"# Evaluation report: {folder_name}", "",
              f"{_count(len(records), 'record')}, {_count(len(models), 'checkpoint')}: {', '.join(models)}.",
              ""]  # fmt: skip
     untabled = Counter(r["benchmark"] for r in records if r["benchmark"] not in DRAWN)
@@ -452,10 +462,9 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
     for title, p in plots.items():
         parts += [f"## {title}", "", f"![{title}]({Path(p).name})", ""]
     markdown = "\n".join(parts)
-    atomic_write_text(out_dir / "report.md", markdown)
-    atomic_write_text(out_dir / "report.html", to_html(markdown, out_dir))
-    return {"markdown": out_dir / "report.md", "html": out_dir / "report.html", "tables": [t.name for t in tables],
-            "plots": [str(p) for p in plots.values()], "notes": notes}  # fmt: skip
+    atomic_write_text(stage / "report.md", markdown)
+    atomic_write_text(stage / "report.html", to_html(markdown, stage))
+    return [Path(p).name for p in plots.values()]
 
 
 # The benchmarks a report draws (a table or a plot); records of others are counted in a note.

@@ -13,6 +13,7 @@ half-written file. A query reads the state file into a new cache and never write
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
 import os
@@ -33,8 +34,7 @@ from attnlab.generate import generate, prefill
 from attnlab.interop.tokenizer import warn_unknown
 from attnlab.jsonio import loads_json
 from attnlab.memory.state import DamagedStateError, MemoryStateError, load_state, require_memory, save_state
-from attnlab.paths import cache_dir
-from attnlab.paths import check_name as check_name_of
+from attnlab.paths import blocking_file, cache_dir, name_problem, nearest_existing
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS states (
     name TEXT PRIMARY KEY, file TEXT NOT NULL, documents TEXT NOT NULL, tokens INTEGER NOT NULL,
@@ -70,7 +70,9 @@ class Entry:
 
 class MemoryStore:
     """The index of one store folder. Every method opens and closes its own connection; reads open the index
-    read-only. create=False (ls, query, rm) makes nothing: a store that does not exist is empty."""
+    read-only. create=False (ls, query, rm) makes nothing: a store that does not exist is empty. create=True
+    (ingest) checks that the store can be made or used, and makes it when the first state is written (make()): an
+    ingest refused on the way leaves no store folder behind."""
 
     def __init__(self, store: str | Path | None = None, create: bool = True):
         self.root = store_dir(store)
@@ -78,12 +80,28 @@ class MemoryStore:
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"{self.root}: a file, not a memory store folder (give --store a folder)")
         if create:
-            try:
-                (self.root / "states").mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise StoreError(f"{self.root}: cannot use as a memory store ({e.strerror or e})") from None
+            self._check_creatable()
             self._check_index()
-            self._run(SCHEMA, write=True)
+            if self.index.exists():  # (an index emptied beside no state file is made anew: nothing to lose)
+                self._run(SCHEMA, write=True)
+
+    def _check_creatable(self) -> None:
+        """Refuses a store that could not be made (a file where one of its folders would go, a folder that may not
+        be written), before minutes of reading: nothing is made."""
+        existing = self.root if self.root.is_dir() else nearest_existing(self.root)
+        problem = (errno.ENOTDIR if blocking_file(self.root) else
+                   errno.EACCES if not os.access(existing, os.W_OK | os.X_OK) else None)  # fmt: skip
+        if problem is not None:
+            raise StoreError(f"{self.root}: cannot use as a memory store ({os.strerror(problem)}: {existing})")
+
+    def make(self) -> None:
+        """Makes the store (its folder, states/ and the index's table) if it is not made yet."""
+        try:
+            (self.root / "states").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"{self.root}: cannot use as a memory store ({e.strerror or e})") from None
+        self._check_index()
+        self._run(SCHEMA, write=True)
 
     def _check_index(self) -> None:
         """Refuses an index that lost its table (emptied or replaced) while the store holds state files: a fresh
@@ -170,6 +188,7 @@ class MemoryStore:
 
     def put(self, entry: Entry, replace: bool = False) -> None:
         """Registers `entry`; with `replace`, in place of the entry of the same name (whose file goes)."""
+        self.make()
         old = self.find(entry.name)
         row = (entry.name, entry.file, json.dumps(entry.documents), *[getattr(entry, c) for c in COLUMNS[3:]])
         verb = "INSERT OR REPLACE" if replace else "INSERT"
@@ -191,7 +210,21 @@ class MemoryStore:
 
 def check_name(name: str) -> None:
     """A memory's name becomes part of its state file's name: the rules of every name (attnlab.paths)."""
-    check_name_of(name, "memory name", InputError)
+    problem = name_problem(name, "memory name")
+    if problem:
+        raise InputError(f"{problem}; give --name a plain name (e.g. --name notes)")
+
+
+MAX_CHUNK = 2**31 - 1  # tokens per prefill step at most (the bound of every integer option)
+
+
+def check_ingest_options(name: str, chunk: int) -> None:
+    """Refuses (InputError, one line) a name that cannot name a state file and a --chunk out of range: checked
+    before the store is made or the model loaded."""
+    check_name(name)
+    if not 1 <= chunk <= MAX_CHUNK:
+        raise InputError(f"--chunk {chunk} must be in 1 .. {MAX_CHUNK:,} (2**31 - 1) tokens per prefill step (the "
+                         "default is 512)")  # fmt: skip
 
 
 def _load_model(path: str | Path, data_dir: str | None):
@@ -244,9 +277,7 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
     model at `model_path`, `chunk` tokens at a time, and stores the state as `name`. progress: a bar of the
     tokens read on stderr once the ingest has taken PROGRESS_DELAY seconds (a memory reads its tokens in blocks
     of its recent window, routing each one: a long document takes minutes)."""
-    check_name(name)
-    if chunk < 1:
-        raise InputError(f"--chunk={chunk} must be >= 1")
+    check_ingest_options(name, chunk)
     if not replace and store.find(name) is not None:
         raise StoreError(f"a memory named {name!r} exists in {store.root} (pass --replace)")
     if not documents:
@@ -290,6 +321,7 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
         for start in range(0, ids.shape[1], chunk):  # what prefill does, a chunk at a time
             prefill(model, ids[:, start : start + chunk], cache, chunk)
             bar.update(min(chunk, ids.shape[1] - start))
+    store.make()  # (only now: an ingest refused before this point leaves no store behind)
     final = store.root / "states" / f"{name}-{uuid.uuid4().hex[:12]}.safetensors"  # never the file of a row
     header = save_state(final, model, cache, model_path=model_path)
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
