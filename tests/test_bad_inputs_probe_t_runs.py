@@ -10,6 +10,7 @@ import json
 import random
 
 import pytest
+import torch
 from helpers import dry_run, fails, hat_text, probe_manifest, snapshot
 
 from attnlab.cli import main
@@ -239,3 +240,26 @@ def test_t5_a_comparison_attnlab_wrote_is_redrawn(tmp_path, capsys):
     command = ["run", str(manifest), "--out", str(out), "--no-progress"]
     assert main(command) == 0 and main(command) == 0
     assert json.dumps((out / "m" / "compare.md").read_text()).startswith('"| target | seeds | params |')
+
+
+# ----------------------------------------------------------------------------- t6: a device this machine lacks
+
+
+def test_t6_validate_passes_a_device_this_machine_lacks_with_a_warning_and_the_dry_run_refuses_it(tmp_path, capsys):
+    """validate checks the file (it may be meant for another machine): ok, with one warning line; the dry run and
+    the run check this machine and refuse it."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    source = tmp_path / "text.txt"
+    source.write_text(HATS)
+    manifest = probe_manifest(tmp_path, source, TRAIN[:-1] + ", device: cuda}")
+    assert main(["validate", str(manifest)]) == 0
+    said = capsys.readouterr()
+    assert said.out == f"{manifest}: ok (manifest m: 1 targets, 1 seeds, 1 runs)\n"
+    assert (
+        said.err.count("\n") == 1
+        and "warning:" in said.err
+        and "train.device=cuda: this machine has no CUDA" in (said.err)
+    ), said.err
+    line = run_line(capsys, ["run", str(manifest), "--out", str(tmp_path / "runs"), "--dry-run"])
+    assert line == "train.device=cuda: this machine has no CUDA (use train.device: auto or cpu)"

@@ -5,17 +5,19 @@ model's saved config) is said to be, in one line."""
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 from attnlab.config_io import is_gguf, load_config, other_config
 from attnlab.data.files import LINK_LOOP as LOOP_WORDS
 from attnlab.data.files import link_loop
-from attnlab.errors import ConfigError
+from attnlab.errors import AttnlabWarning, ConfigError
 from attnlab.eval.harness import load_plan
 from attnlab.eval.probes import load_suite
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.retrofit import check_pretrained
 from attnlab.run_checks import local_data_problem, local_source_problems, prepared_problems, vocab_problems
+from attnlab.train.loop import pick_device
 
 LINK_LOOP = f"{LOOP_WORDS}: point the link at the file itself"
 
@@ -56,6 +58,7 @@ def cmd_validate(args) -> int:
                 problems += [cache_problem] if cache_problem else []
                 if problems:
                     raise ConfigError(problems, source=str(path))
+                warn_devices(path, manifest)
                 print(f"{path}: ok (manifest {manifest.name}: {len(manifest.targets)} targets, "
                       f"{len(manifest.seeds)} seeds, {len(manifest.runs)} runs)")  # fmt: skip
                 continue
@@ -80,3 +83,15 @@ def cmd_validate(args) -> int:
             continue
         print(f"{path}: ok ({cfg.attention.kind}, {cfg.n_layers} layers, d_model {cfg.d_model})")
     return status
+
+
+def warn_devices(path, manifest) -> None:
+    """A train.device this machine lacks: validate checks the file, which may be meant for another machine, so it
+    says so in one warning line and passes; `run` and `run --dry-run` check this machine and refuse it."""
+    for device in dict.fromkeys(spec.train.device for spec in manifest.runs):
+        try:
+            pick_device(device)
+        except ConfigError as e:
+            lacks = e.problems[0].split(" (use ")[0]
+            warnings.warn(f"{path}: {lacks}: `attnlab run` here would refuse it (validate checks the file, for any "
+                          "machine; `run --dry-run` checks this one)", AttnlabWarning, stacklevel=1)  # fmt: skip
