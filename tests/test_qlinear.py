@@ -11,6 +11,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from helpers import tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnlab
 from attnlab import quant
@@ -323,6 +324,36 @@ def test_compiled_decode_step_runs_the_op_and_matches_eager():
     assert model in generate_module._COMPILED  # fullgraph: the op is one node of the compiled step
     assert compiled == attnlab.generate(model, prompt, max_new_tokens=16, compile=False).tolist()
     assert len(set(compiled)) > 3, "degenerate test model: every step picks the same few tokens"
+
+
+class WeightCalls(TorchDispatchMode):
+    """Counts the weight-matmul ops (attnlab::qlinear, attnlab_cpp::qlinear) dispatched inside a `with` block."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += str(func.overloadpacket) in ("attnlab.qlinear", "attnlab_cpp.qlinear")
+        return func(*args, **(kwargs or {}))
+
+
+@kernels
+@pytest.mark.parametrize("activations", ["fp32", "q8"])
+@pytest.mark.parametrize("attention", [{"kind": "mha", "n_kv_heads": 2}, {"kind": "mha", "qkv_bias": True},
+                                       {"kind": "sliding", "window": 8}, {"kind": "diff"}])  # fmt: skip
+def test_a_decode_step_makes_one_weight_call_per_projection_group(attention, activations):
+    """q, k and v are one QuantizedLinear (qkv), gate and up one (gate_up): a decoding step of a SwiGLU block makes 4
+    weight matmuls (qkv, out, gate_up, down), the LM head one more. The GGUF loader stacks a file's q/k/v and
+    gate/up tensors into these layers (interop.gguf.NATIVE_BLOCK_LAYERS), so a native model decodes the same way."""
+    model = attnlab.quantize_weights(tiny_model(attention, seed=0), "q8_0")
+    attnlab.set_activations(model, activations)
+    cache = model.new_cache(1, 16)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), cache)
+        with WeightCalls() as counted:
+            model(torch.tensor([[4]]), cache)
+    assert counted.calls == 4 * model.cfg.n_layers + 1
 
 
 def test_mla_reads_its_dequantized_up_projections():
