@@ -491,6 +491,10 @@ def test_a_damaged_prepared_vocabulary_names_the_file_and_the_fix(prepared):
     vocab.write_text(json.dumps({"name": "char", "tokens": ["a", "a"]}))
     with pytest.raises(DataError) as error:
         _ = reuse(data, p.path).tokenizer  # read when first used
+    assert_one_line(error, vocab, "sha256 differs from meta.json", f"delete {p.path} to prepare it again")
+    edit_meta(p.path, lambda m: m["tokenizer"].pop("files"))  # a folder prepared before the sha256 was recorded
+    with pytest.raises(DataError) as error:
+        _ = reuse(data, p.path).tokenizer
     assert_one_line(error, vocab, "not a valid char tokenizer file (char vocabulary must hold distinct tokens",
                     f"delete {p.path} to make it again from the data")  # fmt: skip
 

@@ -3,8 +3,8 @@
 A prepared folder holds, per split, a flat array of token ids (`train.bin`, `val.bin`, `test.bin`; uint16, or
 uint32 when an id does not fit) read with np.memmap, the tokenizer's own files, and `meta.json` (tokenizer,
 vocab size, end-of-text id, dtype, token and document counts, sha256 of every source file and .bin, format
-version). Every file is written to a temporary name and renamed; meta.json is written last, so a folder
-without it is not prepared.
+version), and the sha256 of each tokenizer file. Every file is written to a temporary name and renamed; meta.json
+is written last, so a folder without it is not prepared.
 
 In a split, documents are concatenated with the end-of-text id between them:
     doc_0 <eot> doc_1 <eot> ... doc_n
@@ -14,8 +14,11 @@ tokenizing again.
 
 A reused folder is checked before it is trusted: meta.json key by key, each .bin's size at once, and each .bin's
 sha256 and largest id (< vocab_size) in one pass the first time its split is read (`Prepared.verify`; the
-trainer verifies every split before it starts). Hashing runs at ~1.5 GB/s from the page cache (~0.4 GB/s from
-a cold disk) here, so a few hundred MB of tokens cost a fraction of a second on every reuse.
+trainer verifies every split before it starts), and the tokenizer's files' sha256 as the folder is opened (a
+vocab.json changed after the ids were made would decode them as other text, and be saved as a run's tokenizer; a
+folder prepared before these were recorded is read with a warning). Hashing runs at ~1.5 GB/s from the page cache
+(~0.4 GB/s from a cold disk) here, so a few hundred MB of tokens cost a fraction of a second on every reuse, a
+tokenizer's few MB a few ms.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import logging
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -40,7 +44,7 @@ from attnlab.config import DataConfig, names_model
 from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove_stale_temporaries, sha256_file
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
 from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.jsonio import loads_json
 from attnlab.paths import cache_dir
 
@@ -50,6 +54,7 @@ FIT_CHARS_PER_TOKEN = 8  # with max_tokens, a fitted tokenizer sees at most 8 * 
 SPLIT_ALIASES = {"valid": "val", "validation": "val"}
 
 log = logging.getLogger(__name__)
+_unchecked_warned: set[Path] = set()  # folders prepared before tokenizer checksums, warned about once per process
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -99,6 +104,7 @@ class Prepared:
         self.meta = meta
         self._tokenizer: Tokenizer | None = None
         self._verified: set[str] = set(meta["splits"]) if verified else set()
+        self._tokenizer_checked = verified
 
     @property
     def vocab_size(self) -> int:
@@ -120,18 +126,48 @@ class Prepared:
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the files were made with, loaded from this folder (no data directory needed)."""
         if self._tokenizer is None:
+            self.verify_tokenizer()
             tokenizer = load_tokenizer(self.meta["tokenizer"]["name"], self.path, download=False)
             if tokenizer.vocab_size != self.vocab_size:
                 raise DataError(
                     f"{self.path / 'meta.json'}: vocab_size is {self.vocab_size}, but the tokenizer files in the "
                     f"folder hold {tokenizer.vocab_size} tokens; {_redo(self.path)}"
                 )
+            if "files" not in self.meta["tokenizer"] and tokenizer.files and self.path not in _unchecked_warned:
+                _unchecked_warned.add(self.path)
+                warnings.warn(f"{self.path}: meta.json records no sha256 of the tokenizer's files (prepared by an "
+                              f"older attnlab): {', '.join(tokenizer.files)} cannot be checked; delete the folder to "
+                              "prepare it again with them", AttnlabWarning, stacklevel=2)  # fmt: skip
             self._tokenizer = tokenizer
         return self._tokenizer
 
+    def verify_tokenizer(self) -> None:
+        """Checks the tokenizer's files against the sha256 meta.json records of them, once (DataError naming the
+        file). A folder prepared before they were recorded is not checked."""
+        if self._tokenizer_checked:
+            return
+        for name, digest in self.meta["tokenizer"].get("files", {}).items():
+            file = self.path / name
+            if not file.exists():
+                raise DataError(f"{file}: missing, but meta.json records its sha256 (the tokenizer's file was removed "
+                                f"after it was prepared); {_redo(self.path)}")  # fmt: skip
+            try:
+                kind = file_kind(file)  # a folder or a FIFO is named rather than read (or waited on)
+                found = None if kind else sha256_file(file)
+            except OSError as e:
+                raise DataError(f"{file}: unreadable ({e.strerror or e}); {_redo(self.path)}") from None
+            if kind is not None:
+                raise DataError(f"{file} is {kind}, not the tokenizer's file meta.json records; {_redo(self.path)}")
+            if found != digest:
+                raise DataError(f"{file}: sha256 differs from meta.json (the tokenizer file was damaged or changed "
+                                f"after it was prepared); {_redo(self.path)}")  # fmt: skip
+        self._tokenizer_checked = True
+
     def verify(self, *names: str) -> None:
         """Checks each split's .bin (all splits by default) against meta.json: its sha256, and that every id is
-        below vocab_size. A split is read once for both, and only the first time (DataError naming the file)."""
+        below vocab_size. A split is read once for both, and only the first time (DataError naming the file). The
+        tokenizer's files are checked too (verify_tokenizer)."""
+        self.verify_tokenizer()
         for name in names or self.splits:
             name = SPLIT_ALIASES.get(name, name)
             if name in self._verified or name not in self.meta["splits"]:
@@ -219,6 +255,14 @@ def _check_meta(path: Path, meta) -> None:
     tokenizer = meta["tokenizer"]
     if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("name"), str):
         raise fail("'tokenizer'", f"is {tokenizer!r} (expected an object with a 'name')")
+    files = tokenizer.get("files", {})  # (absent in a folder prepared before they were recorded)
+    if not isinstance(files, dict):
+        raise fail("'tokenizer.files'", f"is {files!r} (expected an object: file name -> sha256)")
+    for name, sha256 in files.items():
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise fail(f"'tokenizer.files.{name}'", "is not a file name in the folder")
+        if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise fail(f"'tokenizer.files.{name}'", f"is {sha256!r} (expected 64 hex digits)")
     splits = meta["splits"]
     if not isinstance(splits, dict) or not splits:
         raise fail("'splits'", f"is {splits!r} (expected an object: split name -> file, tokens, sha256)")
@@ -241,8 +285,8 @@ def _check_meta(path: Path, meta) -> None:
 
 
 def open_prepared(path: str | Path, verify: bool = False) -> Prepared:
-    """A prepared folder, after checking meta.json and each .bin's size; each .bin's sha256 and id range are
-    checked when its split is first read, or now when `verify`."""
+    """A prepared folder, after checking meta.json, each .bin's size and the tokenizer's files' sha256; each .bin's
+    sha256 and id range are checked when its split is first read, or now when `verify`."""
     path = Path(path)
     redo = _redo(path)
     try:
@@ -269,6 +313,7 @@ def open_prepared(path: str | Path, verify: bool = False) -> Prepared:
                 f"({expected:,} bytes): the token file is truncated or corrupt; {redo}"
             )
     prepared = Prepared(path, meta)
+    prepared.verify_tokenizer()  # a few MB at most: now, before a run says it starts
     if verify:
         prepared.verify()
     return prepared
@@ -540,7 +585,12 @@ def _fill(data_cfg: DataConfig, folder: Path, source, data_dir, download, model_
         "split_method": "dataset" if source.own_splits else "hash",
         "source_files": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in source.files],
         "streamed_from": source.streamed_from,
-        "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id},
+        "tokenizer": {
+            "name": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "eot_id": tokenizer.eot_id,
+            "files": {name: sha256_file(folder / name) for name in tokenizer.files},
+        },
         "vocab_size": tokenizer.vocab_size,
         "eot_id": tokenizer.eot_id,
         "dtype": dtype.name,

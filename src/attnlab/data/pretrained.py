@@ -132,6 +132,8 @@ class PretrainedTokenizer(Tokenizer):
         blob = self.tokenizer.to_str() + json.dumps({"eot_id": self.eot_id})
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    files = ("tokenizer.json", "tokenizer_config.json")  # what save writes
+
     def save(self, folder: str | Path) -> None:
         """tokenizer.json and tokenizer_config.json, as a Hugging Face folder holds them (tokenizer_from_folder)."""
         folder = Path(folder)

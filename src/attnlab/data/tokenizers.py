@@ -53,6 +53,7 @@ class Tokenizer:
     name: str
     vocab_size: int
     eot_id: int
+    file: str | None = None  # the one file `save` writes, if any
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -80,6 +81,11 @@ class Tokenizer:
 
     def save(self, folder: str | Path) -> None:
         """Writes what `load_tokenizer(self.name, folder)` needs (nothing for fixed tokenizers)."""
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The names of the files `save` writes (a prepared folder's meta.json records their sha256)."""
+        return (self.file,) if self.file else ()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
