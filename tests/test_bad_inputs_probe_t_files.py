@@ -1,10 +1,13 @@
 """Probe T's files trusted without a check, fixed in session T: a prepared folder's vocab.json (or any tokenizer file)
 changed after it was prepared was used as it stood, and saved as the run's tokenizer beside ids made with the other
-one (t1). It is now refused in one line naming the file."""
+one (t1); an interrupted run's damaged config.json, config.yaml or tokenizer/ file was written over with no word when
+it resumed, where a finished run's damaged config.json is refused (t2). Each is now refused in one line naming the
+file."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -112,3 +115,113 @@ def test_a_meta_json_with_a_malformed_tokenizer_files_record_is_named(tmp_path, 
     (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match=rf"meta.json: 'tokenizer.files.*; delete {folder} to prepare it again"):
         open_prepared(folder)
+
+
+# ----------------------------------------------------------------------------- t2: an interrupted run's files
+
+
+class Stop(Exception):
+    """Stands for a run killed right after a checkpoint was written."""
+
+
+def interrupted_run(tmp_path: Path, monkeypatch) -> tuple[list[str], Path]:
+    """(the argv that resumes it, the run's folder) of a run stopped after its first checkpoint (step 2 of 4)."""
+    from attnlab.train import loop
+
+    path, out = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN), tmp_path / "out"
+    argv = ["run", str(path), "--out", str(out), "--no-progress"]
+    save = loop.save_checkpoint
+
+    def save_then_stop(*args, **kwargs):
+        save(*args, **kwargs)
+        raise Stop
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "save_checkpoint", save_then_stop)
+        with pytest.raises(Stop):
+            main(argv)
+    return argv, out / "m" / "base" / "seed0"
+
+
+def flip_a_byte(path: Path, at: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
+def damage_json(path: Path) -> str:
+    flip_a_byte(path)  # "{" becomes "[": no longer JSON
+    return "unreadable ("
+
+
+def change_json(path: Path) -> str:
+    text = path.read_text()
+    path.write_text(text.replace('"lr": 0.001', '"lr": 0.002'))  # a flipped digit: JSON still, another config
+    return "train.lr: saved 0.002, now 0.001"
+
+
+def damage_yaml(path: Path) -> str:
+    path.write_text("garbage: [\n")
+    return "not valid YAML"
+
+
+def change_yaml(path: Path) -> str:
+    path.write_text(path.read_text().replace("lr: 0.001", "lr: 0.002"))
+    return "train.lr: saved 0.002, now 0.001"
+
+
+@pytest.mark.parametrize(
+    "name, damage",
+    [("config.json", damage_json), ("config.json", change_json), ("config.yaml", damage_yaml),
+     ("config.yaml", change_yaml)],
+    ids=["json-damaged", "json-changed", "yaml-damaged", "yaml-changed"],
+)  # fmt: skip
+def test_a_damaged_config_of_an_interrupted_run_is_refused_not_rewritten(tmp_path, capsys, monkeypatch, name, damage):
+    """t2: was exit 0, the file rewritten from the config with no word (a finished run's is refused)."""
+    argv, folder = interrupted_run(tmp_path, monkeypatch)
+    path = folder / name
+    said = damage(path)
+    damaged, metrics = path.read_bytes(), (folder / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    fails(capsys, argv, str(path), said, "delete it alone and run again: the run resumes from its last checkpoint "
+          "(step 2) and writes it again from that checkpoint's config")  # fmt: skip
+    assert path.read_bytes() == damaged and (folder / "metrics.jsonl").read_bytes() == metrics
+    dry = ["run", argv[1], "--out", argv[3], "--dry-run"]
+    assert main(dry) == 2
+    assert f"would be refused: {path}" in capsys.readouterr().out
+    path.unlink()
+    assert main(argv) == 0
+    assert json.loads((folder / "summary.json").read_text())["steps"] == 4
+    assert path.exists()
+
+
+def test_a_damaged_config_of_a_finished_run_is_refused(tmp_path, capsys):
+    path = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN)
+    argv = ["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(argv) == 0
+    config = tmp_path / "out" / "m" / "base" / "seed0" / "config.json"
+    damage_json(config)
+    capsys.readouterr()
+    fails(capsys, argv, str(config))
+
+
+def test_a_damaged_tokenizer_file_of_an_interrupted_run_is_refused_not_rewritten(tmp_path, capsys, monkeypatch):
+    """t2: the run's tokenizer/vocab.json was saved over from the prepared folder with no word."""
+    argv, folder = interrupted_run(tmp_path, monkeypatch)
+    vocab = folder / "tokenizer" / "vocab.json"
+    swap_tokens(vocab)
+    damaged = vocab.read_bytes()
+    capsys.readouterr()
+    fails(capsys, argv, f"{vocab}: not the file the run was trained with", "delete it alone and run again: the run "
+          "resumes from its last checkpoint (step 2) and writes it again from the prepared data")  # fmt: skip
+    assert vocab.read_bytes() == damaged
+    vocab.unlink()
+    assert main(argv) == 0
+    assert vocab.exists()
+
+
+def test_an_interrupted_run_resumes_with_its_files_as_written(tmp_path, capsys, monkeypatch):
+    argv, folder = interrupted_run(tmp_path, monkeypatch)
+    os.utime(folder / "config.json")
+    assert main(argv) == 0
+    assert json.loads((folder / "summary.json").read_text())["steps"] == 4

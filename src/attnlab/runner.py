@@ -49,6 +49,7 @@ from attnlab.train.resume import (
     config_differences,
     data_change,
     data_fingerprint,
+    resumed_files_problem,
     source_file_change,
     step_problem,
 )
@@ -248,6 +249,9 @@ def dry_run_status(
                 return f"would be refused: checkpoint {checkpoint.path} is from another config: {differences[0]}{more}"
             check = _data_problem(spec.data, meta, data_dir, run_dir)
             problem = check(checkpoint.trainer) if check is not None else None
+            problem = problem or (
+                resumed_files_problem(run_dir, checkpoint, config, yaml_copy=True) if config else None
+            )
             if problem:
                 return f"would be refused: {problem}"
             return f"would resume from step {checkpoint.step} of {spec.train.steps} in {run_dir}"
@@ -443,6 +447,9 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
                 checkpoint = find_checkpoint(run_dir) if resume else None
                 if checkpoint is not None:  # before anything is written or said: a refusal leaves the folder as it was
                     check_resume(checkpoint, config, spec.data.source, prepared)
+                    problem = resumed_files_problem(run_dir, checkpoint, config, yaml_copy=True)
+                    if problem:
+                        raise DataError(problem)
                 resuming = f" (resuming from step {checkpoint.step})" if checkpoint is not None else ""
                 log(f"{label}: training {spec.train.steps} steps ({model_cfg.attention.kind}) into {run_dir}"
                     f"{resuming}")  # fmt: skip

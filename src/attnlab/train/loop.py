@@ -19,7 +19,7 @@ from attnlab.config_checks import value_problem
 from attnlab.data import BatchSampler
 from attnlab.data.files import atomic_write_text
 from attnlab.data.tokenizers import tokenizer_record
-from attnlab.errors import ConfigError, DivergedError, InputError
+from attnlab.errors import ConfigError, DataError, DivergedError, InputError
 from attnlab.model.transformer import build_model
 from attnlab.train.budget import batch_memory_problem, positions_memory_problem
 from attnlab.train.checkpoint import (
@@ -49,7 +49,7 @@ from attnlab.train.fsdp import (
 )
 from attnlab.train.logging import MetricsLog
 from attnlab.train.optim import build_optimizer, freeze, lr_at
-from attnlab.train.resume import check_resume, data_fingerprint
+from attnlab.train.resume import check_resume, data_fingerprint, resumed_files_problem
 from attnlab.train.warm_start import misfits as weight_misfits
 
 
@@ -196,6 +196,9 @@ def train(
     checkpoint = find_checkpoint(run_dir) if resume else None
     if checkpoint is not None:
         check_resume(checkpoint, config, data_cfg.source, prepared)  # the same config, the same data
+        problem = resumed_files_problem(run_dir, checkpoint, config, yaml_copy="config.yaml" in (run_files or {}))
+        if problem:  # the files written again below: a damaged one is named, not silently replaced
+            raise DataError(problem)
         # Every file is checked (sha256) before it is used; a refusal leaves the run folder as it was.
         load_weights(model, checkpoint)  # into the whole model, before it is sharded
         state.update(resumed_state(checkpoint, sampler))

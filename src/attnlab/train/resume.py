@@ -5,13 +5,19 @@ prepared split (meta.json's) and of the source files they were made from. A run 
 file edited between an interruption and the resume) is refused with one line naming the data and what changed,
 instead of continuing silently on other tokens. Checkpoints written before the record existed still resume (a
 change of the training split's size is still caught, from the sampler's token count).
+
+The run's own copies of what its checkpoint holds (config.json, the runner's config.yaml, the tokenizer/ folder's
+files) are written again when it resumes; one that is damaged or says something else than the checkpoint is refused
+first, naming it (resumed_files_problem), as a finished run's damaged config.json is: a damaged file is never
+silently replaced, and deleting it alone lets the run write it again.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from attnlab.data.files import sha256_file
+from attnlab.config_io import read_yaml
+from attnlab.data.files import file_kind, read_json_object, sha256_file
 from attnlab.errors import ConfigError, DataError
 from attnlab.train.checkpoint import CheckpointError
 
@@ -163,3 +169,46 @@ def check_resume(checkpoint, config: dict, source: str, prepared) -> None:
         )
     if problem:
         raise DataError(problem)
+
+
+def resumed_files_problem(run_dir: Path, checkpoint, config: dict, yaml_copy: bool = False) -> str | None:
+    """The line refusing to resume `checkpoint` (of run_dir, already checked against `config` by check_resume) over a
+    run file it would write again that is damaged or says otherwise: config.json (and config.yaml with yaml_copy)
+    unreadable or of another config, a tokenizer/ file other than the one the checkpoint records; None when each is
+    as the run wrote it, or missing (written again)."""
+    again = f"delete it alone and run again: the run resumes from its last checkpoint (step {checkpoint.step}) and "
+    fix = again + "writes it again from that checkpoint's config"
+    copies = [(run_dir / "config.json", "JSON")] + ([(run_dir / "config.yaml", "YAML")] if yaml_copy else [])
+    for path, kind in copies:
+        if not path.exists() and not path.is_symlink():
+            continue
+        try:
+            saved = read_json_object(path) if kind == "JSON" else read_yaml(path)
+        except (ConfigError, DataError) as e:
+            detail = " ".join(str(e).split())
+            return f"{detail if detail.startswith(str(path)) else f'{path}: {detail}'}: it was damaged; {fix}"
+        if not isinstance(saved, dict):
+            return f"{path}: not a {kind} mapping (it was damaged or changed); {fix}"
+        differences = config_differences(saved, config, saved_as="saved")
+        if differences:
+            more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
+            return (f"{path}: says another config than the run's checkpoint {checkpoint.path} ({differences[0]}"
+                    f"{more}): it was edited or damaged; {fix}")  # fmt: skip
+    record = checkpoint.trainer.get("tokenizer")
+    files = record.get("files") if isinstance(record, dict) else None
+    for name, digest in files.items() if isinstance(files, dict) else ():
+        path = run_dir / "tokenizer" / str(name)
+        if not path.exists() or Path(str(name)).name != name:
+            continue
+        fix = again + "writes it again from the prepared data"
+        try:
+            kind = file_kind(path)
+            found = None if kind else sha256_file(path)
+        except OSError as e:
+            return f"{path}: unreadable ({e.strerror or e}); {fix}"
+        if kind:
+            return f"{path} is {kind}, not the tokenizer file the run's checkpoint records; {fix}"
+        if found != digest:
+            return (f"{path}: not the file the run was trained with (sha256 {str(found)[:12]}..., its checkpoint "
+                    f"records {str(digest)[:12]}...); {fix}")  # fmt: skip
+    return None
