@@ -323,7 +323,10 @@ def test_validate_with_a_data_dir_checks_the_local_data_files(tmp_path, capsys):
     manifest = write_small_manifest(tmp_path, "missing.txt")
     assert main(["validate", manifest, "--data-dir", str(tmp_path / "data")]) == 2
     assert "missing.txt" in capsys.readouterr().err
-    (tmp_path / "data" / "missing.txt").write_text("a cat\n")
+    (tmp_path / "data" / "missing.txt").write_text("a cat\n")  # one document: the run finds its val split empty
+    assert main(["validate", manifest, "--data-dir", str(tmp_path / "data")]) == 2
+    assert "no document fell in the" in capsys.readouterr().err
+    (tmp_path / "data" / "missing.txt").write_text("\n\n".join(f"a cat number {i}" for i in range(400)))
     assert main(["validate", manifest, "--data-dir", str(tmp_path / "data")]) == 0
 
 
