@@ -6,6 +6,7 @@ changed by hand into values the store never writes (tokens -5, created 'garbage'
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,49 @@ def test_m1_a_run_with_a_memory_still_reads_back(window_run, tmp_path, capsys):
     assert main(argv) == 0  # (the source's memory kept, as saved)
     assert main(["info", str(out)]) == 0
     capsys.readouterr()
+
+
+# ----------------------------------------------------------------------------- m2: a damaged row in `memory ls`
+
+
+@pytest.fixture(scope="module")
+def bounded_run(tmp_path_factory) -> Path:
+    memory = {"kind": "bounded", "recent_window": 8, "exact_slots": 4, "summary_slots": 4}
+    return train_tiny_run(tmp_path_factory.mktemp("bounded"), {**PROBE_MODEL, "memory": memory}, steps=2)
+
+
+@pytest.mark.parametrize(
+    "change, shown",
+    [
+        ("tokens = -5, created = 'garbage'", "tokens=-5 (below 0), created='garbage' (not an ISO 8601 time)"),
+        ("bytes = -1", "bytes=-1 (below 0)"),
+        ("tokens = 'many'", "tokens='many'"),
+        ("documents = '{\"a\": 1}'", "documents (not a JSON list)"),
+    ],
+)
+def test_m2_ls_marks_a_damaged_row_and_rm_removes_it(bounded_run, tmp_path, capsys, monkeypatch, change, shown):
+    monkeypatch.setenv("ATTNLAB_OFFLINE", "1")
+    doc, store = tmp_path / "doc.txt", tmp_path / "store"
+    doc.write_text("the cat sat on the mat " * 20)
+    ingest = ["memory", "ingest", str(bounded_run), str(doc), "--store", str(store), "--no-progress"]
+    assert main([*ingest, "--name", "notes"]) == 0 and main([*ingest, "--name", "other"]) == 0
+    with sqlite3.connect(store / "index.sqlite") as index:  # what a hand edit does
+        index.execute(f"UPDATE states SET {change} WHERE name = 'notes'")
+    capsys.readouterr()
+    assert main(["memory", "ls", "--store", str(store)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    damaged = next(line for line in lines if line.startswith("notes "))
+    assert damaged.split(" (")[0].split() == ["notes", "?", "?", "?", "?"]  # its values are not listed as the state's
+    assert f"(its row was changed by hand into values the store never writes: {shown}; `attnlab memory rm notes`)" in (
+        damaged
+    ), damaged
+    other = next(line for line in lines if line.startswith("other "))
+    assert "460" in other and "(" not in other  # the intact row as before
+    fails(capsys, ["memory", "query", "notes", "the", "--store", str(store)], "the row of memory 'notes' is damaged",
+          shown, "`attnlab memory rm notes` it")  # fmt: skip
+    files = sorted((store / "states").iterdir())
+    assert main(["memory", "rm", "notes", "--store", str(store)]) == 0  # what ls and query say to do
+    assert "removed notes (states/notes-" in capsys.readouterr().out
+    assert len(list((store / "states").iterdir())) == len(files) - 1  # its state file went with it
+    assert main(["memory", "ls", "--store", str(store)]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["name", "other"]
