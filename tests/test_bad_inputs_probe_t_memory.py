@@ -1,7 +1,8 @@
 """Probe T's findings on memories: an option of another memory kind written at its default value (sink_tokens: 4
 under window, bounded or h2o; tau_gate: 0.5 under window) was accepted and stored in the config, doing nothing, in a
 YAML file, --set, `info --memory`, `convert --memory` and model_config_from_dict (m1); `memory ls` listed a row
-changed by hand into values the store never writes (tokens -5, created 'garbage') as if intact (m2)."""
+changed by hand into values the store never writes (tokens -5, created 'garbage') as if intact (m2); the memory
+subcommands' errors began `attnlab memory: error:`, where argparse's own say `attnlab memory query: error:` (m3)."""
 
 from __future__ import annotations
 
@@ -187,3 +188,15 @@ def test_m2_ls_marks_a_damaged_row_and_rm_removes_it(bounded_run, tmp_path, caps
     assert len(list((store / "states").iterdir())) == len(files) - 1  # its state file went with it
     assert main(["memory", "ls", "--store", str(store)]) == 0
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["name", "other"]
+
+
+# ----------------------------------------------------------------------------- m3: the subcommand in the line
+
+
+@pytest.mark.parametrize("verb", ["rm", "query"])
+def test_m3_a_memory_subcommands_error_line_names_it(tmp_path, capsys, verb):
+    argv = ["memory", verb, "nothing", *(["the cat"] if verb == "query" else []), "--store", str(tmp_path / "s")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    said = f"no memory named 'nothing' in {tmp_path / 's'} (`attnlab memory ls` lists them)"
+    assert err == f"attnlab memory {verb}: error: {said}\n", err
