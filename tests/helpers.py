@@ -113,7 +113,8 @@ def fails(capsys, argv, *fragments) -> str:
     from attnlab.cli import main
 
     assert main(argv) == 2
-    return error_line(capsys, argv[0], *fragments)
+    verb = argv[0] == "memory" and len(argv) > 1 and argv[1] in ("ingest", "ls", "rm", "query")
+    return error_line(capsys, " ".join(argv[:2]) if verb else argv[0], *fragments)  # `attnlab memory ingest`
 
 
 def error_line(capsys, command: str, *fragments) -> str:

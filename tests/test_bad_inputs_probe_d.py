@@ -182,7 +182,7 @@ def test_a_memory_ingest_past_a_file_size_limit_names_the_file(memory_run, tmp_p
     store.mkdir()
     argv = ["memory", "ingest", str(memory_run), str(doc), "--name", "m", "--store", str(store)]
     assert run_limited(file_size_limit, 2_000, argv) == 2  # the index cannot grow
-    error_line(capsys, "memory", "index.sqlite", "file size limit", "ulimit -f")
+    error_line(capsys, "memory ingest", "index.sqlite", "file size limit", "ulimit -f")
     from attnlab.cli import main
 
     assert main(argv) == 0  # the store is intact, and its index holds the state
@@ -191,7 +191,7 @@ def test_a_memory_ingest_past_a_file_size_limit_names_the_file(memory_run, tmp_p
     assert state.stat().st_size > 3_000
     argv[argv.index("m")] = "m2"
     assert run_limited(file_size_limit, 3_000, argv) == 2  # the state file cannot be written
-    error_line(capsys, "memory", "file too large")
+    error_line(capsys, "memory ingest", "file too large")
     assert not any(p.name.endswith(".tmp") for p in store.rglob("*"))
 
 

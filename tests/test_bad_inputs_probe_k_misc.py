@@ -99,16 +99,16 @@ def test_a_truncated_memory_state_says_to_re_ingest_or_remove_it(memory_run, tmp
     query = ["memory", "query", "doc", "the", "--store", str(store), "--max-new-tokens", "2"]
     line = fails(capsys, query)
     assert re.fullmatch(
-        rf"attnlab memory: error: {re.escape(str(state))}: not a readable memory state \(truncated or damaged: .+\); "
-        r"re-ingest memory 'doc' \(attnlab memory ingest MODEL DOCS --name doc --replace\) or remove it "
+        rf"attnlab memory query: error: {re.escape(str(state))}: not a readable memory state \(truncated or damaged: "
+        r".+\); re-ingest memory 'doc' \(attnlab memory ingest MODEL DOCS --name doc --replace\) or remove it "
         r"\(attnlab memory rm doc\)",
         line,
     ), line
     # A state changed in place (its checksum) says the same way out, once.
     state.write_bytes(written[:-1] + bytes([written[-1] ^ 1]))
     assert fails(capsys, query) == (
-        f"attnlab memory: error: {state}: checksum mismatch: the memory state was modified or damaged after it was "
-        "written; re-ingest memory 'doc' (attnlab memory ingest MODEL DOCS --name doc --replace) or remove it "
+        f"attnlab memory query: error: {state}: checksum mismatch: the memory state was modified or damaged after it "
+        "was written; re-ingest memory 'doc' (attnlab memory ingest MODEL DOCS --name doc --replace) or remove it "
         "(attnlab memory rm doc)"
     )
     assert main(["memory", "rm", "doc", "--store", str(store)]) == 0

@@ -137,7 +137,7 @@ def test_memory_query_refuses_a_bad_sampling_flag_in_one_line(capsys, memory_sto
     before = snapshot(store, model)
     code, out, err = cli_run(capsys, ["memory", "query", "notes", "the", "--store", str(store), *flags])
     assert code == 2 and out == ""
-    assert_one_error_line(err, "memory", message)
+    assert_one_error_line(err, "memory query", message)
     assert snapshot(store, model) == before
 
 
@@ -441,7 +441,7 @@ def test_an_empty_prompt_is_called_empty(capsys, run, memory_store):
         err == "attnlab generate: error: prompt is empty: give at least one token (text to continue, or a BOS token)\n"
     )
     code, _, err = cli_run(capsys, ["memory", "query", "notes", "", "--store", str(memory_store[0])])
-    assert code == 2 and err.startswith("attnlab memory: error: prompt is empty:") and len(err.splitlines()) == 1
+    assert code == 2 and err.startswith("attnlab memory query: error: prompt is empty:") and len(err.splitlines()) == 1
 
 
 def test_zero_new_tokens_is_an_empty_answer(model):

@@ -229,7 +229,7 @@ def test_cli_ingest_ls_query_rm(tmp_path, run, capsys):
     assert index_rows(store) == rows and (store / "index.sqlite").read_bytes() == index
 
     assert main(["memory", "ingest", str(run), str(first), "--name", "notes", "--store", str(store)]) == 2
-    exists = f"attnlab memory: error: a memory named 'notes' exists in {store} (pass --replace)"
+    exists = f"attnlab memory ingest: error: a memory named 'notes' exists in {store} (pass --replace)"
     assert capsys.readouterr().err == exists + "\n"
     assert state.read_bytes() == before and index_rows(store) == rows
     assert main(["memory", "ingest", str(run), str(first), "--name", "notes", "--replace", "--store", str(store)]) == 0

@@ -527,9 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     exit code 2; any other exception is a bug and keeps its traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The command the lines name: `attnlab memory ingest`, as argparse's own errors name a subcommand's.
+    command = args.command if getattr(args, "verb", None) is None else f"{args.command} {args.verb}"
     with warnings.catch_warnings(), escaped_stdout():  # restores showwarning, the filters and stdout on the way out
         warnings.simplefilter("always", LengthWarning)  # every cut request said, not only the first
-        warnings.showwarning = warning_printer(args.command, warnings.showwarning)
+        warnings.showwarning = warning_printer(command, warnings.showwarning)
         try:
             for dest in PATH_OPTIONS:  # an empty path ('' from an unset shell variable) names no file or folder
                 if getattr(args, dest, None) == "":
@@ -542,9 +544,9 @@ def main(argv: list[str] | None = None) -> int:
         except AttnlabError as e:
             if echoed_by_rank0(e):
                 return 2
-            return fail(args.command, str(e))
+            return fail(command, str(e))
         except KeyboardInterrupt:  # Ctrl-C: one line (a run resumes from its last checkpoint), exit code 130
-            return interrupted(args.command)
+            return interrupted(command)
         except BrokenPipeError:  # output piped into `head` and the like
             sys.stderr.close()
             return 0
@@ -552,21 +554,21 @@ def main(argv: list[str] | None = None) -> int:
             line = os_error_line(e, args)
             if line is None:
                 raise
-            return fail(args.command, line)
+            return fail(command, line)
         except RecursionError as e:  # a file nested too deeply for the json module (a reader that does not say so)
-            line = too_deep_line(e, args.command)
+            line = too_deep_line(e, command)
             if line is None:
                 raise
-            return fail(args.command, line)
+            return fail(command, line)
         except RuntimeError as e:  # under torchrun: another process stopped (said in its own line) or was killed
             line = peer_lost_line(e)
             if line is None:
                 raise
-            return fail(args.command, line)
+            return fail(command, line)
         except MemoryError:  # numpy's and the allocator's out-of-memory: the sizes asked for, not a bug
             advice = ("lower train.batch_size, seq_len, the model's size or max tokens" if args.command == "run" else
                       "smaller inputs: the text, --seq-len, --tokens or the batch")  # fmt: skip
-            return fail(args.command, f"out of memory: the sizes asked for do not fit this machine ({advice})")
+            return fail(command, f"out of memory: the sizes asked for do not fit this machine ({advice})")
 
 
 if __name__ == "__main__":

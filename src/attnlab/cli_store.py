@@ -21,17 +21,26 @@ def cmd_memory_ingest(args) -> int:
 
 
 def cmd_memory_ls(args) -> int:
+    """Every row of the index; one changed by hand (a damaged value, a file outside the store, a file gone) is marked
+    with what is wrong and the `rm` that clears it, as the rest are listed (the other commands refuse it)."""
     store = MemoryStore(args.store, create=False)
-    entries = store.entries()
-    if not entries:
+    listed = store.rows()
+    if not listed:
         print(f"no memories in {store.root}")
         return 0
     rows = [("name", "tokens", "bytes", "model hash", "created")]
-    rows += [(e.name, f"{e.tokens:,}", f"{e.bytes:,}", e.config_hash, e.created) for e in entries]
+    for name, e, _ in listed:  # (a damaged row's values are not shown: they are not what its state holds)
+        rows.append(
+            (e.name, f"{e.tokens:,}", f"{e.bytes:,}", e.config_hash, e.created) if e else (str(name), *("?",) * 4)
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    for row, entry in zip(rows, [None, *entries], strict=True):  # numbers right-aligned
+    for row, listing in zip(rows, [None, *listed], strict=True):  # numbers right-aligned
         cells = [row[i].rjust(w) if i in (1, 2) else row[i].ljust(w) for i, w in enumerate(widths)]
-        if entry is not None and not store.holds(entry):  # (a row changed by hand)
+        name, entry, problem = listing or (None, None, None)
+        if problem:
+            cells.append(f"(its row was changed by hand into values the store never writes: {problem}; `attnlab "
+                         f"memory rm {name}`)")  # fmt: skip
+        elif entry is not None and not store.holds(entry):  # (a row changed by hand)
             cells.append(f"(its row names {entry.file}, not a state file of the store: `attnlab memory rm "
                          f"{entry.name}`)")  # fmt: skip
         elif entry is not None and not (store.root / entry.file).is_file():
@@ -41,9 +50,11 @@ def cmd_memory_ls(args) -> int:
 
 
 def cmd_memory_rm(args) -> int:
-    entry = MemoryStore(args.store, create=False).remove(args.name)
-    kept = "" if MemoryStore.holds(entry) else ", a file outside the store: left where it is"
-    print(f"removed {entry.name} ({entry.file}{kept})")
+    name, file = MemoryStore(args.store, create=False).remove(args.name)
+    kept = (
+        "" if isinstance(file, str) and MemoryStore.holds_file(file) else ", a file outside the store: left where it is"
+    )
+    print(f"removed {name} ({file}{kept})")
     return 0
 
 

@@ -16,14 +16,24 @@ import yaml
 from attnlab.attention.registry import parse_attention
 from attnlab.config import MemoryConfig, ModelConfig, RopeScaling
 from attnlab.config_checks import build_collecting, dataclass_kwargs
+from attnlab.config_memory import misplaced_options, misplaced_problem
 from attnlab.data.files import unreachable
 from attnlab.errors import ConfigError
 from attnlab.jsonio import MAX_INT_BITS, MAX_INT_DIGITS, too_many_digits
 from attnlab.paths import brief
 
 
-def memory_from_dict(data: Any, problems: list[str]) -> MemoryConfig | None:
-    kwargs = dataclass_kwargs(MemoryConfig, data if data is not None else {}, "memory.", problems)
+def memory_from_dict(data: Any, problems: list[str], saved: bool = False) -> MemoryConfig | None:
+    """The `memory:` section; problems are appended. An option of another kind than its memory.kind is refused
+    whatever its value (it would do nothing); `saved`: the section is MemoryConfig.to_dict's (a run's, a
+    checkpoint's or a conversion's config), which holds the first options' defaults under every kind (for its
+    hash), so only one away from its default is refused."""
+    data = data if data is not None else {}
+    if isinstance(data, dict) and not saved:
+        misplaced = misplaced_options(data)
+        problems += [misplaced_problem(key, data.get("kind", "none")) for key in misplaced]
+        data = {key: value for key, value in data.items() if key not in misplaced}
+    kwargs = dataclass_kwargs(MemoryConfig, data, "memory.", problems)
     return None if problems else build_collecting(MemoryConfig, kwargs, problems)
 
 
@@ -35,14 +45,15 @@ def rope_scaling_from_dict(data: Any, problems: list[str]) -> RopeScaling | None
     return None if problems else build_collecting(RopeScaling, kwargs, problems)
 
 
-def model_config_from_dict(data: Any, source: str | None = None) -> ModelConfig:
-    """Builds a validated ModelConfig from plain data; raises one ConfigError listing every problem."""
+def model_config_from_dict(data: Any, source: str | None = None, saved: bool = False) -> ModelConfig:
+    """Builds a validated ModelConfig from plain data; raises one ConfigError listing every problem. `saved`: the
+    data is ModelConfig.to_dict's (read back from a run, a checkpoint, a conversion; memory_from_dict)."""
     problems: list[str] = []
     if isinstance(data, dict) and set(data) == {"model"}:
         data = data["model"]
     kwargs = dataclass_kwargs(ModelConfig, data, "", problems, skip=("attention", "memory", "rope_scaling"))
     attention = parse_attention(data.get("attention", {}) if isinstance(data, dict) else {}, problems)
-    memory = memory_from_dict(data.get("memory", {}) if isinstance(data, dict) else {}, problems)
+    memory = memory_from_dict(data.get("memory", {}) if isinstance(data, dict) else {}, problems, saved)
     rope_scaling = rope_scaling_from_dict(data.get("rope_scaling") if isinstance(data, dict) else None, problems)
     if problems:
         raise ConfigError(problems, source=source)

@@ -53,6 +53,13 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
+def misplaced_problem(key: str, kind: str) -> str:
+    """The line refusing memory option `key` under memory.kind `kind`, whose option it is not (MEMORY_OPTIONS)."""
+    owners = [k for k, options in MEMORY_OPTIONS.items() if key in options]
+    return (f"memory.{key} belongs to memory.kind {' or '.join(owners)}, not {kind} "
+            f"(remove it, or set memory.kind: {owners[0]})")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class MemoryConfig:
     """A KV memory of fixed size per layer instead of a cache that grows with the sequence (cache/memories.py).
@@ -69,8 +76,9 @@ class MemoryConfig:
     cache/presses.py): each KV head keeps the `budget` tokens (or 1 - `compression_ratio` of them) that score best:
     SnapKV's pooled attention from the last `window_size` queries, TOVA's attention from the newest query, the
     smallest key norms; `press_at` prefill compresses once, after the first chunk (kvpress's setting), decode
-    after every update that leaves more than the budget. An option of another kind
-    (MEMORY_OPTIONS) set away from its default is an error: it would do nothing but change the config's hash.
+    after every update that leaves more than the budget. An option of another kind (MEMORY_OPTIONS) set away from
+    its default is an error: it would do nothing but change the config's hash (one written at all in a memory
+    section read by config_io.memory_from_dict is refused too; a saved config carries their defaults).
 
     The bounded memory's options that differ between the paper's text and the authors' code (cache/banks.py):
 
@@ -155,11 +163,7 @@ class MemoryConfig:
             for f in dataclasses.fields(self):
                 default = MEMORY_PRESETS["attnlab"].get(f.name, f.default)
                 if f.name != "kind" and f.name not in MEMORY_OPTIONS[self.kind] and getattr(self, f.name) != default:
-                    owners = [k for k, options in MEMORY_OPTIONS.items() if f.name in options]
-                    problems.append(
-                        f"memory.{f.name} belongs to memory.kind {' or '.join(owners)}, not {self.kind} "
-                        f"(remove it, or set memory.kind: {owners[0]})"
-                    )
+                    problems.append(misplaced_problem(f.name, self.kind))
         if self.recent_window < 1:
             problems.append(f"memory.recent_window={self.recent_window} must be >= 1")
         for key in ("sink_tokens", "heavy_slots", "exact_slots", "summary_slots"):
@@ -307,3 +311,14 @@ class MemoryConfig:
             if out[key] == default:
                 del out[key]
         return out
+
+
+def misplaced_options(data: dict) -> list[str]:
+    """The options of another kind than data's memory.kind that a memory section written by hand names, whatever
+    their values: each would do nothing. (A saved config, MemoryConfig.to_dict, carries the first options' defaults
+    under every kind, kept for its hash: it is read without this check.)"""
+    kind = data.get("kind", "none")
+    if not isinstance(kind, str) or kind not in MEMORY_KINDS:
+        return []  # said by MemoryConfig
+    names = {f.name for f in dataclasses.fields(MemoryConfig)}
+    return [key for key in data if key in names and key != "kind" and key not in MEMORY_OPTIONS[kind]]

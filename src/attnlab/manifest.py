@@ -146,11 +146,14 @@ def placeholder_vocab(tokenizer: str) -> int:
     return PLACEHOLDER_VOCAB.get(tokenizer, 256)
 
 
+KIND_DEFAULTS = {"attention": "mha", "memory": "none"}  # the sections whose options depend on their kind
+
+
 def deep_merge(base: dict, override: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in override.items():
-        if key == "attention" and isinstance(value, dict) and isinstance(out.get(key), dict):
-            if value.get("kind", out[key].get("kind")) != out[key].get("kind", "mha"):
+        if key in KIND_DEFAULTS and isinstance(value, dict) and isinstance(out.get(key), dict):
+            if value.get("kind", out[key].get("kind")) != out[key].get("kind", KIND_DEFAULTS[key]):
                 out[key] = copy.deepcopy(value)  # another kind: the default's options do not apply
                 continue
         if isinstance(value, dict) and isinstance(out.get(key), dict):

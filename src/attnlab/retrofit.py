@@ -277,7 +277,7 @@ def run_config(spec: RunSpec, converted: Path) -> ModelConfig:
     data = model_config_of(converted).to_dict()
     if memory is not None:
         data["memory"] = memory
-    return model_config_from_dict({**data, **others}, source=f"target {spec.target}")
+    return model_config_from_dict({**data, **others}, source=f"target {spec.target}", saved=memory is None)
 
 
 def _json_normal(value):

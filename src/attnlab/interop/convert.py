@@ -72,7 +72,7 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
         data = source.to_dict()  # a memory alone: the attention stays as it is, weights and all
         if memory is not None:
             data["memory"] = dict(memory)
-        return model_config_from_dict(data, source="convert")
+        return model_config_from_dict(data, source="convert", saved=memory is None)
     attention = dict(attention or {})
     kind = attention.get("kind", source.attention.kind)
     if kind not in TARGET_KINDS:
@@ -92,7 +92,7 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
     data["attention"] = {k: v for k, v in new.items() if v is not None}
     if memory is not None:
         data["memory"] = dict(memory)
-    cfg = model_config_from_dict(data, source="convert")
+    cfg = model_config_from_dict(data, source="convert", saved=memory is None)  # the source's memory: as saved
     window = attention.get("window")
     if kind == "sliding" and isinstance(window, int) and window >= cfg.max_seq_len and cfg.memory.kind == "none":
         raise ConfigError(f"convert: attention.window={window} is not less than the model's max_seq_len="

@@ -182,7 +182,7 @@ def model_config_of(ref: str | Path, data_dir: str | Path | None = None) -> Mode
         config_path = (checkpoint.path if checkpoint else where) / "config.json"
         config = checkpoint.config if checkpoint else read_json(config_path)
         check_run_checkpoint(config_path.parent, config)
-        return model_config_from_dict(config.get("model"), source=str(config_path))
+        return model_config_from_dict(config.get("model"), source=str(config_path), saved=True)
     config_path = where / "config.json"
     return config_from_hf(
         read_json(config_path), source=str(config_path), name=str(ref) if kind == "hub" else where.name

@@ -34,13 +34,15 @@ from attnlab.generate import generate, prefill
 from attnlab.interop.tokenizer import warn_unknown
 from attnlab.jsonio import loads_json
 from attnlab.memory.state import DamagedStateError, MemoryStateError, load_state, require_memory, save_state
-from attnlab.paths import blocking_file, cache_dir, name_problem, nearest_existing
+from attnlab.paths import blocking_file, brief, cache_dir, name_problem, nearest_existing
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS states (
     name TEXT PRIMARY KEY, file TEXT NOT NULL, documents TEXT NOT NULL, tokens INTEGER NOT NULL,
     bytes INTEGER NOT NULL, config_hash TEXT NOT NULL, model_path TEXT NOT NULL, created TEXT NOT NULL,
     state_sha256 TEXT NOT NULL)"""
 COLUMNS = ("name", "file", "documents", "tokens", "bytes", "config_hash", "model_path", "created", "state_sha256")
+COLUMN_TYPES = {"name": str, "file": str, "documents": str, "tokens": int, "bytes": int, "config_hash": str,
+                "model_path": str, "created": str, "state_sha256": str}  # fmt: skip
 
 
 class StoreError(DataError):
@@ -146,21 +148,25 @@ class MemoryStore:
         return (f"not a readable memory index ({error}): it was damaged or replaced; restore it from a copy, or move "
                 f"{self.root} away to start an empty store")  # fmt: skip
 
-    def entries(self) -> list[Entry]:
+    def rows(self) -> list[tuple[object, Entry | None, str | None]]:
+        """Every row of the index, by name: (name, its entry, None), or (name, None, what is wrong) for a row changed
+        by hand into values the store never writes (ls marks it, rm removes it, the rest refuse it)."""
         if not self.index.exists():
             return []
-        rows = self._run(f"SELECT {', '.join(COLUMNS)} FROM states ORDER BY name")
+        out = []
+        for row in self._run(f"SELECT {', '.join(COLUMNS)} FROM states ORDER BY name"):
+            problem = row_problem(row)
+            out.append((row[0], None, problem) if problem else (row[0], Entry(row[0], row[1], loads_json(row[2]),
+                                                                                *row[3:]), None))  # fmt: skip
+        return out
+
+    def entries(self) -> list[Entry]:
         entries = []
-        types = (str, str, list, int, int, str, str, str, str)
-        for row in rows:
-            try:
-                values = (*row[:2], loads_json(row[2]), *row[3:])
-            except (TypeError, ValueError, RecursionError):  # (nested too deeply for the json module)
-                values = ()
-            if len(values) != len(types) or not all(isinstance(v, t) for v, t in zip(values, types, strict=True)):
-                raise StoreError(f"{self.index}: the row of memory {row[0]!r} is damaged (the index was changed by "
-                                 "hand); `attnlab memory rm` it, or restore the index")  # fmt: skip
-            entries.append(Entry(*values))
+        for name, entry, problem in self.rows():
+            if problem:
+                raise StoreError(f"{self.index}: the row of memory {name!r} is damaged ({problem}: the index was "
+                                 f"changed by hand); `attnlab memory rm {name}` it, or restore the index")  # fmt: skip
+            entries.append(entry)
         return entries
 
     def find(self, name: str) -> Entry | None:
@@ -183,7 +189,11 @@ class MemoryStore:
     def holds(entry: Entry) -> bool:
         """Whether the row's file is one the store writes: states/<name>.safetensors, nothing outside the store (a
         row changed by hand could name any file, and `rm` or `--replace` would delete it)."""
-        parts = Path(entry.file).parts
+        return MemoryStore.holds_file(entry.file)
+
+    @staticmethod
+    def holds_file(file: str) -> bool:
+        parts = Path(file).parts
         return len(parts) == 2 and parts[0] == "states" and parts[1].endswith(".safetensors") and parts[1][0] != "."
 
     def put(self, entry: Entry, replace: bool = False) -> None:
@@ -199,13 +209,42 @@ class MemoryStore:
         if old is not None and old.file != entry.file and self.holds(old):  # never a file outside the store
             self.path(old).unlink(missing_ok=True)
 
-    def remove(self, name: str) -> Entry:
-        """Deletes the row of memory `name`, and its state file when that is one of the store's."""
-        entry = self.get(name)
+    def remove(self, name: str) -> tuple[str, object]:
+        """Deletes the row of memory `name`, damaged or not, and its state file when that is one of the store's;
+        (name, the file its row names)."""
+        row = next((row for row in self.rows() if row[0] == name), None)
+        if row is None:
+            raise StoreError(f"no memory named {name!r} in {self.root} (`attnlab memory ls` lists them)")
+        (file,) = self._run("SELECT file FROM states WHERE name = ?", (name,))[0]
         self._run("DELETE FROM states WHERE name = ?", (name,), write=True)
-        if self.holds(entry):
-            self.path(entry).unlink(missing_ok=True)
-        return entry
+        if isinstance(file, str) and self.holds_file(file):
+            (self.root / file).unlink(missing_ok=True)
+        return name, file
+
+
+def row_problem(row: tuple) -> str | None:
+    """What is wrong with a row of the index (its columns, COLUMNS), or None: a value of a type, or a number or
+    time, the store never writes."""
+    values = dict(zip(COLUMNS, row, strict=True))
+    wrong = [f"{c}={brief(v)}" for c, v in values.items() if not isinstance(v, COLUMN_TYPES[c])]
+    try:
+        documents = loads_json(values["documents"]) if isinstance(values["documents"], str) else []
+    except (TypeError, ValueError, RecursionError):  # (nested too deeply for the json module)
+        documents = None
+    if not isinstance(documents, list):
+        wrong.append("documents (not a JSON list)")
+    wrong += [f"{c}={values[c]} (below 0)" for c in ("tokens", "bytes") if isinstance(values[c], int) and values[c] < 0]
+    if isinstance(values["created"], str) and not _is_time(values["created"]):
+        wrong.append(f"created={brief(values['created'])} (not an ISO 8601 time)")
+    return ", ".join(wrong) or None
+
+
+def _is_time(text: str) -> bool:
+    try:
+        datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_name(name: str) -> None:

@@ -581,7 +581,7 @@ def load_checkpoint(path: str | Path, tag: str = "best") -> LoadedCheckpoint:
         trainer = _read_json(folder, TRAINER, recorded) if recorded is not None and TRAINER in recorded else None
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"{config_path}: no model config in it (expected an object with a 'model' key)")
-    cfg = model_config_from_dict(config["model"], source=str(config_path))
+    cfg = model_config_from_dict(config["model"], source=str(config_path), saved=True)
     model = build_model(cfg, init=False)  # load_weights fills every tensor, or refuses the checkpoint
     load_weights(model, folder)
     return LoadedCheckpoint(folder, config, cfg, model.eval(), trainer if isinstance(trainer, dict) else None)
