@@ -225,3 +225,14 @@ def test_an_interrupted_run_resumes_with_its_files_as_written(tmp_path, capsys, 
     os.utime(folder / "config.json")
     assert main(argv) == 0
     assert json.loads((folder / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_checkpoint_write_stopped_short_is_said_without_torch_internals():
+    """torch's writer reports a short write as "[enforce fail at inline_container.cc:N] . unexpected pos A vs B": the
+    line keeps what happened and its likely cause, not the C++ file and line (probe T)."""
+    from attnlab.train.checkpoint import _why
+
+    said = _why(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 118784 vs 118672\nmore"))
+    assert said == "the write stopped short: unexpected pos 118784 vs 118672 (is the disk full, or a file size limit " \
+        "reached?)"  # fmt: skip
+    assert _why(OSError(28, "No space left on device")) == "No space left on device"

@@ -225,7 +225,9 @@ def _why(error: BaseException) -> str:
     if isinstance(error, OSError):
         return str(error.strerror or error)
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return f"{first} (is the disk full, or a file size limit reached?)"
+    # torch's writer says "[enforce fail at inline_container.cc:N] . unexpected pos A vs B": its internals, not ours
+    first = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", first) or type(error).__name__
+    return f"the write stopped short: {first} (is the disk full, or a file size limit reached?)"
 
 
 def _kept(root: Path) -> str:
