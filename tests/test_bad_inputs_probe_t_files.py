@@ -236,3 +236,20 @@ def test_a_checkpoint_write_stopped_short_is_said_without_torch_internals():
     assert said == "the write stopped short: unexpected pos 118784 vs 118672 (is the disk full, or a file size limit " \
         "reached?)"  # fmt: skip
     assert _why(OSError(28, "No space left on device")) == "No space left on device"
+
+
+@pytest.mark.parametrize(
+    "name, text", [("c.json", '{"d_model": 32, "d_model": 64}'), ("c.yaml", "d_model: 32\nd_model: 64\n")]
+)
+def test_a_key_given_twice_is_not_said_as_invalid_yaml(tmp_path, name, text):
+    """A duplicate key is valid YAML and JSON (their loaders keep the last value): attnlab refuses it, naming the key
+    and both lines, without calling the file invalid YAML (a .json file was said to be "not valid YAML") (probe T)."""
+    from attnlab.config_io import load_config
+    from attnlab.errors import ConfigError
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    line = str(caught.value)
+    assert "key 'd_model' is given twice (first at line 1; keep one)" in line and "not valid YAML" not in line, line

@@ -67,6 +67,10 @@ class IntTooLarge(yaml.constructor.ConstructorError):
     """An integer of more digits than Python converts (jsonio.MAX_INT_DIGITS): no setting is anywhere near."""
 
 
+class DuplicateKey(yaml.constructor.ConstructorError):
+    """A mapping key given twice: valid YAML and JSON (whose loaders keep the last), refused here."""
+
+
 class StrictLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML would keep the last silently).
     Keys a merge brings in (`<<: *anchor`) may still be overridden, as YAML intends."""
@@ -80,7 +84,7 @@ class StrictLoader(yaml.SafeLoader):
             if not isinstance(key, Hashable):
                 continue  # SafeLoader's own error ("found unhashable key") follows
             if key in first_line:
-                raise yaml.constructor.ConstructorError(
+                raise DuplicateKey(
                     problem=f"key {brief(key)} is given twice (first at line {first_line[key]}; keep one)",
                     problem_mark=key_node.start_mark,
                 )
@@ -182,6 +186,8 @@ def yaml_problem(e: yaml.YAMLError, text: str = "") -> str:
         character = f"{e.character:#04x}" if isinstance(e.character, int) else repr(e.character)
         return f"not valid YAML at line {line}: {e.reason} (character {character})"
     what = " ".join(str(getattr(e, "problem", None) or e).split())  # one line
+    if isinstance(e, DuplicateKey):  # valid YAML (and JSON) that attnlab refuses: not said as a syntax error
+        return f"{at.strip().removeprefix('at ')}: {what}"
     return f"not valid YAML{at}: {what}"
 
 
