@@ -253,3 +253,20 @@ def test_a_key_given_twice_is_not_said_as_invalid_yaml(tmp_path, name, text):
         load_config(path)
     line = str(caught.value)
     assert "key 'd_model' is given twice (first at line 1; keep one)" in line and "not valid YAML" not in line, line
+
+
+@pytest.mark.parametrize("content", ["", "\n\n   \n\n"])
+def test_an_empty_data_file_is_said_to_be_empty(tmp_path, capsys, content):
+    """An empty text file (or blank lines only) holds no document: said so, not as an empty 'train' split of 0
+    training documents, by the run and by validate (probe T)."""
+    from helpers import fails, probe_manifest
+
+    from attnlab.cli import main
+
+    source = tmp_path / "empty.txt"
+    source.write_text(content)
+    manifest = probe_manifest(tmp_path, source, "{seq_len: 16, batch_size: 2, steps: 1}")
+    said = f"{source}: holds no document (it is empty, or blank lines only): give a file with text"
+    assert fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "runs"), "--no-progress"]).endswith(said)
+    assert main(["validate", str(manifest)]) == 2
+    assert capsys.readouterr().err == f"{manifest}: {said}\n"

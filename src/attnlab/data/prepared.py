@@ -451,6 +451,8 @@ def _encode(source: Source, tokenizer: Tokenizer, writers: dict[str, _SplitWrite
 
 
 def _empty_split(source: Source, split: str, train_documents: int) -> str:
+    if train_documents == 0 and split == "train":  # nothing at all: an empty file (or only blank lines)
+        return f"{source.name}: holds no document (it is empty, or blank lines only): give a file with text"
     return (f"{source.name}: no document fell in the {split!r} split ({train_documents} training documents); use a "
             "larger source, more documents (blank-line separated), or other fractions")  # fmt: skip
 
