@@ -24,7 +24,7 @@ import yaml
 from attnlab.compare import OWN_START, check_outputs, check_run_file
 from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
-from attnlab.data.files import lock_file_problem, read_json_object
+from attnlab.data.files import broken_link, lock_file_problem, read_json_object
 from attnlab.data.pretrained import tokenizer_from_folder
 from attnlab.data.sources import NAMED_SOURCES, local_path
 from attnlab.errors import ConfigError, DataError
@@ -327,6 +327,9 @@ def command_line() -> str:
 
 
 def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume, progress, log, convert_only):
+    link = broken_link(out_root)
+    if link is not None:  # (a loop would end in pathlib's RuntimeError; a dangling link would be written through)
+        raise ConfigError(f"--out {out_root}: {link}: remove the link, or give another --out")
     if Path(out_root).exists() and not Path(out_root).is_dir():
         raise ConfigError(f"--out {out_root}: a file, not a folder (runs are written into a folder)")
     problem = run_folder_problem(out_root)

@@ -34,7 +34,13 @@ class MetricsLog:
         """On resume, rows logged after the checkpoint will be logged again: drop them (atomically)."""
         if not self.path.exists():
             return
-        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            line = self.path.read_bytes()[: e.start].count(b"\n") + 1
+            raise DataError(f"{self.path}: line {line} is not UTF-8 text (the metrics log was damaged); repair or "
+                            "remove that line, or delete the file to start the log afresh") from None  # fmt: skip
+        rows = [line for line in text.splitlines() if line.strip()]
         kept = []
         for number, line in enumerate(rows, 1):
             try:
