@@ -1,6 +1,6 @@
 """Probe U's findings fixed at once: `run --out` a link loop ended in pathlib's RuntimeError (and a dangling link was
 written through) (u1); bytes that are not UTF-8 in an interrupted run's metrics.jsonl ended in a UnicodeDecodeError
-when it resumed (u2)."""
+when it resumed (u2); `memory ls` listed a row whose name was edited into a path as intact (u3)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,26 @@ def test_u2_a_metrics_log_damaged_into_other_bytes_is_named_on_resume(tmp_path, 
     lines = log.read_bytes().count(b"\n")
     assert f"line {lines} is not UTF-8" in line
     assert snapshot(run) == before
+
+
+def test_u3_ls_marks_a_row_whose_name_was_edited_into_a_path(tmp_path, capsys, monkeypatch):
+    """A hand edit that makes a row's name a path ('../evil'), a name ingest never takes, is marked by `memory ls`
+    as the other columns' edits are, not listed as intact (probe U)."""
+    import sqlite3
+
+    from helpers import PROBE_MODEL, train_tiny_run
+
+    monkeypatch.setenv("ATTNLAB_OFFLINE", "1")
+    memory = {"kind": "window", "recent_window": 8}
+    (tmp_path / "run").mkdir()
+    run = train_tiny_run(tmp_path / "run", {**PROBE_MODEL, "memory": memory}, steps=2)
+    doc, store = tmp_path / "doc.txt", tmp_path / "store"
+    doc.write_text("the cat sat on the mat " * 20)
+    ingest = ["memory", "ingest", str(run), str(doc), "--store", str(store), "--no-progress", "--name", "notes"]
+    assert main(ingest) == 0
+    with sqlite3.connect(store / "index.sqlite") as index:
+        index.execute("UPDATE states SET name = '../evil' WHERE name = 'notes'")
+    capsys.readouterr()
+    assert main(["memory", "ls", "--store", str(store)]) == 0
+    listed = capsys.readouterr().out
+    assert "name='../evil' (not a plain name)" in listed and "changed by hand" in listed, listed

@@ -236,6 +236,8 @@ def row_problem(row: tuple) -> str | None:
     wrong += [f"{c}={values[c]} (below 0)" for c in ("tokens", "bytes") if isinstance(values[c], int) and values[c] < 0]
     if isinstance(values["created"], str) and not _is_time(values["created"]):
         wrong.append(f"created={brief(values['created'])} (not an ISO 8601 time)")
+    if isinstance(values["name"], str) and name_problem(values["name"], "name"):  # (ingest takes plain names only)
+        wrong.append(f"name={brief(values['name'])} (not a plain name)")
     return ", ".join(wrong) or None
 
 
