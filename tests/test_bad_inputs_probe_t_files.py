@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers import fails, hat_text, probe_manifest
+from helpers import dry_run, fails, hat_text, probe_manifest
 
 from attnlab.cli import main
 from attnlab.config import DataConfig
@@ -54,8 +54,10 @@ def test_a_prepared_vocab_with_two_tokens_swapped_is_refused(tmp_path, capsys):
     capsys.readouterr()
     out = tmp_path / "second"
     argv = ["run", str(path), "--out", str(out), "--no-progress"]
-    fails(capsys, argv, f"{vocab}: sha256 differs from meta.json (the tokenizer file was damaged or changed after it "
-          f"was prepared); delete {folder} to prepare it again")  # fmt: skip
+    line = fails(capsys, argv, f"{vocab}: sha256 differs from meta.json (the tokenizer file was damaged or changed "
+                 f"after it was prepared); delete {folder} to prepare it again")  # fmt: skip
+    # the dry run opens the prepared folder as the run does (probe U: it said "would train")
+    assert dry_run(capsys, [*argv, "--dry-run"]) == f"[1/1] base seed0: would be refused: {line.split('error: ')[1]}\n"
     assert vocab.read_bytes() == damaged  # named, not replaced
     assert not (out / "m" / "base" / "seed0" / "tokenizer").exists()  # refused before anything is written
     shutil.rmtree(folder)

@@ -12,7 +12,14 @@ from pathlib import Path
 from attnlab.compare import is_run_folder
 from attnlab.config import names_model
 from attnlab.data.files import downloads_allowed
-from attnlab.data.prepared import cache_key, check_source, default_cache_dir, folder_name, folder_problem
+from attnlab.data.prepared import (
+    cache_key,
+    check_source,
+    default_cache_dir,
+    folder_name,
+    folder_problem,
+    open_prepared,
+)
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
 from attnlab.errors import ConfigError, DataError
 from attnlab.interop.convert import LOW_RANK
@@ -165,6 +172,19 @@ def prepared_meta(data, data_dir) -> dict | None:
         return None
     ok = isinstance(meta, dict) and isinstance(meta.get("splits"), dict)
     return meta if ok and all(isinstance(e, dict) and "sha256" in e for e in meta["splits"].values()) else None
+
+
+def prepared_folder_problem(data, data_dir) -> str | None:
+    """The line the run would refuse the data's prepared folder with (a damaged meta.json, a token file of another
+    size, a tokenizer file whose sha256 differs), where it is prepared already: a dry run opens it as the run does
+    (sizes and the tokenizer's few files; the token files' sha256 is left to the first read)."""
+    if prepared_meta(data, data_dir) is None:
+        return None
+    try:
+        open_prepared(default_cache_dir() / folder_name(data, cache_key(data, data_dir)))
+    except DataError as e:
+        return str(e)
+    return None
 
 
 def link_problems(runs: list[RunSpec], root: Path) -> list[str]:

@@ -37,7 +37,13 @@ from attnlab.retrofit import (
     model_tokenizer,
     run_config,
 )
-from attnlab.run_checks import check_runs, local_data_problem, prepared_meta, run_folder_problem
+from attnlab.run_checks import (
+    check_runs,
+    local_data_problem,
+    prepared_folder_problem,
+    prepared_meta,
+    run_folder_problem,
+)
 from attnlab.train.checkpoint import CheckpointError, find_checkpoint, step_folders, write_json_atomic
 from attnlab.train.distributed import barrier, dist_env, init_distributed, prepare_rank0_first
 from attnlab.train.fsdp import check_launch
@@ -224,6 +230,9 @@ def dry_run_status(
     if busy:
         return f"would be refused: {busy}"
     try:
+        problem = prepared_folder_problem(spec.data, data_dir)  # (the run opens its data before anything else)
+        if problem:
+            return f"would be refused: {problem}"
         meta = prepared_meta(spec.data, data_dir)
         if (run_dir / "summary.json").exists():
             saved = read_json_object(run_dir / "config.json", "delete the run's folder to train it again")
