@@ -5,6 +5,7 @@ import random
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 
 import attnlab
@@ -260,3 +261,24 @@ def dry_run(capsys, argv) -> str:
         lines = captured.err.strip().splitlines()
         assert len(lines) == 1 and "runs would be refused" in lines[0] and "Traceback" not in captured.err, lines
     return captured.out
+
+
+class Stop(Exception):
+    """Raised after a checkpoint is saved: a run interrupted right there (stop_after_first_checkpoint)."""
+
+
+def stop_after_first_checkpoint(monkeypatch, argv) -> None:
+    """main(argv), an `attnlab run`, stopped by Stop right after it saves its first checkpoint."""
+    from attnlab.cli import main
+    from attnlab.train import loop
+
+    save = loop.save_checkpoint
+
+    def save_then_stop(*args, **kwargs):
+        save(*args, **kwargs)
+        raise Stop
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "save_checkpoint", save_then_stop)
+        with pytest.raises(Stop):
+            main(argv)

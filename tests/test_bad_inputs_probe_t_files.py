@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers import dry_run, fails, hat_text, probe_manifest
+from helpers import dry_run, fails, hat_text, probe_manifest, stop_after_first_checkpoint
 
 from attnlab.cli import main
 from attnlab.config import DataConfig
@@ -122,26 +122,12 @@ def test_a_meta_json_with_a_malformed_tokenizer_files_record_is_named(tmp_path, 
 # ----------------------------------------------------------------------------- t2: an interrupted run's files
 
 
-class Stop(Exception):
-    """Stands for a run killed right after a checkpoint was written."""
-
-
 def interrupted_run(tmp_path: Path, monkeypatch) -> tuple[list[str], Path]:
     """(the argv that resumes it, the run's folder) of a run stopped after its first checkpoint (step 2 of 4)."""
-    from attnlab.train import loop
 
     path, out = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN), tmp_path / "out"
     argv = ["run", str(path), "--out", str(out), "--no-progress"]
-    save = loop.save_checkpoint
-
-    def save_then_stop(*args, **kwargs):
-        save(*args, **kwargs)
-        raise Stop
-
-    with monkeypatch.context() as patch:
-        patch.setattr(loop, "save_checkpoint", save_then_stop)
-        with pytest.raises(Stop):
-            main(argv)
+    stop_after_first_checkpoint(monkeypatch, argv)
     return argv, out / "m" / "base" / "seed0"
 
 

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import fails, hat_text, probe_manifest
+from helpers import fails, hat_text, probe_manifest, stop_after_first_checkpoint
 
 from attnlab.cli import main
 from attnlab.errors import DataError
@@ -208,8 +208,9 @@ def test_a_memory_alone_of_another_kind_is_still_named(tmp_path, capsys):
     trained = "{kind: bounded, recent_window: 16, exact_slots: 8, summary_slots: 8}"
     targets = f"  a: {{model: {{memory: {trained}}}}}\n  b:\n    init_from: a\n    model: {{memory: {MEMORY}}}\n"
     path = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, targets)
-    validate_fails(capsys, path, "targets.b: its model cannot start from target a's weights (memory.kind 'streaming', "
-                   "target a's 'bounded')")  # fmt: skip
+    line = validate_fails(capsys, path, "targets.b: its model cannot start from target a's weights (memory.kind "
+                          "'streaming', target a's 'bounded')")  # fmt: skip
+    assert "d_model" not in line
 
 
 # ----------------------------------------------------------------------------- t7: perplexity.seq_len past the context
@@ -269,26 +270,12 @@ def test_a_perplexity_seq_len_within_the_context_is_measured(tmp_path, capsys):
 # ----------------------------------------------------------------------------- t8: a damaged summary.json
 
 
-class Stop(Exception):
-    """Stands for a run killed right after a checkpoint was written."""
-
-
 def test_a_damaged_summary_of_an_interrupted_run_says_to_delete_it_alone(tmp_path, capsys, monkeypatch):
     """t8: was "summary.json: unreadable (...); delete the run's folder to train it again": the folder holds the
     checkpoint the run resumes from."""
-    from attnlab.train import loop
 
     path, out = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN), tmp_path / "out"
-    save = loop.save_checkpoint
-
-    def save_then_stop(*args, **kwargs):
-        save(*args, **kwargs)
-        raise Stop
-
-    with monkeypatch.context() as patch:
-        patch.setattr(loop, "save_checkpoint", save_then_stop)
-        with pytest.raises(Stop):
-            main(["run", str(path), "--out", str(out), "--no-progress"])
+    stop_after_first_checkpoint(monkeypatch, ["run", str(path), "--out", str(out), "--no-progress"])
     folder = out / "m" / "base" / "seed0"
     (folder / "summary.json").write_text("{ damaged")
     capsys.readouterr()
