@@ -67,6 +67,11 @@ def matvec_rounds(rounds: int, rows: int) -> tuple[dict, dict]:
                 tasks[(shape, fmt + "+q8")] = lambda b=blocks, x=x, f=fmt: [
                     qmatmul.matmul(f, m, x, gemm=False, activations="q8") for m in b
                 ]
+                if qmatmul.packed_fast():  # rows packed 16 at a time (set_activations keeps them where this is true)
+                    packed = [qmatmul.pack_q8(fmt, m, k) for m in blocks]
+                    tasks[(shape, fmt + "+q8p")] = lambda p=packed, x=x, f=fmt: [
+                        qmatmul.matmul(f, m, x, gemm=False, activations="q8", packed=True) for m in p
+                    ]
             if rows > 1:
                 tasks[(shape, fmt + "+gemm")] = lambda b=blocks, x=x, f=fmt: [qmatmul.matmul(f, m, x, gemm=True)
                                                                                for m in b]  # fmt: skip

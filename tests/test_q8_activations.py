@@ -210,7 +210,7 @@ def pack_reference(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
 @kernels
 @pytest.mark.parametrize("fmt", CODED)
 def test_packed_rows_are_the_layout_and_give_the_kernels_results(fmt):
-    """pack_q8 against its layout written plainly; the packed kernel (AVX-512 VNNI where the CPU has it) against
+    """pack_q8 against its layout written plainly; the packed kernel (AVX-512 VNNI or AVX2 where the CPU has it) against
     float64 over gguf's dequantized weights, within the same bound as the unpacked kernel, one result per output
     whatever the threads."""
     previous = torch.get_num_threads()
@@ -249,7 +249,7 @@ def test_the_portable_c_build_multiplies_packed_rows_too(tmp_path, monkeypatch):
 
 
 @kernels
-@pytest.mark.skipif(not qmatmul.packed_fast(), reason="this CPU has no AVX-512 VNNI: weights are not packed")
+@pytest.mark.skipif(not qmatmul.packed_fast(), reason="this CPU has neither AVX-512 VNNI nor AVX2: weights are not packed")
 def test_a_layer_packs_for_q8_decoding_and_never_keeps_stale_packed_rows():
     g = torch.Generator().manual_seed(6)
     layer = QuantizedLinear.from_weight(torch.randn(48, 96, generator=g), "q4_1")

@@ -620,10 +620,12 @@ int attnlab_dequantize(int fmt, const uint8_t *w, int64_t n, int64_t k, float *o
 #define PACK_HINT _MM_HINT_T0
 #endif
 
-/* Whether this build multiplies packed rows with vector instructions (AVX-512 VNNI); the portable loops otherwise
+/* Whether this build multiplies packed rows with vector instructions (AVX-512 VNNI, or AVX2); the portable loops otherwise
  * (they give the same integer sums, slowly: attnlab packs weights only where this is 1). */
 int attnlab_packed_q8_fast(void) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     return 1;
 #else
     return 0;
@@ -692,6 +694,64 @@ static inline __attribute__((always_inline)) void group_q8(const int fmt, const 
     }
     if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias));
     _mm512_storeu_ps(y, acc);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    /* AVX2 without VNNI: a 64-byte chunk line as two vectors of 8 rows each. vpmaddubsw multiplies 4 codes of 8 rows
+     * by x's 4 codes (broadcast) and sums them in pairs to int16, vpmaddwd by ones sums the pairs into the row's
+     * int32 lane: the same integer sums per block as the VNNI path. 4-bit codes (0..15) times x's (|q| <= 127): a
+     * pair is at most 3,810, so the 8 pairs of a block's 4 chunks (low and high nibbles) sum in int16 (<= 30,480)
+     * before one vpmaddwd. Q8_0's codes go back to signed (xor 128) and multiply as |w| by x given w's sign
+     * (pairs <= 32,512), each chunk widened to int32 at once. */
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = group + b * PACK * bb, *chunks = p + 2 * scales * PACK;
+        const int32_t *x4 = (const int32_t *)(xq + b * 32);
+        for (int64_t line = 0; line < PACK * bb; line += 64)
+            _mm_prefetch((const char *)(p + PACK_AHEAD * PACK * bb + line), PACK_HINT);
+        __m256i s0, s1;
+        if (fmt == Q8_0) {
+            const __m256i flip = _mm256_set1_epi8((char)0x80);
+            s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i xb = _mm256_set1_epi32(x4[c]);
+                const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(chunks + 64 * c)), flip);
+                const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(chunks + 64 * c + 32)), flip);
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0),
+                                                                                  _mm256_sign_epi8(xb, w0)), ones));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1),
+                                                                                  _mm256_sign_epi8(xb, w1)), ones));
+            }
+        } else {
+            __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i xl = _mm256_set1_epi32(x4[c]), xh = _mm256_set1_epi32(x4[4 + c]);
+                const __m256i r0 = _mm256_loadu_si256((const __m256i *)(chunks + 64 * c));
+                const __m256i r1 = _mm256_loadu_si256((const __m256i *)(chunks + 64 * c + 32));
+                h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(_mm256_and_si256(r0, low), xl));
+                h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(r0, 4), low), xh));
+                h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(_mm256_and_si256(r1, low), xl));
+                h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(r1, 4), low), xh));
+            }
+            s0 = _mm256_madd_epi16(h0, ones), s1 = _mm256_madd_epi16(h1, ones);
+            if (fmt == Q4_0) { /* Q4_0's codes are q - 8 */
+                const __m256i offset = _mm256_set1_epi32(8 * xs[b]);
+                s0 = _mm256_sub_epi32(s0, offset), s1 = _mm256_sub_epi32(s1, offset);
+            }
+        }
+        const __m256 dx = _mm256_set1_ps(xd[b]);
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, dx), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, dx), acc1);
+        if (fmt == Q4_1) {
+            const __m256 mx = _mm256_set1_ps(xd[b] * (float)xs[b]);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * PACK))), mx, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * PACK + 16))), mx, acc1);
+        }
+    }
+    if (bias) acc0 = _mm256_add_ps(acc0, _mm256_loadu_ps(bias)), acc1 = _mm256_add_ps(acc1, _mm256_loadu_ps(bias + 8));
+    _mm256_storeu_ps(y, acc0);
+    _mm256_storeu_ps(y + 8, acc1);
 #else
     float acc[PACK] = {0};
     for (int64_t b = 0; b < nb; b++) {
