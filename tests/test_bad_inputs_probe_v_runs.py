@@ -177,3 +177,35 @@ def test_v2_keys_trainer_json_does_not_know_are_left_alone(stopped, tmp_path, ca
     edit_trainer(out / STEP, lambda t: t.update(torch_rng="garbage", data={**t["data"], "note": "mine"}))
     assert "would resume from step 2" in dry_run(capsys, [*argv, "--dry-run"])
     assert main(argv) == 0
+
+
+# ----------------------------------------------------------------------------- v3: compare's contradicting summary
+
+
+@pytest.fixture
+def finished_copy(tiny_run, tmp_path) -> Path:
+    """A copy of the module's tiny finished run: its runs/ folder (runs/tiny/seed0)."""
+    shutil.copytree(tiny_run.parent.parent, tmp_path / "runs")
+    return tmp_path / "runs"
+
+
+SUMMARY_EDITS = {
+    "NaN loss beside a finite ppl": ({"val_loss": float("nan")}, "field 'val_ppl' is ", "impossible beside 'val_loss' "
+                                     "NaN (it is exp(val_loss): NaN with NaN, infinite with infinite)"),
+    "a ppl not exp(loss)": ({"val_ppl": 2.0}, "field 'val_ppl' is 2.0, which is impossible (it is exp(val_loss) = "),
+    "a loss below 0": ({"val_loss": -1.0, "val_ppl": 0.36787944117144233}, "field 'val_loss' is -1.0, which is "
+                       "impossible (it is >= 0)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(SUMMARY_EDITS))
+def test_v3_compare_refuses_a_summary_whose_figures_contradict_each_other(finished_copy, tmp_path, capsys, case):
+    """Was: the table showed loss nan beside ppl 58.37 (N6); `attnlab report` refuses such records by the same
+    check (eval.records.exponential_problem, range_problem)."""
+    summary = finished_copy / "tiny" / "seed0" / "summary.json"
+    edit, *said = SUMMARY_EDITS[case]
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), **edit}))
+    line = fails(capsys, ["compare", str(finished_copy), "--out", str(tmp_path / "cmp")], f"{summary}: ", *said)
+    assert line.endswith("it was changed by hand; delete the run's folder, or train it again"), line
+    assert not (tmp_path / "cmp").exists()
+
