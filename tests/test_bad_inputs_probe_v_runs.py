@@ -209,3 +209,24 @@ def test_v3_compare_refuses_a_summary_whose_figures_contradict_each_other(finish
     assert line.endswith("it was changed by hand; delete the run's folder, or train it again"), line
     assert not (tmp_path / "cmp").exists()
 
+
+
+# ----------------------------------------------------------------------------- v4: export --hf inside a run
+
+
+@pytest.mark.parametrize("inside", ["", "hf", "checkpoints/step-000009", "tokenizer/mine"])
+def test_v4_export_into_a_run_folder_is_refused_as_convert_is(tiny_run, capsys, inside):
+    """Was: taken, the export's config.json and weights written among the run's own files (convert --out there was
+    refused: the same check, run_checks.run_folder_problem)."""
+    out = tiny_run / inside if inside else tiny_run
+    before = snapshot(tiny_run)
+    where = f"--hf {out} is a run's folder" if not inside else f"--hf {out} is inside {tiny_run}, which is a run's"
+    fails(capsys, ["export", str(tiny_run), "--hf", str(out)], where, "an export saved there would be mixed with the "
+          "run's own files", "give a folder outside any run, e.g. --hf hf/NAME")  # fmt: skip
+    assert snapshot(tiny_run) == before
+
+
+def test_v4_export_outside_a_run_is_taken(tiny_run, tmp_path, capsys):
+    out = tmp_path / "hf-export"
+    assert main(["export", str(tiny_run), "--hf", str(out)]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
