@@ -11,7 +11,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import dry_run, fails, hat_text, probe_manifest, snapshot, stop_after_first_checkpoint
+from helpers import (
+    dry_run,
+    error_line,
+    fails,
+    hat_text,
+    probe_manifest,
+    run_limited,
+    snapshot,
+    stop_after_first_checkpoint,
+    tiny_model,
+)
 
 from attnlab.cli import main
 
@@ -210,7 +220,6 @@ def test_v3_compare_refuses_a_summary_whose_figures_contradict_each_other(finish
     assert not (tmp_path / "cmp").exists()
 
 
-
 # ----------------------------------------------------------------------------- v4: export --hf inside a run
 
 
@@ -230,3 +239,45 @@ def test_v4_export_outside_a_run_is_taken(tiny_run, tmp_path, capsys):
     out = tmp_path / "hf-export"
     assert main(["export", str(tiny_run), "--hf", str(out)]) == 0
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- v5: a checkpoint write cut short
+
+
+def test_v5_a_checkpoint_write_past_a_file_size_limit_says_so_without_torch_internals(stopped, tmp_path, capsys,
+                                                                                       file_size_limit):  # fmt: skip
+    """Was "optimizer.pt: the write stopped short: unexpected pos 102272 vs 102164 (is the disk full, ...)": torch's
+    writer loses the OSError; the file at this process's limit tells what happened."""
+    argv, out = interrupted(stopped, tmp_path)
+    weights, optimizer = ((out / STEP / name).stat().st_size for name in ("model.safetensors", "optimizer.pt"))
+    assert optimizer > weights + 4096
+    assert run_limited(file_size_limit, (weights + optimizer) // 2, argv) == 2
+    line = error_line(capsys, "run", f"could not write checkpoint {out / RUN / 'checkpoints' / 'step-000004'}: "
+                      "optimizer.pt: File too large: a file size limit was hit (`ulimit -f`, or the file system's "
+                      "largest file); the previous checkpoint (step 2) is intact")  # fmt: skip
+    assert "pos" not in line and "enforce" not in line
+    assert sorted(p.name for p in (out / RUN / "checkpoints").iterdir()) == ["best.json", "last.json", "step-000002"]
+
+
+def test_v5_a_short_torch_write_on_a_full_disk_says_the_disk_is_full(tmp_path, monkeypatch):
+    import torch
+
+    from attnlab.data import files
+    from attnlab.train import checkpoint as ckpt
+
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt.save_checkpoint(tmp_path, model, optimizer, {"step": 1}, {}, tags=("last",))
+
+    def short_write(state, path):  # what torch.save does on a full disk: a part written, then its RuntimeError
+        Path(path).write_bytes(b"PK" * 100)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", short_write)
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        ckpt.save_checkpoint(tmp_path, model, optimizer, {"step": 2}, {}, tags=("last",))
+    assert str(raised.value) == (
+        f"could not write checkpoint {tmp_path / 'checkpoints' / 'step-000002'}: "
+        "optimizer.pt: No space left on device; the previous checkpoint (step 1) is intact"
+    )
