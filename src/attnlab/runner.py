@@ -483,6 +483,8 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         )
         summaries.append(summary)
     if not dry_run and dist_info is not None and dist_info.is_main:
+        # Which manifest made this folder, for the reader: nothing reads it back (the runs' own folders say what they
+        # were trained with), so a damaged one is simply written again, as compare.md is drawn again.
         write_json_atomic(root / "manifest.json", {"name": manifest.name, "path": str(manifest.path)})
     if refused:  # a dry run says so in its exit code too, as the run would (each run's reason is printed above)
         raise ConfigError(f"{len(refused)} of {len(runs)} runs would be refused ({', '.join(refused)}): the reasons "
