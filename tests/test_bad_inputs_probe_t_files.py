@@ -217,13 +217,12 @@ def test_an_interrupted_run_resumes_with_its_files_as_written(tmp_path, capsys, 
 
 def test_a_checkpoint_write_stopped_short_is_said_without_torch_internals():
     """torch's writer reports a short write as "[enforce fail at inline_container.cc:N] . unexpected pos A vs B": the
-    line keeps what happened and its likely cause, not the C++ file and line (probe T)."""
-    from attnlab.train.checkpoint import _why
+    line says what happened and its likely cause, not the C++ file and line nor torch's positions (probes T, V)."""
+    from attnlab.data.files import failure_words
 
-    said = _why(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 118784 vs 118672\nmore"))
-    assert said == "the write stopped short: unexpected pos 118784 vs 118672 (is the disk full, or a file size limit " \
-        "reached?)"  # fmt: skip
-    assert _why(OSError(28, "No space left on device")) == "No space left on device"
+    said = failure_words(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 118784 vs 118672"))
+    assert said == "the write stopped short (the disk is full, or a file size limit was hit)"
+    assert failure_words(OSError(28, "No space left on device")) == "No space left on device"
 
 
 @pytest.mark.parametrize(

@@ -291,7 +291,17 @@ def remove_killed_temporaries(out: Path, what: str) -> None:
                       stacklevel=2)  # fmt: skip
 
 
+# An export inside a run's folder is refused as a conversion there is (INSIDE_A_RUN): its config.json and weights would
+# sit among the run's own files (in checkpoints/, beside the run's checkpoints, which the run loads and prunes).
+EXPORT_INSIDE_A_RUN = ("an export saved there would be mixed with the run's own files (in its checkpoints/, with its "
+                       "checkpoints, which the run loads and prunes): give a folder outside any run, e.g. --hf "
+                       "hf/NAME")  # fmt: skip
+
+
 def cmd_export(args) -> int:
+    problem = run_folder_problem(args.hf, EXPORT_INSIDE_A_RUN, flag="--hf")
+    if problem:
+        raise InputError(problem)
     remove_killed_temporaries(Path(args.hf), "export")
     exported = export(args.ref, args.hf, data_dir=args.data_dir, dtype=args.dtype, overwrite=args.overwrite)
     print(exported.summary())

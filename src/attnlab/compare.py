@@ -21,7 +21,7 @@ from pathlib import Path
 from attnlab.data.files import atomic_write_text, outputs_together, read_json_lines, read_json_object, special_file
 from attnlab.errors import DataError, InputError
 from attnlab.eval.plots import plot_val_loss
-from attnlab.eval.records import distinct_labels
+from attnlab.eval.records import distinct_labels, exponential_problem, range_problem
 from attnlab.jsonio import loads_json
 
 SEED_DIR = re.compile(r"seed(\d+)")
@@ -101,7 +101,8 @@ def _mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
 
 
 def _summary(path: Path) -> dict:
-    """A run's summary.json, its figures checked (DataError naming the file when one is missing or not a number)."""
+    """A run's summary.json, its figures checked (DataError naming the file when one is missing or not a number, is
+    impossible, or a perplexity that is not the exponential of its loss)."""
     fix = "delete the run's folder, or train it again"
     summary = read_json_object(path, fix)
     for key in ("params", "kv_bytes_per_token_fp16", "val_loss"):
@@ -111,6 +112,12 @@ def _summary(path: Path) -> dict:
         value = summary.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise DataError(f"{path}: {key}={value!r} is not a number (it was changed); {fix}")
+    for split in ("val", "test"):  # figures that contradict each other, refused as `attnlab report` refuses them
+        loss, ppl = f"{split}_loss", f"{split}_ppl"
+        problem = (range_problem(loss, summary.get(loss), "loss") or range_problem(ppl, summary.get(ppl), "ppl")
+                   or exponential_problem(summary, loss, ppl))  # fmt: skip
+        if problem:
+            raise DataError(f"{path}: {problem}: it was changed by hand; {fix}")
     return summary
 
 

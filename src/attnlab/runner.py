@@ -26,6 +26,7 @@ from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import broken_link, lock_file_problem, read_json_object
 from attnlab.data.pretrained import tokenizer_from_folder
+from attnlab.data.sampler import sampler_state
 from attnlab.data.sources import NAMED_SOURCES, local_path
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
@@ -53,11 +54,10 @@ from attnlab.train.resume import (
     FINISHED,
     check_resume,
     config_differences,
-    data_change,
-    data_fingerprint,
+    prepared_data_check,
+    read_files_problem,
     resumed_files_problem,
     source_file_change,
-    step_problem,
 )
 from attnlab.train.signals import first_interrupt_only
 
@@ -95,7 +95,7 @@ def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) ->
     differences = config_differences(saved, config, saved_as="saved")
     derived = all(d.startswith("model.vocab_size:") for d in differences)  # the tokenizer's, fitted on the data
     checkpoint = find_checkpoint(run_dir) if not differences or (derived and data_problem is not None) else None
-    problem = data_problem(checkpoint.trainer) if checkpoint is not None and data_problem is not None else None
+    problem = data_problem(checkpoint) if checkpoint is not None and data_problem is not None else None
     if problem:
         raise DataError(problem)
     if checkpoint is not None and not differences:
@@ -204,18 +204,31 @@ def _dry_config(spec: RunSpec, converted: Path | None, meta: dict | None, saved:
 
 
 def _data_problem(data, meta: dict | None, data_dir, run_dir: Path, finished: bool = False):
-    """How to check a checkpoint of run_dir against today's data (a function: its trainer.json -> the line refusing
+    """How to check a checkpoint of run_dir against today's data (a function: the checkpoint -> the line refusing
     it, or None): by the prepared data's meta when known, else (a dry run, before the data is prepared again) by
     the local source file; None when neither can be (a named dataset not prepared yet). finished: the words for a
     finished run."""
     source, where, words = data.source, str(run_dir), FINISHED if finished else {}
     if meta is not None:
-        now = data_fingerprint(meta)
-        return lambda trainer: data_change(trainer, now, source, where, **words)
+        return prepared_data_check(meta, source, where, **words)
     if source not in NAMED_SOURCES:
         path = local_path(source, data_dir)
-        return lambda trainer: source_file_change(trainer, path, source, where, **words)
+        return lambda checkpoint: source_file_change(checkpoint, path, source, where, **words)
     return None
+
+
+def refuse_resume(spec: RunSpec, run_dir: Path, checkpoint, config: dict | None, meta: dict | None, data_dir) -> None:
+    """What `attnlab run` and its dry run check before resuming the run from `checkpoint` (one function, so that the
+    dry run says what the run would do): train.resume.check_resume (its trainer state, the config, the data, the
+    sampler that would continue: meta, the prepared data's meta.json, None when not prepared yet) and the run files it
+    writes again (resumed_files_problem). Raises the run's error; config None: not known yet (a dry run's conversion
+    not made)."""
+    tokens = (meta["splits"].get("train") or {}).get("tokens") if meta is not None else None
+    sampler = sampler_state(spec.train.seed, spec.train.seq_len, spec.train.batch_size, tokens)
+    check_resume(checkpoint, config, sampler, _data_problem(spec.data, meta, data_dir, run_dir))
+    problem = resumed_files_problem(run_dir, checkpoint, config, yaml_copy=True) if config is not None else None
+    if problem:
+        raise DataError(problem)
 
 
 def dry_run_status(
@@ -248,19 +261,9 @@ def dry_run_status(
                 return f"would be refused: {problem}"
         checkpoint = find_checkpoint(run_dir) if resume else None
         if checkpoint is not None:
-            problem = step_problem(checkpoint)
-            if problem:
-                return f"would be refused: {problem}"
-            config = _dry_config(spec, converted, meta, checkpoint.config)
-            differences = config_differences(checkpoint.config, config) if config is not None else []
-            if differences:
-                more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
-                return f"would be refused: checkpoint {checkpoint.path} is from another config: {differences[0]}{more}"
-            check = _data_problem(spec.data, meta, data_dir, run_dir)
-            problem = check(checkpoint.trainer) if check is not None else None
-            problem = problem or (
-                resumed_files_problem(run_dir, checkpoint, config, yaml_copy=True) if config else None
-            )
+            refuse_resume(spec, run_dir, checkpoint, _dry_config(spec, converted, meta, checkpoint.config), meta,
+                          data_dir)  # fmt: skip
+            problem = read_files_problem(checkpoint, run_dir)  # what the run reads next (weights, optimizer, log)
             if problem:
                 return f"would be refused: {problem}"
             return f"would resume from step {checkpoint.step} of {spec.train.steps} in {run_dir}"
@@ -458,10 +461,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
                     raise ConfigError(problem, source=str(manifest.path))
                 checkpoint = find_checkpoint(run_dir) if resume else None
                 if checkpoint is not None:  # before anything is written or said: a refusal leaves the folder as it was
-                    check_resume(checkpoint, config, spec.data.source, prepared)
-                    problem = resumed_files_problem(run_dir, checkpoint, config, yaml_copy=True)
-                    if problem:
-                        raise DataError(problem)
+                    refuse_resume(spec, run_dir, checkpoint, config, prepared.meta, data_dir)
                 resuming = f" (resuming from step {checkpoint.step})" if checkpoint is not None else ""
                 log(f"{label}: training {spec.train.steps} steps ({model_cfg.attention.kind}) into {run_dir}"
                     f"{resuming}")  # fmt: skip
@@ -483,6 +483,8 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         )
         summaries.append(summary)
     if not dry_run and dist_info is not None and dist_info.is_main:
+        # Which manifest made this folder, for the reader: nothing reads it back (the runs' own folders say what they
+        # were trained with), so a damaged one is simply written again, as compare.md is drawn again.
         write_json_atomic(root / "manifest.json", {"name": manifest.name, "path": str(manifest.path)})
     if refused:  # a dry run says so in its exit code too, as the run would (each run's reason is printed above)
         raise ConfigError(f"{len(refused)} of {len(runs)} runs would be refused ({', '.join(refused)}): the reasons "

@@ -77,6 +77,36 @@ def as_os_error(error: Exception, path: str | Path) -> OSError | None:
     return OSError(code, os.strerror(code), str(path))
 
 
+def short_write_error(error: Exception, path: Path) -> OSError | None:
+    """The OSError behind a library's write of `path` that stopped short, naming it: the one the error wraps
+    (as_os_error), else, for a writer that says only where it stopped (torch.save's "unexpected pos A vs B"), EFBIG
+    when the file reached this process's file size limit (ulimit -f), ENOSPC when its disk has no space left; None
+    when neither is so. Called while the partial file is still there."""
+    wrapped = as_os_error(error, path)
+    if wrapped is not None:
+        return wrapped
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    try:
+        size, free = path.stat().st_size, shutil.disk_usage(path.parent).free
+    except OSError:
+        return None
+    code = errno.EFBIG if limit != resource.RLIM_INFINITY and size >= limit else errno.ENOSPC if free < 1 << 20 else 0
+    return OSError(code, os.strerror(code), str(path)) if code else None
+
+
+def failure_words(error: BaseException) -> str:
+    """What stopped a read or write, in the OS's words (a library's error: the OSError it wraps), never a library's
+    internals (torch's "[enforce fail at inline_container.cc:N] . unexpected pos A vs B")."""
+    error = error if isinstance(error, OSError) else as_os_error(error, "") or error
+    if isinstance(error, OSError) and error.errno == errno.EFBIG:
+        return f"{error.strerror}: a file size limit was hit (`ulimit -f`, or the file system's largest file)"
+    if isinstance(error, OSError):
+        return str(error.strerror or error)
+    return "the write stopped short (the disk is full, or a file size limit was hit)"
+
+
 def _name_the_path(error: OSError, tmp: Path, path: Path) -> None:
     """An error of an atomic write names the file the caller asked for, not its temporary: the temporary (or a
     file in it) becomes `path` (or that file in it); a write() on a full disk, which names no file, names `path`."""

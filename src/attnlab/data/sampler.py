@@ -70,28 +70,35 @@ class BatchSampler:
 
     def state_dict(self) -> dict:
         """Plain ints (safe for json and torch.load(weights_only=True))."""
-        return {
-            "step": self.step,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "global_batch": self.global_batch,
-            "n_tokens": len(self.tokens),
-        }
+        return sampler_state(self.seed, self.seq_len, self.global_batch, len(self.tokens), self.step)
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state`; the seed, seq_len, global batch and split size must match."""
-        mine = self.state_dict()
-        if state.get("n_tokens") != mine["n_tokens"] and isinstance(state.get("n_tokens"), int):
-            raise InputError(
-                f"the training data changed: its split has {mine['n_tokens']:,} tokens, {state['n_tokens']:,} when "
-                "the sampler state was saved"
-            )
-        differ = [
-            f"{k}={state.get(k)!r} (this sampler: {mine[k]!r})" for k in mine if k != "step" and state.get(k) != mine[k]
-        ]
-        if differ:
-            raise InputError(f"sampler state does not match this sampler: {', '.join(differ)}")
+        problem = state_problem(state, self.state_dict())
+        if problem:
+            raise InputError(problem)
         self.step = int(state["step"])
+
+
+def sampler_state(seed: int, seq_len: int, global_batch: int, n_tokens: int | None, step: int = 0) -> dict:
+    """What a BatchSampler saves (its state_dict()), from its settings alone: what a run's sampler would be before it
+    is built (n_tokens None: the split is not prepared yet)."""
+    return {"step": step, "seed": seed, "seq_len": seq_len, "global_batch": global_batch, "n_tokens": n_tokens}
+
+
+def state_problem(state: dict, mine: dict) -> str | None:
+    """Why a saved sampler state cannot be continued by the sampler whose state is `mine` (sampler_state: its
+    n_tokens None when not known yet, then not compared), or None: another seed, seq_len, global batch or split size
+    (the training data changed). The step is not compared (it is where the sampler continues)."""
+    then, now = state.get("n_tokens"), mine["n_tokens"]
+    if isinstance(then, int) and now is not None and then != now:
+        return f"the training data changed: its split has {now:,} tokens, {then:,} when the sampler state was saved"
+    differ = [
+        f"{k}={state.get(k)!r} (this sampler: {mine[k]!r})"
+        for k in mine
+        if k != "step" and state.get(k) != mine[k] and not (k == "n_tokens" and mine[k] is None)
+    ]
+    return f"sampler state does not match this sampler: {', '.join(differ)}" if differ else None
 
 
 def eval_batches(

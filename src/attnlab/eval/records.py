@@ -345,10 +345,12 @@ def pair_labels(text: str, models: list[str], records_path: Path) -> tuple[str, 
     return a, b
 
 
-def _range_problem(field: str, value) -> str | None:
-    """Why a figure that fits its kind is still impossible (below 0, a perplexity below 1, a fraction above 1)."""
+def range_problem(field: str, value, kind: str | None = None) -> str | None:
+    """Why a figure that fits its kind is still impossible (below 0, a perplexity below 1, a fraction above 1), or
+    None. kind: the figure it is, when its field is named otherwise (a run summary's val_loss is a "loss")."""
     values = value if isinstance(value, list) else [value]
-    low, high = (0, None) if field in AT_LEAST_0 else (1, None) if field in AT_LEAST_1 else (0, 1) if field in \
+    kind = kind or field
+    low, high = (0, None) if kind in AT_LEAST_0 else (1, None) if kind in AT_LEAST_1 else (0, 1) if kind in \
         FRACTIONS else (None, None)  # fmt: skip
     for v in values:
         if not _number(v) or math.isnan(v):  # (NaN: a diverged model's figure, shown as such)
@@ -372,28 +374,38 @@ def _finite(*values) -> bool:
     return all(_number(v) and math.isfinite(v) for v in values)
 
 
+def exponential_problem(record: dict, log_field: str, exp_field: str) -> str | None:
+    """Why record[exp_field] is not the exponential of record[log_field] (a perplexity of its loss), or None (also
+    when either is missing or not a number, which the fields' kinds say). NaN with NaN and infinite with infinite
+    are a diverged model's figures, shown as such; one NaN or infinity beside a finite figure was written by hand."""
+    loss, ppl = record.get(log_field), record.get(exp_field)
+    if not (_number(loss) and _number(ppl)):
+        return None
+    if not _finite(loss, ppl):  # a diverged model's: NaN with NaN, inf with inf (or a finite loss past exp's range)
+        both_nan = math.isnan(loss) and math.isnan(ppl)
+        if both_nan or (ppl == math.inf and loss > math.log(sys.float_info.max)):
+            return None
+        return (f"field '{exp_field}' is {_shown(ppl)}, which is impossible beside '{log_field}' "
+                f"{_shown(loss)} (it is exp({log_field}): NaN with NaN, infinite with infinite)")  # fmt: skip
+    # in logarithms (exp(loss) can overflow): ppl +- its slack, against loss +- its slack
+    low, high = ppl - _slack(ppl), ppl + _slack(ppl)
+    low = math.log(low) if low > 0 else -math.inf
+    high = math.log(high) if high > 0 else -math.inf
+    if high + AGREE < loss - _slack(loss) or low - AGREE > loss + _slack(loss):
+        shown = f"{math.exp(loss):.6g}" if loss < 709 else f"e^{loss:.6g}"
+        return (f"field '{exp_field}' is {_shown(ppl)}, which is impossible (it is exp({log_field}) = {shown}, "
+                f"'{log_field}' being {_shown(loss)})")  # fmt: skip
+    return None
+
+
 def _contradiction(record: dict) -> str | None:
     """Why two figures of a record contradict each other (EXPONENTIALS, INTERVALS), or None. NaN and infinities
     (a diverged model's figures, shown as such) are left alone."""
     benchmark = record["benchmark"]
     for log_field, exp_field in EXPONENTIALS.get(benchmark, []):
-        loss, ppl = record.get(log_field), record.get(exp_field)
-        if _number(loss) and _number(ppl) and not _finite(loss, ppl):  # a diverged model's: NaN with NaN, inf with
-            # inf (or a finite loss past exp's range); one NaN or infinity beside a finite figure was written by hand
-            both_nan = math.isnan(loss) and math.isnan(ppl)
-            if not (both_nan or (ppl == math.inf and loss > math.log(sys.float_info.max))):
-                return (f"field '{exp_field}' is {_shown(ppl)}, which is impossible beside '{log_field}' "
-                        f"{_shown(loss)} (it is exp({log_field}): NaN with NaN, infinite with infinite)")  # fmt: skip
-        if not _finite(loss, ppl):
-            continue
-        # in logarithms (exp(loss) can overflow): ppl +- its slack, against loss +- its slack
-        low, high = ppl - _slack(ppl), ppl + _slack(ppl)
-        low = math.log(low) if low > 0 else -math.inf
-        high = math.log(high) if high > 0 else -math.inf
-        if high + AGREE < loss - _slack(loss) or low - AGREE > loss + _slack(loss):
-            shown = f"{math.exp(loss):.6g}" if loss < 709 else f"e^{loss:.6g}"
-            return (f"field '{exp_field}' is {_shown(ppl)}, which is impossible (it is exp({log_field}) = {shown}, "
-                    f"'{log_field}' being {_shown(loss)})")  # fmt: skip
+        problem = exponential_problem(record, log_field, exp_field)
+        if problem:
+            return problem
     for point_field, interval_field in INTERVALS.get(benchmark, []):
         point, interval = record.get(point_field), record.get(interval_field)
         if not (isinstance(interval, list) and len(interval) == 2 and _finite(point, *interval)):
@@ -461,7 +473,7 @@ def record_problem(record: dict) -> str | None:
         if not _fits(value, kind):
             what = "a list" if kind is list else kind
             return f"field '{field}' is {_shown(value)}, not {what}"
-        problem = _range_problem(field, value)
+        problem = range_problem(field, value)
         if problem:
             return problem
     problem = _contradiction(record)

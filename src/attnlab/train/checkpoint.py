@@ -33,7 +33,15 @@ from safetensors.torch import load_model, save_file, save_model
 
 from attnlab.config import ModelConfig
 from attnlab.config_io import model_config_from_dict
-from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove_stale_temporaries, sha256_file
+from attnlab.data.files import (
+    atomic_path,
+    atomic_write_text,
+    failure_words,
+    file_kind,
+    remove_stale_temporaries,
+    sha256_file,
+    short_write_error,
+)
 from attnlab.errors import AttnlabWarning, DataError
 from attnlab.jsonio import loads_json
 from attnlab.model.transformer import Transformer, build_model
@@ -91,7 +99,7 @@ def save_checkpoint(
                 save_weights(weights, tmp / WEIGHTS, metadata)
                 writing = OPTIMIZER
                 state = {"optimizer": optimizer_state, "torch_rng": torch.get_rng_state()}
-                torch.save(state, tmp / OPTIMIZER)
+                _save_torch(state, tmp / OPTIMIZER)
                 writing = TRAINER
                 (tmp / TRAINER).write_text(json.dumps(trainer, indent=1))
                 writing = CONFIG
@@ -100,13 +108,14 @@ def save_checkpoint(
                 writing = CHECKSUMS
                 files = {name: _fingerprint(tmp / name) for name in (WEIGHTS, OPTIMIZER, TRAINER, CONFIG)}
                 (tmp / CHECKSUMS).write_text(json.dumps({"format": CHECKSUMS_FORMAT, "files": files}, indent=1))
-        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk is an OSError, or torch's RuntimeError
-            raise CheckpointError(f"could not write checkpoint {final}: {writing}: {_why(e)}; {_kept(root)}") from None
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: an OSError, or what wraps one
+            why = failure_words(e)
+            raise CheckpointError(f"could not write checkpoint {final}: {writing}: {why}; {_kept(root)}") from None
     for tag in tags:
         try:
             write_json_atomic(root / f"{tag}.json", {"dir": final.name, "step": trainer["step"]})
         except OSError as e:
-            raise CheckpointError(f"could not write {root / tag}.json: {_why(e)}; {_kept(root)}") from None
+            raise CheckpointError(f"could not write {root / tag}.json: {failure_words(e)}; {_kept(root)}") from None
     _remove_unreferenced(root)
     return final
 
@@ -145,7 +154,7 @@ def save_model_folder(folder: str | Path, model, config: dict, extra=None) -> Pa
                 f"could not write {folder}: {system} is on a virtual file system (such as /proc "
                 "or /sys), which takes no new files or folders (choose another --out)"
             ) from None
-        raise CheckpointError(f"could not write {folder}: {writing}: {_why(e)}; nothing was written") from None
+        raise CheckpointError(f"could not write {folder}: {writing}: {failure_words(e)}; nothing was written") from None
     return folder
 
 
@@ -221,13 +230,12 @@ def _fingerprint(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def _why(error: BaseException) -> str:
-    if isinstance(error, OSError):
-        return str(error.strerror or error)
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    # torch's writer says "[enforce fail at inline_container.cc:N] . unexpected pos A vs B": its internals, not ours
-    first = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", first) or type(error).__name__
-    return f"the write stopped short: {first} (is the disk full, or a file size limit reached?)"
+def _save_torch(state: dict, path: Path) -> None:
+    """torch.save, its short write (a RuntimeError saying only where it stopped) told as the OSError it was."""
+    try:
+        torch.save(state, path)
+    except RuntimeError as e:
+        raise short_write_error(e, path) or e from None
 
 
 def _kept(root: Path) -> str:
@@ -309,7 +317,7 @@ def recorded_checksums(folder: Path) -> dict | None:
             )
         return None
     except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({_why(e)}); {_fix(folder)}") from None
+        raise CheckpointError(f"{path}: unreadable ({failure_words(e)}); {_fix(folder)}") from None
     try:
         data = loads_json(text)
     except json.JSONDecodeError as e:
@@ -339,7 +347,7 @@ def _weights_say_checksummed(folder: Path) -> bool:
     except SafetensorError as e:
         raise _unreadable_weights(weights, e) from None
     except OSError as e:
-        raise CheckpointError(f"{weights}: unreadable ({_why(e)}); {_fix(folder)}") from None
+        raise CheckpointError(f"{weights}: unreadable ({failure_words(e)}); {_fix(folder)}") from None
     return CHECKSUMS_KEY in metadata
 
 
@@ -370,7 +378,7 @@ def verify_file(folder: Path, name: str, recorded: dict | None) -> Path:
     try:
         digest = sha256_file(path)
     except OSError as e:
-        raise CheckpointError(f"{path}: unreadable ({_why(e)}); {_fix(path.parent)}") from None
+        raise CheckpointError(f"{path}: unreadable ({failure_words(e)}); {_fix(path.parent)}") from None
     if digest != expected["sha256"]:
         raise CheckpointError(
             f"{path}: sha256 does not match the one recorded when it was written (the file was damaged or "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from attnlab.data.files import atomic_write_text
+from attnlab.data.files import atomic_write_text, file_kind
 from attnlab.errors import DataError
 from attnlab.jsonio import loads_json
 
@@ -32,26 +32,7 @@ class MetricsLog:
 
     def _truncate_after(self, step: int) -> None:
         """On resume, rows logged after the checkpoint will be logged again: drop them (atomically)."""
-        if not self.path.exists():
-            return
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            line = self.path.read_bytes()[: e.start].count(b"\n") + 1
-            raise DataError(f"{self.path}: line {line} is not UTF-8 text (the metrics log was damaged); repair or "
-                            "remove that line, or delete the file to start the log afresh") from None  # fmt: skip
-        rows = [line for line in text.splitlines() if line.strip()]
-        kept = []
-        for number, line in enumerate(rows, 1):
-            try:
-                row = loads_json(line)
-            except json.JSONDecodeError:
-                raise DataError(f"{self.path}: line {number} is not JSON (the metrics log was damaged); repair or "
-                                "remove that line, or delete the file to start the log afresh") from None  # fmt: skip
-            if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
-                raise DataError(f"{self.path}: line {number} is not a metrics row (an object with an integer step)")
-            if row.get("step", 0) <= step:
-                kept.append(line)
+        rows, kept = metrics_rows(self.path, step)
         if len(kept) != len(rows):
             atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
@@ -86,3 +67,34 @@ class MetricsLog:
             self.file.close()
             if self.tensorboard is not None:
                 self.tensorboard.close()
+
+
+def metrics_rows(path: Path, step: int) -> tuple[list[str], list[str]]:
+    """(every row of a run's metrics log, those of steps <= step: what a resume from `step` keeps), ([], []) when
+    there is none; DataError naming the line that is not UTF-8, not JSON or not a metrics row (a resume and its dry
+    run refuse the log alike)."""
+    if not path.exists():
+        return [], []
+    kind = file_kind(path)
+    if kind is not None:  # (a FIFO would be waited on without end)
+        raise DataError(f"{path} is {kind}, not the run's metrics log (a file): move it away, and the run starts the "
+                        "log afresh")  # fmt: skip
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}: line {line} is not UTF-8 text (the metrics log was damaged); repair or "
+                        "remove that line, or delete the file to start the log afresh") from None  # fmt: skip
+    rows = [line for line in text.splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(rows, 1):
+        try:
+            row = loads_json(line)
+        except json.JSONDecodeError:
+            raise DataError(f"{path}: line {number} is not JSON (the metrics log was damaged); repair or "
+                            "remove that line, or delete the file to start the log afresh") from None  # fmt: skip
+        if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
+            raise DataError(f"{path}: line {number} is not a metrics row (an object with an integer step)")
+        if row.get("step", 0) <= step:
+            kept.append(line)
+    return rows, kept

@@ -15,11 +15,10 @@ from safetensors.torch import load_file
 
 from attnlab.accounting import kv_report, param_counts
 from attnlab.config import DataConfig, ModelConfig, TrainConfig, untrainable_memory_problem
-from attnlab.config_checks import value_problem
 from attnlab.data import BatchSampler
 from attnlab.data.files import atomic_write_text
 from attnlab.data.tokenizers import tokenizer_record
-from attnlab.errors import ConfigError, DataError, DivergedError, InputError
+from attnlab.errors import ConfigError, DataError, DivergedError
 from attnlab.model.transformer import build_model
 from attnlab.train.budget import batch_memory_problem, positions_memory_problem
 from attnlab.train.checkpoint import (
@@ -49,7 +48,14 @@ from attnlab.train.fsdp import (
 )
 from attnlab.train.logging import MetricsLog
 from attnlab.train.optim import build_optimizer, freeze, lr_at
-from attnlab.train.resume import check_resume, data_fingerprint, resumed_files_problem
+from attnlab.train.resume import (
+    check_resume,
+    data_fingerprint,
+    prepared_data_check,
+    resumed_files_problem,
+    trainer_problem,
+    trainer_values,
+)
 from attnlab.train.warm_start import misfits as weight_misfits
 
 
@@ -95,40 +101,16 @@ def full_config(model: ModelConfig, data: DataConfig, train: TrainConfig) -> dic
     return json.loads(json.dumps({"model": model.to_dict(), "data": asdict(data), "train": asdict(train)}))
 
 
-TRAINER_STATE = {"step": int, "tokens": int, "best_val_loss": float | None, "train_seconds": float, "sampler.step": int}
-# The sum of the losses and the number of steps since the last metrics row, so that the first row after a resume
-# is the mean over the same steps as without the interruption.
-WINDOW_STATE = {"window_loss": float, "window_steps": int}
-
-
 def resumed_state(checkpoint, sampler: BatchSampler) -> dict:
     """The trainer state saved with `checkpoint` (its trainer.json), every value checked before it is used (a
-    number >= 0 of the right type); `sampler` continues from it. CheckpointError naming the file and key."""
-    trainer = checkpoint.trainer
-    saved = trainer.get("sampler") if isinstance(trainer.get("sampler"), dict) else {}
-    values = {key: trainer.get(key) for key in TRAINER_STATE} | {"sampler.step": saved.get("step")}
-    fix = "delete the run's checkpoints to train again from the start"
-    for key, kind in TRAINER_STATE.items():
-        value = values[key]
-        problem = value_problem(value, kind, key)
-        if problem is None and value is not None and value < 0:
-            problem = f"{key}={value!r} must be >= 0"
-        if problem:
-            raise CheckpointError(f"{checkpoint.path / 'trainer.json'}: {problem} (the file was changed); {fix}")
-    try:
-        sampler.load_state_dict(saved)
-    except InputError as e:
-        raise CheckpointError(f"{checkpoint.path / 'trainer.json'}: {e}; {fix}") from None
-    resumed = {key: values[key] for key in TRAINER_STATE if "." not in key}
-    # The loss of the steps since the last metrics row (older checkpoints have none: the row then averages fewer).
-    window = {key: trainer.get(key, kind()) for key, kind in WINDOW_STATE.items()}
-    for key, kind in WINDOW_STATE.items():
-        problem = value_problem(window[key], kind, key)
-        if problem is None and window[key] < 0:
-            problem = f"{key}={window[key]!r} must be >= 0"
-        if problem:
-            raise CheckpointError(f"{checkpoint.path / 'trainer.json'}: {problem} (the file was changed); {fix}")
-    return resumed | window
+    number >= 0 of the right type, train.resume.trainer_problem); `sampler` continues from it. CheckpointError naming
+    the file and key."""
+    problem = trainer_problem(checkpoint, sampler.state_dict())
+    if problem:
+        raise CheckpointError(problem)
+    sampler.load_state_dict(checkpoint.trainer["sampler"])
+    values = trainer_values(checkpoint.trainer)
+    return {key: value for key, value in values.items() if "." not in key}
 
 
 def train(
@@ -195,7 +177,8 @@ def train(
     state = {"step": 0, "tokens": 0, "best_val_loss": None, "train_seconds": 0.0, "window_loss": 0.0, "window_steps": 0}
     checkpoint = find_checkpoint(run_dir) if resume else None
     if checkpoint is not None:
-        check_resume(checkpoint, config, data_cfg.source, prepared)  # the same config, the same data
+        data_problem = prepared_data_check(prepared.meta, data_cfg.source, str(run_dir))
+        check_resume(checkpoint, config, sampler.state_dict(), data_problem)  # the same config, data and sampler
         problem = resumed_files_problem(run_dir, checkpoint, config, yaml_copy="config.yaml" in (run_files or {}))
         if problem:  # the files written again below: a damaged one is named, not silently replaced
             raise DataError(problem)

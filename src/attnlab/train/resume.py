@@ -3,8 +3,14 @@
 Each checkpoint's trainer.json records the data it was trained on ("data": data_fingerprint): the sha256 of every
 prepared split (meta.json's) and of the source files they were made from. A run whose data changed since (a text
 file edited between an interruption and the resume) is refused with one line naming the data and what changed,
-instead of continuing silently on other tokens. Checkpoints written before the record existed still resume (a
-change of the training split's size is still caught, from the sampler's token count).
+instead of continuing silently on other tokens. Checkpoints written before the record existed (no "data" key) still
+resume (a change of the training split's size is still caught, from the sampler's token count); a record that is
+there but damaged (a hand edit, checksums.json made to agree) is refused naming trainer.json, since the change
+could not be told. Keys of trainer.json the resume does not read are left alone.
+
+check_resume is what `attnlab run`, its dry run and `train` check before a resume (the trainer state, the config,
+the data, the sampler that would continue), so that a dry run says what the run would do; read_files_problem is the
+dry run's check of what the run reads next (the weights' and optimizer state's checksums, the metrics log).
 
 The run's own copies of what its checkpoint holds (config.json, the runner's config.yaml, the tokenizer/ folder's
 files) are written again when it resumes; one that is damaged or says something else than the checkpoint is refused
@@ -16,15 +22,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from attnlab.config_checks import value_problem
 from attnlab.config_io import read_yaml
 from attnlab.data.files import file_kind, read_json_object, sha256_file
+from attnlab.data.sampler import state_problem
 from attnlab.errors import ConfigError, DataError
-from attnlab.train.checkpoint import CheckpointError
+from attnlab.paths import brief
+from attnlab.train.checkpoint import OPTIMIZER, WEIGHTS, CheckpointError, recorded_checksums, verify_file
+from attnlab.train.logging import metrics_rows
 
 HOW = "restore the data as it was to resume, or train into a new --out"
+AGAIN = "delete the run's checkpoints to train again from the start"
 # What data_change and source_file_change say of a finished run (skipped, its results reported) on changed data.
-FINISHED = {"since": "this run was trained", "how": "restore the data as it was, or train into a new --out (or "
-            "delete the run's folder to train it again)"}  # fmt: skip
+FINISHED = {"since": "this run was trained", "again": "delete the run's folder to train it again",
+            "how": "restore the data as it was, or train into a new --out (or delete the run's folder to train it "
+                   "again)"}  # fmt: skip
 
 
 # How the work is spread over processes and memory, not what is computed: a run saved with DDP resumes with FSDP
@@ -58,12 +70,34 @@ def data_fingerprint(meta: dict) -> dict:
     return {"splits": {name: entry["sha256"] for name, entry in meta["splits"].items()}, "source_files": files}
 
 
-def _recorded(trainer: dict) -> dict | None:
-    saved = trainer.get("data")
-    if not isinstance(saved, dict) or not isinstance(saved.get("splits"), dict):
-        return None  # a checkpoint from before the record
-    files = saved.get("source_files")
-    return {"splits": saved["splits"], "source_files": files if isinstance(files, dict) else {}}
+def _digests(value) -> bool:
+    """A {name: sha256} mapping, as data_fingerprint and tokenizer_record write them."""
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def _damaged(checkpoint, record: str, value, lost: str, again: str) -> str:
+    """The line refusing a trainer.json record that is there but not as a run writes it (a hand edit, checksums.json
+    made to agree): the resume would skip the check the record is for."""
+    return (f"{checkpoint.path / 'trainer.json'}: its {record} record is damaged ({brief(value, 40)}, not the record "
+            f"a run writes), so {lost}; restore the file from a copy, or {again}")  # fmt: skip
+
+
+def data_record(checkpoint, again: str = AGAIN) -> dict | None:
+    """What the checkpoint's trainer.json records of its data (data_fingerprint's {"splits", "source_files"}), or
+    None for a checkpoint from before the record (no "data" key); CheckpointError naming the file when the record is
+    there but damaged: a resume (or a finished run's skip) on changed data could not be told from one on the same
+    data. Keys it does not know are left alone. again: the fix besides restoring the file."""
+    if "data" not in checkpoint.trainer:
+        return None
+    saved = checkpoint.trainer["data"]
+    if (
+        isinstance(saved, dict)
+        and saved.get("splits")
+        and _digests(saved["splits"])
+        and _digests(saved.get("source_files"))
+    ):
+        return {"splits": saved["splits"], "source_files": saved["source_files"]}
+    raise CheckpointError(_damaged(checkpoint, "data", saved, "whether the data changed since cannot be told", again))
 
 
 def _edited(saved: dict, now: dict) -> str | None:
@@ -74,15 +108,18 @@ def _edited(saved: dict, now: dict) -> str | None:
     return None
 
 
-def data_change(trainer: dict, now: dict, source: str, where: str, since: str = "this run started",
-                how: str = HOW) -> str | None:  # fmt: skip
-    """The one line refusing a resume on data other than the checkpoint's (trainer: its trainer.json; now:
-    data_fingerprint of the data prepared today; where: the run folder), or None when it is the same data or the
-    checkpoint recorded none. since, how: when the data was the checkpoint's, and the fix (FINISHED's for a finished
+def data_change(checkpoint, meta: dict, source: str, where: str, since: str = "this run started", how: str = HOW,
+                again: str = AGAIN) -> str | None:  # fmt: skip
+    """The one line refusing a resume of `checkpoint` on data other than its own (meta: the meta.json of the data
+    prepared today; where: the run folder), or None when it is the same data. A checkpoint from before the data record
+    is checked by its training split's token count (token_count_change); a damaged record is a CheckpointError
+    (data_record). since, how, again: when the data was the checkpoint's, and the fixes (FINISHED's for a finished
     run, which would be skipped with results of the old data)."""
-    saved = _recorded(trainer)
+    saved = data_record(checkpoint, again)
     if saved is None:
-        return None
+        tokens = (meta["splits"].get("train") or {}).get("tokens")
+        return token_count_change(checkpoint.trainer, tokens, source, where, since, how) if _whole(tokens) else None
+    now = data_fingerprint(meta)
     before, after = saved["splits"], now["splits"]
     changed = [s for s in sorted(set(before) | set(after)) if before.get(s) != after.get(s)]
     if not changed:
@@ -96,11 +133,11 @@ def data_change(trainer: dict, now: dict, source: str, where: str, since: str = 
             f"tokens differ from those the checkpoint was trained on); {how}")  # fmt: skip
 
 
-def source_file_change(trainer: dict, path: Path, source: str, where: str, since: str = "this run started",
-                       how: str = HOW) -> str | None:  # fmt: skip
+def source_file_change(checkpoint, path: Path, source: str, where: str, since: str = "this run started",
+                       how: str = HOW, again: str = AGAIN) -> str | None:  # fmt: skip
     """data_change for a dry run, from a local source file alone (before it is prepared again): the line refusing
     the resume when the checkpoint recorded `path` with another sha256, else None."""
-    saved = _recorded(trainer)
+    saved = data_record(checkpoint, again)
     if saved is None or str(path) not in saved["source_files"]:
         return None
     now = sha256_file(path)
@@ -110,15 +147,21 @@ def source_file_change(trainer: dict, path: Path, source: str, where: str, since
     return f"{where}: the data {source} changed since {since} ({what}); {how}"
 
 
-def token_count_change(trainer: dict, n_tokens: int, source: str, where: str) -> str | None:
+def token_count_change(trainer: dict, n_tokens: int, source: str, where: str, since: str = "this run started",
+                       how: str = HOW) -> str | None:  # fmt: skip
     """For a checkpoint from before the data record: the line refusing a resume whose training split has another
     number of tokens than the sampler recorded, else None."""
     sampler = trainer.get("sampler")
     then = sampler.get("n_tokens") if isinstance(sampler, dict) else None
-    if not isinstance(then, int) or isinstance(then, bool) or then == n_tokens:
+    if not _whole(then) or then == n_tokens:
         return None
-    return (f"{where}: the data {source} changed since this run started (its training split has {n_tokens:,} tokens, "
-            f"{then:,} then); {HOW}")  # fmt: skip
+    return (f"{where}: the data {source} changed since {since} (its training split has {n_tokens:,} tokens, "
+            f"{then:,} then); {how}")  # fmt: skip
+
+
+def prepared_data_check(meta: dict, source: str, where: str, **words):
+    """data_change against the data prepared today (meta: its meta.json), as a function of the checkpoint."""
+    return lambda checkpoint: data_change(checkpoint, meta, source, where, **words)
 
 
 def _whole(value) -> bool:
@@ -129,7 +172,7 @@ def step_problem(checkpoint) -> str | None:
     """Why a checkpoint's trainer.json does not say where the run stands, or None: its step is not its folder's
     (step-N, which the runner names as the step it resumes from), or its sampler has not drawn step x grad_accum
     batches. The loop would count from one and draw the batches of the other: extra (or missing) steps, other
-    weights than an uninterrupted run's. Values of the wrong type (or < 0) are named by train.loop.resumed_state."""
+    weights than an uninterrupted run's. Values of the wrong type (or < 0) are named by trainer_problem."""
     trainer, path = checkpoint.trainer, checkpoint.path / "trainer.json"
     step, folder = trainer.get("step"), checkpoint.path.name
     fix = ("the file was changed after it was written: restore it from a copy, or delete the run's checkpoints to "
@@ -148,19 +191,55 @@ def step_problem(checkpoint) -> str | None:
     return None
 
 
-def check_resume(checkpoint, config: dict, source: str, prepared) -> None:
-    """Refuses to resume `checkpoint` (a train.checkpoint.Checkpoint) whose trainer state disagrees with itself
-    (CheckpointError), with another config (ConfigError listing each difference) or on other data (DataError, one
-    line; also when the vocabulary differs only because the data did). Reads the checkpoint's JSON only: done before
-    anything is written into the run folder."""
-    problem = step_problem(checkpoint)
+# What the loop continues from (trainer.json's keys), each a number >= 0 of this type.
+TRAINER_STATE = {"step": int, "tokens": int, "best_val_loss": float | None, "train_seconds": float, "sampler.step": int}
+# The sum of the losses and the number of steps since the last metrics row, so that the first row after a resume
+# is the mean over the same steps as without the interruption (older checkpoints have none: the row then averages
+# fewer).
+WINDOW_STATE = {"window_loss": float, "window_steps": int}
+
+
+def trainer_values(trainer: dict) -> dict:
+    """trainer.json's TRAINER_STATE and WINDOW_STATE values by key (as checked by trainer_problem)."""
+    sampler = trainer.get("sampler") if isinstance(trainer.get("sampler"), dict) else {}
+    values = {key: trainer.get(key) for key in TRAINER_STATE} | {"sampler.step": sampler.get("step")}
+    return values | {key: trainer.get(key, kind()) for key, kind in WINDOW_STATE.items()}
+
+
+def trainer_problem(checkpoint, sampler: dict | None = None) -> str | None:
+    """Why the loop cannot continue from the checkpoint's trainer.json, or None: a value it reads (TRAINER_STATE,
+    WINDOW_STATE) of the wrong type or < 0, a tokenizer record not as a run writes it, or (sampler: the state of the
+    sampler that would continue, data.sampler.sampler_state) a sampler state of another seed, seq_len, global batch
+    or split size. Its data record is data_record's."""
+    path, fix = checkpoint.path / "trainer.json", "delete the run's checkpoints to train again from the start"
+    values = trainer_values(checkpoint.trainer)
+    for key, kind in (TRAINER_STATE | WINDOW_STATE).items():
+        problem = value_problem(values[key], kind, key)
+        if problem is None and values[key] is not None and values[key] < 0:
+            problem = f"{key}={values[key]!r} must be >= 0"
+        if problem:
+            return f"{path}: {problem} (the file was changed); {fix}"
+    record = checkpoint.trainer.get("tokenizer")  # (None: a checkpoint from before the record)
+    if record is not None and not (isinstance(record, dict) and _digests(record.get("files"))):
+        return _damaged(checkpoint, "tokenizer", record, "the run's tokenizer/ files cannot be checked", AGAIN)
+    saved = checkpoint.trainer.get("sampler")
+    problem = state_problem(saved, sampler) if sampler is not None and isinstance(saved, dict) else None
+    return f"{path}: {problem}; {fix}" if problem else None
+
+
+def check_resume(checkpoint, config: dict | None, sampler: dict, data_problem=None) -> None:
+    """Refuses to resume `checkpoint` (a train.checkpoint.Checkpoint) whose trainer state disagrees with itself or
+    with the sampler that would continue (CheckpointError: step_problem, trainer_problem), with another config
+    (ConfigError listing each difference; config None: not known yet, a dry run's conversion not made), or on other
+    data (DataError, data_problem(checkpoint)'s line; also when the vocabulary differs only because the data did).
+    sampler: the state of the run's sampler (data.sampler.sampler_state; n_tokens None when the data is not prepared
+    yet). Reads the checkpoint's JSON only: done before anything is written into the run folder, by the run, its dry
+    run and train alike."""
+    problem = step_problem(checkpoint) or trainer_problem(checkpoint)
     if problem:
         raise CheckpointError(problem)
-    differences = config_differences(checkpoint.config, config)
-    where = str(checkpoint.path.parent.parent)
-    problem = data_change(checkpoint.trainer, data_fingerprint(prepared.meta), source, where)
-    if problem is None and _recorded(checkpoint.trainer) is None and "train" in prepared.meta["splits"]:
-        problem = token_count_change(checkpoint.trainer, prepared.meta["splits"]["train"]["tokens"], source, where)
+    differences = config_differences(checkpoint.config, config) if config is not None else []
+    problem = data_problem(checkpoint) if data_problem is not None else None
     derived = [d for d in differences if d.startswith("model.vocab_size:")]  # the tokenizer's, fitted on the data
     if differences and (problem is None or len(derived) < len(differences)):
         raise ConfigError(
@@ -169,6 +248,23 @@ def check_resume(checkpoint, config: dict, source: str, prepared) -> None:
         )
     if problem:
         raise DataError(problem)
+    problem = trainer_problem(checkpoint, sampler)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def read_files_problem(checkpoint, run_dir: Path) -> str | None:
+    """For a dry run: the line the resume would refuse the files it reads after check_resume with, or None: the
+    checkpoint's weights and optimizer state not as written (their checksums, as load_weights and load_optimizer
+    check them first), the run's metrics log damaged (as the run reads it, train.logging.metrics_rows)."""
+    recorded = recorded_checksums(checkpoint.path)
+    try:
+        for name in (WEIGHTS, OPTIMIZER):
+            verify_file(checkpoint.path, name, recorded)
+        metrics_rows(run_dir / "metrics.jsonl", checkpoint.step)
+    except DataError as e:
+        return str(e)
+    return None
 
 
 def resumed_files_problem(run_dir: Path, checkpoint, config: dict, yaml_copy: bool = False) -> str | None:
