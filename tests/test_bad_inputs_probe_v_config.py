@@ -1,0 +1,57 @@
+"""Probe U's findings about configs and arguments fixed at once (branch fix13-cfg): a sliding window that covers the
+context (v1); lm-eval's local arguments checked before its tasks reach the Hub (v2); a link loop or dangling link as a
+memory --store (v3); convert's --memory errors and its "nothing to convert" line (v4, v5); kv-tune's default
+--seq-len (v6); a data source of an unknown suffix (v7); no usable temporary directory (v8)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import fails, hat_text, probe_manifest
+
+from attnlab.attention.mha import MHAConfig
+from attnlab.attention.sliding import SlidingConfig
+from attnlab.cli import main
+from attnlab.config import ModelConfig
+from attnlab.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
+TRAIN = "{seq_len: 16, batch_size: 2, steps: 4, warmup_steps: 1, eval_every: 2, eval_tokens: 32, checkpoint_every: 2}"
+
+
+# ----------------------------------------------------------------------------- v1: a window that hides nothing
+
+
+@pytest.mark.parametrize("window", [64, 1000])
+def test_v1_a_sliding_window_not_below_max_seq_len_is_refused_by_validate_dry_run_and_run(tmp_path, capsys, window):
+    """max_seq_len 64: a window of 64 or more is full attention (a model without a memory reads at most 64 tokens)."""
+    targets = f"  base: {{model: {{attention: {{kind: sliding, window: {window}}}}}}}\n"
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, targets=targets)
+    said = (f"attention.window={window} is not less than max_seq_len=64", "plain mha", "use attention.kind: mha",
+            "a window below 64")  # fmt: skip
+    assert main(["validate", str(manifest)]) == 2
+    captured = capsys.readouterr()
+    assert all(part in captured.out + captured.err for part in said) and "Traceback" not in captured.err
+    out = tmp_path / "runs"
+    for extra in (["--dry-run"], []):
+        assert fails(capsys, ["run", str(manifest), "--out", str(out), "--no-progress", *extra], *said)
+    assert not out.exists()
+
+
+def test_v1_a_window_below_max_seq_len_is_kept_and_the_library_refuses_the_rest():
+    base = dict(vocab_size=50, d_model=32, n_layers=1, n_heads=4, max_seq_len=64)
+    assert ModelConfig(attention=SlidingConfig(window=63), **base).attention.window == 63
+    with pytest.raises(ConfigError, match=r"attention\.window=64 is not less than max_seq_len=64"):
+        ModelConfig(attention=SlidingConfig(window=64), **base)
+
+
+def test_v1_a_hugging_face_window_covering_the_context_imports_as_mha():
+    """Tiny Mistral models ship sliding_window 4096 over 512 positions: transformers attends fully, so does mha."""
+    from attnlab.interop.hf import config_from_hf
+
+    hf = dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=50, hidden_size=32,
+              intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, rms_norm_eps=1e-5)  # fmt: skip
+    assert config_from_hf({**hf, "sliding_window": 4096}).attention == MHAConfig(n_kv_heads=2, head_dim=8)
+    assert config_from_hf({**hf, "sliding_window": 64}).attention.kind == "mha"
+    assert config_from_hf({**hf, "sliding_window": 63}).attention == SlidingConfig(window=63, n_kv_heads=2, head_dim=8)
