@@ -55,3 +55,24 @@ def test_v1_a_hugging_face_window_covering_the_context_imports_as_mha():
     assert config_from_hf({**hf, "sliding_window": 4096}).attention == MHAConfig(n_kv_heads=2, head_dim=8)
     assert config_from_hf({**hf, "sliding_window": 64}).attention.kind == "mha"
     assert config_from_hf({**hf, "sliding_window": 63}).attention == SlidingConfig(window=63, n_kv_heads=2, head_dim=8)
+
+
+# ----------------------------------------------------------------------------- v2: lm-eval's local arguments first
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "said"),
+    [
+        ("seed0", ["--kv-policy", "k=zz"], "kv policy k='zz': unknown format"),
+        ("seed0", ["--batch-size", "0"], "batch_size=0 must be a whole number >= 1"),
+        ("nosuch", [], "nosuch: no such file or folder"),
+    ],
+)
+def test_v2_lm_eval_checks_its_local_arguments_before_the_tasks(tiny_run, capsys, monkeypatch, model, extra, said):
+    """A task of Hub data (arc_easy) retried the Hub for about a minute offline before a bad --kv-policy (or a model
+    reference that names nothing) was said."""
+    pytest.importorskip("lm_eval")
+    import attnlab.eval.lmeval as lmeval
+
+    monkeypatch.setattr(lmeval, "task_manager", lambda *a, **k: pytest.fail("the tasks were read first"))
+    assert fails(capsys, ["lm-eval", str(tiny_run.parent / model), "--tasks", "arc_easy", *extra], said)
