@@ -5,6 +5,8 @@ memory --store (v3); convert's --memory errors and its "nothing to convert" line
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from helpers import fails, hat_text, probe_manifest
 
@@ -76,3 +78,20 @@ def test_v2_lm_eval_checks_its_local_arguments_before_the_tasks(tiny_run, capsys
 
     monkeypatch.setattr(lmeval, "task_manager", lambda *a, **k: pytest.fail("the tasks were read first"))
     assert fails(capsys, ["lm-eval", str(tiny_run.parent / model), "--tasks", "arc_easy", *extra], said)
+
+
+# ----------------------------------------------------------------------------- v3: a --store that is a broken link
+
+
+@pytest.mark.parametrize("case", ["loop", "dangling"])
+def test_v3_every_memory_command_refuses_a_store_that_is_a_broken_link(tiny_run, tmp_path, capsys, case):
+    """`memory ls` said "no memories in mloop" (exit 0), as for a store not made yet; the others, no such memory."""
+    store, doc = tmp_path / "store", tmp_path / "doc.txt"
+    doc.write_text("the cat sat on the mat\n")
+    os.symlink(store if case == "loop" else tmp_path / "nowhere", store)
+    said = "a symbolic link loop" if case == "loop" else f"a symbolic link to {tmp_path / 'nowhere'}, which is not"
+    for argv in (["ls"], ["rm", "x"], ["query", "x", "hi"], ["ingest", str(tiny_run), str(doc), "--name", "x"]):
+        assert fails(capsys, ["memory", *argv, "--store", str(store)], f"--store {store}: {said}", "remove the link")
+    assert os.path.islink(store) and not (tmp_path / "nowhere").exists()
+    missing = tmp_path / "not-made-yet"  # a store not made yet is still empty, not an error
+    assert main(["memory", "ls", "--store", str(missing)]) == 0 and "no memories" in capsys.readouterr().out
