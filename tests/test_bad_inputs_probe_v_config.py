@@ -95,3 +95,30 @@ def test_v3_every_memory_command_refuses_a_store_that_is_a_broken_link(tiny_run,
     assert os.path.islink(store) and not (tmp_path / "nowhere").exists()
     missing = tmp_path / "not-made-yet"  # a store not made yet is still empty, not an error
     assert main(["memory", "ls", "--store", str(missing)]) == 0 and "no memories" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- v4, v5: convert's lines
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--memory", "kind=window,recent_window=0"], "--memory: memory.recent_window=0 must be >= 1"),
+        (["--memory", "kind=window,sink_tokens=4"], "--memory: memory.sink_tokens belongs to memory.kind streaming"),
+        (["--attention", "window=8"], "--attention: attention.window belongs to attention kind sliding"),
+        (["--attention", "kind=mha,n_kv_heads=3"], "--attention: attention.n_kv_heads=3 must divide n_heads=2"),
+    ],
+)
+def test_v4_convert_names_the_flag_of_a_bad_option_once(tiny_run, tmp_path, capsys, flags, said):
+    """It read "attnlab convert: error: convert: memory.recent_window=0 ...": convert twice, and no --memory."""
+    out = tmp_path / "converted"
+    line = fails(capsys, ["convert", str(tiny_run), *flags, "--out", str(out), "--eval-tokens", "0"], said)
+    assert line.startswith(f"attnlab convert: error: {said}") and "convert: " not in line.split("error: ", 1)[1]
+    assert not out.exists()
+
+
+def test_v5_nothing_to_convert_says_what_the_model_has(tiny_run, tmp_path, capsys):
+    """It said "mha with 2 KV heads of 16": 16 what? Now: which heads, and head_dim."""
+    argv = ["convert", str(tiny_run), "--attention", "kind=mha", "--out", str(tmp_path / "c"), "--eval-tokens", "0"]
+    assert fails(capsys, argv, f"--attention kind=mha asks for {tiny_run} as it already is: attention mha with 2 KV "
+                 "heads for its 2 query heads, head_dim 16, and no memory")  # fmt: skip

@@ -371,9 +371,10 @@ def check_something_to_convert(args, source, target) -> None:
     window = f" (window {attention.window})" if attention.kind == "sliding" else ""
     memory = "no memory" if source.memory.kind == "none" else f"memory {source.memory.kind}"
     example = "--attention kind=mha,n_kv_heads=1" if n_kv > 1 else "--attention kind=coda"
-    raise InputError(f"nothing to convert: {asked} ask for what {args.ref} already is (attention {attention.kind}"
-                     f"{window} with {n_kv} KV heads of {attention.dim(source)}, {memory}): give an attention or a "
-                     f"memory it does not have (e.g. {example})")  # fmt: skip
+    raise InputError(f"nothing to convert: {asked} asks for {args.ref} as it already is: attention {attention.kind}"
+                     f"{window} with {n_kv} KV heads for its {source.n_heads} query heads, head_dim "
+                     f"{attention.dim(source)}, and {memory}; give an attention or a memory it does not have (e.g. "
+                     f"{example})")  # fmt: skip
 
 
 INSIDE_A_RUN = ("a conversion saved there would be taken for the run's own files (in its checkpoints/, for one of "
@@ -382,6 +383,26 @@ INSIDE_A_RUN = ("a conversion saved there would be taken for the run's own files
 
 
 def cmd_convert(args) -> int:
+    try:
+        return convert(args)
+    except ConfigError as e:
+        raise flagged_problems(e) from None
+
+
+def flagged_problems(error: ConfigError) -> ConfigError:
+    """A conversion's ConfigError (its problems said as "convert: attention.window ...", for a manifest's init_from)
+    named by their flags, as `info --memory` names its problems: "--memory: memory.recent_window=0 must be >= 1"
+    (other errors as they are)."""
+    if error.source != "convert" and not any(p.startswith("convert: ") for p in error.problems):
+        return error
+    problems = []
+    for problem in (p.removeprefix("convert: ") for p in error.problems):
+        section = next((s for s in ("attention", "memory") if problem.startswith(f"{s}.")), None)
+        problems.append(f"--{section}: {problem}" if section else problem)
+    return ConfigError(problems)
+
+
+def convert(args) -> int:
     broken = broken_link(args.out)  # (the conversion's folder is renamed onto --out itself: "Not a directory")
     if broken:
         raise InputError(f"--out {args.out}: {broken}: remove the link, or give another --out")
