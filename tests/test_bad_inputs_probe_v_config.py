@@ -122,3 +122,15 @@ def test_v5_nothing_to_convert_says_what_the_model_has(tiny_run, tmp_path, capsy
     argv = ["convert", str(tiny_run), "--attention", "kind=mha", "--out", str(tmp_path / "c"), "--eval-tokens", "0"]
     assert fails(capsys, argv, f"--attention kind=mha asks for {tiny_run} as it already is: attention mha with 2 KV "
                  "heads for its 2 query heads, head_dim 16, and no memory")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- v6: kv-tune's default --seq-len
+
+
+@pytest.mark.parametrize("command", [["kv-tune", "--budget", "0.5"], ["kv-eval", "--policies", "k=q8_0"]])
+def test_v6_the_default_seq_len_fits_a_short_model_and_only_a_given_one_is_refused(tiny_run, capsys, command):
+    """A 64-token model: kv-tune without --seq-len was refused for "--seq-len 512", which the user never typed."""
+    name, *flags = command
+    argv = [name, str(tiny_run), *flags, "--split", "val", "--tokens", "10"]  # (fewer tokens than one window)
+    assert fails(capsys, argv, "--tokens 10 is fewer than one window of --seq-len 64")
+    assert fails(capsys, [*argv[:-2], "--seq-len", "512"], "--seq-len 512 is more than", "max_seq_len=64")

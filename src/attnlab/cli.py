@@ -446,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--split", default="test", help="held-out split of the checkpoint's dataset (default test)")
         p.add_argument("--dataset", default=None, help="score a named dataset or text file instead, tokenized with "
                        "the model's tokenizer (a pretrained model: e.g. wikitext2-raw)")  # fmt: skip
-        p.add_argument("--seq-len", type=int, default=512, help="window length (default 512)")
+        p.add_argument("--seq-len", type=int, default=None,
+                       help="window length (default 512, or the model's max_seq_len when shorter)")  # fmt: skip
         p.add_argument("--tokens", type=int, default=8192, help="held-out tokens to score (default 8192)")
         p.add_argument("--chunk", type=int, default=1, help="tokens fed per cache update (default 1: decoding)")
         p.add_argument("--dtype", default="fp16", help="dtype of the residual window and unquantized tensors in "

@@ -145,9 +145,25 @@ def no_dataset(ref) -> None:
                      "val)")  # fmt: skip
 
 
+DEFAULT_KV_SEQ_LEN = 512
+
+
+def default_kv_seq_len(args) -> int:
+    """kv-eval/kv-tune's --seq-len when it is left out: DEFAULT_KV_SEQ_LEN, or a shorter model's max_seq_len (a
+    model without a memory reads no more; one with a memory reads any length). The model's config is read without
+    its weights; a reference that cannot be read is said when the model loads."""
+    try:
+        cfg = model_config_of(args.checkpoint, args.data_dir)
+    except AttnlabError:
+        return DEFAULT_KV_SEQ_LEN
+    return min(DEFAULT_KV_SEQ_LEN, cfg.max_seq_len) if cfg.memory.kind == "none" else DEFAULT_KV_SEQ_LEN
+
+
 def check_kv_arguments(args) -> Path | None:
     """kv-eval/kv-tune flags checked before a model is loaded: one line naming the flag. The records file (--out),
-    or None."""
+    or None. A --seq-len left out is set to its default for this model (default_kv_seq_len)."""
+    if args.seq_len is None:
+        args.seq_len = default_kv_seq_len(args)
     for flag, value in (("--tokens", args.tokens), ("--seq-len", args.seq_len), ("--chunk", args.chunk)):
         if value < 1:
             raise InputError(f"{flag}={value} must be >= 1")
