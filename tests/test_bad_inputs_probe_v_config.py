@@ -134,3 +134,27 @@ def test_v6_the_default_seq_len_fits_a_short_model_and_only_a_given_one_is_refus
     argv = [name, str(tiny_run), *flags, "--split", "val", "--tokens", "10"]  # (fewer tokens than one window)
     assert fails(capsys, argv, "--tokens 10 is fewer than one window of --seq-len 64")
     assert fails(capsys, [*argv[:-2], "--seq-len", "512"], "--seq-len 512 is more than", "max_seq_len=64")
+
+
+# ----------------------------------------------------------------------------- v7: what a compressed source may be
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("wiki.valid.tokens.xz", "a .xz compressed file whose name before .xz ends in .tokens: only a compressed .txt"),
+        ("docs.parquet.gz", "a parquet file compressed with .gz: give it uncompressed"),
+        ("notes.csv", "not a .txt, .jsonl or .parquet file (a .txt or .jsonl file may be compressed too"),
+    ],
+)
+def test_v7_a_source_of_another_kind_is_refused_saying_what_is_read(tmp_path, capsys, name, said):
+    """`foo.tokens.xz` was refused with "(.xz compressed allowed)"; a .parquet.gz was taken, then not readable."""
+    from attnlab.config import DataConfig
+
+    with pytest.raises(ConfigError, match="is not a known dataset") as error:
+        DataConfig(source=str(tmp_path / name))
+    assert said in str(error.value) and "compressed allowed" not in str(error.value)
+    assert DataConfig(source=str(tmp_path / "notes.txt.xz")).source and DataConfig(source="a.jsonl.gz").source
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN)
+    argv = ["run", str(manifest), "--out", str(tmp_path / "runs"), "--dry-run", "--set", f"data.source={name}"]
+    assert fails(capsys, argv, f"data.source='{name}' is not a known dataset", said)
