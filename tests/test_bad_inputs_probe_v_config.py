@@ -158,3 +158,35 @@ def test_v7_a_source_of_another_kind_is_refused_saying_what_is_read(tmp_path, ca
     manifest = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN)
     argv = ["run", str(manifest), "--out", str(tmp_path / "runs"), "--dry-run", "--set", f"data.source={name}"]
     assert fails(capsys, argv, f"data.source='{name}' is not a known dataset", said)
+
+
+# ----------------------------------------------------------------------------- v8: no usable temporary directory
+
+
+@pytest.mark.parametrize("command", [["info", "model.yaml"], ["memory", "ls"]])
+def test_v8_no_usable_temporary_directory_is_one_line_before_torch(tmp_path, command):
+    """`(ulimit -f 0; attnlab info ...)`: torch's import needs a temporary file, and died in a FileNotFoundError
+    traceback ("No usable temporary directory"). The shell ignores SIGXFSZ, so a write fails with EFBIG."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import attnlab
+
+    def no_file_bytes():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    src = str(Path(attnlab.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": src, "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("TMPDIR", None)
+    script = "import sys; from attnlab.cli import main; sys.exit(main())"
+    done = subprocess.run([sys.executable, "-c", script, *command], cwd=tmp_path, env=env, preexec_fn=no_file_bytes,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"attnlab {' '.join(command[:2] if command[0] == 'memory' else command[:1])}: error: "
+                               "no usable temporary directory (TMPDIR is not set): "), lines  # fmt: skip
+    assert "a file-size limit (ulimit -f) of 0" in lines[0] and "set TMPDIR to a writable folder" in lines[0]

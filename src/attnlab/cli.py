@@ -12,8 +12,19 @@ import json
 import math
 import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
+
+try:  # importing torch writes a file in the temporary directory: with none usable, one line (not a traceback)
+    tempfile.gettempdir()
+except OSError:
+    from attnlab.paths import temporary_directory_problem
+
+    words = [arg for arg in sys.argv[1:3] if not arg.startswith("-")]
+    command = " ".join(words[:2] if words[:1] == ["memory"] else words[:1])
+    print(f"attnlab{' ' + command if command else ''}: error: {temporary_directory_problem()}", file=sys.stderr)
+    sys.exit(2)
 
 import torch
 
