@@ -140,7 +140,7 @@ def test_a_calibration_text_run_cannot_read_is_refused_by_validate_and_the_dry_r
     assert main(["validate", str(manifest), "--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"targets.dba.init_from.calibrate_on='{wrong}' is not a known dataset" in err[0], err
-    assert ".txt, .jsonl, .parquet file" in err[0]
+    assert "not a .txt, .jsonl or .parquet file" in err[0]
     command = ["run", str(manifest), "--out", str(tmp_path / "runs"), "--dry-run"]
     assert fails(capsys, command, f"calibrate_on='{wrong}' is not a known dataset")
 

@@ -37,9 +37,11 @@ def variant(tasks: Path, name: str, old: str, new: str) -> None:
 
 
 def argv(tmp_path, tasks, data, name, *extra):
-    """lm-eval on a checkpoint that does not exist: a task file mistake must be refused before any model loads."""
-    return ["lm-eval", str(tmp_path / "absent"), "--tasks", name, "--include-path", str(tasks), "--data-dir",
-            str(data), "--limit", "2", *extra]  # fmt: skip
+    """lm-eval on a model file that cannot load (a .gguf of other bytes, which a missing one would be refused before
+    the tasks are read): a task file mistake must be refused before any model loads."""
+    (tmp_path / "unloadable.gguf").write_bytes(b"not a model")
+    return ["lm-eval", str(tmp_path / "unloadable.gguf"), "--tasks", name, "--include-path", str(tasks),
+            "--data-dir", str(data), "--limit", "2", *extra]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -226,9 +226,11 @@ def lm_tasks(tmp_path, monkeypatch):
 
 
 def lm_argv(tmp_path, tasks, data, name):
-    """lm-eval on a checkpoint that does not exist: a task file's mistake must be refused before any model loads."""
-    return ["lm-eval", str(tmp_path / "absent"), "--tasks", name, "--include-path", str(tasks), "--data-dir",
-            str(data), "--limit", "2"]  # fmt: skip
+    """lm-eval on a model file that cannot load (a .gguf of other bytes, which a missing one would be refused before
+    the tasks are read): a task file's mistake must be refused before any model loads."""
+    (tmp_path / "unloadable.gguf").write_bytes(b"not a model")
+    return ["lm-eval", str(tmp_path / "unloadable.gguf"), "--tasks", name, "--include-path", str(tasks),
+            "--data-dir", str(data), "--limit", "2"]  # fmt: skip
 
 
 def test_an_unknown_metric_names_the_metric_not_a_split(lm_tasks, tmp_path, capsys):

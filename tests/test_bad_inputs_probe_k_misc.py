@@ -72,9 +72,9 @@ def test_a_conversion_to_what_the_model_already_is_is_refused(tiny_run, tmp_path
     """It wrote an identical copy with exit 0 (no flags at all is refused as nothing to convert)."""
     out = tmp_path / "c"
     line = fails(capsys, ["convert", str(tiny_run), "--out", str(out), "--eval-tokens", "0", *flags])
-    assert line == (f"attnlab convert: error: nothing to convert: {asked} ask for what {tiny_run} already is "
-                    "(attention mha with 2 KV heads of 16, no memory): give an attention or a memory it does not "
-                    "have (e.g. --attention kind=mha,n_kv_heads=1)")  # fmt: skip
+    assert line == (f"attnlab convert: error: nothing to convert: {asked} asks for {tiny_run} as it already is: "
+                    "attention mha with 2 KV heads for its 2 query heads, head_dim 16, and no memory; give an "
+                    "attention or a memory it does not have (e.g. --attention kind=mha,n_kv_heads=1)")  # fmt: skip
     assert not out.exists()
 
 

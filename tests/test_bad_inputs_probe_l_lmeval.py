@@ -28,9 +28,11 @@ def lm_tasks(tmp_path, monkeypatch):
 
 
 def lm_argv(tmp_path, tasks, data, name="mytask"):
-    """lm-eval on a checkpoint that does not exist: a task file's mistake must be refused before any model loads."""
-    return ["lm-eval", str(tmp_path / "absent"), "--tasks", name, "--include-path", str(tasks), "--data-dir",
-            str(data), "--limit", "3"]  # fmt: skip
+    """lm-eval on a model file that cannot load (a .gguf of other bytes, which a missing one would be refused before
+    the tasks are read): a task file's mistake must be refused before any model loads."""
+    (tmp_path / "unloadable.gguf").write_bytes(b"not a model")
+    return ["lm-eval", str(tmp_path / "unloadable.gguf"), "--tasks", name, "--include-path", str(tasks),
+            "--data-dir", str(data), "--limit", "3"]  # fmt: skip
 
 
 def byte_model(tmp_path):
@@ -140,10 +142,10 @@ def test_a_key_given_twice_in_an_included_file_is_refused(lm_tasks, tmp_path, ca
 
 
 def test_a_task_file_with_a_key_given_twice_that_is_not_asked_for_is_left_alone(lm_tasks, tmp_path, capsys):
-    """Only the task files of the tasks asked for are read strictly: the checkpoint's absence is the line."""
+    """Only the task files of the tasks asked for are read strictly: the model file's damage is the line."""
     tasks, data = lm_tasks
     (tasks / "other.yaml").write_text(lm_task_yaml("other") + "repeats: 1\nrepeats: 1\n")
-    line = fails(capsys, lm_argv(tmp_path, tasks, data), "absent: no such file or folder")
+    line = fails(capsys, lm_argv(tmp_path, tasks, data), "unloadable.gguf: not a readable GGUF file")
     assert "other.yaml" not in line
 
 

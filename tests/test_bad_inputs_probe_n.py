@@ -17,7 +17,9 @@ pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 def test_with_downloads_off_a_hub_task_is_refused_at_once(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ATTNLAB_OFFLINE", "1")
-    assert main(["lm-eval", str(tmp_path / "absent"), "--tasks", "arc_easy", "--limit", "2"]) == 2
+    model = tmp_path / "unloadable.gguf"  # (a missing one would be refused before the tasks are read)
+    model.write_bytes(b"not a model")
+    assert main(["lm-eval", str(model), "--tasks", "arc_easy", "--limit", "2"]) == 2
     line = error_line(capsys, "lm-eval", "'arc_easy' (Hub dataset allenai/ai2_arc)", "could not be reached",
                       "--tasks arc_easy_local")  # fmt: skip
     assert "Offline" in line  # datasets was told, rather than finding out from the network

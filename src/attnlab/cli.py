@@ -12,8 +12,19 @@ import json
 import math
 import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
+
+try:  # importing torch writes a file in the temporary directory: with none usable, one line (not a traceback)
+    tempfile.gettempdir()
+except OSError:
+    from attnlab.paths import temporary_directory_problem
+
+    words = [arg for arg in sys.argv[1:3] if not arg.startswith("-")]
+    command = " ".join(words[:2] if words[:1] == ["memory"] else words[:1])
+    print(f"attnlab{' ' + command if command else ''}: error: {temporary_directory_problem()}", file=sys.stderr)
+    sys.exit(2)
 
 import torch
 
@@ -446,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--split", default="test", help="held-out split of the checkpoint's dataset (default test)")
         p.add_argument("--dataset", default=None, help="score a named dataset or text file instead, tokenized with "
                        "the model's tokenizer (a pretrained model: e.g. wikitext2-raw)")  # fmt: skip
-        p.add_argument("--seq-len", type=int, default=512, help="window length (default 512)")
+        p.add_argument("--seq-len", type=int, default=None,
+                       help="window length (default 512, or the model's max_seq_len when shorter)")  # fmt: skip
         p.add_argument("--tokens", type=int, default=8192, help="held-out tokens to score (default 8192)")
         p.add_argument("--chunk", type=int, default=1, help="tokens fed per cache update (default 1: decoding)")
         p.add_argument("--dtype", default="fp16", help="dtype of the residual window and unquantized tensors in "

@@ -145,9 +145,25 @@ def no_dataset(ref) -> None:
                      "val)")  # fmt: skip
 
 
+DEFAULT_KV_SEQ_LEN = 512
+
+
+def default_kv_seq_len(args) -> int:
+    """kv-eval/kv-tune's --seq-len when it is left out: DEFAULT_KV_SEQ_LEN, or a shorter model's max_seq_len (a
+    model without a memory reads no more; one with a memory reads any length). The model's config is read without
+    its weights; a reference that cannot be read is said when the model loads."""
+    try:
+        cfg = model_config_of(args.checkpoint, args.data_dir)
+    except AttnlabError:
+        return DEFAULT_KV_SEQ_LEN
+    return min(DEFAULT_KV_SEQ_LEN, cfg.max_seq_len) if cfg.memory.kind == "none" else DEFAULT_KV_SEQ_LEN
+
+
 def check_kv_arguments(args) -> Path | None:
     """kv-eval/kv-tune flags checked before a model is loaded: one line naming the flag. The records file (--out),
-    or None."""
+    or None. A --seq-len left out is set to its default for this model (default_kv_seq_len)."""
+    if args.seq_len is None:
+        args.seq_len = default_kv_seq_len(args)
     for flag, value in (("--tokens", args.tokens), ("--seq-len", args.seq_len), ("--chunk", args.chunk)):
         if value < 1:
             raise InputError(f"{flag}={value} must be >= 1")
@@ -381,9 +397,10 @@ def check_something_to_convert(args, source, target) -> None:
     window = f" (window {attention.window})" if attention.kind == "sliding" else ""
     memory = "no memory" if source.memory.kind == "none" else f"memory {source.memory.kind}"
     example = "--attention kind=mha,n_kv_heads=1" if n_kv > 1 else "--attention kind=coda"
-    raise InputError(f"nothing to convert: {asked} ask for what {args.ref} already is (attention {attention.kind}"
-                     f"{window} with {n_kv} KV heads of {attention.dim(source)}, {memory}): give an attention or a "
-                     f"memory it does not have (e.g. {example})")  # fmt: skip
+    raise InputError(f"nothing to convert: {asked} asks for {args.ref} as it already is: attention {attention.kind}"
+                     f"{window} with {n_kv} KV heads for its {source.n_heads} query heads, head_dim "
+                     f"{attention.dim(source)}, and {memory}; give an attention or a memory it does not have (e.g. "
+                     f"{example})")  # fmt: skip
 
 
 INSIDE_A_RUN = ("a conversion saved there would be taken for the run's own files (in its checkpoints/, for one of "
@@ -392,6 +409,26 @@ INSIDE_A_RUN = ("a conversion saved there would be taken for the run's own files
 
 
 def cmd_convert(args) -> int:
+    try:
+        return convert(args)
+    except ConfigError as e:
+        raise flagged_problems(e) from None
+
+
+def flagged_problems(error: ConfigError) -> ConfigError:
+    """A conversion's ConfigError (its problems said as "convert: attention.window ...", for a manifest's init_from)
+    named by their flags, as `info --memory` names its problems: "--memory: memory.recent_window=0 must be >= 1"
+    (other errors as they are)."""
+    if error.source != "convert" and not any(p.startswith("convert: ") for p in error.problems):
+        return error
+    problems = []
+    for problem in (p.removeprefix("convert: ") for p in error.problems):
+        section = next((s for s in ("attention", "memory") if problem.startswith(f"{s}.")), None)
+        problems.append(f"--{section}: {problem}" if section else problem)
+    return ConfigError(problems)
+
+
+def convert(args) -> int:
     broken = broken_link(args.out)  # (the conversion's folder is renamed onto --out itself: "Not a directory")
     if broken:
         raise InputError(f"--out {args.out}: {broken}: remove the link, or give another --out")

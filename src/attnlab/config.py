@@ -34,21 +34,40 @@ DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
 # `int_limit`, with exceptions in its `int_limits`), everything else (steps, lengths, token counts).
 MAX_SEED = 2**32 - 1  # a seed is 0 .. 2^32 - 1 (what every random generator here accepts)
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
-# Data sources: these named datasets, or a local file with one of these suffixes (.xz/.gz compressed allowed).
+# Data sources: these named datasets, or a local file with one of these suffixes; a .txt or .jsonl file may also be
+# compressed (.txt.xz, .jsonl.gz: attnlab.data.files.open_text); a parquet file is read as it is (it compresses inside).
 DATA_SOURCES = ("wikitext2", "wikitext2-raw", "wikitext2-nounk", "tinyshakespeare", "fineweb-edu")
 DATA_FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+COMPRESSIONS = (".xz", ".gz")
+COMPRESSIBLE_SUFFIXES = (".txt", ".jsonl")
+
+
+def file_kind_problem(name: str) -> str | None:
+    """Why a file named `name` is not of a kind the data readers take, in words, or None."""
+    path = PurePath(name)
+    if path.suffix in DATA_FILE_SUFFIXES:
+        return None
+    if path.suffix not in COMPRESSIONS:
+        return "not a .txt, .jsonl or .parquet file (a .txt or .jsonl file may be compressed too: .txt.xz, .jsonl.gz)"
+    inner = PurePath(path.stem).suffix
+    if inner in COMPRESSIBLE_SUFFIXES:
+        return None
+    if inner == ".parquet":
+        return f"a parquet file compressed with {path.suffix}: give it uncompressed (parquet compresses inside)"
+    ends = f"ends in {inner}" if inner else "has no suffix"
+    wikitext = " (WikiText-2's files: data.source wikitext2 or wikitext2-raw)" if inner in (".tokens", ".raw") else ""
+    return (f"a {path.suffix} compressed file whose name before {path.suffix} {ends}: only a compressed .txt or .jsonl "
+            f"file is read (plain text: name it NAME.txt{path.suffix}){wikitext}")  # fmt: skip
 
 
 def source_problem(source: str, key: str) -> str | None:
     """Why `source` (the value of `key`: data.source, a calibration text) names neither a known dataset nor a file
     of a kind the data readers take, or None. Whether such a file exists is checked where the data directory is
     known (attnlab.runner.local_source_problems)."""
-    path = PurePath(source)
-    suffix = PurePath(path.stem).suffix if path.suffix in (".xz", ".gz") else path.suffix
-    if source in DATA_SOURCES or suffix in DATA_FILE_SUFFIXES:
+    problem = None if source in DATA_SOURCES else file_kind_problem(source)
+    if problem is None:
         return None
-    return (f"{key}={brief(source, 300)} is not a known dataset ({', '.join(DATA_SOURCES)}) nor a "
-            f"{', '.join(DATA_FILE_SUFFIXES)} file (.xz / .gz compressed allowed)")  # fmt: skip
+    return f"{key}={brief(source, 300)} is not a known dataset ({', '.join(DATA_SOURCES)}), and as a file: {problem}"
 
 
 def dtype_bytes(dtype: str) -> float:

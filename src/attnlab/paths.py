@@ -148,3 +148,47 @@ def system_folder(path: str | Path) -> Path | None:
         return parent if parent.is_dir() and os.statvfs(parent).f_blocks == 0 else None
     except OSError:
         return None
+
+
+def temporary_directory_problem() -> str | None:
+    """None when Python's `tempfile` finds a temporary directory it can write (importing torch needs one); else
+    why not, on one line: the folders tried and what writing the first of them said (a file-size limit of 0, a
+    full disk, no permission). Standard library only: the CLI asks before torch is imported."""
+    import errno
+    import tempfile
+
+    try:
+        tempfile.gettempdir()
+        return None
+    except OSError:
+        pass
+    given = [(name, os.environ[name]) for name in ("TMPDIR", "TEMP", "TMP") if os.environ.get(name)]
+    try:
+        here = [os.getcwd()]
+    except OSError:
+        here = []
+    tried = list(dict.fromkeys([value for _, value in given] + ["/tmp", "/var/tmp", "/usr/tmp"] + here))
+    probe = os.path.join(tried[0], f".attnlab-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"probe")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+        why = "it can be written now (try again)"
+    except OSError as e:
+        why = {
+            errno.EFBIG: "a file-size limit (ulimit -f) of 0 stops every write: raise it (ulimit -f unlimited)",
+            errno.ENOSPC: "the disk is full: free some space",
+            errno.EDQUOT: "the disk quota is used up: free some space",
+            errno.EROFS: "a read-only file system",
+            errno.EACCES: "no permission to write there",
+            errno.EPERM: "no permission to write there",
+            errno.ENOENT: "it does not exist",
+            errno.ENOTDIR: "it is not a folder",
+        }.get(e.errno, e.strerror or str(e))
+    named = ", ".join(f"{name}={value}" for name, value in given) or "TMPDIR is not set"
+    return (f"no usable temporary directory ({named}): Python can write none of {', '.join(tried)}, and torch "
+            f"needs one; writing to {tried[0]}: {why} (or set TMPDIR to a writable folder on a disk with "
+            "room)")  # fmt: skip

@@ -20,6 +20,10 @@ class SlidingConfig(MHAConfig):
         out = super().problems(model)
         if self.window < 1:
             out.append(f"attention.window={self.window} must be >= 1")
+        elif self.window >= model.max_seq_len:  # a model without a memory reads at most max_seq_len tokens
+            out.append(f"attention.window={self.window} is not less than max_seq_len={model.max_seq_len}: every token "
+                       f"would see all earlier ones, so sliding attention would be plain mha (use attention.kind: "
+                       f"mha, or a window below {model.max_seq_len})")  # fmt: skip
         return out
 
     def cache_layout(self, model: ModelConfig) -> CacheLayout:

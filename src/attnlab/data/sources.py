@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attnlab.config import DATA_FILE_SUFFIXES, DATA_SOURCES
+from attnlab.config import COMPRESSIONS, DATA_SOURCES, file_kind_problem
 from attnlab.data.files import (
     atomic_path,
     atomic_write_text,
@@ -42,7 +42,6 @@ from attnlab.paths import cache_dir, data_dirs, find_data_file
 
 SPLITS = ("train", "val", "test")
 NAMED_SOURCES = DATA_SOURCES  # the datasets known by name (config.py checks a DataConfig against them)
-LOCAL_SUFFIXES = DATA_FILE_SUFFIXES
 
 # WikiText: our split name -> the file's split name, and (file extension, HF Hub config) per source.
 WIKITEXT_SPLITS = {"train": "train", "val": "valid", "test": "test"}
@@ -358,8 +357,10 @@ def local_path(source: str, data_dir: str | Path | None = None) -> Path:
             f"source {str(path)!r} {what} (use a known dataset: "
             f"{', '.join(NAMED_SOURCES)}, or a .txt / .jsonl / .parquet file)"
         )
-    if base_suffix(path) not in LOCAL_SUFFIXES:
-        raise DataError(f"{path}: unknown file kind {path.suffix!r} (use .txt, .jsonl or .parquet, .xz/.gz allowed)")
+    problem = file_kind_problem(path.name)
+    if problem:
+        kind = "".join(path.suffixes[-2:]) if path.suffix in COMPRESSIONS else path.suffix
+        raise DataError(f"{path}: unknown file kind {kind!r}: {problem}")
     return path.resolve()
 
 

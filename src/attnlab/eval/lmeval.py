@@ -57,8 +57,9 @@ from attnlab.eval.lmeval_tasks import (
     task_manager,
     task_specs,
 )
-from attnlab.eval.loading import EvalModel, load_for_eval
+from attnlab.eval.loading import EvalModel, check_weights_choice, load_for_eval
 from attnlab.generate import check_sampling, decode_step, prefill, sample
+from attnlab.interop.references import HUB_PREFIX, parse_hub_ref, resolve
 
 try:
     import lm_eval
@@ -472,6 +473,13 @@ def run_lm_eval(
         raise ConfigError(f"limit={limit!r} must be a whole number >= 1 (or a fraction in (0, 1))")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise ConfigError(f"num_fewshot={num_fewshot!r} must be a whole number >= 0")
+    # Every local argument before the tasks are read, whose data may be on the Hub (offline: a minute of retries):
+    # the KV policy, the batch, the weights, the folders and the model reference.
+    kv_policy = as_policy(kv_policy)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size!r} must be a whole number >= 1")
+    if not isinstance(ref, EvalModel):
+        check_weights_choice(weights)
     paths = include_path if isinstance(include_path, list | tuple) else [include_path] if include_path else []
     for path in paths:
         if not Path(path).is_dir():
@@ -479,6 +487,10 @@ def run_lm_eval(
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():  # before the evaluation
         raise ConfigError(f"--out {out_dir}: exists and is not a folder (give a folder for lm_eval.json)")
     _check_no_results(out_dir)
+    if isinstance(ref, str) and ref.startswith(HUB_PREFIX):  # (the model itself is fetched when it loads)
+        parse_hub_ref(ref)
+    elif not isinstance(ref, EvalModel):  # a reference that names nothing (the model loads after the tasks)
+        resolve(ref, data_dir)
     broken = check_task_files([str(p) for p in paths])  # before lm-eval reads them (and imports !function code)
     check_duplicate_tasks([str(p) for p in paths], list(tasks))  # before lm-eval picks one of them by file order
     manager = attach(task_manager([str(p) for p in paths], list(tasks), broken), data_dir)

@@ -31,6 +31,13 @@ class EvalModel:
         return next(self.model.parameters()).device
 
 
+def check_weights_choice(weights: str) -> None:
+    """InputError unless `weights` is one of WEIGHTS."""
+    if weights not in WEIGHTS:
+        raise InputError(f"weights={weights!r} is not a choice (fp32: dequantized; native: a GGUF file's own formats; "
+                         f"or a format to quantize to: {', '.join(FORMATS)})")  # fmt: skip
+
+
 def load_for_eval(path: str | Path, data_dir: str | None = None, tag: str = "best", device=None,
                   weights: str = "fp32", activations: str = "fp32") -> EvalModel:  # fmt: skip
     """Loads a model reference: a run directory (its best checkpoint, else last), a checkpoint folder, a .gguf file,
@@ -39,9 +46,7 @@ def load_for_eval(path: str | Path, data_dir: str | None = None, tag: str = "bes
     (a GGUF file's F16/Q8_0/Q4_0/Q4_1 matrices kept as stored), or fp16/q8_0/q4_0/q4_1 (any model's linear layers
     and embedding quantized after loading). activations: fp32, or q8 (attnlab.set_activations: llama.cpp's 8-bit
     activations for the quantized layers; not exact)."""
-    if weights not in WEIGHTS:
-        raise InputError(f"weights={weights!r} is not a choice (fp32: dequantized; native: a GGUF file's own formats; "
-                         f"or a format to quantize to: {', '.join(FORMATS)})")  # fmt: skip
+    check_weights_choice(weights)
     loaded = load_reference(path, data_dir=data_dir, tag=tag, weights="native" if weights == "native" else "fp32")
     model = loaded.model if device is None else loaded.model.to(device)
     if weights in FORMATS:

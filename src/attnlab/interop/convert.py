@@ -93,11 +93,6 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
     if memory is not None:
         data["memory"] = dict(memory)
     cfg = model_config_from_dict(data, source="convert", saved=memory is None)  # the source's memory: as saved
-    window = attention.get("window")
-    if kind == "sliding" and isinstance(window, int) and window >= cfg.max_seq_len and cfg.memory.kind == "none":
-        raise ConfigError(f"convert: attention.window={window} is not less than the model's max_seq_len="
-                          f"{cfg.max_seq_len}: every token would see all earlier ones, so the conversion is plain mha "
-                          f"(give a window below {cfg.max_seq_len}, or kind=mha)")  # fmt: skip
     if kind in LOW_RANK:
         low_rank_problem(source, cfg)
     elif cfg.attention.dim(cfg) != (want := 2 * head_dim if kind == "diff" else head_dim):

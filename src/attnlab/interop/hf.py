@@ -188,7 +188,8 @@ def config_from_hf(hf: dict, source: str = "config.json", name: str | None = Non
     """ModelConfig of a Hugging Face config.json (as a dict) for LlamaForCausalLM, MistralForCausalLM or
     Qwen2ForCausalLM.
 
-    A sliding window for every layer (attention_window) becomes attention.kind `sliding`; Qwen2's biases on
+    A sliding window for every layer (attention_window) becomes attention.kind `sliding` (`mha` when it covers
+    max_position_embeddings: it hides nothing); Qwen2's biases on
     q/k/v become attention.qkv_bias; RoPE scaling linear or llama3 becomes rope_scaling. Everything attnlab
     cannot express (a bias on o_proj or the MLP, another activation, another RoPE scaling, per-layer attention,
     ...) is refused in one ConfigError listing every problem."""
@@ -220,7 +221,10 @@ def config_from_hf(hf: dict, source: str = "config.json", name: str | None = Non
     kv_heads = hf.get("num_key_value_heads")  # 0 is zero heads (refused by the attention's check), not "unset"
     heads = {"n_kv_heads": n_heads if kv_heads is None else kv_heads, "head_dim": head_dim,
              "qkv_bias": arch == "Qwen2ForCausalLM"}  # fmt: skip
-    attention = SlidingConfig(window=window, **heads) if window else MHAConfig(**heads)
+    # A window covering the whole context hides nothing (tiny Mistral test models have 4096 over 512 positions):
+    # transformers attends as full attention there, and so does attnlab's mha (a sliding one is refused as a no-op).
+    sliding = window and window < hf["max_position_embeddings"]
+    attention = SlidingConfig(window=window, **heads) if sliding else MHAConfig(**heads)
     try:
         return ModelConfig(
             vocab_size=hf["vocab_size"],

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from attnlab.data.files import LINK_LOOP, broken_link, link_loop
 from attnlab.errors import DataError, InputError, LengthWarning
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
@@ -79,6 +80,11 @@ class MemoryStore:
     def __init__(self, store: str | Path | None = None, create: bool = True):
         self.root = store_dir(store)
         self.index = self.root / "index.sqlite"
+        link = broken_link(self.root) or (LINK_LOOP if link_loop(self.root) else None)  # (a loop further up too)
+        if link is not None:  # a loop or a link to nothing: not a store that is empty (ls), nor one to make through it
+            where = (f"--store {self.root}" if store else f"$ATTNLAB_MEMORY {self.root}"
+                     if os.environ.get("ATTNLAB_MEMORY") else f"the memory store {self.root}")  # fmt: skip
+            raise StoreError(f"{where}: {link}: remove the link, or give another --store")
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"{self.root}: a file, not a memory store folder (give --store a folder)")
         if create:
