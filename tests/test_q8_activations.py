@@ -249,7 +249,7 @@ def test_the_portable_c_build_multiplies_packed_rows_too(tmp_path, monkeypatch):
 
 
 @kernels
-@pytest.mark.skipif(not qmatmul.packed_fast(), reason="this CPU has neither AVX-512 VNNI nor AVX2: weights are not packed")
+@pytest.mark.skipif(not qmatmul.packed_fast(), reason="neither AVX-512 VNNI nor AVX2 here: weights are not packed")
 def test_a_layer_packs_for_q8_decoding_and_never_keeps_stale_packed_rows():
     g = torch.Generator().manual_seed(6)
     layer = QuantizedLinear.from_weight(torch.randn(48, 96, generator=g), "q4_1")

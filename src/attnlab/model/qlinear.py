@@ -13,10 +13,10 @@ By default the activations stay float32: y is a float32 matmul over the dequanti
 codes (q8_0, q4_0, q4_1; fp16 layers keep float32) quantize its input first, each block of 32 values to 8-bit codes
 and a float32 scale (quantize_activations); the few rows of decoding then take integer dot products (qmatmul.c's
 attnlab_qmatmul_q8) and many rows a float32 GEMM over those values, so a token's result does not depend on how
-many came with it (up to the order of the sums). Where the CPU has AVX-512 VNNI or AVX2, set_activations also keeps a
-second copy of each such layer's rows interleaved 16 at a time (`packed`, qmatmul.pack_q8: one vector instruction
-multiplies 4 codes of 16 rows, or of 8 with AVX2), which the few rows of decoding read instead: 2-3x faster per matrix, for the
-weights' bytes once more in memory (not saved: a state dict holds `blocks` alone). On the CPU
+many came with it (up to the order of the sums). Where the CPU has AVX-512 VNNI or AVX2, set_activations also keeps
+a second copy of each such layer's rows interleaved 16 at a time (`packed`, qmatmul.pack_q8: one vector instruction
+multiplies 4 codes of 16 rows, or of 8 with AVX2), which the few rows of decoding read instead: 2-3x faster per
+matrix, for the weights' bytes once more in memory (not saved: a state dict holds `blocks` alone). On the CPU
 in float32 (no gradient) the forward is one op, `attnlab::qlinear`, which runs the C kernels
 (attnlab.kernels.cpu.qmatmul) or, without a compiler, dequantizes W and calls F.linear; a compiled decode step
 (attnlab.generate) keeps it as one call. For the few rows of decoding the same kernel runs as a C++ operator,

@@ -113,8 +113,8 @@ def _qmatmul_q8():
 
 
 def packed_fast() -> bool:
-    """Whether this machine multiplies packed rows (pack_q8) with its vector kernel (AVX-512 VNNI or AVX2); where it does
-    not, the packed kernel runs portable loops and attnlab keeps the rows as they are."""
+    """Whether this machine multiplies packed rows (pack_q8) with its vector kernel (AVX-512 VNNI or AVX2); where it
+    does not, the packed kernel runs portable loops and attnlab keeps the rows as they are."""
     return available() and bool(library().attnlab_packed_q8_fast())
 
 
