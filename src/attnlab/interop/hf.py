@@ -141,6 +141,10 @@ def attention_window(hf: dict, arch: str) -> tuple[int | None, list[str]]:
     before it) holds for every layer. Qwen2 slides only when use_sliding_window, and then only layers from
     max_window_layers on (transformers' layer_types, which transformers 5 also writes out): all of them or none."""
     n_layers, first, types = hf.get("num_hidden_layers", 0), hf.get("max_window_layers"), hf.get("layer_types")
+    window = hf.get("sliding_window")
+    used = arch == "MistralForCausalLM" or hf.get("use_sliding_window") or (isinstance(types, list) and "sliding_attention" in types)
+    if used and window is not None and window < 1:  # 0 means zero, never "unset" (that is null)
+        return None, [f"sliding_window={window} must be >= 1 or null (null: no window, full attention)"]
     if arch == "Qwen2ForCausalLM" and not types and hf.get("use_sliding_window") and hf.get("sliding_window"):
         if not isinstance(n_layers, int) or not isinstance(first, int):
             return None, [f"max_window_layers={first!r} and num_hidden_layers={n_layers!r} must be integers"]
