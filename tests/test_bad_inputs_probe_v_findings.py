@@ -1,7 +1,8 @@
 """Probe V's findings (/work/probe_v/REPORT.md): a run folder whose checkpoints/ is a file was trained from the start
 (its metrics log replaced) and refused only at its first checkpoint, the dry run saying "would train" (L1); a stale
 best.json was found only after the run had rewritten command.txt, the dry run saying "would resume" (L2); Mistral's
-sliding_window: 0 was read as no window (S1)."""
+sliding_window: 0 was read as no window (S1); `info` on a Hugging Face folder or a run printed figures its weights
+contradict, or exited 0 on damaged weights and tokenizer files (S2)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,92 @@ def test_a_mistral_sliding_window_of_zero_is_refused(command, hf_folder, tmp_pat
                          sliding_window=0)  # fmt: skip
     argv = [command, str(folder)] + (["the", "--max-new-tokens", "2"] if command == "generate" else [])
     fails(capsys, argv, f"{folder / 'config.json'}: sliding_window=0 must be >= 1 or null")
+
+
+# ----------------------------------------------------------------------------- S2: info checks what it is given
+
+
+def _config_edit(**changes):
+    def edit(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+    return edit
+
+
+def _weights(edit):
+    """An edit of model.safetensors' tensors (a dict of name -> tensor), saved again."""
+
+    def run(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(folder / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(folder / "model.safetensors"))
+
+    return run
+
+
+def _truncate(folder: Path) -> None:
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _sharded(folder: Path) -> None:
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors",
+                            "lm_head.weight": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+HF_DAMAGE = {
+    "hidden_size edited": (_config_edit(hidden_size=64), "32), the config implies ("),
+    "vocab_size edited": (_config_edit(vocab_size=10), "the config implies (10, 32)"),
+    "untied without lm_head": (_config_edit(tie_word_embeddings=False), "missing tensor(s) lm_head.weight"),
+    "truncated weights": (_truncate, "unreadable safetensors file"),
+    "garbage weights": (lambda f: (f / "model.safetensors").write_bytes(b"\xff" * 64), "unreadable safetensors"),
+    "no weights": (lambda f: (f / "model.safetensors").unlink(), "no model.safetensors"),
+    "a tensor missing": (_weights(lambda t: t.pop("model.norm.weight")), "missing tensor(s) model.norm.weight"),
+    "an extra tensor": (_weights(lambda t: t.update({"model.norm.bias": t["model.norm.weight"].clone()})),
+                        "unexpected tensor 'model.norm.bias'"),
+    "an int tensor": (_weights(lambda t: t.update({"model.norm.weight": t["model.norm.weight"].int()})),
+                      "not floating point"),
+    "a missing shard": (_sharded, "model-00002-of-00002.safetensors: not found"),
+    "no tokenizer.json": (lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json: not found"),
+    "garbage tokenizer.json": (lambda f: (f / "tokenizer.json").write_text("{]"), "tokenizer.json"),
+    "add_bos_token a string": (lambda f: (f / "tokenizer_config.json").write_text('{"add_bos_token": "yes"}'),
+                               "add_bos_token"),
+    "bos_token_id past the vocabulary": (_config_edit(bos_token_id=500), "bos_token_id=500 is not a token id"),
+}
+
+
+@pytest.mark.parametrize("damage", list(HF_DAMAGE))
+def test_info_on_a_hugging_face_folder_checks_its_weights_and_tokenizer(damage, hf_folder, tmp_path, capsys):
+    edit, fragment = HF_DAMAGE[damage]
+    folder = tmp_path / "model"
+    shutil.copytree(hf_folder, folder)
+    edit(folder)
+    before = snapshot(folder)
+    fails(capsys, ["info", str(folder)], fragment)
+    assert snapshot(folder) == before
+
+
+def test_info_on_a_hugging_face_folder_loads_no_tensor_data(hf_folder, capsys, monkeypatch):
+    from attnlab.interop import hf
+
+    monkeypatch.setattr(hf, "load_hf_folder", None)  # info reads the headers: never the tensors
+    assert main(["info", str(hf_folder)]) == 0
+    assert "mha attention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_info_on_a_run_checks_its_weights_checksums(damage, tiny_run, tmp_path, capsys):
+    run = tmp_path / "seed0"
+    shutil.copytree(tiny_run, run)
+    best = json.loads((run / "checkpoints" / "best.json").read_text())["dir"]
+    weights = run / "checkpoints" / best / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "flipped":
+        data[-1] ^= 1
+    weights.write_bytes(bytes(data) if damage == "flipped" else bytes(data[:100]))
+    fails(capsys, ["info", str(run)], str(weights), "sha256" if damage == "flipped" else "truncated")
