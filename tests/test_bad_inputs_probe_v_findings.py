@@ -183,3 +183,15 @@ def test_info_on_a_run_checks_its_weights_checksums(damage, tiny_run, tmp_path, 
         data[-1] ^= 1
     weights.write_bytes(bytes(data) if damage == "flipped" else bytes(data[:100]))
     fails(capsys, ["info", str(run)], str(weights), "sha256" if damage == "flipped" else "truncated")
+
+
+# ----------------------------------------------------------------------------- compare without a loss history
+
+
+def test_compare_says_in_one_line_that_a_run_has_no_loss_history(tiny_run, tmp_path, capsys):
+    run = tmp_path / "runs" / "tiny" / "seed0"
+    shutil.copytree(tiny_run, run)
+    (run / "metrics.jsonl").unlink()
+    assert main(["compare", str(tmp_path / "runs")]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{run}: no validation loss history to plot" in lines[0], lines
