@@ -195,3 +195,18 @@ def test_compare_says_in_one_line_that_a_run_has_no_loss_history(tiny_run, tmp_p
     assert main(["compare", str(tmp_path / "runs")]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"{run}: no validation loss history to plot" in lines[0], lines
+
+
+# ----------------------------------------------------------------------------- memories that are the window memory
+
+
+@pytest.mark.parametrize(("memory", "line"), [
+    ("{kind: streaming, recent_window: 16, sink_tokens: 0}", "memory.sink_tokens=0 makes streaming the window memory"),
+    ("{kind: h2o, recent_window: 16, heavy_slots: 0}", "memory.heavy_slots=0 makes h2o the window memory"),
+])  # fmt: skip
+def test_a_memory_option_that_makes_it_the_window_memory_is_refused(memory, line, tmp_path, capsys):
+    config = tmp_path / "model.yaml"
+    config.write_text(f"vocab_size: 64\nd_model: 32\nn_layers: 1\nn_heads: 2\nmax_seq_len: 64\nmemory: {memory}\n")
+    before = snapshot(tmp_path)
+    fails(capsys, ["info", str(config)], line, "use memory.kind window")
+    assert snapshot(tmp_path) == before
