@@ -140,15 +140,21 @@ HF_DAMAGE = {
     "garbage weights": (lambda f: (f / "model.safetensors").write_bytes(b"\xff" * 64), "unreadable safetensors"),
     "no weights": (lambda f: (f / "model.safetensors").unlink(), "no model.safetensors"),
     "a tensor missing": (_weights(lambda t: t.pop("model.norm.weight")), "missing tensor(s) model.norm.weight"),
-    "an extra tensor": (_weights(lambda t: t.update({"model.norm.bias": t["model.norm.weight"].clone()})),
-                        "unexpected tensor 'model.norm.bias'"),
-    "an int tensor": (_weights(lambda t: t.update({"model.norm.weight": t["model.norm.weight"].int()})),
-                      "not floating point"),
+    "an extra tensor": (
+        _weights(lambda t: t.update({"model.norm.bias": t["model.norm.weight"].clone()})),
+        "unexpected tensor 'model.norm.bias'",
+    ),
+    "an int tensor": (
+        _weights(lambda t: t.update({"model.norm.weight": t["model.norm.weight"].int()})),
+        "not floating point",
+    ),
     "a missing shard": (_sharded, "model-00002-of-00002.safetensors: not found"),
     "no tokenizer.json": (lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json: not found"),
     "garbage tokenizer.json": (lambda f: (f / "tokenizer.json").write_text("{]"), "tokenizer.json"),
-    "add_bos_token a string": (lambda f: (f / "tokenizer_config.json").write_text('{"add_bos_token": "yes"}'),
-                               "add_bos_token"),
+    "add_bos_token a string": (
+        lambda f: (f / "tokenizer_config.json").write_text('{"add_bos_token": "yes"}'),
+        "add_bos_token",
+    ),
     "bos_token_id past the vocabulary": (_config_edit(bos_token_id=500), "bos_token_id=500 is not a token id"),
 }
 

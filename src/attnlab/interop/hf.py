@@ -142,7 +142,8 @@ def attention_window(hf: dict, arch: str) -> tuple[int | None, list[str]]:
     max_window_layers on (transformers' layer_types, which transformers 5 also writes out): all of them or none."""
     n_layers, first, types = hf.get("num_hidden_layers", 0), hf.get("max_window_layers"), hf.get("layer_types")
     window = hf.get("sliding_window")
-    used = arch == "MistralForCausalLM" or hf.get("use_sliding_window") or (isinstance(types, list) and "sliding_attention" in types)
+    sliding_layers = isinstance(types, list) and "sliding_attention" in types
+    used = arch == "MistralForCausalLM" or hf.get("use_sliding_window") or sliding_layers
     if used and window is not None and window < 1:  # 0 means zero, never "unset" (that is null)
         return None, [f"sliding_window={window} must be >= 1 or null (null: no window, full attention)"]
     if arch == "Qwen2ForCausalLM" and not types and hf.get("use_sliding_window") and hf.get("sliding_window"):
