@@ -80,7 +80,7 @@ from attnlab.eval.report import build_report
 from attnlab.eval.stats import paired_comparison
 from attnlab.generate import generate, room_problem
 from attnlab.interop.convert import PAIR_RULES
-from attnlab.interop.references import model_config_of
+from attnlab.interop.references import checked_model_config
 from attnlab.interop.tokenizer import warn_unknown
 from attnlab.manifest import load_manifest
 from attnlab.model.qlinear import ACTIVATIONS
@@ -152,7 +152,7 @@ def cmd_info(args) -> int:
         raise ConfigError(LINK_LOOP, source=str(args.config))
     # A model config file, as `validate` reads one: YAML, or JSON (which YAML reads too); else a model reference.
     is_config = Path(args.config).suffix.lower() in CONFIG_SUFFIXES and not Path(args.config).is_dir()
-    cfg = config_file(args.config) if is_config else model_config_of(args.config, args.data_dir)
+    cfg = config_file(args.config) if is_config else checked_model_config(args.config, args.data_dir)
     if args.memory is not None:
         cfg = cfg.replace(memory=memory_option(args.memory))
     if args.seq_len is not None and not 1 <= args.seq_len <= MAX_INT:

@@ -169,6 +169,10 @@ class MemoryConfig:
         for key in ("sink_tokens", "heavy_slots", "exact_slots", "summary_slots"):
             if getattr(self, key) < 0:
                 problems.append(f"memory.{key}={getattr(self, key)} must be >= 0 (0 = no such slots)")
+        nothing = {"streaming": "sink_tokens", "h2o": "heavy_slots"}.get(self.kind)  # options that would do nothing
+        if nothing and getattr(self, nothing) == 0:
+            problems.append(f"memory.{nothing}=0 makes {self.kind} the window memory: use memory.kind window (or "
+                            f"give memory.{nothing} >= 1)")  # fmt: skip
         for key in ("tau_gate", "tau_novel", "tau_match", "tau_gate_summary"):
             if getattr(self, key) is not None and not 0.0 <= getattr(self, key) <= 1.0:
                 problems.append(f"memory.{key}={getattr(self, key)} must be in [0, 1]")

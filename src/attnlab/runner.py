@@ -45,7 +45,13 @@ from attnlab.run_checks import (
     prepared_meta,
     run_folder_problem,
 )
-from attnlab.train.checkpoint import CheckpointError, find_checkpoint, step_folders, write_json_atomic
+from attnlab.train.checkpoint import (
+    CheckpointError,
+    checkpoints_folder_problem,
+    find_checkpoint,
+    step_folders,
+    write_json_atomic,
+)
 from attnlab.train.distributed import barrier, dist_env, init_distributed, prepare_rank0_first
 from attnlab.train.fsdp import check_launch
 from attnlab.train.lock import LOCK_NAME, busy_problem, run_lock
@@ -142,6 +148,9 @@ def interrupted_run_problem(run_dir: Path, config: dict) -> str | None:
     """For --no-resume, which restarts an interrupted run (its checkpoints and metrics are replaced): the one line
     refusing it when the interrupted run in run_dir was made with another config than `config` (nothing of another
     experiment is deleted without being asked); None when run_dir holds no checkpoint, or one of this config."""
+    problem = checkpoints_folder_problem(run_dir)  # (the run would fail at its first checkpoint)
+    if problem:
+        return problem
     step, saved = interrupted_config(run_dir)
     differences = config_differences(saved, config, saved_as="saved") if saved is not None else []
     if not differences:

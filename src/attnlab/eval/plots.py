@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from attnlab.errors import AttnlabWarning
+
 PATH_ORDER = ["q", "k", "q_sem", "k_sem", "q_geo", "k_geo", "q_nope", "k_nope", "q_rope", "k_rope"]
 
 
@@ -221,9 +223,10 @@ def plot_val_loss(runs: list[dict], path: str | Path) -> Path:
     """Validation loss against training tokens, one line per run (seeds of one row share a colour)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {}
+    colors, without = {}, []
     for run in runs:
         if not run["val_curve"]:
+            without.append(run.get("dir") or run["target"])
             continue
         name = run.get("row") or run["target"] + (f" ({run['phase']})" if run["phase"] else "")
         tokens, losses = zip(*run["val_curve"], strict=True)
@@ -234,7 +237,12 @@ def plot_val_loss(runs: list[dict], path: str | Path) -> Path:
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Validation loss (one line per seed)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if colors:  # (a legend of no line is matplotlib's two-line UserWarning)
+        ax.legend()
+    if without:  # one line for them all
+        more = f" (and {len(without) - 1} more runs)" if len(without) > 1 else ""
+        warnings.warn(f"{without[0]}{more}: no validation loss history to plot (metrics.jsonl missing, or without "
+                      f"val_loss rows): {Path(path).name} leaves it out", AttnlabWarning, stacklevel=2)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120, metadata=PNG_METADATA)
     plt.close(fig)

@@ -141,6 +141,11 @@ def attention_window(hf: dict, arch: str) -> tuple[int | None, list[str]]:
     before it) holds for every layer. Qwen2 slides only when use_sliding_window, and then only layers from
     max_window_layers on (transformers' layer_types, which transformers 5 also writes out): all of them or none."""
     n_layers, first, types = hf.get("num_hidden_layers", 0), hf.get("max_window_layers"), hf.get("layer_types")
+    window = hf.get("sliding_window")
+    sliding_layers = isinstance(types, list) and "sliding_attention" in types
+    used = arch == "MistralForCausalLM" or hf.get("use_sliding_window") or sliding_layers
+    if used and window is not None and window < 1:  # 0 means zero, never "unset" (that is null)
+        return None, [f"sliding_window={window} must be >= 1 or null (null: no window, full attention)"]
     if arch == "Qwen2ForCausalLM" and not types and hf.get("use_sliding_window") and hf.get("sliding_window"):
         if not isinstance(n_layers, int) or not isinstance(first, int):
             return None, [f"max_window_layers={first!r} and num_hidden_layers={n_layers!r} must be integers"]
@@ -299,24 +304,34 @@ class WeightFiller:
             model.embed.weight.zero_()
             model.lm_head.weight.zero_()
 
-    @torch.no_grad()
-    def fill(self, name: str, tensor: torch.Tensor, where: str | None = None) -> None:
+    def check(self, name: str, shape: tuple, dtype: str, floating: bool, where: str | None = None) -> bool:
+        """DataError when tensor `name` (of this shape and dtype, as a safetensors header gives them) cannot fill
+        the model: a name the model has no place for, integer weights, another shape. False for a tensor that is
+        skipped (recomputed buffers; a tied checkpoint's stored LM head), True for one the model takes."""
         where = where or self.source
         target = self.targets.get(name)
         if target is None:
             if name.endswith(RECOMPUTED_SUFFIXES) or (name == "lm_head.weight" and self.model.cfg.tie_embeddings):
-                return  # recomputed buffers; a tied checkpoint that also stores its LM head
+                return False  # recomputed buffers; a tied checkpoint that also stores its LM head
             raise DataError(f"{where}: unexpected tensor {name!r} (the weights do not match the model's config)")
-        if not tensor.is_floating_point():  # copy_ would cast int8 codes to floats without their scales
+        if not floating:  # copy_ would cast int8 codes to floats without their scales
             raise DataError(
-                f"{where}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, not floating point: a "
+                f"{where}: tensor {name!r} is {dtype}, not floating point: a "
                 "quantized checkpoint's integer weights (GPTQ, AWQ, bitsandbytes...) are not supported; use the "
                 "model's float32, float16 or bfloat16 weights"
             )
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise DataError(
-                f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}"
-            )
+        if tuple(shape) != tuple(target.shape):
+            raise DataError(f"{where}: tensor {name!r} has shape {tuple(shape)}, the config implies "
+                            f"{tuple(target.shape)}")  # fmt: skip
+        return True
+
+    @torch.no_grad()
+    def fill(self, name: str, tensor: torch.Tensor, where: str | None = None) -> None:
+        where = where or self.source
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if not self.check(name, tuple(tensor.shape), dtype, tensor.is_floating_point(), where):
+            return
+        target = self.targets[name]
         target.copy_(tensor)
         # A NaN or inf weight makes every output NaN without a word: a damaged file or a diverged model is refused
         # here.
@@ -460,6 +475,28 @@ def safetensors_tensors(files: list[Path]) -> Iterable[tuple[str, torch.Tensor, 
                     yield name, f.get_tensor(name), str(path)
         except (SafetensorError, OSError) as e:
             raise DataError(f"{path}: unreadable safetensors file ({e}); is it truncated?") from None
+
+
+def check_hf_weights(folder: str | Path, cfg: ModelConfig) -> None:
+    """The checks load_hf_folder makes of a folder's weights, from the safetensors headers alone (no tensor data is
+    read): the weight files there (model.safetensors, else every shard the index names), each file whole (its
+    header's sizes add up to the file's), and every tensor's name, dtype and shape against the model `cfg` builds,
+    none missing. DataError naming the file and tensor, as loading says it. (NaN weights are found by loading.)"""
+    folder = Path(folder)
+    with torch.device("meta"):  # shapes alone: no memory for the weights
+        filler = WeightFiller(build_model(cfg, init=False), str(folder))
+    for path in safetensors_files(folder):
+        open(path, "rb").close()  # an unreadable file: the PermissionError naming it (safetensors says "not found")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    dtype = piece.get_dtype()
+                    if filler.check(name, tuple(piece.get_shape()), dtype, dtype.startswith(("F", "BF")), str(path)):
+                        filler.placed(name)
+        except (SafetensorError, OSError) as e:
+            raise DataError(f"{path}: unreadable safetensors file ({e}); is it truncated?") from None
+    filler.finish()
 
 
 @torch.no_grad()

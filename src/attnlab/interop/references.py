@@ -30,11 +30,18 @@ from attnlab.data.pretrained import check_token_ids, regular_file, tokenizer_fro
 from attnlab.data.tokenizers import Tokenizer, tokenizer_problem
 from attnlab.errors import DataError, InputError
 from attnlab.interop.gguf import check_token_count, check_weights, config_from_gguf, load_gguf, open_gguf
-from attnlab.interop.hf import config_from_hf, is_hf_folder, load_hf_folder, read_json
+from attnlab.interop.hf import check_hf_weights, config_from_hf, is_hf_folder, load_hf_folder, read_json
 from attnlab.interop.tokenizer import tokenizer_from_gguf
 from attnlab.model.transformer import Transformer
 from attnlab.paths import data_dirs, in_data_dirs
-from attnlab.train.checkpoint import find_checkpoint, load_checkpoint, step_folders
+from attnlab.train.checkpoint import (
+    WEIGHTS,
+    find_checkpoint,
+    load_checkpoint,
+    recorded_checksums,
+    step_folders,
+    verify_file,
+)
 from attnlab.train.resume import config_differences
 
 HUB_PREFIX = "hf:"
@@ -169,8 +176,38 @@ def _natural(name: str) -> list:
 
 
 def model_config_of(ref: str | Path, data_dir: str | Path | None = None) -> ModelConfig:
-    """The ModelConfig of the model `ref` names, without loading its weights (`attnlab info`)."""
+    """The ModelConfig of the model `ref` names, from its config alone (its weights are not read)."""
+    return _config_at(ref, *resolve(ref, data_dir))
+
+
+def checked_model_config(ref: str | Path, data_dir: str | Path | None = None) -> ModelConfig:
+    """model_config_of, after the checks loading the model makes that read no tensor data (`attnlab info`, which
+    should not print figures the weights contradict): for a Hugging Face folder, its safetensors headers against the
+    config (check_hf_weights: files, shards, names, dtypes, shapes) and its tokenizer files (as load_reference reads
+    them); for an attnlab checkpoint, its weights' size and sha256 against its checksums.json. A GGUF file's
+    tensors are checked by open_gguf and config_from_gguf already."""
     kind, where = resolve(ref, data_dir)
+    cfg = _config_at(ref, kind, where)
+    if kind in ("hf", "hub"):
+        check_hf_weights(where, cfg)
+        tokenizer = tokenizer_from_folder(where, name=str(ref) if kind == "hub" else None)
+        check_token_ids(tokenizer, cfg.vocab_size, where / "tokenizer.json")
+    elif kind == "run":
+        folder = _checkpoint_folder(where)
+        verify_file(folder, WEIGHTS, recorded_checksums(folder))
+    return cfg
+
+
+def _checkpoint_folder(where: Path) -> Path:
+    """The checkpoint folder of a run (its best, else last) or the checkpoint folder `where` itself."""
+    checkpoint = (
+        find_checkpoint(where, "best") or find_checkpoint(where, "last") if (where / "checkpoints").is_dir() else None
+    )
+    return checkpoint.path if checkpoint else where
+
+
+def _config_at(ref: str | Path, kind: str, where: Path) -> ModelConfig:
+    """model_config_of of a resolved reference (kind, where: resolve's)."""
     if kind == "gguf":
         return config_from_gguf(open_gguf(where))
     if kind == "run":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import re
 import shutil
@@ -423,6 +424,9 @@ def find_checkpoint(run_dir: Path, tag: str = "last") -> Checkpoint | None:
     run whose last.json is gone while its checkpoint folders are there is a CheckpointError, not a run without
     checkpoints (a resume would start over and its checkpoint rotation delete them)."""
     root = Path(run_dir) / "checkpoints"
+    problem = checkpoints_folder_problem(run_dir)
+    if problem:
+        raise CheckpointError(problem)
     pointer = read_pointer(root, tag)
     if pointer is None:
         folders = step_folders(root) if tag == "last" else []
@@ -440,6 +444,17 @@ def find_checkpoint(run_dir: Path, tag: str = "last") -> Checkpoint | None:
         raise CheckpointError(f"{path}: incomplete or corrupt checkpoint (trainer.json and config.json must hold "
                               "objects); delete it to start over")  # fmt: skip
     return Checkpoint(path, pointer["step"], trainer, config)
+
+
+def checkpoints_folder_problem(run_dir: Path) -> str | None:
+    """The line refusing a run folder whose checkpoints/ is a file (or a link to nothing), said before the run writes
+    anything: the run would train from the start, replace its metrics log, and fail at its first checkpoint."""
+    root = Path(run_dir) / "checkpoints"
+    if root.is_dir() or not (root.exists() or root.is_symlink()):
+        return None
+    what = "a file" if root.exists() else f"a link to {os.readlink(root)}, which is missing"
+    return (f"{root}: is {what}, where the run keeps its checkpoints (a folder): move it away (or delete it) and run "
+            "again")  # fmt: skip
 
 
 def step_folders(root: Path) -> list[Path]:

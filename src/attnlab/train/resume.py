@@ -28,7 +28,14 @@ from attnlab.data.files import file_kind, read_json_object, sha256_file
 from attnlab.data.sampler import state_problem
 from attnlab.errors import ConfigError, DataError
 from attnlab.paths import brief
-from attnlab.train.checkpoint import OPTIMIZER, WEIGHTS, CheckpointError, recorded_checksums, verify_file
+from attnlab.train.checkpoint import (
+    OPTIMIZER,
+    WEIGHTS,
+    CheckpointError,
+    find_checkpoint,
+    recorded_checksums,
+    verify_file,
+)
 from attnlab.train.logging import metrics_rows
 
 HOW = "restore the data as it was to resume, or train into a new --out"
@@ -238,6 +245,8 @@ def check_resume(checkpoint, config: dict | None, sampler: dict, data_problem=No
     problem = step_problem(checkpoint) or trainer_problem(checkpoint)
     if problem:
         raise CheckpointError(problem)
+    if checkpoint.path.parent.name == "checkpoints":  # best.json, which the run scores at its end: there and whole
+        find_checkpoint(checkpoint.path.parent.parent, "best")
     differences = config_differences(checkpoint.config, config) if config is not None else []
     problem = data_problem(checkpoint) if data_problem is not None else None
     derived = [d for d in differences if d.startswith("model.vocab_size:")]  # the tokenizer's, fitted on the data
