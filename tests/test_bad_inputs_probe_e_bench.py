@@ -109,6 +109,28 @@ def test_the_lock_is_let_go_when_a_bench_ends(tmp_path):
         pass
 
 
+def test_a_refused_bench_leaves_no_lock_file_in_a_folder_of_yours(tmp_path, monkeypatch):
+    """Probe W: `mkdir bq; attnlab bench RUN --out bq` refused (after taking the lock) left bq/.bench.lock behind; an
+    earlier bench's lock file (the folder's own) stays."""
+    from attnlab.errors import InputError
+    from attnlab.eval import harness
+
+    def refuse(*args, **kwargs):
+        raise InputError("benchmarks.perplexity: refused")
+
+    monkeypatch.setattr(harness, "plan_labels", refuse)  # a refusal inside the lock
+    plan = harness.BenchPlan(name="b", checkpoints=(str(tmp_path / "run"),), benchmarks={"perplexity": {}})
+    mine = tmp_path / "bq"
+    mine.mkdir()
+    with pytest.raises(InputError, match="refused"):
+        harness.run_plan(plan, mine, log=lambda line: None)
+    assert os.listdir(mine) == []
+    (mine / harness.LOCK).write_text("")  # an earlier bench's
+    with pytest.raises(InputError, match="refused"):
+        harness.run_plan(plan, mine, log=lambda line: None)
+    assert os.listdir(mine) == [harness.LOCK]
+
+
 # ----------------------------------------------------------------------------- RP-kv, RP-kvbench: kv_quant tables
 
 KV = {"benchmark": "kv_quant", "model": "m", "kind": "mha", "policy": "k=q8_0,v=q4_0", "bytes_per_token": 98.0,

@@ -481,9 +481,12 @@ def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
     out_dir = Path(out_dir)
     records_folder(out_dir, "records.jsonl")  # a folder it can write, checked before anything runs
     made = [p for p in (out_dir, *out_dir.parents) if not os.path.lexists(p)]  # the folders the lock makes
+    lock_made = not os.path.lexists(out_dir / LOCK)
     try:
         return _run_plan(plan, out_dir, log)
     except BaseException:
+        if lock_made and (out_dir / LOCK).is_file() and not (out_dir / LOCK).is_symlink():
+            (out_dir / LOCK).unlink(missing_ok=True)  # a refused bench leaves no lock file of its own behind either
         _remove_unused(made, out_dir)  # a bench refused (or stopped) before it wrote anything leaves no folder
         raise
 
