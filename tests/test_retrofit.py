@@ -172,6 +172,21 @@ def test_an_init_from_model_that_is_not_there_is_one_line(tmp_path, pretrained, 
     assert "nowhere/model.gguf: no such file or folder" in line and not (tmp_path / "runs").exists()
 
 
+def test_a_dry_run_checks_the_init_from_models_weights_as_the_run_does(tmp_path, pretrained, capsys):
+    """Probe W: a truncated model.safetensors in the init_from folder was 'would train' in the dry run; the run
+    refused it. Both now refuse with one line naming the file, before anything is written."""
+    import shutil
+
+    copy = tmp_path / "llama"
+    shutil.copytree(pretrained[0], copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    path = write(tmp_path, pretrained, replace=[(str(pretrained[0]), str(copy))])
+    for dry in (["--dry-run"], []):
+        line = fails(capsys, ["run", str(path), *dry, "--out", str(tmp_path / "runs")], "targets.mqa.init_from:")
+        assert f"{weights}: unreadable safetensors file" in line and not (tmp_path / "runs").exists()
+
+
 def test_a_models_tokenizer_keys_prepared_data_by_its_contents(tmp_path, pretrained, monkeypatch):
     """Two names for one tokenizer share the prepared files; without the tokenizer object prepare says what it needs."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

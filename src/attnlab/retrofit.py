@@ -108,10 +108,11 @@ def target_config_of(spec: RunSpec, source_cfg: ModelConfig) -> ModelConfig:
 
 
 def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> list[str]:
-    """What would stop a pretrained target once it runs, found from the model's metadata alone: a reference that
-    names nothing, changes the weights cannot initialise, a tokenizer other than the model's, train.trainable
-    patterns that match nothing, train.seq_len above the model's context, a batch far beyond this machine's memory."""
-    from attnlab.interop.references import model_config_of, tokenizer_of
+    """What would stop a pretrained target once it runs, found without reading the weights' data: a reference that
+    names nothing or whose weights' headers or checksums are not as loading checks them (checked_model_config),
+    changes the weights cannot initialise, a tokenizer other than the model's, train.trainable patterns that match
+    nothing, train.seq_len above the model's context, a batch far beyond this machine's memory."""
+    from attnlab.interop.references import checked_model_config, tokenizer_of
 
     problems: list[str] = []
     firsts = first_phases(all_runs)
@@ -142,7 +143,9 @@ def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> 
         where = f"targets.{spec.target}" + (f".phases[{spec.phase}]" if spec.phase else "")
         ref = spec.source["model"]
         try:
-            source_cfg = configs[ref] if ref in configs else configs.setdefault(ref, model_config_of(ref, data_dir))
+            if ref not in configs:
+                configs[ref] = checked_model_config(ref, data_dir)
+            source_cfg = configs[ref]
         except (DataError, ConfigError) as e:
             problems.append(f"targets.{spec.target}.init_from: {_one_line(e)}")
             continue
