@@ -282,3 +282,17 @@ def stop_after_first_checkpoint(monkeypatch, argv) -> None:
         patch.setattr(loop, "save_checkpoint", save_then_stop)
         with pytest.raises(Stop):
             main(argv)
+
+
+def edit_trainer(folder: Path, edit) -> None:
+    """trainer.json changed by edit(dict), and checksums.json made to agree (as a careful hand would)."""
+    import hashlib
+    import json
+
+    trainer = json.loads((folder / "trainer.json").read_text())
+    edit(trainer)
+    (folder / "trainer.json").write_text(json.dumps(trainer, indent=1))
+    checksums = json.loads((folder / "checksums.json").read_text())
+    data = (folder / "trainer.json").read_bytes()
+    checksums["files"]["trainer.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "checksums.json").write_text(json.dumps(checksums, indent=1))

@@ -8,12 +8,10 @@ in one line naming the key, file or value and the fix."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import pytest
-from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest
+from helpers import PROBE_MODEL, dry_run, edit_trainer, fails, hat_text, probe_manifest, stop_after_first_checkpoint
 
 from attnlab.cli import main
 from attnlab.config import DataConfig, TrainConfig
@@ -22,7 +20,7 @@ from attnlab.errors import ConfigError, DataError
 from attnlab.eval.harness import load_plan
 from attnlab.manifest import parse_set
 from attnlab.ops.rope import Rotary
-from attnlab.train import budget, loop
+from attnlab.train import budget
 from attnlab.train.loop import train
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
@@ -187,28 +185,8 @@ class Stop(Exception):
 def interrupted(tmp_path: Path, text: Path, monkeypatch) -> tuple[Path, Path, Path]:
     """(manifest, --out, checkpoint folder) of a run stopped right after its step-2 checkpoint."""
     path, out = manifest(tmp_path, text), tmp_path / "out"
-    save = loop.save_checkpoint
-
-    def save_then_stop(*args, **kwargs):
-        save(*args, **kwargs)
-        raise Stop
-
-    with monkeypatch.context() as patch:
-        patch.setattr(loop, "save_checkpoint", save_then_stop)
-        with pytest.raises(Stop):
-            main(["run", str(path), "--out", str(out), "--no-progress"])
+    stop_after_first_checkpoint(monkeypatch, ["run", str(path), "--out", str(out), "--no-progress"])
     return path, out, out / "m" / "base" / "seed0" / "checkpoints" / "step-000002"
-
-
-def edit_trainer(folder: Path, edit) -> None:
-    """trainer.json changed by edit(dict), and checksums.json made to agree (as a careful hand would)."""
-    trainer = json.loads((folder / "trainer.json").read_text())
-    edit(trainer)
-    (folder / "trainer.json").write_text(json.dumps(trainer, indent=1))
-    checksums = json.loads((folder / "checksums.json").read_text())
-    data = (folder / "trainer.json").read_bytes()
-    checksums["files"]["trainer.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / "checksums.json").write_text(json.dumps(checksums, indent=1))
 
 
 @pytest.mark.parametrize(

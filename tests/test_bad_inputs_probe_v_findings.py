@@ -11,31 +11,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import dry_run, fails, hat_text, probe_manifest, snapshot, stop_after_first_checkpoint
+from helpers import dry_run, fails, snapshot
 
 from attnlab.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
-TRAIN = "{seq_len: 16, batch_size: 2, steps: 4, warmup_steps: 1, eval_every: 2, eval_tokens: 32, checkpoint_every: 2}"
-RUN = Path("m") / "base" / "seed0"
+# the stopped run and its copies are probe V's resume tests' (the same manifest, stopped after its step-2 checkpoint)
+import test_bad_inputs_probe_v_runs as v_runs  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def stopped(tmp_path_factory, own_cache) -> tuple[Path, Path]:
-    """(manifest, --out) of a run stopped right after its step-2 checkpoint (of 4), made once: tests copy --out."""
-    root = tmp_path_factory.mktemp("stopped")
-    manifest, out = probe_manifest(root, hat_text(root), TRAIN), root / "out"
-    with pytest.MonkeyPatch.context() as patch:
-        stop_after_first_checkpoint(patch, ["run", str(manifest), "--out", str(out), "--no-progress"])
-    return manifest, out
-
-
-def interrupted(stopped, tmp_path: Path) -> tuple[list[str], Path]:
-    """(the argv resuming it, --out) of a copy of the stopped run."""
-    manifest, out = stopped
-    shutil.copytree(out, tmp_path / "out", symlinks=True)
-    return ["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"], tmp_path / "out"
+RUN, interrupted, stopped = v_runs.RUN, v_runs.interrupted, v_runs.stopped
 
 
 def refused_alike(capsys, argv: list[str], out: Path) -> str:
@@ -93,7 +78,8 @@ def test_a_mistral_sliding_window_of_zero_is_refused(command, hf_folder, tmp_pat
     folder = edited_copy(hf_folder, tmp_path, model_type="mistral", architectures=["MistralForCausalLM"],
                          sliding_window=0)  # fmt: skip
     argv = [command, str(folder)] + (["the", "--max-new-tokens", "2"] if command == "generate" else [])
-    fails(capsys, argv, f"{folder / 'config.json'}: sliding_window=0 must be >= 1 or null")
+    line = fails(capsys, argv, f"{folder / 'config.json'}: sliding_window=0 must be >= 1 or null")
+    assert "use_sliding_window" not in line  # the key the file has, not another's
 
 
 # ----------------------------------------------------------------------------- S2: info checks what it is given
@@ -188,7 +174,8 @@ def test_info_on_a_run_checks_its_weights_checksums(damage, tiny_run, tmp_path, 
     if damage == "flipped":
         data[-1] ^= 1
     weights.write_bytes(bytes(data) if damage == "flipped" else bytes(data[:100]))
-    fails(capsys, ["info", str(run)], str(weights), "sha256" if damage == "flipped" else "truncated")
+    line = fails(capsys, ["info", str(run)], str(weights))
+    assert ("sha256" if damage == "flipped" else "truncated") in line, line
 
 
 # ----------------------------------------------------------------------------- compare without a loss history

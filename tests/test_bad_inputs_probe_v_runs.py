@@ -5,7 +5,6 @@ a trainer.json whose data record is damaged skipped the changed-data guard, in t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import (
     dry_run,
+    edit_trainer,
     error_line,
     fails,
     hat_text,
@@ -47,17 +47,6 @@ def interrupted(stopped, tmp_path: Path) -> tuple[list[str], Path]:
     manifest, out = stopped
     shutil.copytree(out, tmp_path / "out", symlinks=True)
     return ["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"], tmp_path / "out"
-
-
-def edit_trainer(folder: Path, edit) -> None:
-    """trainer.json changed by edit(dict), and checksums.json made to agree (as a careful hand would)."""
-    trainer = json.loads((folder / "trainer.json").read_text())
-    edit(trainer)
-    (folder / "trainer.json").write_text(json.dumps(trainer, indent=1))
-    checksums = json.loads((folder / "checksums.json").read_text())
-    data = (folder / "trainer.json").read_bytes()
-    checksums["files"]["trainer.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / "checksums.json").write_text(json.dumps(checksums, indent=1))
 
 
 def refused_alike(capsys, argv: list[str], out: Path) -> str:
