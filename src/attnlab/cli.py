@@ -46,7 +46,7 @@ from attnlab.cli_errors import (
 )
 from attnlab.cli_memory import add_train_memory_flags, check_train_memory_flags, train_memory_report
 from attnlab.cli_models import (
-    check_writable,
+    check_results_folder,
     cmd_convert,
     cmd_export,
     cmd_kv_eval,
@@ -319,7 +319,7 @@ def cmd_lm_eval(args) -> int:
                           "e.g. arc_easy,piqa)")  # fmt: skip
     tasks = [task for task in tasks if task]
     if args.out:
-        check_writable("--out", Path(args.out))  # before the model loads, not after the evaluation
+        check_results_folder(args.out, "results/lm_eval")  # before the model loads, not after the evaluation
     results = run_lm_eval(args.checkpoint, tasks, out_dir=args.out, kv_policy=args.kv_policy, limit=args.limit,
                           num_fewshot=args.num_fewshot, data_dir=args.data_dir, include_path=args.include_path,
                           batch_size=args.batch_size, weights=args.weights, activations=args.activations)  # fmt: skip

@@ -40,14 +40,14 @@ from attnlab.eval.perplexity import (
     summarize_losses,
     window_losses,
 )
-from attnlab.eval.records import records_folder, records_target
+from attnlab.eval.records import records_folder, records_in_run_problem, records_target
 from attnlab.interop.convert import LOW_RANK, convert_model, kv_heads, save_conversion, target_config, unchanged
 from attnlab.interop.export import export
 from attnlab.interop.references import model_config_of, resolve
 from attnlab.interop.tokenizer import warn_unknown_tokens
 from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import MIN_CALIBRATION_TOKENS, calibration_tokens_problem
-from attnlab.run_checks import run_folder_problem
+from attnlab.paths import run_folder_problem
 from attnlab.train.checkpoint import CheckpointError
 
 
@@ -72,11 +72,14 @@ RECORDS = "records.jsonl"  # the file --out DIR/ (a folder) gets, as `attnlab be
 
 def records_file(out: str) -> Path:
     """The file kv-eval/kv-tune append their records to: --out itself, or OUT/records.jsonl when OUT ends with a
-    slash (a folder, made if missing). Refused (InputError): a path records_target refuses, and an existing file
-    whose lines are JSON objects but not attnlab records (a user's {"text": ...} corpus): the rows would be mixed
-    into it."""
+    slash (a folder, made if missing). Refused (InputError): a path in a run's folder (records_in_run_problem), a
+    path records_target refuses, and an existing file whose lines are JSON objects but not attnlab records (a user's
+    {"text": ...} corpus): the rows would be mixed into it."""
     if out.endswith(("/", os.sep)):
-        return records_folder(out, RECORDS)[0]
+        return records_folder(out, RECORDS, example="results/")[0]
+    problem = records_in_run_problem(out, example="results/kv.jsonl")
+    if problem:
+        raise InputError(problem)
     target = records_target(out)  # a regular file of JSON objects, or none yet
     if target.is_file():
         for number, line in enumerate(target.read_bytes().decode("utf-8-sig").splitlines(), 1):
@@ -86,6 +89,15 @@ def records_file(out: str) -> Path:
                                  "records (one kv-eval, kv-tune or bench wrote); give a new file, or a folder as "
                                  "DIR/")  # fmt: skip
     return target
+
+
+def check_results_folder(out: str, example: str) -> None:
+    """--out of a command that writes its results into a folder, checked before the model loads: not a run's folder
+    nor inside one (records_in_run_problem, suggesting `example`), and writable (check_writable)."""
+    problem = records_in_run_problem(out, example=example)
+    if problem:
+        raise InputError(problem)
+    check_writable("--out", Path(out))
 
 
 def check_writable(flag: str, path: Path) -> None:

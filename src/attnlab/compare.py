@@ -22,7 +22,7 @@ from attnlab.data.files import atomic_write_text, outputs_together, read_json_li
 from attnlab.errors import DataError, InputError
 from attnlab.eval.plots import plot_val_loss
 from attnlab.eval.records import distinct_labels, exponential_problem, range_problem
-from attnlab.jsonio import loads_json
+from attnlab.paths import is_run_folder
 
 SEED_DIR = re.compile(r"seed(\d+)")
 WHERE = "give the folder `attnlab run --out` wrote for a manifest, e.g. runs/quickstart"
@@ -252,18 +252,6 @@ def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: s
                 e.filename = str(stage / "val_loss.png")
             raise
     return {"rows": rows, "text": markdown, **paths}
-
-
-def is_run_folder(folder: Path) -> bool:
-    """Whether folder holds a run train() wrote: its config.json (model, data and train), and checkpoints/ or
-    summary.json."""
-    if not ((folder / "checkpoints").is_dir() or (folder / "summary.json").is_file()):
-        return False
-    try:
-        config = loads_json((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
 
 
 def check_not_in_run(runs_dir: str | Path, out_dir: str | Path | None) -> None:

@@ -1,5 +1,6 @@
 """Where data files are looked up (an explicit directory, then $ATTNLAB_DATA, then the user cache), what a name
-that becomes a folder or file name may be, and where a path a user's name built may land."""
+that becomes a folder or file name may be, where a path a user's name built may land, and which folders are runs'
+(where no other command writes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import unicodedata
 from pathlib import Path
 
 from attnlab.errors import ConfigError, DataError
+from attnlab.jsonio import loads_json
 
 MAX_NAME_LENGTH = 100
 
@@ -148,6 +150,30 @@ def system_folder(path: str | Path) -> Path | None:
         return parent if parent.is_dir() and os.statvfs(parent).f_blocks == 0 else None
     except OSError:
         return None
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether folder holds a run train() wrote: its config.json (model, data and train), and checkpoints/ or
+    summary.json."""
+    if not ((folder / "checkpoints").is_dir() or (folder / "summary.json").is_file()):
+        return False
+    try:
+        config = loads_json((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
+
+
+def run_folder_problem(path: str | Path, why: str, flag: str = "--out") -> str | None:
+    """The line refusing `path` (given as `flag`) when it is a run's folder or inside one, where another command's
+    output would be mixed with the run's own files (`why` says what would happen there, and the fix); else None."""
+    absolute = Path(path).absolute()
+    for folder in (absolute, *absolute.parents):
+        if is_run_folder(folder):
+            shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
+            where = "is" if folder == absolute else f"is inside {shown}, which is"
+            return f"{flag} {path} {where} a run's folder (it holds config.json and its checkpoints): {why}"
+    return None
 
 
 def temporary_directory_problem() -> str | None:

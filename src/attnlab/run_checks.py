@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from attnlab.compare import is_run_folder
 from attnlab.config import names_model
 from attnlab.data.files import downloads_allowed
 from attnlab.data.prepared import (
@@ -146,19 +145,8 @@ def vocab_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
     return problems
 
 
+# why runner refuses an --out in a run's folder (paths.run_folder_problem)
 RUNS_NEST = "runs go to OUT/<manifest>/<target>/seed<S>; give the folder that holds your runs, e.g. --out runs"
-
-
-def run_folder_problem(out_root: str | Path, why: str = RUNS_NEST, flag: str = "--out") -> str | None:
-    """--out naming a run's folder (or a folder inside one): the manifest's runs would nest inside that run (`why`
-    says what else would, for another command's output)."""
-    path = Path(out_root).absolute()
-    for folder in (path, *path.parents):
-        if is_run_folder(folder):
-            shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
-            where = "is" if folder == path else f"is inside {shown}, which is"
-            return f"{flag} {out_root} {where} a run's folder (it holds config.json and its checkpoints): {why}"
-    return None
 
 
 def prepared_meta(data, data_dir) -> dict | None:

@@ -30,6 +30,7 @@ from attnlab.data.sampler import sampler_state
 from attnlab.data.sources import NAMED_SOURCES, local_path
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
+from attnlab.paths import run_folder_problem
 from attnlab.retrofit import (
     conversion_problem,
     converted_folder,
@@ -39,11 +40,11 @@ from attnlab.retrofit import (
     run_config,
 )
 from attnlab.run_checks import (
+    RUNS_NEST,
     check_runs,
     local_data_problem,
     prepared_folder_problem,
     prepared_meta,
-    run_folder_problem,
 )
 from attnlab.train.checkpoint import (
     CheckpointError,
@@ -353,7 +354,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         raise ConfigError(f"--out {out_root}: {link}: remove the link, or give another --out")
     if Path(out_root).exists() and not Path(out_root).is_dir():
         raise ConfigError(f"--out {out_root}: a file, not a folder (runs are written into a folder)")
-    problem = run_folder_problem(out_root)
+    problem = run_folder_problem(out_root, RUNS_NEST)
     if problem:
         raise ConfigError(problem)
     env = dist_env()  # torchrun's variables, checked before anything else (a dry run never joins a process group)

@@ -479,7 +479,7 @@ def run_plan(plan: BenchPlan, out_dir: str | Path, log=print) -> Path:
     one recorded for other weights at that path (retrained since) is measured again, and said (the old records
     stay; a report shows the latest); one recorded by an attnlab that did not note the weights is kept, and said."""
     out_dir = Path(out_dir)
-    records_folder(out_dir, "records.jsonl")  # a folder it can write, checked before anything runs
+    records_folder(out_dir, "records.jsonl", example=f"results/{plan.name}")  # checked before anything runs
     made = [p for p in (out_dir, *out_dir.parents) if not os.path.lexists(p)]  # the folders the lock makes
     lock_made = not os.path.lexists(out_dir / LOCK)
     try:

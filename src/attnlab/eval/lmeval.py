@@ -58,6 +58,7 @@ from attnlab.eval.lmeval_tasks import (
     task_specs,
 )
 from attnlab.eval.loading import EvalModel, check_weights_choice, load_for_eval
+from attnlab.eval.records import records_in_run_problem
 from attnlab.generate import check_sampling, decode_step, prefill, sample
 from attnlab.interop.references import HUB_PREFIX, parse_hub_ref, resolve
 
@@ -486,6 +487,9 @@ def run_lm_eval(
             raise ConfigError(f"include_path {path} is not a folder (give a folder of lm-eval task YAML files)")
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():  # before the evaluation
         raise ConfigError(f"--out {out_dir}: exists and is not a folder (give a folder for lm_eval.json)")
+    problem = records_in_run_problem(out_dir, example="results/lm_eval") if out_dir is not None else None
+    if problem:
+        raise InputError(problem)
     _check_no_results(out_dir)
     if isinstance(ref, str) and ref.startswith(HUB_PREFIX):  # (the model itself is fetched when it loads)
         parse_hub_ref(ref)

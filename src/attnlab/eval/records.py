@@ -28,6 +28,7 @@ from attnlab.data.files import (
     read_only_file_system,
 )
 from attnlab.errors import AttnlabWarning, DataError, InputError
+from attnlab.paths import run_folder_problem
 
 
 def make_record(benchmark: str, model=None, **figures) -> dict:
@@ -80,11 +81,24 @@ def _not_records(path: Path) -> str | None:
     return f"line {rows[0]} {rows[1]}" if isinstance(rows, tuple) else None
 
 
-def records_folder(folder: str | Path, *names: str, flag: str = "--out") -> list[Path]:
+def records_in_run_problem(path: str | Path, flag: str = "--out", example: str = "results") -> str | None:
+    """The line refusing records (a folder of them, or a records file: `path`) in a run's folder or inside one, as
+    compare, convert and export refuse their outputs there; None elsewhere. `example`: a path to suggest instead."""
+    what = "file" if example.endswith(".jsonl") else "folder"
+    return run_folder_problem(path, f"records written there would be mixed with the run's own files (its metrics, "
+                                    f"summary and checkpoints) and taken for some of them: give {flag} a {what} "
+                                    f"outside the run, e.g. {flag} {example}", flag)  # fmt: skip
+
+
+def records_folder(folder: str | Path, *names: str, flag: str = "--out", example: str = "results") -> list[Path]:
     """The records files `names` a command appends to in `folder` when it is done, checked before it starts, so that
-    minutes of work are not lost to a path it cannot write: InputError (one line naming `flag`) when `folder` or one
-    of its parents is not a folder, a records file is not a regular file (records_target), or the folder that would
-    hold one may not be written (permissions, a read-only file system). Creates nothing."""
+    minutes of work are not lost to a path it cannot write: InputError (one line naming `flag`) when `folder` is a
+    run's folder or inside one (records_in_run_problem, suggesting `example`), when it or one of its parents is not a
+    folder, a records file is not a regular file (records_target), or the folder that would hold one may not be
+    written (permissions, a read-only file system). Creates nothing."""
+    problem = records_in_run_problem(folder, flag, example)
+    if problem:
+        raise InputError(problem)
     folder = Path(folder)
     existing = next(p for p in [folder, *folder.parents] if os.path.lexists(p))  # "." or "/" at the latest
     if not existing.is_dir():

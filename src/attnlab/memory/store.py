@@ -35,7 +35,7 @@ from attnlab.generate import generate, prefill
 from attnlab.interop.tokenizer import warn_unknown
 from attnlab.jsonio import loads_json
 from attnlab.memory.state import DamagedStateError, MemoryStateError, load_state, require_memory, save_state
-from attnlab.paths import blocking_file, brief, cache_dir, name_problem, nearest_existing
+from attnlab.paths import blocking_file, brief, cache_dir, name_problem, nearest_existing, run_folder_problem
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS states (
     name TEXT PRIMARY KEY, file TEXT NOT NULL, documents TEXT NOT NULL, tokens INTEGER NOT NULL,
@@ -44,6 +44,12 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS states (
 COLUMNS = ("name", "file", "documents", "tokens", "bytes", "config_hash", "model_path", "created", "state_sha256")
 COLUMN_TYPES = {"name": str, "file": str, "documents": str, "tokens": int, "bytes": int, "config_hash": str,
                 "model_path": str, "created": str, "state_sha256": str}  # fmt: skip
+
+
+# A store inside a run's folder is refused as records there are (eval.records.records_in_run_problem).
+STORE_INSIDE_A_RUN = ("a memory store there (its index.sqlite and states/) would be mixed with the run's own "
+                      "files and taken for some of them: give --store a folder outside the run, e.g. --store "
+                      "memories")  # fmt: skip
 
 
 class StoreError(DataError):
@@ -88,6 +94,10 @@ class MemoryStore:
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"{self.root}: a file, not a memory store folder (give --store a folder)")
         if create:
+            flag = "--store" if store else "$ATTNLAB_MEMORY" if os.environ.get("ATTNLAB_MEMORY") else "the store"
+            problem = run_folder_problem(self.root, STORE_INSIDE_A_RUN, flag)
+            if problem:  # (before the model is loaded and the documents read)
+                raise StoreError(problem)
             self._check_creatable()
             self._check_index()
             if self.index.exists():  # (an index emptied beside no state file is made anew: nothing to lose)

@@ -1,0 +1,105 @@
+"""Probe W's unclear findings and nits (/work/probe_w/REPORT.md): `bench`, `mc`, `probes`, `kv-eval`, `kv-tune`,
+`lm-eval` and `memory ingest` wrote into a run's folder, where `compare`, `convert` and `export` refuse to; `memory
+ls` listed a state file cut short and a row whose tokens its documents contradict as intact; a bottleneck attention
+as wide as d_model (plain mha) and an MLA latent wider than d_model were accepted; kv-tune took a negative
+--max-dnll and formats or residual windows given twice; a low-rank conversion fitted on fewer calibration tokens
+than d_model; a summary.json with a status attnlab never writes was taken for a finished run; the manifest
+docstring's example of a target continuing another was refused. And what a KV policy does to a memory model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import PROBE_MODEL, fails, snapshot, train_tiny_run
+
+from attnlab.cli import main
+from attnlab.eval.records import records_in_run_problem
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
+BOUNDED = {"kind": "bounded", "recent_window": 8, "exact_slots": 4, "summary_slots": 4}
+
+
+@pytest.fixture(scope="module")
+def bounded_run(tmp_path_factory) -> Path:
+    """A tiny run of a model with a bounded memory (what `memory ingest` takes)."""
+    return train_tiny_run(tmp_path_factory.mktemp("bounded"), {**PROBE_MODEL, "memory": BOUNDED}, steps=2)
+
+
+def run_copy(tiny_run: Path, tmp_path: Path) -> Path:
+    """A copy of the tiny run at tmp_path/out/m/base/seed0 (a refused command must leave it as it is), and a document
+    to ingest at tmp_path/doc.txt."""
+    run = tmp_path / "out" / "m" / "base" / "seed0"
+    shutil.copytree(tiny_run, run)
+    (tmp_path / "doc.txt").write_text("the cat sat on the mat " * 20)
+    return run
+
+
+# ----------------------------------------------------------------------------- eval records into a run's folder
+
+# (argv given the run's folder, the model run and a store/records path) -> the fix the refusal names
+INTO_A_RUN = {
+    "bench": (lambda run, model, at: ["bench", str(run), "--benchmarks", "perplexity", "--out", str(at)],
+              "give --out a folder outside the run, e.g. --out results/bench"),
+    "mc": (lambda run, model, at: ["mc", "arc_easy", str(run), "--out", str(at)],
+           "give --out a folder outside the run, e.g. --out results"),
+    "probes": (lambda run, model, at: ["probes", "configs/probes/core.yml", str(run), "--out", str(at)],
+               "give --out a folder outside the run, e.g. --out results"),
+    "kv-eval file": (lambda run, model, at: ["kv-eval", str(run), "--policies", "k=q8_0", "--split", "val", "--out",
+                                             str(at / "kv.jsonl")], "give --out a file outside the run, e.g. --out "
+                     "results/kv.jsonl"),
+    "kv-eval folder": (lambda run, model, at: ["kv-eval", str(run), "--policies", "k=q8_0", "--split", "val", "--out",
+                                               f"{at}/"], "give --out a folder outside the run, e.g. --out results/"),
+    "kv-tune": (lambda run, model, at: ["kv-tune", str(run), "--budget", "100", "--split", "val", "--out",
+                                        str(at / "kv.jsonl")], "e.g. --out results/kv.jsonl"),
+    "lm-eval": (lambda run, model, at: ["lm-eval", str(run), "--tasks", "arc_easy", "--out", str(at / "lm")],
+                "give --out a folder outside the run, e.g. --out results/lm_eval"),
+    "memory ingest": (lambda run, model, at: ["memory", "ingest", str(model), str(run.parents[3] / "doc.txt"),
+                                              "--name", "n", "--store", str(at), "--no-progress"],
+                      "give --store a folder outside the run, e.g. --store memories"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["the run", "a folder in it"])
+@pytest.mark.parametrize("command", list(INTO_A_RUN))
+def test_records_and_stores_in_a_runs_folder_are_refused_before_anything_is_written(
+    command, inside, tiny_run, bounded_run, tmp_path, capsys
+):
+    run = run_copy(tiny_run, tmp_path)
+    make_argv, fix = INTO_A_RUN[command]
+    at = run / "mine" if inside else run
+    before = snapshot(run)
+    below = inside or command in ("kv-eval file", "kv-tune", "lm-eval")  # (a file or folder of its own in `at`)
+    where = f"is inside {run}, which is a run's folder" if below else "is a run's folder"
+    what = "a memory store there" if command == "memory ingest" else "records written there would be mixed"
+    line = fails(capsys, make_argv(run, bounded_run, at), where, "(it holds config.json and its checkpoints)", what,
+                 "the run's own files", fix)  # fmt: skip
+    assert "Traceback" not in line and snapshot(run) == before and not (run / "mine").exists()
+
+
+def test_a_store_in_a_runs_folder_named_by_attnlab_memory_is_refused_as_such(tiny_run, bounded_run, tmp_path,
+                                                                              monkeypatch, capsys):  # fmt: skip
+    run = run_copy(tiny_run, tmp_path)
+    monkeypatch.setenv("ATTNLAB_MEMORY", str(run / "memories"))
+    argv = ["memory", "ingest", str(bounded_run), str(run.parents[3] / "doc.txt"), "--name", "n", "--no-progress"]
+    fails(capsys, argv, f"$ATTNLAB_MEMORY {run / 'memories'} is inside", "give --store a folder outside the run")
+    assert not (run / "memories").exists()
+
+
+def test_a_folder_that_holds_runs_and_a_results_folder_are_still_accepted(tiny_run, bounded_run, tmp_path, capsys,
+                                                                          monkeypatch):  # fmt: skip
+    run = run_copy(tiny_run, tmp_path)
+    runs = tmp_path / "out"  # holds out/m/base/seed0: --out of `attnlab run`, not a run's folder
+    monkeypatch.chdir(tmp_path)
+    for folder in (runs, runs / "m", Path("results"), Path("results") / "bench"):
+        assert records_in_run_problem(folder) is None
+    kv = ["kv-eval", str(run), "--policies", "k=q8_0", "--split", "val", "--seq-len", "16", "--tokens", "34"]
+    assert main([*kv, "--out", str(runs / "kv.jsonl")]) == 0
+    assert main([*kv, "--out", "results/kv.jsonl"]) == 0
+    ingest = ["memory", "ingest", str(bounded_run), str(run.parents[3] / "doc.txt"), "--name", "n", "--no-progress"]
+    assert main([*ingest, "--store", str(runs / "memories")]) == 0
+    capsys.readouterr()
+    assert (runs / "kv.jsonl").is_file() and Path("results/kv.jsonl").is_file()
+    assert (runs / "memories" / "index.sqlite").is_file()
