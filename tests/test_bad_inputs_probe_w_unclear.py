@@ -8,7 +8,9 @@ docstring's example of a target continuing another was refused. And what a KV po
 
 from __future__ import annotations
 
+import json
 import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,72 @@ def test_a_folder_that_holds_runs_and_a_results_folder_are_still_accepted(tiny_r
     capsys.readouterr()
     assert (runs / "kv.jsonl").is_file() and Path("results/kv.jsonl").is_file()
     assert (runs / "memories" / "index.sqlite").is_file()
+
+
+# ----------------------------------------------------------------------------- memory ls: a state cut short
+
+
+@pytest.fixture
+def store(bounded_run, tmp_path, capsys) -> Path:
+    """A store holding 'notes' (one document) and 'two' (two documents)."""
+    doc, other, store = tmp_path / "doc.txt", tmp_path / "other.txt", tmp_path / "store"
+    doc.write_text("the cat sat on the mat " * 20)
+    other.write_text("a hat on the cat\n" * 5)
+    ingest = ["memory", "ingest", str(bounded_run), "--store", str(store), "--no-progress"]
+    assert main([*ingest, str(doc), "--name", "notes"]) == 0
+    assert main([*ingest, str(doc), str(other), "--name", "two"]) == 0
+    capsys.readouterr()
+    return store
+
+
+def validate_refuses(capsys, argv: list[str], *fragments) -> str:
+    """`attnlab validate ...` exits 2 with one line (naming the file) holding every fragment: that line."""
+    assert main(["validate", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and all(fragment in lines[0] for fragment in fragments), lines
+    return lines[0]
+
+
+def listing(capsys, store: Path) -> dict[str, str]:
+    assert main(["memory", "ls", "--store", str(store)]) == 0
+    return {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+
+
+def test_memory_ls_marks_a_state_file_of_another_size_than_its_row(store, capsys):
+    assert all("(" not in line for line in listing(capsys, store).values())  # intact: no mark
+    (state,) = (store / "states").glob("notes-*.safetensors")
+    size = state.stat().st_size
+    with state.open("r+b") as file:
+        file.truncate(50)
+    lines = listing(capsys, store)
+    assert (
+        f"(its state file states/{state.name} is 50 bytes, the index records {size:,}: cut short or changed since "
+        "the ingest; ingest it again with --replace, or `attnlab memory rm notes`)" in lines["notes"]
+    ), lines
+    assert "(" not in lines["two"]
+    fails(capsys, ["memory", "query", "notes", "the", "--store", str(store)], "not a readable memory state")
+
+
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_memory_ls_marks_a_row_whose_tokens_its_documents_contradict(store, capsys, tokens):
+    with sqlite3.connect(store / "index.sqlite") as index:
+        (documents,) = index.execute("SELECT documents FROM states WHERE name = 'notes'").fetchone()
+        index.execute("UPDATE states SET tokens = ? WHERE name = 'notes'", (tokens,))
+    read = json.loads(documents)[0]["tokens"]
+    lines = listing(capsys, store)
+    assert lines["notes"].split(" (")[0].split() == ["notes", "?", "?", "?", "?"]
+    assert (
+        f"changed by hand into values the store never writes: tokens={tokens} (its 1 document(s) make {read:,})"
+        in (lines["notes"])
+    ), lines
+    assert "(" not in lines["two"]  # two documents and the end-of-text token between them: as the ingest counted
+
+
+def test_a_row_of_no_tokens_is_damaged_whatever_its_documents_say(store, capsys):
+    with sqlite3.connect(store / "index.sqlite") as index:
+        index.execute("""UPDATE states SET tokens = 0, documents = '[{"path": "x", "sha256": "y", "tokens": 0}]'
+                         WHERE name = 'notes'""")
+    assert "tokens=0 (an ingest reads at least one token)" in listing(capsys, store)["notes"]
+    with sqlite3.connect(store / "index.sqlite") as index:
+        index.execute("UPDATE states SET documents = '[]' WHERE name = 'notes'")
+    assert "documents=[] (an ingest reads at least one document)" in listing(capsys, store)["notes"]

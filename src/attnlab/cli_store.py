@@ -21,8 +21,10 @@ def cmd_memory_ingest(args) -> int:
 
 
 def cmd_memory_ls(args) -> int:
-    """Every row of the index; one changed by hand (a damaged value, a file outside the store, a file gone) is marked
-    with what is wrong and the `rm` that clears it, as the rest are listed (the other commands refuse it)."""
+    """Every row of the index; one changed by hand (a damaged value, a file outside the store, a file gone or of
+    another size than the index records) is marked with what is wrong and the `rm` that clears it, as the rest are
+    listed (the other commands refuse it). Only sizes are compared: a state's checksum covers all its bytes, read
+    by `query` (which refuses a state changed within its size), not by a listing of a store of any size."""
     store = MemoryStore(args.store, create=False)
     listed = store.rows()
     if not listed:
@@ -45,6 +47,10 @@ def cmd_memory_ls(args) -> int:
                          f"{entry.name}`)")  # fmt: skip
         elif entry is not None and not (store.root / entry.file).is_file():
             cells.append(f"(its state file {entry.file} is gone: `attnlab memory rm {entry.name}`)")
+        elif entry is not None and (size := (store.root / entry.file).stat().st_size) != entry.bytes:
+            cells.append(f"(its state file {entry.file} is {size:,} bytes, the index records {entry.bytes:,}: cut "
+                         f"short or changed since the ingest; ingest it again with --replace, or `attnlab memory rm "
+                         f"{entry.name}`)")  # fmt: skip
         print("  ".join(cells).rstrip())
     return 0
 

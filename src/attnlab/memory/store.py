@@ -250,11 +250,30 @@ def row_problem(row: tuple) -> str | None:
     if not isinstance(documents, list):
         wrong.append("documents (not a JSON list)")
     wrong += [f"{c}={values[c]} (below 0)" for c in ("tokens", "bytes") if isinstance(values[c], int) and values[c] < 0]
+    wrong += _tokens_problem(values["tokens"], documents)
     if isinstance(values["created"], str) and not _is_time(values["created"]):
         wrong.append(f"created={brief(values['created'])} (not an ISO 8601 time)")
     if isinstance(values["name"], str) and name_problem(values["name"], "name"):  # (ingest takes plain names only)
         wrong.append(f"name={brief(values['name'])} (not a plain name)")
     return ", ".join(wrong) or None
+
+
+def _tokens_problem(tokens: object, documents: object) -> list[str]:
+    """A row's tokens against its documents: an ingest reads at least one token, and exactly its documents' tokens
+    with the end-of-text token between two documents."""
+    if not isinstance(tokens, int) or tokens < 0 or not isinstance(documents, list):
+        return []  # (said already)
+    counts = [d.get("tokens") if isinstance(d, dict) else None for d in documents]
+    if not documents:
+        return ["documents=[] (an ingest reads at least one document)"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        return ["documents (not a list of {path, sha256, tokens})"]
+    read = sum(counts) + len(counts) - 1
+    if tokens != read:
+        return [f"tokens={tokens} (its {len(counts)} document(s) make {read:,})"]
+    if tokens < 1:
+        return ["tokens=0 (an ingest reads at least one token)"]
+    return []
 
 
 def _is_time(text: str) -> bool:
