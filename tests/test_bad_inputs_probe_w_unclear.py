@@ -14,9 +14,11 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from helpers import PROBE_MODEL, fails, snapshot, train_tiny_run
+from helpers import PROBE_MODEL, fails, hat_text, probe_manifest, snapshot, train_tiny_run
 
 from attnlab.cli import main
+from attnlab.config_io import model_config_from_dict
+from attnlab.errors import ConfigError
 from attnlab.eval.records import records_in_run_problem
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
@@ -174,3 +176,35 @@ def test_a_row_of_no_tokens_is_damaged_whatever_its_documents_say(store, capsys)
     with sqlite3.connect(store / "index.sqlite") as index:
         index.execute("UPDATE states SET documents = '[]' WHERE name = 'notes'")
     assert "documents=[] (an ingest reads at least one document)" in listing(capsys, store)["notes"]
+
+
+# ----------------------------------------------------------------------------- widths that narrow nothing
+
+
+@pytest.mark.parametrize("d_attn", [32, 64])
+def test_a_bottleneck_as_wide_as_d_model_is_refused(d_attn):
+    with pytest.raises(ConfigError) as caught:
+        model_config_from_dict({**PROBE_MODEL, "attention": {"kind": "bottleneck", "d_attn": d_attn}})
+    line = str(caught.value)
+    assert "\n" not in line and f"attention.d_attn={d_attn} is not less than d_model=32" in line, line
+    head_dim = "" if d_attn == 32 else f", head_dim: {d_attn // 2}"
+    assert f"plain mha (use attention.kind: mha{head_dim}, or a d_attn below 32)" in line, line
+
+
+def test_a_bottleneck_below_d_model_or_with_its_null_key_is_accepted():
+    for attention in ({"d_attn": 16}, {"d_attn": 32, "null_attn": True}, {"d_attn": 64, "null_attn": True}):
+        model_config_from_dict({**PROBE_MODEL, "attention": {"kind": "bottleneck", **attention}})
+
+
+def test_a_bottleneck_as_wide_as_d_model_is_refused_by_validate(tmp_path, capsys):
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), "{seq_len: 16, batch_size: 2, steps: 2}")
+    argv = [str(manifest), "--set", "model.attention={kind: bottleneck, d_attn: 32, n_kv_heads: 1}"]
+    validate_refuses(capsys, argv, "attention.d_attn=32 is not less than d_model=32", "kind: mha, n_kv_heads: 1")
+
+
+def test_an_mla_latent_wider_than_d_model_is_refused():
+    model_config_from_dict({**PROBE_MODEL, "attention": {"kind": "mla", "d_latent": 32}})  # as wide: accepted
+    with pytest.raises(ConfigError) as caught:
+        model_config_from_dict({**PROBE_MODEL, "attention": {"kind": "mla", "d_latent": 33}})
+    line = str(caught.value)
+    assert "attention.d_latent=33 is more than d_model=32" in line and "at most 32" in line, line

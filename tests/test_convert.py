@@ -118,12 +118,15 @@ def test_joint_low_rank_is_the_truncated_svd_of_the_product():
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(
-    "attention", [{"kind": "bottleneck", "d_attn": 64}, {"kind": "decoupled", "d_sem": 4, "d_geo": 64, "d_v": 64}]
+    ("head_dim", "attention"),
+    [(8, {"kind": "bottleneck", "d_attn": 32}), (None, {"kind": "decoupled", "d_sem": 4, "d_geo": 64, "d_v": 64})],
 )
-def test_full_rank_factorisations_are_the_source(attention, interleaved):
+def test_full_rank_factorisations_are_the_source(head_dim, attention, interleaved):
     """Every RoPE pair kept and V/output at full rank: the bottleneck and decoupled conversions are the source
-    (the semantic path, with nothing left to carry, starts at zero)."""
-    model = tiny_model({"kind": "mha", "n_kv_heads": 2}, perturb=True, seed=1, rope_interleaved=interleaved)
+    (the semantic path, with nothing left to carry, starts at zero). A bottleneck's full rank is below d_model only
+    for a source whose heads are narrower than d_model / n_heads (a d_attn of d_model is refused: plain mha)."""
+    source = {"kind": "mha", "n_kv_heads": 2} | ({"head_dim": head_dim} if head_dim else {})
+    model = tiny_model(source, perturb=True, seed=1, rope_interleaved=interleaved)
     conversion = convert_model(model.cfg, model, attention)
     assert conversion.fresh == [] and conversion.cfg.rope_scaling.type == "freq_factors"
     torch.testing.assert_close(logits(conversion.model), logits(model), rtol=0, atol=1e-4)
@@ -216,7 +219,8 @@ def test_calibrated_factorisations_fit_the_inputs_better_than_the_weights_alone(
         )
         assert ("calibration tokens" in conversion.notes[-1]) == (data is not None)
     assert errors["calibrated"] < 0.7 * errors["weights"]
-    full = convert_model(model.cfg, model, {"kind": "bottleneck", "d_attn": 64}, calibration=calibration)
+    full_rank = {"kind": "decoupled", "d_sem": 4, "d_geo": 64, "d_v": 64}
+    full = convert_model(model.cfg, model, full_rank, calibration=calibration)
     torch.testing.assert_close(logits(full.model), logits(model), rtol=0, atol=1e-4)
 
 
@@ -229,12 +233,15 @@ def test_a_conversion_the_source_cannot_initialise_is_refused_in_one_line():
         ({"kind": "mla", "d_latent": 32, "head_dim": 16}, "head_dim=16 cannot be initialised from the source .an MLA"),
         ({"kind": "mla", "d_latent": 200}, "d_latent=200 is more than the source's 120 unrotated key and value"),
         ({"kind": "mla", "d_latent": 32, "latent_norm": True}, "no norm on the latent .latent_norm: false."),
-        ({"kind": "bottleneck", "d_attn": 128}, "d_attn / n_heads = 32 is more than the source's head_dim 16"),
+        ({"kind": "bottleneck", "d_attn": 128}, "d_attn=128 is not less than d_model=64: .* plain mha"),
         ({"kind": "decoupled", "d_sem": 16, "d_geo": 32, "tie_qk": True}, "separate semantic W_Q, W_K"),
     ):
         with pytest.raises(ConfigError, match=words) as error:
             convert_model(cfg, model, attention)
         assert "\n" not in str(error.value)
+    narrow_cfg, narrow = source(head_dim=8)  # heads of 8: a bottleneck below d_model can be wider than them
+    with pytest.raises(ConfigError, match="d_attn / n_heads = 12 is more than the source's head_dim 8"):
+        convert_model(narrow_cfg, narrow, {"kind": "bottleneck", "d_attn": 48})
     coda_cfg, coda = tiny_model({"kind": "coda"}).cfg, tiny_model({"kind": "coda"})
     with pytest.raises(ConfigError, match="a conversion of the attention starts from mha or sliding"):
         convert_model(coda_cfg, coda, {"kind": "mha"})

@@ -1,5 +1,8 @@
 """Bottleneck attention: Q, K, V projected to d_attn < d_model, attended per head, projected back.
 
+A d_attn of d_model or more narrows nothing (it is mha with head_dim d_attn / n_heads) and is refused, unless
+null_attn gives it the null key that only this kind has.
+
 head_dim = d_attn / n_heads, scale 1/sqrt(d_attn / n_heads); an optional learned null key/value per
 head gives every query an explicit "attend nowhere" column (the bottleneck report's null token).
 """
@@ -27,6 +30,12 @@ class BottleneckConfig(AttentionConfig):
             out.append(f"attention.d_attn={self.d_attn} must be a positive multiple of n_heads={model.n_heads}")
         elif (self.d_attn // model.n_heads) % 2:
             out.append(f"attention.d_attn / n_heads = {self.d_attn // model.n_heads} must be even for RoPE")
+        elif self.d_attn >= model.d_model and not self.null_attn:  # (a null key is what only a bottleneck offers)
+            head_dim = "" if self.d_attn == model.d_model else f", head_dim: {self.d_attn // model.n_heads}"
+            kv = f", n_kv_heads: {self.n_kv_heads}" if self.n_kv_heads is not None else ""
+            out.append(f"attention.d_attn={self.d_attn} is not less than d_model={model.d_model}: Q, K and V would not "
+                       f"be narrowed, so bottleneck attention would be plain mha (use attention.kind: mha{head_dim}"
+                       f"{kv}, or a d_attn below {model.d_model})")  # fmt: skip
         return out
 
     def cache_layout(self, model: ModelConfig) -> CacheLayout:

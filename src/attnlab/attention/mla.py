@@ -60,6 +60,11 @@ class MLAConfig(AttentionConfig):
             return out
         if self.d_latent < 1:
             out.append(f"attention.d_latent={self.d_latent} must be >= 1")
+        elif self.d_latent > model.d_model:  # c = RMSNorm(W_dkv x) lies in a d_model-dimensional subspace (scaled)
+            out.append(f"attention.d_latent={self.d_latent} is more than d_model={model.d_model}: the latent is a "
+                       f"projection of the d_model-wide input, so it spans at most {model.d_model} dimensions and the "
+                       f"rest of its width caches bytes that carry nothing (give a d_latent of at most "
+                       f"{model.d_model})")  # fmt: skip
         if self.v_head_dim is not None and self.v_head_dim < 1:
             out.append(f"attention.v_head_dim={self.v_head_dim} must be >= 1 (or leave it out: head_dim)")
         d_rope = self.dims(model)[1]
