@@ -208,3 +208,20 @@ def test_an_mla_latent_wider_than_d_model_is_refused():
         model_config_from_dict({**PROBE_MODEL, "attention": {"kind": "mla", "d_latent": 33}})
     line = str(caught.value)
     assert "attention.d_latent=33 is more than d_model=32" in line and "at most 32" in line, line
+
+
+# ----------------------------------------------------------------------------- kv-tune's own flags
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--max-dnll", "-1"], "--max-dnll=-1.0 must be a finite number >= 0"),
+        (["--max-dnll", "nan"], "--max-dnll=nan must be a finite number >= 0"),
+        (["--max-dnll", "inf"], "--max-dnll=inf must be a finite number >= 0"),
+        (["--formats", "q8_0,q4_0,q8_0"], "--formats 'q8_0,q4_0,q8_0': q8_0 is given twice: give each once"),
+        (["--resids", "0,0"], "--resids '0,0': 0 is given twice: give each once"),
+    ],
+)
+def test_kv_tune_refuses_a_negative_max_dnll_and_a_value_given_twice(tiny_run, capsys, flags, fragment):
+    fails(capsys, ["kv-tune", str(tiny_run), "--budget", "100", "--split", "val", *flags], fragment)

@@ -255,10 +255,15 @@ def cmd_kv_tune(args) -> int:
         ) from None
     if any(r < 0 for r in resids):
         raise InputError(f"--resids {args.resids!r} must be >= 0")
+    for flag, given, values in (("--formats", args.formats, formats), ("--resids", args.resids, resids)):
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if twice is not None:  # it would be measured twice, as kv-eval refuses a policy given twice
+            raise InputError(f"{flag} {given!r}: {twice} is given twice: give each once")
     if not (math.isfinite(args.budget) and args.budget > 0):
         raise InputError(f"--budget={args.budget!r} must be a finite number of bytes per token > 0")
-    if args.max_dnll is not None and not math.isfinite(args.max_dnll):
-        raise InputError(f"--max-dnll={args.max_dnll!r} must be a finite number (nats per token)")
+    if args.max_dnll is not None and not (math.isfinite(args.max_dnll) and args.max_dnll >= 0):
+        raise InputError(f"--max-dnll={args.max_dnll!r} must be a finite number >= 0 (nats per token a policy may add "
+                         "to the full cache's NLL; 0: none)")  # fmt: skip
     records = check_kv_arguments(args)
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     check_kv_model(args, model)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from helpers import train_tiny_run
 
 import attnlab
+import attnlab.cli_models
 from attnlab.cli import main
 from attnlab.eval.kvquant import chunked_logits, evaluate_policies, tune
 from attnlab.eval.loading import load_for_eval
@@ -93,7 +94,7 @@ def test_tune_picks_a_policy_within_the_budget(run, windows):
     assert {r["policy"] for r in result["sensitivity"]} >= {"k=q8_0,v=fp16", "k=fp16,v=q4_0,resid=16"}
 
 
-def test_cli_kv_eval_and_kv_tune(run, tmp_path, capsys):
+def test_cli_kv_eval_and_kv_tune(run, tmp_path, capsys, monkeypatch):
     out = tmp_path / "kv.jsonl"
     args = ["--split", "val", "--seq-len", "32", "--tokens", "99", "--out", str(out)]
     assert main(["kv-eval", str(run), "--policies", "k=q8_0,v=q8_0", "ksem=q4_0", *args]) == 2
@@ -105,25 +106,14 @@ def test_cli_kv_eval_and_kv_tune(run, tmp_path, capsys):
     assert [r["policy"] for r in rows] == ["k=q8_0,v=q8_0", "k=q4_0,v=q4_0,resid=8"] and rows[0][
         "model"
     ] == "tiny/seed0"
-    assert (
-        main(
-            [
-                "kv-tune",
-                str(run),
-                "--budget",
-                "100",
-                "--max-dnll",
-                "-1",
-                "--formats",
-                "q8_0,q4_0",
-                "--resids",
-                "0",
-                *args,
-            ]
-        )
-        == 1
-    )  # fmt: skip  (no policy can gain quality: exit 1)
-    assert "best under 100 bytes/token" in capsys.readouterr().out
+    tune_args = ["kv-tune", str(run), "--budget", "100", "--max-dnll", "0", "--formats", "q8_0,q4_0", "--resids", "0"]
+    assert main([*tune_args, *args]) == 0  # (this barely trained model loses nothing to q4_0: a dNLL of -0.00002)
+    out = capsys.readouterr().out
+    assert "best under 100 bytes/token" in out and "(--max-dnll 0: meets)" in out
+    real_tune = attnlab.cli_models.tune  # a winner above --max-dnll: exit 1 (a negative --max-dnll is refused)
+    monkeypatch.setattr(attnlab.cli_models, "tune", lambda *a, **k: real_tune(*a[:3], -1.0, *a[4:], **k))
+    assert main([*tune_args, *args]) == 1
+    assert "(--max-dnll 0: EXCEEDS)" in capsys.readouterr().out
     assert main(["kv-tune", str(run), "--budget", "10", *args]) == 2
     assert "raise the budget" in capsys.readouterr().err
 
