@@ -95,17 +95,22 @@ def test_one_calibration_token_is_refused_by_validate_and_the_dry_run(tmp_path, 
     assert not out.exists()
 
 
-def test_two_calibration_tokens_are_the_fewest_a_conversion_fits_on(llama):
-    """Why the minimum is 2: the inputs' second moment is gathered over windows, and one token makes none."""
-    from attnlab.interop.convert import convert_model
+def test_d_model_calibration_tokens_are_the_fewest_a_conversion_fits_on(llama):
+    """Why the minimum is d_model (probe W; it was 2, the fewest that give a window): the factorisations are fitted
+    to the second moment of the d_model-wide inputs, singular over fewer tokens than that; one token gave none."""
+    from attnlab.interop.convert import calibration_minimum, convert_model
 
     cfg, model, _ = attnlab.load_model(llama)
     attention = {"kind": "decoupled", "d_sem": 16, "d_geo": 32}
-    fitted = convert_model(cfg, model, attention, calibration=torch.tensor([5, 6]))
+    least = calibration_minimum(cfg)
+    assert least == cfg.d_model == 64
+    fitted = convert_model(cfg, model, attention, calibration=torch.arange(least) % 50)
     assert all(torch.isfinite(p).all() for p in fitted.model.parameters())
-    assert "factorisations fitted on 2 calibration tokens" in fitted.notes
-    with pytest.raises(Exception, match="non-finite|nan"):  # what the manifest and the command now refuse first
-        convert_model(cfg, model, attention, calibration=torch.tensor([5]))
+    assert f"factorisations fitted on {least} calibration tokens" in fitted.notes
+    for tokens in (torch.tensor([5]), torch.arange(least - 1) % 50):
+        with pytest.raises(attnlab.ConfigError, match=f"calibration tokens are too few for d_model=64: give at least "
+                                                      f"{least}"):  # fmt: skip
+            convert_model(cfg, model, attention, calibration=tokens)
 
 
 def test_convert_refuses_one_calibration_token_before_loading(tmp_path, llama, text, capsys):
@@ -125,7 +130,8 @@ def test_a_calibration_text_of_one_token_is_named(tmp_path, llama, text, monkeyp
     out = tmp_path / "converted"
     command = ["convert", str(llama), "--attention", "kind=decoupled,d_sem=16,d_geo=32", "--calibration-tokens",
                "64", "--calibrate-on", str(text), "--eval-tokens", "0", "--out", str(out)]  # fmt: skip
-    line = fails(capsys, command, f"--calibrate-on {text}: its train split holds 1 token(s)", "fewer than the 2")
+    line = fails(capsys, command, f"--calibrate-on {text}: its train split holds 1 token(s)", "fewer than the 64 a "
+                 "calibration of d_model=64 needs")  # fmt: skip
     assert "--calibration-tokens 0" in line and not out.exists()
 
 

@@ -12,14 +12,16 @@ import json
 import shutil
 import sqlite3
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from helpers import PROBE_MODEL, fails, hat_text, probe_manifest, snapshot, train_tiny_run
+from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest, snapshot, train_tiny_run
 
 from attnlab.cli import main
 from attnlab.config_io import model_config_from_dict
 from attnlab.errors import ConfigError
 from attnlab.eval.records import records_in_run_problem
+from attnlab.interop.convert import calibration_minimum
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -225,3 +227,44 @@ def test_an_mla_latent_wider_than_d_model_is_refused():
 )
 def test_kv_tune_refuses_a_negative_max_dnll_and_a_value_given_twice(tiny_run, capsys, flags, fragment):
     fails(capsys, ["kv-tune", str(tiny_run), "--budget", "100", "--split", "val", *flags], fragment)
+
+
+# ----------------------------------------------------------------------------- calibration tokens below d_model
+
+
+def test_the_fewest_calibration_tokens_give_d_model_inputs():
+    """input_whitening reads windows of 512 tokens and leaves out a last window of one token."""
+    for d_model, max_seq_len, least in ((32, 64, 32), (576, 2048, 576), (4096, 8192, 4096), (513, 1024, 514),
+                                        (65, 64, 66), (64, 64, 64)):  # fmt: skip
+        assert calibration_minimum(SimpleNamespace(d_model=d_model, max_seq_len=max_seq_len)) == least
+
+
+def test_a_conversion_on_fewer_calibration_tokens_than_d_model_is_refused(tiny_run, tmp_path, capsys):
+    text, out = tiny_run.parents[2] / "text.txt", tmp_path / "converted"
+    argv = ["convert", str(tiny_run), "--attention", "kind=decoupled,d_sem=8,d_geo=16", "--calibrate-on", str(text),
+            "--eval-tokens", "0", "--out", str(out), "--calibration-tokens"]  # fmt: skip
+    fails(capsys, [*argv, "10"], "--calibration-tokens=10 is too few for a model of d_model=32", "give 32 or more",
+          "or 0 to fit the weights alone")  # fmt: skip
+    assert not out.exists()
+    assert main([*argv, "32"]) == 0
+    assert "factorisations fitted on 32 calibration tokens" in capsys.readouterr().out
+
+
+def test_a_manifest_conversion_on_fewer_calibration_tokens_than_d_model_is_refused(tiny_run, tmp_path, capsys):
+    text = tiny_run.parents[2] / "text.txt"
+    manifest = tmp_path / "m.yml"
+
+    def write(tokens: int) -> None:
+        manifest.write_text(f"name: m\nseeds: [0]\ndefaults:\n  data: {{source: {text}, val_fraction: 0.2}}\n"
+                            "  train: {seq_len: 16, batch_size: 2, steps: 2, eval_every: 2, eval_tokens: 32}\n"
+                            f"targets:\n  dba:\n    init_from: {{model: {tiny_run}, calibration_tokens: {tokens}, "
+                            f"calibrate_on: {text}}}\n    model: {{attention: {{kind: decoupled, d_sem: 8, "
+                            "d_geo: 16}}\n")  # fmt: skip
+
+    write(10)
+    said = "targets.dba.init_from.calibration_tokens=10 is too few for a model of d_model=32"
+    validate_refuses(capsys, [str(manifest)], said, "give 32 or more")
+    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run"], said)
+    assert not (tmp_path / "o").exists()
+    write(32)
+    assert "would train 2 steps" in dry_run(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run"])

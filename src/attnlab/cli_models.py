@@ -41,12 +41,20 @@ from attnlab.eval.perplexity import (
     window_losses,
 )
 from attnlab.eval.records import records_folder, records_in_run_problem, records_target
-from attnlab.interop.convert import LOW_RANK, convert_model, kv_heads, save_conversion, target_config, unchanged
+from attnlab.interop.convert import (
+    LOW_RANK,
+    calibration_minimum,
+    convert_model,
+    kv_heads,
+    save_conversion,
+    target_config,
+    unchanged,
+)
 from attnlab.interop.export import export
 from attnlab.interop.references import model_config_of, resolve
 from attnlab.interop.tokenizer import warn_unknown_tokens
 from attnlab.jsonio import loads_json
-from attnlab.manifest_pretrained import MIN_CALIBRATION_TOKENS, calibration_tokens_problem
+from attnlab.manifest_pretrained import calibration_size_problem, calibration_tokens_problem
 from attnlab.paths import run_folder_problem
 from attnlab.train.checkpoint import CheckpointError
 
@@ -397,11 +405,15 @@ def text_found(source: str, data_dir) -> bool:
         return False
 
 
-def check_convert_source(args, cfg, name, given: set[str]) -> None:
-    """convert's --seq-len within the source's context (when it was given: the default is cut to it)."""
+def check_convert_source(args, cfg, name, given: set[str], calibrating: bool) -> None:
+    """convert's --seq-len within the source's context (when it was given: the default is cut to it), and enough
+    --calibration-tokens to fit on for its d_model (when they are used)."""
     if args.eval_tokens and "seq_len" in given and args.seq_len > cfg.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len} is more than {name}'s max_seq_len={cfg.max_seq_len}: give "
                          f"--seq-len {cfg.max_seq_len} or less")  # fmt: skip
+    problem = calibration_size_problem(args.calibration_tokens, cfg, "--calibration-tokens") if calibrating else None
+    if problem:
+        raise InputError(problem)
 
 
 def check_something_to_convert(args, source, target) -> None:
@@ -490,10 +502,10 @@ def convert(args) -> int:
     except AttnlabError:  # (loading it says what is wrong with the reference)
         header = None
     if header is not None:
-        check_convert_source(args, header, args.ref, given)
+        check_convert_source(args, header, args.ref, given, calibrating)
         check_something_to_convert(args, header, target_config(header, attention, memory))
     source = load_for_eval(args.ref, data_dir=args.data_dir)
-    check_convert_source(args, source.cfg, source.name, given)
+    check_convert_source(args, source.cfg, source.name, given, calibrating)
     check_something_to_convert(args, source.cfg, target_config(source.cfg, attention, memory))
     calibration = None
     if calibrating:  # activation-aware factorisations
@@ -504,11 +516,11 @@ def convert(args) -> int:
         except DataError as e:
             raise calibration_error(args, e) from None
         calibration = calibration[: args.calibration_tokens]
-        if len(calibration) < MIN_CALIBRATION_TOKENS:
+        if len(calibration) < calibration_minimum(source.cfg):
             raise DataError(f"--calibrate-on {args.calibrate_on}: its train split holds {len(calibration)} "
-                            f"token(s) for {source.name}'s tokenizer, fewer than the {MIN_CALIBRATION_TOKENS} a "
-                            "calibration needs: give a longer text, or --calibration-tokens 0 to fit the weights "
-                            "alone")  # fmt: skip
+                            f"token(s) for {source.name}'s tokenizer, fewer than the {calibration_minimum(source.cfg)} "
+                            f"a calibration of d_model={source.cfg.d_model} needs: give a longer text, or "
+                            "--calibration-tokens 0 to fit the weights alone")  # fmt: skip
     # the held-out text is read before the conversion and --out is written last: a mistake leaves no --out behind
     try:
         tokens = dataset_tokens(source.tokenizer, args.dataset, "test", args.data_dir) if args.eval_tokens else None

@@ -8,7 +8,7 @@ from typing import Any
 
 from attnlab.config import checkpointing_memory_problem, names_model, source_problem, untrainable_memory_problem
 from attnlab.config_checks import MAX_INT, unknown_key_problem
-from attnlab.interop.convert import LOW_RANK, PAIR_RULES
+from attnlab.interop.convert import LOW_RANK, PAIR_RULES, calibration_minimum
 from attnlab.paths import brief
 
 SOURCE_DEFAULTS = {"model": None, "rope_pairs": "energy", "calibration_tokens": 4096, "calibrate_on": "wikitext2-nounk"}
@@ -102,6 +102,19 @@ def calibration_tokens_problem(tokens: int, what: str) -> str | None:
         return (f"{what}={tokens} is too few: the factorisations fit the second moment of the attention's inputs "
                 f"over windows of at least {MIN_CALIBRATION_TOKENS} tokens (give {MIN_CALIBRATION_TOKENS} or more, "
                 "e.g. 4096, or 0 to fit the weights alone)")  # fmt: skip
+    return None
+
+
+def calibration_size_problem(tokens: int, cfg, what: str) -> str | None:
+    """Why `tokens` calibration tokens (0 = none) are too few to fit a low-rank conversion of a model of config
+    `cfg`, or None: fewer than d_model inputs leave the second moment the fit weighs the weights by singular
+    (interop.convert.calibration_minimum)."""
+    least = calibration_minimum(cfg)
+    if 0 < tokens < least:
+        return (f"{what}={tokens} is too few for a model of d_model={cfg.d_model}: the factorisations are fitted to "
+                f"the second moment of the attention's {cfg.d_model}-wide inputs, which fewer than {least} tokens "
+                f"cannot span (the fit would ignore every direction they do not reach); give {least} or more (e.g. "
+                f"4096), or 0 to fit the weights alone")  # fmt: skip
     return None
 
 

@@ -28,8 +28,9 @@ from attnlab.config import ModelConfig, names_model, untrainable_memory_problem
 from attnlab.config_io import model_config_from_dict
 from attnlab.data.files import read_json_object
 from attnlab.errors import ConfigError, DataError
+from attnlab.interop.convert import LOW_RANK, calibration_minimum
 from attnlab.manifest import RunSpec
-from attnlab.manifest_pretrained import MIN_CALIBRATION_TOKENS, PRETRAINED_CHANGES
+from attnlab.manifest_pretrained import PRETRAINED_CHANGES, calibration_size_problem
 from attnlab.model.transformer import build_model
 from attnlab.train.budget import batch_memory_problem, positions_memory_problem
 from attnlab.train.optim import trainable_problem
@@ -161,6 +162,12 @@ def check_pretrained(runs: list[RunSpec], all_runs: list[RunSpec], data_dir) -> 
         except ConfigError as e:
             problems.append(f"{where}: {_one_line(e)} (from init_from {ref})")
             continue
+        if spec is first and (changes(spec)[0] or {}).get("kind") in LOW_RANK:  # (a later phase converts nothing)
+            problem = calibration_size_problem(spec.source["calibration_tokens"], source_cfg,
+                                               f"targets.{spec.target}.init_from.calibration_tokens")  # fmt: skip
+            if problem:
+                problems.append(f"{problem} (init_from {ref})")
+                continue
         problem = untrainable_memory_problem(cfg.memory.kind)  # (a source folder may carry one)
         if problem:
             problems.append(f"{where}: {problem} (from init_from {ref})")
@@ -231,7 +238,7 @@ def converted_model(spec: RunSpec, root: Path, data_dir, log: Callable = print) 
     """The folder of the target's conversion (<root>/<target>/converted), made now unless it exists with the same
     recipe. Low-rank conversions fit on calibration tokens of the source's `calibrate_on` text (train split)."""
     from attnlab.eval.perplexity import dataset_tokens
-    from attnlab.interop.convert import LOW_RANK, convert_model, save_conversion
+    from attnlab.interop.convert import convert_model, save_conversion
     from attnlab.interop.references import load_reference
 
     folder = converted_folder(root, spec)
@@ -254,11 +261,13 @@ def converted_model(spec: RunSpec, root: Path, data_dir, log: Callable = print) 
                 f"targets.{spec.target}.init_from.calibrate_on={source['calibrate_on']}: {_one_line(e)} (give "
                 "--data-dir, or calibration_tokens: 0 to fit the weights alone)"
             ) from None
-        if len(tokens) < MIN_CALIBRATION_TOKENS:  # (calibration_tokens is 0 or at least that: the manifest)
+        least = calibration_minimum(loaded.cfg)  # (calibration_tokens is 0 or at least that: check_pretrained)
+        if len(tokens) < least:
             raise DataError(
                 f"targets.{spec.target}.init_from.calibrate_on={source['calibrate_on']}: its train split holds "
-                f"{len(tokens)} token(s) for {source['model']}'s tokenizer, fewer than the {MIN_CALIBRATION_TOKENS} a "
-                "calibration needs (give a longer text, or calibration_tokens: 0 to fit the weights alone)"
+                f"{len(tokens)} token(s) for {source['model']}'s tokenizer, fewer than the {least} a calibration of "
+                f"d_model={loaded.cfg.d_model} needs (give a longer text, or calibration_tokens: 0 to fit the "
+                "weights alone)"
             )
         calibration = torch.from_numpy(tokens[: source["calibration_tokens"]])
     conversion = convert_model(

@@ -262,6 +262,18 @@ def input_whitening(model: Transformer, tokens: torch.Tensor, seq_len: int, floo
     return roots
 
 
+CALIBRATION_SEQ_LEN = 512  # the windows convert_model reads calibration tokens in (the model's context at most)
+
+
+def calibration_minimum(cfg: ModelConfig, seq_len: int = CALIBRATION_SEQ_LEN) -> int:
+    """The fewest calibration tokens whose attention inputs can span the d_model-wide input space: the second moment
+    C (input_whitening) of fewer than d_model inputs is singular, and a factorisation of W C^1/2 then fits the few
+    directions they reach and leaves the rest to the floor. input_whitening reads windows of seq_len (cut to the
+    context) and leaves out a last window of one token."""
+    seq_len, d_model = min(seq_len, cfg.max_seq_len), cfg.d_model
+    return d_model if (d_model - 1) % seq_len else d_model + 1
+
+
 PAIR_RULES = ("energy", "high", "low", "uniform")  # MHA2MLA's S_2-norm (on the weights), S_high, S_low, S_uniform
 
 
@@ -467,13 +479,18 @@ def outside_attention(name: str, weight: torch.Tensor, target: torch.Tensor, sou
 
 def convert_model(cfg: ModelConfig, model: Transformer, attention: dict | None = None, memory: dict | None = None,
                   rope_pairs: str = "energy", calibration: torch.Tensor | None = None,
-                  calibration_seq_len: int = 512) -> Conversion:  # fmt: skip
+                  calibration_seq_len: int = CALIBRATION_SEQ_LEN) -> Conversion:  # fmt: skip
     """`model` (config `cfg`) with another attention and/or memory, initialised from its weights (module
-    docstring). ConfigError (one line each) for a target the source cannot initialise."""
+    docstring). ConfigError (one line each) for a target the source cannot initialise, or for calibration tokens
+    too few to fit on (calibration_minimum)."""
     new_cfg = target_config(cfg, attention, memory)
     kept = new_cfg.attention == cfg.attention  # a memory alone: the attention's weights are copied as they are
     low_rank = new_cfg.attention.kind in LOW_RANK and not kept
     whitening = None
+    least = calibration_minimum(cfg, calibration_seq_len)
+    if low_rank and calibration is not None and torch.as_tensor(calibration).numel() < least:
+        raise ConfigError(f"convert: {torch.as_tensor(calibration).numel()} calibration tokens are too few for "
+                          f"d_model={cfg.d_model}: give at least {least} (or none: the weights alone)")  # fmt: skip
     if low_rank and calibration is not None:  # activation-aware: the factorisations fit the calibration inputs
         whitening = input_whitening(model, torch.as_tensor(calibration).long().flatten(), calibration_seq_len)
     if low_rank:  # the kept RoPE pairs turn at the source's frequencies
