@@ -268,3 +268,29 @@ def test_a_manifest_conversion_on_fewer_calibration_tokens_than_d_model_is_refus
     assert not (tmp_path / "o").exists()
     write(32)
     assert "would train 2 steps" in dry_run(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run"])
+
+
+# ----------------------------------------------------------------------------- summary.json's status
+
+
+@pytest.mark.parametrize("status", ["partial", None])
+def test_a_summary_whose_status_attnlab_never_writes_is_refused(tmp_path, capsys, status):
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), "{seq_len: 16, batch_size: 2, steps: 2, eval_every: 2, "
+                                                            "eval_tokens: 32}")  # fmt: skip
+    argv = ["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(argv) == 0
+    path = tmp_path / "out" / "m" / "base" / "seed0" / "summary.json"
+    summary = json.loads(path.read_text())
+    assert summary["status"] == "complete"
+    summary.pop("status") if status is None else summary.update(status=status)
+    path.write_text(json.dumps(summary))
+    said = "status='partial'" if status else "no 'status'"
+    line = f"{path}: {said}, where a finished run's summary has status 'complete' (the only value attnlab writes: " \
+           "it was changed by hand); its last checkpoint is the last step (2 of 2): delete summary.json alone and " \
+           "run again to write it again from there"  # fmt: skip
+    capsys.readouterr()
+    assert dry_run(capsys, [*argv, "--dry-run"]) == f"[1/1] base seed0: would be refused: {line}\n"
+    fails(capsys, argv, line)
+    path.unlink()
+    assert main(argv) == 0
+    assert json.loads(path.read_text())["status"] == "complete"

@@ -30,7 +30,7 @@ from attnlab.data.sampler import sampler_state
 from attnlab.data.sources import NAMED_SOURCES, local_path
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
-from attnlab.paths import run_folder_problem
+from attnlab.paths import brief, run_folder_problem
 from attnlab.retrofit import (
     conversion_problem,
     converted_folder,
@@ -56,7 +56,7 @@ from attnlab.train.checkpoint import (
 from attnlab.train.distributed import barrier, dist_env, init_distributed, prepare_rank0_first
 from attnlab.train.fsdp import check_launch
 from attnlab.train.lock import LOCK_NAME, busy_problem, run_lock
-from attnlab.train.loop import full_config, pick_device, train
+from attnlab.train.loop import SUMMARY_STATUS, full_config, pick_device, train
 from attnlab.train.resume import (
     FINISHED,
     check_resume,
@@ -99,6 +99,11 @@ def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) ->
         summary = read_json_object(summary_path)
     except DataError as e:  # the checkpoints are all there: the summary alone is rewritten by the run
         raise DataError(f"{e}; {summary_fix(run_dir, config)}") from None
+    if summary.get("status") != SUMMARY_STATUS:  # the one status train() writes, when the run is finished
+        said = f"status={brief(summary['status'])}" if "status" in summary else "no 'status'"
+        raise DataError(f"{summary_path}: {said}, where a finished run's summary has status {SUMMARY_STATUS!r} "
+                        f"(the only value attnlab writes: it was changed by hand); "
+                        f"{summary_fix(run_dir, config)}")  # fmt: skip
     differences = config_differences(saved, config, saved_as="saved")
     derived = all(d.startswith("model.vocab_size:") for d in differences)  # the tokenizer's, fitted on the data
     checkpoint = find_checkpoint(run_dir) if not differences or (derived and data_problem is not None) else None

@@ -58,6 +58,8 @@ from attnlab.train.resume import (
 )
 from attnlab.train.warm_start import misfits as weight_misfits
 
+SUMMARY_STATUS = "complete"  # summary.json's status: the only one written (a run has no summary until it finishes)
+
 
 def pick_device(name: str) -> torch.device:
     """train.device as a torch device; ConfigError when this machine has no such device."""
@@ -313,7 +315,7 @@ def train(
 def finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype, dist_info, dropped) -> dict:
     """Final validation (and test, where the dataset has one) loss of the best checkpoint, scored by every process
     (its share of the windows); summary.json."""
-    summary = {"status": "complete", "steps": state["step"], "tokens": state["tokens"]}
+    summary = {"status": SUMMARY_STATUS, "steps": state["step"], "tokens": state["tokens"]}
     best = find_checkpoint(run_dir, "best")
     if best is not None and is_sharded(model):
         load_full_weights(model, load_file(verify_file(best.path, WEIGHTS, recorded_checksums(best.path))), dropped)
