@@ -15,8 +15,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest, snapshot, train_tiny_run
 
+import attnlab.manifest
 from attnlab.cli import main
 from attnlab.config_io import model_config_from_dict
 from attnlab.errors import ConfigError
@@ -294,3 +296,25 @@ def test_a_summary_whose_status_attnlab_never_writes_is_refused(tmp_path, capsys
     path.unlink()
     assert main(argv) == 0
     assert json.loads(path.read_text())["status"] == "complete"
+
+
+# ----------------------------------------------------------------------------- the manifest docstring's example
+
+
+def test_the_manifest_docstrings_target_continuing_another_validates(tmp_path, capsys):
+    """Its dba_bounded continues dba under defaults that name no attention of dba's: it repeats dba's attention
+    (it was refused: "its model cannot start from target dba's weights")."""
+    doc = attnlab.manifest.__doc__
+    example = doc[doc.index("      dba:\n") : doc.index("      smollm_mqa:")]
+    targets = yaml.safe_load("\n".join(line[6:] for line in example.splitlines()))
+    assert targets["dba_bounded"]["init_from"] == "dba" and "memory" in targets["dba_bounded"]["model"]
+    manifest = tmp_path / "doc.yml"
+    manifest.write_text(yaml.safe_dump({
+        "name": "doc", "seeds": [0],
+        "defaults": {"model": {"d_model": 64, "n_layers": 1, "n_heads": 4, "max_seq_len": 512,
+                               "attention": {"kind": "mha"}},
+                     "data": {"source": str(hat_text(tmp_path)), "tokenizer": "char", "val_fraction": 0.2},
+                     "train": {"seq_len": 32, "batch_size": 1, "steps": 4, "eval_tokens": 512}},
+        "targets": targets,
+    }))  # fmt: skip
+    assert main(["validate", str(manifest)]) == 0, capsys.readouterr().err

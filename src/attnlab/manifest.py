@@ -12,8 +12,10 @@
           - {name: short, train: {steps: 400}}
           - {name: long, train: {steps: 100, seq_len: 512}}
       dba_bounded:
-        init_from: dba                 # optional: start from another (earlier) target's last phase
-        model: {memory: {kind: bounded}}   # a phase may add a bounded memory (its gates start fresh)
+        init_from: dba                 # optional: start from another (earlier) target's last phase, with its
+        model:                         # attention repeated (the defaults' would not fit its weights) and a
+          attention: {kind: decoupled, d_sem: 32, d_geo: 64}    # bounded memory added (its gates start fresh)
+          memory: {kind: bounded}
       smollm_mqa:
         init_from: models/SmolLM2-135M-Instruct.Q4_1.gguf   # or a pretrained model (any model reference)
         model: {attention: {kind: mha, n_kv_heads: 1}}      # converted first (attnlab convert); data.tokenizer
@@ -27,7 +29,8 @@ pretrained model's config, and only those a conversion can initialise from its w
 max_seq_len, name); its runs start from the converted model, saved once per target in <target>/converted (a
 checkpoint folder: the cold model, which every command takes as a reference). A target whose init_from names such
 a target continues from its weights and lists its changes the same way (a memory, say); it keeps that target's
-attention (left out, it is taken from there).
+attention (left out, it is taken from there). A target continuing one trained from scratch (dba_bounded above) is
+merged with the defaults as any target is: it repeats that target's attention where the defaults name another.
 
 A target's config is the defaults deep-merged with its own sections (an `attention` block whose `kind`
 differs from the default's replaces it whole); a phase merges on top of its target; `--set a.b=v`
