@@ -15,8 +15,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
-from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest, snapshot, train_tiny_run
+from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest, snapshot, tiny_model, train_tiny_run
 
 import attnlab.manifest
 from attnlab.cli import main
@@ -318,3 +319,26 @@ def test_the_manifest_docstrings_target_continuing_another_validates(tmp_path, c
         "targets": targets,
     }))  # fmt: skip
     assert main(["validate", str(manifest)]) == 0, capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a KV policy on a memory model
+
+
+def test_a_kv_policy_is_applied_to_every_slot_of_a_memory_model(bounded_run, capsys):
+    """Not changed (probe W's "no word whether it applies"): the slots of a model with a memory, the recent window's
+    and the banks', are stored in the policy's formats (README: KV policy). The probe's greedy tokens agreed because
+    a 4-step model's logits move by less than 0.01 under q4_0."""
+    model = tiny_model(memory=BOUNDED, perturb=True)
+    tokens = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))  # past the window and banks
+    logits = {}
+    for policy in (None, "k=q4_0,v=q4_0"):
+        cache = model.new_cache(1, policy=policy)
+        with torch.no_grad():
+            logits[policy] = model(tokens, cache=cache)[0]
+        assert all(layer.slots.quantized == (policy is not None) for layer in cache.layers)
+        logits[f"{policy} bytes"] = sum(layer.slots.nbytes() for layer in cache.layers)
+    assert not torch.equal(logits[None], logits["k=q4_0,v=q4_0"])
+    torch.testing.assert_close(logits[None], logits["k=q4_0,v=q4_0"], rtol=0, atol=0.5)
+    assert logits["k=q4_0,v=q4_0 bytes"] < logits["None bytes"] / 3  # 0.5625 bytes a value, not 4
+    assert main(["generate", str(bounded_run), "the", "--max-new-tokens", "3", "--kv-policy", "k=q4_0"]) == 0
+    assert capsys.readouterr().err == ""
