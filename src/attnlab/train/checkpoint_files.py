@@ -1,0 +1,155 @@
+"""A checkpoint's files and their checks (attnlab.train.checkpoint writes and reads them): the names, the
+checksums.json that records every other file's size and sha256, and the one-line refusals for a file that is
+missing, damaged or changed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from attnlab.data.files import failure_words, file_kind, sha256_file
+from attnlab.errors import AttnlabWarning, DataError
+from attnlab.jsonio import loads_json
+
+WEIGHTS, OPTIMIZER, TRAINER, CONFIG = "model.safetensors", "optimizer.pt", "trainer.json", "config.json"
+CHECKSUMS = "checksums.json"
+CHECKPOINT_FILES = {WEIGHTS, OPTIMIZER, TRAINER, CONFIG, CHECKSUMS}  # what save_checkpoint writes, and nothing else
+CHECKSUMS_FORMAT = "attnlab-checkpoint-checksums"
+CHECKSUMS_KEY = "attnlab.checksums"  # in the weights' safetensors metadata: this checkpoint has a checksums.json
+
+_unchecked_warned: set[Path] = set()  # checkpoints from before checksums, warned about once per process
+
+
+class CheckpointError(DataError):
+    """A checkpoint cannot be written or read (missing, damaged, changed, or not for this model)."""
+
+
+def _fix(folder: Path) -> str:
+    if folder.parent.name == "checkpoints":
+        return f"restore it from a copy, or delete {folder.parent} to train the run again from the start"
+    return "restore it from a copy of the checkpoint"
+
+
+def recorded_checksums(folder: Path) -> dict | None:
+    """{file name: {"bytes", "sha256"}} recorded when the checkpoint was written; None for a checkpoint written
+    before checksums were (no checksums.json, and its weights do not say it had one)."""
+    folder = Path(folder)
+    path = folder / CHECKSUMS
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if _weights_say_checksummed(folder):
+            raise CheckpointError(
+                f"{path}: missing, but {WEIGHTS} records that the checkpoint was written with it (the checkpoint "
+                f"was changed or copied in part); {_fix(folder)}"
+            ) from None
+        if folder not in _unchecked_warned:
+            _unchecked_warned.add(folder)
+            warnings.warn(
+                f"{folder}: no {CHECKSUMS} (written by an older attnlab): its files cannot be checked",
+                AttnlabWarning,
+                stacklevel=2,
+            )
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({failure_words(e)}); {_fix(folder)}") from None
+    try:
+        data = loads_json(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}): it was damaged or changed; {_fix(folder)}") from None
+    files = data.get("files") if isinstance(data, dict) and data.get("format") == CHECKSUMS_FORMAT else None
+    if not isinstance(files, dict) or not all(
+        isinstance(entry, dict)
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("sha256"), str)
+        and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])
+        for entry in files.values()
+    ):
+        raise CheckpointError(
+            f"{path}: not a checkpoint checksum list (expected format {CHECKSUMS_FORMAT!r} and files: {{name: "
+            f"{{bytes, sha256}}}}): the file was damaged or changed; {_fix(folder)}"
+        )
+    return files
+
+
+def _weights_say_checksummed(folder: Path) -> bool:
+    weights = folder / WEIGHTS
+    if not weights.exists():
+        return False
+    try:
+        with safe_open(str(weights), "pt") as f:
+            metadata = f.metadata() or {}
+    except SafetensorError as e:
+        raise _unreadable_weights(weights, e) from None
+    except OSError as e:
+        raise CheckpointError(f"{weights}: unreadable ({failure_words(e)}); {_fix(folder)}") from None
+    return CHECKSUMS_KEY in metadata
+
+
+def verify_file(folder: Path, name: str, recorded: dict | None) -> Path:
+    """folder/name, after checking its size and sha256 against `recorded` (recorded_checksums(folder)); nothing
+    is checked when None (a checkpoint from before checksums)."""
+    path = Path(folder) / name
+    if recorded is None:
+        return path
+    if name not in recorded:
+        raise CheckpointError(f"{path}: not listed in {CHECKSUMS} (the checkpoint was changed); {_fix(path.parent)}")
+    expected = recorded[name]
+    try:
+        size, kind = path.stat().st_size, file_kind(path)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path}: missing, but {CHECKSUMS} records it ({expected['bytes']:,} bytes); {_fix(path.parent)}"
+        ) from None
+    if kind is not None:  # (a folder's size is its directory entries', no truncation)
+        raise CheckpointError(f"{path}: {kind}, where {CHECKSUMS} records a file of {expected['bytes']:,} bytes; "
+                              f"{_fix(path.parent)}")  # fmt: skip
+    if size != expected["bytes"]:
+        found = "empty" if size == 0 else f"{size:,} bytes"
+        raise CheckpointError(
+            f"{path}: {found}, but {expected['bytes']:,} bytes were written (the file was truncated, damaged or "
+            f"changed); {_fix(path.parent)}"
+        )
+    try:
+        digest = sha256_file(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({failure_words(e)}); {_fix(path.parent)}") from None
+    if digest != expected["sha256"]:
+        raise CheckpointError(
+            f"{path}: sha256 does not match the one recorded when it was written (the file was damaged or "
+            f"changed); {_fix(path.parent)}"
+        )
+    return path
+
+
+def _read_json(folder: Path, name: str, recorded: dict | None):
+    path = verify_file(folder, name, recorded)
+    try:
+        return loads_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        detail = e.strerror if isinstance(e, OSError) else e
+        raise CheckpointError(f"{path}: unreadable ({detail}); the checkpoint is incomplete or damaged") from None
+
+
+SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[([^\]]*)\]\) from "
+                           r"checkpoint, the shape in current model is torch\.Size\(\[([^\]]*)\]\)")  # fmt: skip
+
+
+def _misfits(error: BaseException) -> str:
+    """torch's load_state_dict error on one line: the first three tensors whose shapes differ, else its text."""
+    found = SIZE_MISMATCH.findall(str(error))
+    if not found:
+        return " ".join(str(error).split())
+    shown = "; ".join(f"{name} is [{file}] in the file, [{model}] in the model" for name, file, model in found[:3])
+    return shown + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+
+
+def _unreadable_weights(path: Path, error: BaseException) -> CheckpointError:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return CheckpointError(f"{path}: not a readable safetensors file ({first}): it was truncated or damaged; "
+                           f"{_fix(path.parent)}")  # fmt: skip
