@@ -42,24 +42,19 @@ import numpy as np
 
 from attnlab.config import DataConfig, names_model
 from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove_stale_temporaries, sha256_file
+from attnlab.data.prepared_meta import FORMAT_VERSION, _check_meta, _redo, token_dtype  # noqa: F401
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
 from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
 from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.jsonio import loads_json
 from attnlab.paths import cache_dir
 
-FORMAT_VERSION = 1
 ENCODE_BATCH_CHARS = 1 << 22  # documents are encoded in batches of about 4M characters (threaded encoders)
 FIT_CHARS_PER_TOKEN = 8  # with max_tokens, a fitted tokenizer sees at most 8 * max_tokens training characters
 SPLIT_ALIASES = {"valid": "val", "validation": "val"}
 
 log = logging.getLogger(__name__)
 _unchecked_warned: set[Path] = set()  # folders prepared before tokenizer checksums, warned about once per process
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 while every id (< vocab_size) fits in 16 bits, else uint32."""
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 def default_cache_dir() -> Path:
@@ -206,10 +201,6 @@ class Prepared:
         return f"Prepared({str(self.path)!r}, tokenizer={self.meta['tokenizer']['name']!r}, {counts})"
 
 
-def _redo(path: Path) -> str:
-    return f"delete {path} to prepare it again"
-
-
 def _scan(file: Path, dtype: np.dtype, chunk_bytes: int = 1 << 22) -> tuple[str, int | None]:
     """(sha256, largest id or None when empty) of a token file, read once in chunks."""
     digest, largest = hashlib.sha256(), None
@@ -224,64 +215,6 @@ def _scan(file: Path, dtype: np.dtype, chunk_bytes: int = 1 << 22) -> tuple[str,
     except OSError as e:
         raise DataError(f"{file}: unreadable ({e.strerror or e}); {_redo(file.parent)}") from None
     return digest.hexdigest(), largest
-
-
-def _check_meta(path: Path, meta) -> None:
-    """DataError naming meta.json and the key, unless meta.json has every key a Prepared reads, well typed."""
-    where, redo = path / "meta.json", _redo(path)
-
-    def fail(key: str, problem: str) -> DataError:
-        return DataError(f"{where}: {key} {problem}; {redo}")
-
-    def whole(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    if not isinstance(meta, dict):
-        raise DataError(f"{where}: not a JSON object; {redo}")
-    if "format_version" not in meta:
-        raise fail("key 'format_version'", "is missing")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise DataError(f"{path}: format version {meta['format_version']}, this attnlab reads {FORMAT_VERSION}; {redo}")
-    for key in ("vocab_size", "eot_id", "dtype", "tokenizer", "splits"):
-        if key not in meta:
-            raise fail(f"key {key!r}", "is missing")
-    vocab_size, eot_id, dtype = meta["vocab_size"], meta["eot_id"], meta["dtype"]
-    if not whole(vocab_size) or vocab_size < 1:
-        raise fail("'vocab_size'", f"is {vocab_size!r} (expected a whole number >= 1)")
-    if not whole(eot_id) or not 0 <= eot_id < vocab_size:
-        raise fail("'eot_id'", f"is {eot_id!r} (expected a token id below vocab_size={vocab_size})")
-    if dtype not in ("uint16", "uint32") or np.dtype(dtype).itemsize < token_dtype(vocab_size).itemsize:
-        raise fail("'dtype'", f"is {dtype!r} (expected {token_dtype(vocab_size).name} for vocab_size={vocab_size})")
-    tokenizer = meta["tokenizer"]
-    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("name"), str):
-        raise fail("'tokenizer'", f"is {tokenizer!r} (expected an object with a 'name')")
-    files = tokenizer.get("files", {})  # (absent in a folder prepared before they were recorded)
-    if not isinstance(files, dict):
-        raise fail("'tokenizer.files'", f"is {files!r} (expected an object: file name -> sha256)")
-    for name, sha256 in files.items():
-        if Path(name).name != name or name in ("", ".", ".."):
-            raise fail(f"'tokenizer.files.{name}'", "is not a file name in the folder")
-        if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
-            raise fail(f"'tokenizer.files.{name}'", f"is {sha256!r} (expected 64 hex digits)")
-    splits = meta["splits"]
-    if not isinstance(splits, dict) or not splits:
-        raise fail("'splits'", f"is {splits!r} (expected an object: split name -> file, tokens, sha256)")
-    for split, entry in splits.items():
-        key = f"'splits.{split}'"
-        if split not in SPLITS:
-            raise fail(key, f"is not a split (expected {', '.join(SPLITS)})")
-        if not isinstance(entry, dict):
-            raise fail(key, f"is {entry!r} (expected an object with file, tokens, sha256)")
-        for field in ("file", "tokens", "sha256"):
-            if field not in entry:
-                raise fail(f"key 'splits.{split}.{field}'", "is missing")
-        file, tokens, sha256 = entry["file"], entry["tokens"], entry["sha256"]
-        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
-            raise fail(f"'splits.{split}.file'", f"is {file!r} (expected a file name in the folder)")
-        if not whole(tokens) or tokens < 0:
-            raise fail(f"'splits.{split}.tokens'", f"is {tokens!r} (expected a whole number >= 0)")
-        if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
-            raise fail(f"'splits.{split}.sha256'", f"is {sha256!r} (expected 64 hex digits)")
 
 
 def open_prepared(path: str | Path, verify: bool = False) -> Prepared:
