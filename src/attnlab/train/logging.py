@@ -4,12 +4,14 @@ progress bar with loss, tok/s and ETA (tqdm, when wanted)."""
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from attnlab.data.files import atomic_write_text, file_kind
-from attnlab.errors import DataError
+from attnlab.errors import AttnlabWarning, DataError
 from attnlab.jsonio import loads_json
 
 
@@ -22,7 +24,7 @@ class MetricsLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(resume_step)
-        self.file = open(self.path, "a")
+        self.file = open(self.path, "ab", buffering=0)  # unbuffered: a failed write leaves nothing to flush later
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -33,22 +35,33 @@ class MetricsLog:
     def _truncate_after(self, step: int) -> None:
         """On resume, rows logged after the checkpoint will be logged again: drop them (atomically)."""
         rows, kept = metrics_rows(self.path, step)
-        if len(kept) != len(rows):
+        if len(kept) != len(rows) or (rows and not _ends_a_line(self.path)):  # (appended rows start on a new line)
             atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
+        data = memoryview((json.dumps(row) + "\n").encode())
+        length = os.fstat(self.file.fileno()).st_size
         try:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
+            while data:  # a raw write may write a part (up to a file size limit), the next one then fails
+                data = data[self.file.write(data) :]
         except OSError as e:  # a full disk: write() names no file
             e.filename = e.filename or str(self.path)
+            self._cut_back(length)
             raise
         if self.tensorboard is not None:
             for key, value in row.items():
                 if key not in ("step", "tokens") and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(key, value, row["step"])
+
+    def _cut_back(self, length: int) -> None:
+        """The log back to `length` bytes after a failed append: no row cut short is left for a resume to read (one
+        a kill leaves, or that this could not cut, is dropped by the resume, metrics_rows)."""
+        try:
+            os.ftruncate(self.file.fileno(), length)
+        except OSError:  # the write's own error is the one said
+            pass
 
     def progress_bar(self, total: int, initial: int, wanted: bool):
         if not (self.enabled and wanted):
@@ -69,20 +82,29 @@ class MetricsLog:
                 self.tensorboard.close()
 
 
+def _ends_a_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 def metrics_rows(path: Path, step: int) -> tuple[list[str], list[str]]:
     """(every row of a run's metrics log, those of steps <= step: what a resume from `step` keeps), ([], []) when
     there is none; DataError naming the line that is not UTF-8, not JSON or not a metrics row (a resume and its dry
-    run refuse the log alike)."""
+    run refuse the log alike). A last line cut short (no newline, not JSON: a write stopped by a full disk or a
+    kill) is dropped with a warning: it was written after the last checkpoint, as every row a resume logs again."""
     if not path.exists():
         return [], []
     kind = file_kind(path)
     if kind is not None:  # (a FIFO would be waited on without end)
         raise DataError(f"{path} is {kind}, not the run's metrics log (a file): move it away, and the run starts the "
                         "log afresh")  # fmt: skip
+    data = path.read_bytes()
+    data, torn = _torn_last_line(path, data)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        line = data[: e.start].count(b"\n") + 1
         raise DataError(f"{path}: line {line} is not UTF-8 text (the metrics log was damaged); repair or "
                         "remove that line, or delete the file to start the log afresh") from None  # fmt: skip
     rows = [line for line in text.splitlines() if line.strip()]
@@ -97,4 +119,22 @@ def metrics_rows(path: Path, step: int) -> tuple[list[str], list[str]]:
             raise DataError(f"{path}: line {number} is not a metrics row (an object with an integer step)")
         if row.get("step", 0) <= step:
             kept.append(line)
-    return rows, kept
+    return rows + torn, kept
+
+
+def _torn_last_line(path: Path, data: bytes) -> tuple[bytes, list[str]]:
+    """(the log without its last line when that was cut short, [that line] or []), warning when it was."""
+    start = data.rfind(b"\n") + 1
+    tail = data[start:]
+    if not tail.strip():
+        return data, []
+    try:
+        loads_json(tail.decode("utf-8"))
+        return data, []  # whole JSON, only its newline missing: a row, or refused as any other line that is not one
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    number = data.count(b"\n") + 1
+    warnings.warn(f"{path}: its last line was cut short (line {number}, {len(tail)} bytes: a write interrupted by a "
+                  "full disk, a file size limit or a kill); dropped, as rows after the checkpoint are logged again",
+                  AttnlabWarning, stacklevel=3)  # fmt: skip
+    return data[:start], [tail.decode("utf-8", "replace")]

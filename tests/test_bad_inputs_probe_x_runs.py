@@ -1,0 +1,111 @@
+"""Probe X's findings on run folders (/work/probe_x/REPORT.md): a full disk during a metrics append left a row cut
+short in metrics.jsonl, and every resume then refused the log until it was edited by hand (L1); another run's
+summary.json beside an interrupted run made it "done" (S1); the dry run did not check a resume checkpoint's tensor
+names and shapes or its optimizer state, which the run refuses (S2)."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
+# the stopped run and its copies are probe V's resume tests' (a run stopped after its step-2 checkpoint of 4)
+import test_bad_inputs_probe_v_runs as v_runs  # noqa: E402
+
+RUN, STEP, TRAIN, interrupted, refused_alike, stopped = (v_runs.RUN, v_runs.STEP, v_runs.TRAIN, v_runs.interrupted,
+                                                         v_runs.refused_alike, v_runs.stopped)  # fmt: skip
+
+
+def run_with_warnings(capsys, argv: list[str]) -> tuple[int, str, list[str]]:
+    """main(argv): (its exit code, stdout, its stderr lines)."""
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err, captured.err
+    return code, captured.out, captured.err.strip().splitlines()
+
+
+def rows(path: Path) -> list[dict]:
+    text = path.read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+# ----------------------------------------------------------------------------- L1: a metrics row cut short
+
+
+def test_l1_a_failed_metrics_append_leaves_the_log_as_it_was(tmp_path, file_size_limit):
+    """Was: the part of the row written before the file size limit (or a full disk) stayed in the file."""
+    from attnlab.train.logging import MetricsLog
+
+    log = MetricsLog(tmp_path)
+    log.write({"step": 1, "loss": 3.5})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    file_size_limit(len(before) + 20)  # room for a part of the next row
+    try:
+        with pytest.raises(OSError) as raised:
+            log.write({"step": 2, "loss": 3.25, "note": "x" * 100})
+    finally:
+        file_size_limit(None)
+    assert raised.value.errno == errno.EFBIG and raised.value.filename == str(tmp_path / "metrics.jsonl")
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    log.write({"step": 2, "loss": 3.25})  # (space freed) the log goes on whole
+    log.close(None)
+    assert [row["step"] for row in rows(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_l1_a_failed_metrics_append_on_a_full_disk_is_cut_back(tmp_path):
+    """A write that stops part-way, then fails with ENOSPC: the part written is taken back."""
+    from attnlab.train.logging import MetricsLog
+
+    class FillsUp:  # the log's file on a disk with room for 10 more bytes
+        def __init__(self, file):
+            self.file, self.room = file, 10
+
+        def write(self, data):
+            if not self.room:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            written, self.room = self.file.write(data[: self.room]), 0
+            return written
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    log = MetricsLog(tmp_path)
+    log.write({"step": 1, "loss": 3.5})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    log.file = FillsUp(log.file)
+    with pytest.raises(OSError, match="No space left"):
+        log.write({"step": 2, "loss": 3.25})
+    log.close(None)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_l1_a_torn_last_line_is_dropped_by_the_resume_and_its_dry_run_with_a_warning(stopped, tmp_path, capsys):
+    """Was: "line N is not JSON (the metrics log was damaged)", from the dry run and the run alike."""
+    argv, out = interrupted(stopped, tmp_path)
+    log = out / RUN / "metrics.jsonl"
+    log.write_bytes(log.read_bytes() + b'{"step": 3, "tokens": 96, "loss": 2.')
+    warning = f"attnlab run: warning: {log}: its last line was cut short ("
+    code, printed, err = run_with_warnings(capsys, [*argv, "--dry-run"])
+    assert (code, printed) == (0, f"[1/1] base seed0: would resume from step 2 of 4 in {out / RUN}\n")
+    assert len(err) == 1 and err[0].startswith(warning) and err[0].endswith("; dropped, as rows after the checkpoint "
+                                                                             "are logged again"), err  # fmt: skip
+    code, _, err = run_with_warnings(capsys, argv)
+    assert code == 0 and len(err) == 1 and err[0].startswith(warning), err
+    steps = [row["step"] for row in rows(log)]
+    assert steps == sorted(steps) and steps[-1] == 4 and b'"loss": 2.\n' not in log.read_bytes()
+
+
+@pytest.mark.parametrize("tail", [b'{"step": 3, "loss": 2.\n', b'{"step": 3, "loss": 2.\n{"step": 3, "loss": 2.5}\n'])
+def test_l1_a_bad_line_that_is_not_the_cut_last_line_is_still_refused(stopped, tmp_path, capsys, tail):
+    argv, out = interrupted(stopped, tmp_path)
+    log = out / RUN / "metrics.jsonl"
+    log.write_bytes(log.read_bytes() + tail)
+    line = refused_alike(capsys, argv, out)
+    assert line.startswith(f"{log}: line ") and "is not JSON (the metrics log was damaged)" in line, line
