@@ -6,10 +6,13 @@ names and shapes or its optimizer state, which the run refuses (S2)."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+from helpers import dry_run, hat_text, probe_manifest
 
 from attnlab.cli import main
 
@@ -109,3 +112,76 @@ def test_l1_a_bad_line_that_is_not_the_cut_last_line_is_still_refused(stopped, t
     log.write_bytes(log.read_bytes() + tail)
     line = refused_alike(capsys, argv, out)
     assert line.startswith(f"{log}: line ") and "is not JSON (the metrics log was damaged)" in line, line
+
+
+# ----------------------------------------------------------------------------- S1: another run's summary.json
+
+
+@pytest.fixture(scope="module")
+def other_summary(tmp_path_factory, own_cache) -> Path:
+    """The summary.json of another config's finished run (d_model 16, 3 steps), trained once."""
+    root = tmp_path_factory.mktemp("other")
+    train = TRAIN.replace("steps: 4", "steps: 3")
+    manifest = probe_manifest(root, hat_text(root), train, model="{d_model: 16, n_layers: 1, n_heads: 2, "
+                              "max_seq_len: 64}")  # fmt: skip
+    assert main(["run", str(manifest), "--out", str(root / "out"), "--no-progress"]) == 0
+    return root / "out" / RUN / "summary.json"
+
+
+def test_s1_another_runs_summary_beside_an_interrupted_run_is_refused(stopped, other_summary, tmp_path, capsys):
+    """Was: "done already (val loss ...), would be skipped", and compare reported the other run's loss."""
+    argv, out = interrupted(stopped, tmp_path)
+    summary = out / RUN / "summary.json"
+    shutil.copy(other_summary, summary)
+    line = refused_alike(capsys, argv, out)
+    assert line.startswith(f"{summary}: not this run's summary (config_hash "), line
+    assert "; steps 3, the config's train.steps 4; its last checkpoint is at step 2)" in line, line
+    assert line.endswith("the run was interrupted at step 2 of 4 (its last checkpoint): delete summary.json alone and "
+                         "run again to resume it from there"), line  # fmt: skip
+    summary.unlink()
+    assert main(argv) == 0 and json.loads(summary.read_text())["steps"] == 4
+
+
+SUMMARY_EDITS = {
+    "config_hash": (lambda s: s.update(config_hash="0123456789ab"), "config_hash '0123456789ab', the run's config's"),
+    "steps": (lambda s: s.update(steps=3), "steps 3, the config's train.steps 4; its last checkpoint is at step 4"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SUMMARY_EDITS))
+def test_s1_a_finished_runs_summary_that_disagrees_with_the_run_is_refused(stopped, tmp_path, capsys, case):
+    manifest, _ = stopped
+    argv, out = ["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"], tmp_path / "out"
+    assert main(argv) == 0
+    summary = out / RUN / "summary.json"
+    edited = json.loads(summary.read_text())
+    edit, said = SUMMARY_EDITS[case]
+    edit(edited)
+    summary.write_text(json.dumps(edited))
+    capsys.readouterr()
+    line = refused_alike(capsys, argv, out)
+    assert line.startswith(f"{summary}: not this run's summary (") and said in line, line
+    assert line.endswith("its last checkpoint is the last step (4 of 4): delete summary.json alone and run again to "
+                         "write it again from there"), line  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["no config_hash, no steps", "an older attnlab's hash"])
+def test_s1_a_genuine_finished_run_is_still_skipped(stopped, tmp_path, capsys, case):
+    """A summary without config_hash or steps is not compared on them; an older attnlab's config (a model field it
+    did not have yet: None today) hashes otherwise than today's, and its summary holds that hash."""
+    manifest, _ = stopped
+    argv, out = ["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"], tmp_path / "out"
+    assert main(argv) == 0
+    summary = json.loads((out / RUN / "summary.json").read_text())
+    if case == "no config_hash, no steps":
+        del summary["config_hash"], summary["steps"]
+    else:
+        config = json.loads((out / RUN / "config.json").read_text())
+        field = next(key for key, value in config["model"].items() if value is None)
+        del config["model"][field]
+        (out / RUN / "config.json").write_text(json.dumps(config, indent=1))
+        summary["config_hash"] = hashlib.sha256(json.dumps(config["model"], sort_keys=True).encode()).hexdigest()[:12]
+    (out / RUN / "summary.json").write_text(json.dumps(summary))
+    capsys.readouterr()
+    assert dry_run(capsys, [*argv, "--dry-run"]).startswith("[1/1] base seed0: done already (val loss ")
+    assert main(argv) == 0 and "done already" in capsys.readouterr().out
