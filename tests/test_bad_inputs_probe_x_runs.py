@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import dry_run, hat_text, probe_manifest
 
 from attnlab.cli import main
@@ -185,3 +186,77 @@ def test_s1_a_genuine_finished_run_is_still_skipped(stopped, tmp_path, capsys, c
     capsys.readouterr()
     assert dry_run(capsys, [*argv, "--dry-run"]).startswith("[1/1] base seed0: done already (val loss ")
     assert main(argv) == 0 and "done already" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- S2: the resume's loads, dry too
+
+
+def fix_checksums(folder: Path) -> None:
+    """checksums.json made to agree with the files as they are now (as /work/probe_x/fixsum.py does)."""
+    checksums = json.loads((folder / "checksums.json").read_text())
+    for name in checksums["files"]:
+        data = (folder / name).read_bytes()
+        checksums["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "checksums.json").write_text(json.dumps(checksums, indent=1))
+
+
+def edit_weights(edit):
+    def run(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        path = folder / "model.safetensors"
+        metadata = __import__("safetensors").safe_open(str(path), framework="pt").metadata()
+        tensors = load_file(str(path))
+        edit(tensors)
+        save_file(tensors, str(path), metadata=metadata)
+
+    return run
+
+
+def edit_optimizer(edit):
+    def run(folder: Path) -> None:
+        path = folder / "optimizer.pt"
+        state = torch.load(path, weights_only=True)
+        torch.save(edit(state), path)
+
+    return run
+
+
+def _cut_exp_avg(state: dict) -> dict:
+    moments = state["optimizer"]["state"]
+    name = next(name for name, value in moments.items() if value["exp_avg"].dim() == 2)
+    moments[name]["exp_avg"] = moments[name]["exp_avg"][:1]
+    return state
+
+
+CHECKPOINT_EDITS = {
+    "an extra tensor": (edit_weights(lambda t: t.update({"extra.weight": torch.zeros(3)})),
+                        "weights do not fit this model (missing [], unexpected ['extra.weight'])"),
+    "a missing tensor": (edit_weights(lambda t: t.pop("norm.weight")),
+                         "weights do not fit this model (missing ['norm.weight'], unexpected [])"),
+    "a tensor of another shape": (edit_weights(lambda t: t.update({"norm.weight": torch.ones(5)})),
+                                  "weights do not fit this model (norm.weight is [5] in the file, [32] in the model)"),
+    "a wrong-shaped exp_avg": (edit_optimizer(_cut_exp_avg), "exp_avg of "),
+    "an empty optimizer.pt": (lambda f: (f / "optimizer.pt").write_bytes(b""), "not a readable optimizer state"),
+    "an empty dict saved": (edit_optimizer(lambda state: {}), "not a readable optimizer state (KeyError: "),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CHECKPOINT_EDITS))
+def test_s2_the_dry_run_refuses_the_weights_and_optimizer_state_the_run_refuses(stopped, tmp_path, capsys, case):
+    """Was: "would resume from step 2", then the run refused (each edit needs checksums.json made to agree)."""
+    argv, out = interrupted(stopped, tmp_path)
+    edit, said = CHECKPOINT_EDITS[case]
+    edit(out / STEP)
+    fix_checksums(out / STEP)
+    line = refused_alike(capsys, argv, out)
+    name = "model.safetensors" if "tensor" in case else "optimizer.pt"
+    assert line.startswith(f"{out / STEP / name}: ") and said in line, line
+
+
+def test_s2_the_dry_run_leaves_the_random_state_as_it_was(stopped, tmp_path, capsys):
+    argv, _ = interrupted(stopped, tmp_path)
+    torch.manual_seed(12345)  # (not the state the stopped run saved, which this process may still be in)
+    state = torch.get_rng_state()
+    assert "would resume from step 2" in dry_run(capsys, [*argv, "--dry-run"])
+    assert torch.equal(torch.get_rng_state(), state)

@@ -308,7 +308,7 @@ def dry_run_status(
         if checkpoint is not None:
             refuse_resume(spec, run_dir, checkpoint, _dry_config(spec, converted, meta, checkpoint.config), meta,
                           data_dir)  # fmt: skip
-            problem = read_files_problem(checkpoint, run_dir)  # what the run reads next (weights, optimizer, log)
+            problem = read_files_problem(checkpoint, run_dir, spec.train)  # what the run reads next
             if problem:
                 return f"would be refused: {problem}"
             return f"would resume from step {checkpoint.step} of {spec.train.steps} in {run_dir}"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_file, save_model
 
 from attnlab.config import ModelConfig
@@ -357,13 +357,20 @@ def _stale_pointer(root: Path, tag: str, missing: str) -> str:
             f"{pointer_text(newest)} into {pointer.name} to use it{resumes}, or give {newest} itself")  # fmt: skip
 
 
-def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
-    """The checkpoint's weights into `model`, after checking model.safetensors against its recorded sha256."""
+def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path, header_only: bool = False) -> None:
+    """The checkpoint's weights into `model`, after checking model.safetensors against its recorded sha256 and its
+    tensors' names and shapes (its header) against the model's. header_only: those checks alone, nothing loaded (a
+    dry run's, with a model on the meta device)."""
     folder = Path(getattr(checkpoint, "path", checkpoint))
     path = verify_file(folder, WEIGHTS, recorded_checksums(folder))
     if not path.exists():
         raise CheckpointError(f"{path}: missing (the checkpoint is incomplete); {_fix(folder)}")
     try:
+        problem = weights_fit_problem(path, unwrap(model))
+        if problem:
+            raise CheckpointError(f"{path}: weights do not fit this model ({problem}); {_fix(folder)}")
+        if header_only:
+            return
         missing, unexpected = load_model(unwrap(model), str(path), strict=False)
     except SafetensorError as e:
         raise _unreadable_weights(path, e) from None
@@ -376,6 +383,30 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path) -> None:
     if bad:  # a diverged run saves none (the loop stops first): these were written in, checksum or not
         raise CheckpointError(f"{path}: {len(bad)} weight tensor(s) hold NaN or infinity ({', '.join(bad[:3])}); "
                               f"{_fix(folder)}")  # fmt: skip
+
+
+def weights_fit_problem(path: Path, model: torch.nn.Module) -> str | None:
+    """What in a safetensors file's header (tensor names and shapes; no data read) does not fit `model`'s state dict:
+    tensors of another shape (said first, as torch's load does), else names missing or unexpected; None when all fit.
+    Of the names sharing one tensor (a tied LM head) the file holds one, as save_model writes it (load_model's rule)."""
+    with safe_open(str(path), framework="pt") as f:
+        shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    state = model.state_dict(keep_vars=True)  # (tied names: the same tensor object, on the meta device too)
+    wrong = [f"{name} is [{', '.join(map(str, shapes[name]))}] in the file, [{', '.join(map(str, t.shape))}] in the "
+             "model" for name, t in state.items() if name in shapes and shapes[name] != list(t.shape)]  # fmt: skip
+    if wrong:
+        return "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+    shared: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        shared.setdefault(id(tensor), []).append(name)
+    missing, unexpected = [], sorted(set(shapes) - set(state))
+    for names in shared.values():
+        held = sorted(name for name in names if name in shapes)
+        missing += [] if held else [min(names)]
+        unexpected += held[1:]
+    if missing or unexpected:
+        return f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+    return None
 
 
 def load_optimizer(optimizer, checkpoint: Checkpoint, model) -> None:

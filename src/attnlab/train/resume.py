@@ -22,21 +22,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from attnlab.config_checks import value_problem
-from attnlab.config_io import read_yaml
+from attnlab.config_io import model_config_from_dict, read_yaml
 from attnlab.data.files import file_kind, read_json_object, sha256_file
 from attnlab.data.sampler import state_problem
 from attnlab.errors import ConfigError, DataError
+from attnlab.model.transformer import build_model
 from attnlab.paths import brief
 from attnlab.train.checkpoint import (
-    OPTIMIZER,
-    WEIGHTS,
+    CONFIG,
     CheckpointError,
     find_checkpoint,
-    recorded_checksums,
-    verify_file,
+    load_optimizer,
+    load_weights,
 )
 from attnlab.train.logging import metrics_rows
+from attnlab.train.optim import build_optimizer, freeze
 
 HOW = "restore the data as it was to resume, or train into a new --out"
 AGAIN = "delete the run's checkpoints to train again from the start"
@@ -262,18 +265,34 @@ def check_resume(checkpoint, config: dict | None, sampler: dict, data_problem=No
         raise CheckpointError(problem)
 
 
-def read_files_problem(checkpoint, run_dir: Path) -> str | None:
+def read_files_problem(checkpoint, run_dir: Path, train_cfg) -> str | None:
     """For a dry run: the line the resume would refuse the files it reads after check_resume with, or None: the
-    checkpoint's weights and optimizer state not as written (their checksums, as load_weights and load_optimizer
-    check them first), the run's metrics log damaged (as the run reads it, train.logging.metrics_rows)."""
-    recorded = recorded_checksums(checkpoint.path)
+    checkpoint's weights and optimizer state not as written or not of this model (by the run's own load_weights and
+    load_optimizer, on a model built on the meta device: their checksums, the weights' names and shapes from their
+    header, the optimizer state's structure and shapes), the run's metrics log damaged (as the run reads it,
+    train.logging.metrics_rows). train_cfg: the run's TrainConfig (which parameters it trains, its optimizer)."""
     try:
-        for name in (WEIGHTS, OPTIMIZER):
-            verify_file(checkpoint.path, name, recorded)
+        _load_on_meta(checkpoint, train_cfg)
         metrics_rows(run_dir / "metrics.jsonl", checkpoint.step)
     except DataError as e:
         return str(e)
     return None
+
+
+def _load_on_meta(checkpoint, train_cfg) -> None:
+    """What the run's resume does with the checkpoint's weights and optimizer state (train.loop.train), on a model of
+    the checkpoint's config built on the meta device: the same checks, no weights allocated or loaded."""
+    cfg = model_config_from_dict(checkpoint.config["model"], source=str(checkpoint.path / CONFIG), saved=True)
+    with torch.device("meta"):
+        model = build_model(cfg, init=False)
+    load_weights(model, checkpoint, header_only=True)
+    freeze(model, train_cfg.trainable)
+    optimizer = build_optimizer(model, train_cfg)
+    rng = torch.get_rng_state()
+    try:
+        load_optimizer(optimizer, checkpoint, model)  # (its moments moved to the meta device)
+    finally:
+        torch.set_rng_state(rng)  # (the optimizer state's, which the run continues with)
 
 
 def resumed_files_problem(run_dir: Path, checkpoint, config: dict, yaml_copy: bool = False) -> str | None:
