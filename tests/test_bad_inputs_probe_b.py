@@ -115,7 +115,7 @@ def test_a_chat_template_that_overflows_is_refused(tmp_path, capsys):
 )
 def test_an_interrupted_command_says_so_in_one_line(capsys, command, line):
     """Ctrl-C: one line, exit code 130 (main() calls interrupted() on KeyboardInterrupt)."""
-    from attnlab.cli_errors import interrupted
+    from attnlab.entry import interrupted
 
     assert interrupted(command) == 130
     assert capsys.readouterr().err.splitlines() == [line]

@@ -6,12 +6,18 @@ with code 2; a bug of attnlab's still shows its traceback.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # `python -m attnlab.cli`: through the entry point, which says a Ctrl-C during the imports
+    from attnlab.entry import main as entry_main  # below in one line, as the `attnlab` command does
+
+    sys.exit(entry_main())
+
 import argparse
 import dataclasses
 import json
 import math
 import os
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -19,10 +25,10 @@ from pathlib import Path
 try:  # importing torch writes a file in the temporary directory: with none usable, one line (not a traceback)
     tempfile.gettempdir()
 except OSError:
+    from attnlab.entry import command_name
     from attnlab.paths import temporary_directory_problem
 
-    words = [arg for arg in sys.argv[1:3] if not arg.startswith("-")]
-    command = " ".join(words[:2] if words[:1] == ["memory"] else words[:1])
+    command = command_name(sys.argv[1:])
     print(f"attnlab{' ' + command if command else ''}: error: {temporary_directory_problem()}", file=sys.stderr)
     sys.exit(2)
 
@@ -38,7 +44,6 @@ from attnlab.cli_errors import (
     echoed_by_rank0,
     escaped_stdout,
     fail,
-    interrupted,
     os_error_line,
     peer_lost_line,
     too_deep_line,
@@ -61,6 +66,7 @@ from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT, unknown_key_problem
 from attnlab.config_io import load_config, memory_from_dict, other_config
 from attnlab.data.files import link_loop, special_file
+from attnlab.entry import interrupted
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
@@ -581,7 +587,3 @@ def main(argv: list[str] | None = None) -> int:
             advice = ("lower train.batch_size, seq_len, the model's size or max tokens" if args.command == "run" else
                       "smaller inputs: the text, --seq-len, --tokens or the batch")  # fmt: skip
             return fail(command, f"out of memory: the sizes asked for do not fit this machine ({advice})")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -300,18 +300,6 @@ def fail(command: str, message: str) -> int:
     return 2
 
 
-INTERRUPTED = 130  # the shell's exit code of a command stopped by SIGINT (128 + 2)
-RESUMABLE = {"run": "run the same command again to resume from the last checkpoint"}  # what an interrupted one does
-
-
-def interrupted(command: str) -> int:
-    """One line for a command stopped with Ctrl-C (KeyboardInterrupt), no traceback; exit code 130.
-    `attnlab run: interrupted; run the same command again to resume from the last checkpoint`."""
-    how = f"; {RESUMABLE[command]}" if command in RESUMABLE else ""
-    print(f"attnlab {command}: interrupted{how}", file=sys.stderr)
-    return INTERRUPTED
-
-
 @contextlib.contextmanager
 def escaped_stdout():
     """stdout writes what its encoding cannot hold as backslash escapes (`\\u2713`), as Python's stderr does, rather

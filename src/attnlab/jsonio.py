@@ -58,7 +58,32 @@ class BoundedDecoder(json.JSONDecoder):
             ) from None
 
 
-def loads_json(text: str | bytes | bytearray) -> Any:
+class DuplicateKey(ValueError):
+    """A JSON object that gives one key twice: valid JSON, which json.loads (and transformers) read with the last
+    value winning silently; refused by loads_json(unique_keys=True)."""
+
+    def __init__(self, key: str, first: Any, then: Any):
+        self.key, self.first, self.then = key, first, then
+        super().__init__(f"key {key!r} is given twice ({_shown(first)}, then {_shown(then)}): keep one")
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict:
+    data: dict = {}
+    for key, value in pairs:
+        if key in data:
+            raise DuplicateKey(key, data[key], value)
+        data[key] = value
+    return data
+
+
+def loads_json(text: str | bytes | bytearray, unique_keys: bool = False) -> Any:
     """json.loads(text), but an integer of more than MAX_INT_DIGITS digits is refused: IntegerTooLong, a
-    json.JSONDecodeError at it."""
-    return json.loads(text, cls=BoundedDecoder)
+    json.JSONDecodeError at it. unique_keys: an object that gives a key twice is refused too (DuplicateKey, naming
+    the key and both values), as attnlab's YAML and JSON configs are (config_io.StrictLoader); for files written by
+    hand or by other programs (a Hugging Face model folder's)."""
+    return json.loads(text, cls=BoundedDecoder, object_pairs_hook=_unique if unique_keys else None)

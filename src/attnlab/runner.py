@@ -85,6 +85,19 @@ def select_runs(manifest: Manifest, targets=None, seeds=None) -> list[RunSpec]:
     return [r for r in manifest.runs if (not targets or r.target in targets) and (not seeds or r.seed in seeds)]
 
 
+def untrained_init_from(
+    manifest: Manifest, spec: RunSpec, source: RunSpec, root: Path, before: list[RunSpec]
+) -> ConfigError | None:
+    """The refusal of a run that starts from another target's last phase (source, same seed) when that run is neither
+    trained (its summary.json) nor one of `before`, the runs this `attnlab run` trains ahead of it (`--target`
+    selected this target alone); None when it can start. The run raises it; its dry run says it (one check)."""
+    folder = source.run_dir(root)
+    if (folder / "summary.json").exists() or any(run is source for run in before):
+        return None
+    return ConfigError(f"targets.{spec.target}.init_from: {folder} is not trained yet (run target {spec.init_from} "
+                       "first, or run the whole manifest)", source=str(manifest.path))  # fmt: skip
+
+
 def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) -> dict | None:
     """The summary of the finished run in run_dir (None when it is not finished); ConfigError when it was made with
     another config than `config`; DataError when data_problem (see _data_problem) says its last checkpoint was
@@ -444,14 +457,13 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         run_dir = spec.run_dir(root)
         label = f"[{index}/{len(runs)}] {spec.target} seed{spec.seed}" + (f" {spec.phase}" if spec.phase else "")
         init_from = previous_dir.get((spec.target, spec.seed))
+        untrained = None  # the refusal of a run whose init_from target is not trained (nor trained before it here)
         if init_from is None and spec.init_from is not None:  # another target's last phase, same seed
             source = [r for r in manifest.runs if r.target == spec.init_from and r.seed == spec.seed][-1]
             init_from = source.run_dir(root)
-            if not dry_run and not (init_from / "summary.json").exists():
-                raise ConfigError(
-                    f"targets.{spec.target}.init_from: {init_from} is not trained yet (run target "
-                    f"{spec.init_from} first, or run the whole manifest)", source=str(manifest.path)
-                )  # fmt: skip
+            untrained = untrained_init_from(manifest, spec, source, root, runs[: index - 1])
+            if untrained is not None and not dry_run:
+                raise untrained
         previous_dir[(spec.target, spec.seed)] = run_dir
         converted = converted_folder(root, spec) if spec.source is not None else None
         if converted is not None and init_from is None:
@@ -460,7 +472,8 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
             fresh = converted is not None and init_from == converted and not converted.exists()
             made = f" (converted from {spec.source['model']} first)" if fresh else ""
             start = f" from {init_from}" if init_from else ""
-            before = first_problem(spec, first_phases(list(manifest.runs)), root, data_dir, seen)
+            before = (" ".join(str(untrained).split()) if untrained is not None else
+                      first_problem(spec, first_phases(list(manifest.runs)), root, data_dir, seen))  # fmt: skip
             status = dry_run_status(spec, run_dir, converted, data_dir, resume, start + made, before)
             log(f"{label}: {status}")
             if status.startswith("would be refused"):

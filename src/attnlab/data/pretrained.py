@@ -23,7 +23,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from attnlab.data.files import atomic_write_text, file_kind, unreachable
 from attnlab.data.tokenizers import Tokenizer
 from attnlab.errors import DataError, InputError
-from attnlab.jsonio import loads_json
+from attnlab.jsonio import DuplicateKey, loads_json
 
 # The ids a document ends with in pretraining, when the vocabulary has one (GPT-2 family, SmolLM, Llama 3);
 # otherwise end-of-text is the end-of-sequence id.
@@ -174,7 +174,9 @@ def _read_json(path: Path) -> dict:
     if not regular_file(path):
         return {}
     try:
-        data = loads_json(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"), unique_keys=True)
+    except DuplicateKey as e:  # (json.loads, and transformers, would keep the last value silently)
+        raise DataError(f"{path}: {e}") from None
     except PermissionError:  # not a damaged file: the OS's error names it
         raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -30,7 +30,7 @@ from attnlab.attention.sliding import SlidingConfig
 from attnlab.config import ModelConfig, RopeScaling, head_counts
 from attnlab.data.pretrained import regular_file
 from attnlab.errors import AttnlabWarning, ConfigError, DataError
-from attnlab.jsonio import loads_json
+from attnlab.jsonio import DuplicateKey, loads_json
 from attnlab.model.transformer import Transformer, build_model
 from attnlab.ops.finite import all_finite
 
@@ -49,6 +49,7 @@ DEFAULTS = {
 ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+EMBEDDING = "model.embed_tokens.weight"
 # Buffers some checkpoints carry that attnlab recomputes.
 RECOMPUTED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -189,6 +190,21 @@ def field_type_problems(hf: dict) -> list[str]:
     return problems
 
 
+def quantization_problems(hf: dict) -> list[str]:
+    """A quantization_config (GPTQ, AWQ, bitsandbytes, fp8, ...) is refused: attnlab implements none of them, and
+    read as plain weights its tensors would be taken for a float model's (transformers would dequantize them, or
+    quantize float weights on loading). An empty one says nothing (transformers ignores it too)."""
+    quantization = hf.get("quantization_config")
+    if quantization is None or quantization == {}:
+        return []
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    named = f"quant_method {json.dumps(method)[:40]}" if method is not None else json.dumps(quantization)[:60]
+    return [
+        f"quantization_config ({named}) is not supported: attnlab reads a model's float weights only (float32, "
+        "float16 or bfloat16, as stored) and quantizes none on loading; use the model's unquantized weights"
+    ]
+
+
 def config_from_hf(hf: dict, source: str = "config.json", name: str | None = None) -> ModelConfig:
     """ModelConfig of a Hugging Face config.json (as a dict) for LlamaForCausalLM, MistralForCausalLM or
     Qwen2ForCausalLM.
@@ -202,7 +218,7 @@ def config_from_hf(hf: dict, source: str = "config.json", name: str | None = Non
     given = {k: v for k, v in hf.items() if v is not None}  # rope_settings tells a given rope_theta from a default
     hf = {**DEFAULTS[arch], **given}
     problems = [f"{key} is missing" for key in REQUIRED_KEYS if key not in hf]
-    problems += field_type_problems(hf)
+    problems += field_type_problems(hf) + quantization_problems(hf)
     if problems:  # the checks below read these fields
         raise ConfigError(problems, source=source)
     if hf.get("hidden_act", "silu") != "silu":
@@ -265,7 +281,7 @@ def hf_targets(model: Transformer) -> dict[str, torch.Tensor]:
     gate and up of the SwiGLU's fused `gate_up`; the embedding and an untied LM head fill their first vocab_size
     (unpadded) rows."""
     cfg, vocab = model.cfg, model.cfg.vocab_size
-    out = {"model.embed_tokens.weight": model.embed.weight[:vocab], "model.norm.weight": model.norm.weight}
+    out = {EMBEDDING: model.embed.weight[:vocab], "model.norm.weight": model.norm.weight}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = model.lm_head.weight[:vocab]
     for i, block in enumerate(model.blocks):
@@ -300,6 +316,7 @@ class WeightFiller:
         self.model, self.source = model, source
         self.targets = hf_targets(model)
         self.missing = set(self.targets)
+        self.tied_head: tuple[torch.Tensor, str] | None = None  # a tied model's stored LM head, until compared
         with torch.no_grad():
             model.embed.weight.zero_()
             model.lm_head.weight.zero_()
@@ -330,6 +347,9 @@ class WeightFiller:
         where = where or self.source
         dtype = str(tensor.dtype).removeprefix("torch.")
         if not self.check(name, tuple(tensor.shape), dtype, tensor.is_floating_point(), where):
+            if name == "lm_head.weight":  # (tie_embeddings): compared with the embedding, once that is filled
+                self.tied_head = (tensor, where)
+                self._compare_tied_head()
             return
         target = self.targets[name]
         target.copy_(tensor)
@@ -338,6 +358,23 @@ class WeightFiller:
         if not all_finite(target):
             raise DataError(nonfinite_line(where, name, tensor, target.dtype))
         self.missing.discard(name)
+        if name == EMBEDDING:
+            self._compare_tied_head()
+
+    def _compare_tied_head(self) -> None:
+        """A model whose config ties the LM head to the embedding (tie_word_embeddings) reads no lm_head.weight: one
+        the files also hold is only compared with the embedding, and an AttnlabWarning says when it differs (it is
+        then ignored, where a reader might expect it used)."""
+        if self.tied_head is None or EMBEDDING in self.missing:
+            return
+        (head, where), self.tied_head = self.tied_head, None
+        embedding = self.targets[EMBEDDING]
+        if head.shape != embedding.shape or not torch.equal(head.to(embedding.dtype), embedding):
+            warnings.warn(f"{where}: lm_head.weight differs from the embedding ({EMBEDDING}) and is ignored: "
+                          "config.json's tie_word_embeddings is true, so the embedding is the output layer too "
+                          "(transformers 5 unties them when the two differ, and uses lm_head.weight); set "
+                          "tie_word_embeddings to false to use lm_head.weight, or remove it", AttnlabWarning,
+                          stacklevel=3)  # fmt: skip
 
     def placed(self, name: str) -> None:
         """Counts tensor `name` as filled: the caller placed it in the model itself (a quantized layer's blocks)."""
@@ -392,12 +429,14 @@ def from_hf_llama(hf_model, dtype=torch.float32) -> tuple[ModelConfig, Transform
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object from `path`; DataError (one line naming the file) when it is missing or malformed, or not a
-    regular file (a FIFO would block the read forever)."""
+    """A JSON object from `path`; DataError (one line naming the file) when it is missing or malformed, gives a key
+    twice (naming the key and both values), or is not a regular file (a FIFO would block the read forever)."""
     if not regular_file(path):
         raise DataError(f"{path}: not found")
     try:
-        data = loads_json(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"), unique_keys=True)
+    except DuplicateKey as e:  # (json.loads, and transformers, would keep the last value silently)
+        raise DataError(f"{path}: {e}") from None
     except FileNotFoundError:
         raise DataError(f"{path}: not found") from None
     except PermissionError:  # not a damaged file: the OS's error names it

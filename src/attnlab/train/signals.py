@@ -5,7 +5,8 @@ or an interpreter exit hook (torch's prints a 15-line KeyboardInterrupt tracebac
 The first SIGINT raises KeyboardInterrupt as Python's own handler does; every further one is ignored for
 GRACE_SECONDS after it, which covers the unwinding, and from the interpreter's exit on (its exit hooks and
 shutdown), so the exit code stays the CLI's 130. A library caller (a notebook) that carries on after the interrupt
-gets Ctrl-C back once GRACE_SECONDS have passed.
+gets Ctrl-C back once GRACE_SECONDS have passed. Under the `attnlab` command the entry point's handler (attnlab.entry,
+which does the same for every command) is installed already, and this one stands aside.
 """
 
 from __future__ import annotations

@@ -1,0 +1,115 @@
+"""The `attnlab` command's entry point ([project.scripts] in pyproject.toml): a Ctrl-C is one line and exit code 130
+wherever it lands, during the imports (torch's take seconds) as well as during a command.
+
+attnlab.cli imports torch at its top, and a SIGINT before cli.main() had installed its handling printed a
+KeyboardInterrupt traceback from inside torch, importlib or dataclasses. This module imports only the standard
+library (and `import attnlab` imports nothing else, see attnlab/__init__.py), so its main() holds every import
+of the command.
+
+Some libraries do not let a KeyboardInterrupt through: torch imports numpy from C++ and carries on without it when
+that import fails (leaving a half-imported numpy: `module 'numpy' has no attribute 'intp'` later); numpy's C code
+turns one into an ImportError; mpmath (imported by sympy, which torch imports on first use of some operations)
+imports gmpy under a bare `except:`. So main() notes every SIGINT itself: once one came, the next import raises
+KeyboardInterrupt again, and a command that still ends (or fails in its own words) ends as interrupted.
+
+What it cannot cover: a SIGINT while the interpreter starts, before the console script has called main() (Python's
+own start-up and the script's first two imports, a few milliseconds), which ends in Python's own traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+INTERRUPTED = 130  # the shell's exit code of a command stopped by SIGINT (128 + 2)
+RESUMABLE = {"run": "run the same command again to resume from the last checkpoint"}  # what an interrupted one does
+GRACE_SECONDS = 10.0  # as train.signals: a second Ctrl-C this soon after the first is ignored while the first stops
+
+
+def command_name(argv: list[str]) -> str:
+    """The command that the lines of `attnlab ...` name, from its arguments as given: `info`, `memory ingest` (as
+    cli.main names it once they are parsed); '' for none."""
+    words = [arg for arg in argv[:2] if not arg.startswith("-")]
+    return " ".join(words[:2] if words[:1] == ["memory"] else words[:1])
+
+
+def interrupted(command: str) -> int:
+    """One line for a command stopped with Ctrl-C (KeyboardInterrupt), no traceback; exit code 130.
+    `attnlab run: interrupted; run the same command again to resume from the last checkpoint`."""
+    how = f"; {RESUMABLE[command]}" if command in RESUMABLE else ""
+    print(f"attnlab{' ' + command if command else ''}: interrupted{how}", file=sys.stderr)
+    return INTERRUPTED
+
+
+def main() -> int:
+    """Runs `attnlab` with sys.argv: its exit code, which the console script exits with (SIGINT is left ignored:
+    the process is ending; in-process callers want attnlab.cli.main)."""
+    try:
+        with _noting_interrupts() as seen:
+            try:
+                from attnlab.cli import main as run_command
+
+                code = run_command()  # (a Ctrl-C it meets is its own one line, and code 130)
+            except Exception:
+                if not seen:
+                    raise
+                raise KeyboardInterrupt from None  # the failure of something a Ctrl-C stopped, in its own words
+            if seen and code != INTERRUPTED:  # a library took the KeyboardInterrupt and carried on without it
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        return interrupted(command_name(sys.argv[1:]))
+    finally:
+        _ignore_interrupts()  # the command is done: a Ctrl-C now would end the interpreter's exit hooks in a traceback
+    return code
+
+
+@contextlib.contextmanager
+def _noting_interrupts() -> Iterator[list[float]]:
+    """Within the block a SIGINT raises KeyboardInterrupt, as Python's own handler does, and is noted (its time) in
+    the list yielded; once one came, every import raises KeyboardInterrupt again (_StopImports). Further SIGINTs in
+    the GRACE_SECONDS after one are ignored, as train.signals ignores them during a run (whose handler then stands
+    aside: this one is installed). A handler someone else installed (or SIGINT ignored) is left alone."""
+    seen: list[float] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield seen
+        return
+
+    def note(signum, frame):
+        if seen and time.monotonic() - seen[-1] < GRACE_SECONDS:
+            return  # a second Ctrl-C while the first is being handled
+        seen.append(time.monotonic())
+        raise KeyboardInterrupt
+
+    stop = _StopImports(seen)
+    sys.meta_path.insert(0, stop)
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield seen
+    finally:
+        sys.meta_path.remove(stop)
+
+
+class _StopImports:
+    """A finder first on sys.meta_path: once a SIGINT was noted, the next import raises KeyboardInterrupt again (one
+    that was swallowed would otherwise leave the program running on), but for one made while a KeyboardInterrupt is
+    still being handled (the clean-up of one that was not swallowed)."""
+
+    def __init__(self, seen: list[float]):
+        self.seen = seen
+
+    def find_spec(self, name, path, target=None):
+        if self.seen and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            raise KeyboardInterrupt
+        return None  # (the other finders find the module)
+
+
+def _ignore_interrupts() -> None:
+    if threading.current_thread() is threading.main_thread():  # (only the main thread may set a handler)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
