@@ -1,0 +1,86 @@
+"""Probe X's findings: a refused `memory rm` had already deleted the memory's index row, leaving its state file
+orphaned (L2; `ingest --replace` had the same order)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+from helpers import PROBE_MODEL, fails, snapshot, train_tiny_run
+
+from attnlab.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
+
+# ------------------------------------------------------------------ L2: a refused store change changes nothing
+
+
+@pytest.fixture(scope="module")
+def bounded_run(tmp_path_factory) -> Path:
+    memory = {"kind": "bounded", "recent_window": 8, "exact_slots": 4, "summary_slots": 4}
+    return train_tiny_run(tmp_path_factory.mktemp("bounded"), {**PROBE_MODEL, "memory": memory}, steps=2)
+
+
+def index_rows(store: Path) -> list[tuple]:
+    with sqlite3.connect(store / "index.sqlite") as db:
+        return db.execute("SELECT * FROM states ORDER BY name").fetchall()
+
+
+def undeletable(monkeypatch, file: Path) -> None:
+    """Deleting `file` fails, as in a folder made read-only (chmod a-w) or for a file made immutable (chattr +i)."""
+    unlink = Path.unlink
+
+    def refuse(self, missing_ok=False):
+        if Path(self) == file:
+            raise PermissionError(13, "Permission denied", str(self))
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+
+
+@pytest.fixture
+def store(bounded_run, tmp_path) -> Path:
+    doc, store = tmp_path / "doc.txt", tmp_path / "store"
+    doc.write_text("the cat sat on the mat " * 20)
+    assert main(["memory", "ingest", str(bounded_run), str(doc), "--name", "d1", "--store", str(store),
+                 "--no-progress"]) == 0  # fmt: skip
+    return store
+
+
+def test_l2_a_refused_rm_keeps_the_row_and_its_file(store, capsys, monkeypatch):
+    rows, files = index_rows(store), snapshot(store / "states")
+    [state] = files
+    undeletable(monkeypatch, store / "states" / state)
+    capsys.readouterr()
+    fails(capsys, ["memory", "rm", "d1", "--store", str(store)], f"{store / 'states' / state}: permission denied")
+    assert index_rows(store) == rows and snapshot(store / "states") == files  # nothing changed
+    monkeypatch.undo()
+    assert main(["memory", "rm", "d1", "--store", str(store)]) == 0  # once it can, rm removes both
+    assert index_rows(store) == [] and list((store / "states").iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a folder chmod made read-only")
+def test_l2_rm_in_a_read_only_states_folder_changes_nothing(store, capsys):
+    rows, files = index_rows(store), snapshot(store / "states")
+    (store / "states").chmod(0o555)
+    try:
+        fails(capsys, ["memory", "rm", "d1", "--store", str(store)], "permission denied")
+    finally:
+        (store / "states").chmod(0o755)
+    assert index_rows(store) == rows and snapshot(store / "states") == files
+
+
+def test_l2_a_refused_ingest_replace_keeps_the_old_memory(store, bounded_run, tmp_path, capsys, monkeypatch):
+    rows, files = index_rows(store), snapshot(store / "states")
+    other = tmp_path / "other.txt"
+    other.write_text("a dog by the red door")
+    [state] = files
+    undeletable(monkeypatch, store / "states" / state)
+    capsys.readouterr()
+    fails(capsys, ["memory", "ingest", str(bounded_run), str(other), "--name", "d1", "--replace", "--store",
+                   str(store), "--no-progress"], "permission denied")  # fmt: skip
+    monkeypatch.undo()
+    assert index_rows(store) == rows and snapshot(store / "states") == files  # the new state file went too
