@@ -1,5 +1,6 @@
 """Probe X's findings: a refused `memory rm` had already deleted the memory's index row, leaving its state file
-orphaned (L2; `ingest --replace` had the same order)."""
+orphaned (L2; `ingest --replace` had the same order); a GGUF whose tokenizer.ggml.token_type array was shorter than
+its tokens was read with the tokens past its end typeless, a control token no longer special (S3)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,35 @@ def test_l2_a_refused_ingest_replace_keeps_the_old_memory(store, bounded_run, tm
                    str(store), "--no-progress"], "permission denied")  # fmt: skip
     monkeypatch.undo()
     assert index_rows(store) == rows and snapshot(store / "states") == files  # the new state file went too
+
+
+# ------------------------------------------------- S3: a GGUF per-token array of another length than the tokens
+
+
+def test_s3_a_gguf_token_type_array_shorter_than_the_tokens_is_refused(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    from gguf_files import TOKENS, write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", types=[3] + [1] * 9)  # 10 types for 97 tokens
+    fails(capsys, ["generate", str(path), "ab", "--max-new-tokens", "1"],
+          f"{path}: tokenizer.ggml.token_type holds 10 entries, tokenizer.ggml.tokens {len(TOKENS)} tokens",
+          "the file is damaged")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key, extra",
+    [
+        ("tokenizer.ggml.token_type", lambda n: {"types": [1] * (n + 1)}),  # one more type than tokens
+        ("tokenizer.ggml.scores", lambda n: {"extra": lambda writer: writer.add_token_scores([0.0] * (n - 1))}),
+    ],
+)
+def test_s3_any_per_token_array_of_another_length_is_refused(tmp_path, key, extra):
+    pytest.importorskip("gguf")
+    from gguf_files import TOKENS, write_gguf
+
+    from attnlab.errors import DataError
+    from attnlab.interop.references import tokenizer_of
+
+    path = write_gguf(tmp_path / "m.gguf", **extra(len(TOKENS)))
+    with pytest.raises(DataError, match=rf"{key} holds [0-9]+ entries, tokenizer\.ggml\.tokens {len(TOKENS)} tokens"):
+        tokenizer_of(path)
