@@ -117,3 +117,36 @@ def test_s3_any_per_token_array_of_another_length_is_refused(tmp_path, key, extr
     path = write_gguf(tmp_path / "m.gguf", **extra(len(TOKENS)))
     with pytest.raises(DataError, match=rf"{key} holds [0-9]+ entries, tokenizer\.ggml\.tokens {len(TOKENS)} tokens"):
         tokenizer_of(path)
+
+
+# ---------------------------------------------------------- info --memory on a model with a memory of its own
+
+MEMORY_MODEL = ("vocab_size: 64\nd_model: 32\nn_layers: 1\nn_heads: 2\nmax_seq_len: 64\n"
+                "memory: {kind: bounded, recent_window: 16, exact_slots: 4, summary_slots: 4}\n")  # fmt: skip
+
+
+def test_info_memory_in_place_of_the_model_s_own_says_so(tmp_path, capsys):
+    config = tmp_path / "model.yaml"
+    config.write_text(MEMORY_MODEL)
+    assert main(["info", str(config), "--memory", "kind=bounded,recent_window=8,exact_slots=4,summary_slots=4"]) == 0
+    captured = capsys.readouterr()
+    assert "bounded memory: 16 slots per layer" in captured.out  # the given memory's figures
+    [warning] = captured.err.strip().splitlines()
+    assert warning == ("attnlab info: warning: --memory replaces this model's own memory (bounded, 24 slots per "
+                       "layer) with bounded, 16 slots per layer: the figures are those of the model with the given "
+                       "memory (leave out --memory for its own)")  # fmt: skip
+    assert main(["info", str(config)]) == 0  # its own, with no word
+    captured = capsys.readouterr()
+    assert "bounded memory: 24 slots per layer" in captured.out and captured.err == ""
+    config.write_text(MEMORY_MODEL.split("memory:")[0])  # a model without a memory: --memory adds one, with no word
+    assert main(["info", str(config), "--memory", "kind=window,recent_window=8"]) == 0
+    captured = capsys.readouterr()
+    assert "window memory: 8 slots per layer" in captured.out and captured.err == ""
+
+
+def test_info_memory_that_is_the_model_s_own_is_refused(tmp_path, capsys):
+    config = tmp_path / "model.yaml"
+    config.write_text(MEMORY_MODEL)
+    fails(capsys, ["info", str(config), "--memory", "kind=bounded,recent_window=16,exact_slots=4,summary_slots=4"],
+          "--memory kind=bounded,recent_window=16,exact_slots=4,summary_slots=4 is this model's own memory already "
+          "(bounded, 24 slots per layer): it changes nothing; leave out --memory")  # fmt: skip

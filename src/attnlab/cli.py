@@ -44,14 +44,18 @@ from attnlab.cli_errors import (
     too_deep_line,
     warning_printer,
 )
-from attnlab.cli_memory import add_train_memory_flags, check_train_memory_flags, train_memory_report
+from attnlab.cli_memory import (
+    add_train_memory_flags,
+    check_train_memory_flags,
+    train_memory_report,
+    with_memory_option,
+)
 from attnlab.cli_models import (
     check_results_folder,
     cmd_convert,
     cmd_export,
     cmd_kv_eval,
     cmd_kv_tune,
-    key_values,
     unquantized_note,
 )
 from attnlab.cli_store import DEFAULT_NEW_TOKENS, REFERENCE_HELP, add_memory_parser, add_sampling_arguments
@@ -59,7 +63,7 @@ from attnlab.cli_validate import LINK_LOOP, cmd_validate
 from attnlab.compare import compare
 from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT, unknown_key_problem
-from attnlab.config_io import load_config, memory_from_dict, other_config
+from attnlab.config_io import load_config, other_config
 from attnlab.data.files import link_loop, special_file
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
@@ -121,15 +125,6 @@ def _fmt(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def memory_option(text: str):
-    """--memory 'kind=bounded,recent_window=256,...' -> MemoryConfig."""
-    problems: list[str] = []
-    memory = memory_from_dict(key_values("--memory", text, "kind=window,recent_window=256"), problems)
-    if problems:
-        raise ConfigError([f"--memory: {p}" for p in problems])
-    return memory
-
-
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")  # what `info` reads as a model config file (not a model reference)
 
 
@@ -154,7 +149,7 @@ def cmd_info(args) -> int:
     is_config = Path(args.config).suffix.lower() in CONFIG_SUFFIXES and not Path(args.config).is_dir()
     cfg = config_file(args.config) if is_config else checked_model_config(args.config, args.data_dir)
     if args.memory is not None:
-        cfg = cfg.replace(memory=memory_option(args.memory))
+        cfg = with_memory_option(cfg, args.memory)
     if args.seq_len is not None and not 1 <= args.seq_len <= MAX_INT:
         raise InputError(f"--seq-len {args.seq_len} must be in 1 .. {MAX_INT:,} (2**31 - 1) tokens")
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
@@ -425,8 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes of a model config or reference")
     p.add_argument("config", help="a model config (.yaml or .json) or a model reference: " + REFERENCE_HELP)
-    p.add_argument("--memory", default=None, help="a bounded memory, e.g. 'kind=bounded,recent_window=256,"
-                   "exact_slots=64,summary_slots=64' (model.memory keys)")  # fmt: skip
+    p.add_argument("--memory", default=None, help="a memory, e.g. 'kind=bounded,recent_window=256,exact_slots=64,"
+                   "summary_slots=64' (model.memory keys); in place of the model's own, if it has one")  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.add_argument("--dtype", default="fp16", help="KV storage dtype: fp32, fp16, bf16 (default fp16)")
     p.add_argument("--seq-len", type=int, default=None, help="context length (default max_seq_len)")
