@@ -150,3 +150,28 @@ def test_info_memory_that_is_the_model_s_own_is_refused(tmp_path, capsys):
     fails(capsys, ["info", str(config), "--memory", "kind=bounded,recent_window=16,exact_slots=4,summary_slots=4"],
           "--memory kind=bounded,recent_window=16,exact_slots=4,summary_slots=4 is this model's own memory already "
           "(bounded, 24 slots per layer): it changes nothing; leave out --memory")  # fmt: skip
+
+
+# ------------------------------------------------------------------ a value given twice in a list-valued flag
+
+
+def test_bench_benchmarks_named_twice_is_refused(tmp_path, capsys):
+    before = snapshot(tmp_path)
+    fails(capsys, ["bench", str(tmp_path), "--benchmarks", "perplexity,perplexity", "--out", str(tmp_path / "b")],
+          "--benchmarks perplexity,perplexity: holds 'perplexity' twice: give each once")  # fmt: skip
+    fails(capsys, ["bench", "--list", "--benchmarks", "needle,memory,needle"],
+          "--benchmarks needle,memory,needle: holds 'needle' twice")  # fmt: skip
+    assert snapshot(tmp_path) == before
+
+
+def test_info_devices_naming_a_count_twice_is_refused(tmp_path, capsys):
+    config = tmp_path / "model.yaml"
+    config.write_text(MEMORY_MODEL.split("memory:")[0])
+    fails(capsys, ["info", str(config), "--train-memory", "--devices", "1,2,1"],
+          "--devices '1,2,1': 1 is given twice: give each once")  # fmt: skip
+
+
+def test_lm_eval_tasks_naming_a_task_twice_is_refused(tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    fails(capsys, ["lm-eval", str(tmp_path), "--tasks", "arc_easy,piqa,arc_easy"],
+          "--tasks 'arc_easy,piqa,arc_easy': arc_easy is given twice: give each once")  # fmt: skip

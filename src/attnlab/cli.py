@@ -51,6 +51,7 @@ from attnlab.cli_memory import (
     with_memory_option,
 )
 from attnlab.cli_models import (
+    check_given_once,
     check_results_folder,
     cmd_convert,
     cmd_export,
@@ -67,7 +68,7 @@ from attnlab.config_io import load_config, other_config
 from attnlab.data.files import link_loop, special_file
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
-from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
+from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan, twice_problem
 from attnlab.eval.loading import WEIGHTS
 from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
 from attnlab.eval.probes import (
@@ -273,6 +274,8 @@ def list_benchmarks(args) -> int:
         if unknown:
             raise ConfigError([unknown_key_problem(b, list(BENCHMARKS), "", what="benchmark")
                                for b in unknown])  # fmt: skip
+        if twice_problem(names):
+            raise ConfigError(f"--benchmarks {','.join(names)}: {twice_problem(names)}")
     for name in dict.fromkeys(names):
         params = ", ".join(f"{k}={v!r}" for k, v in parameters(name).items())
         print(f"{name}: {BENCHMARKS[name].__doc__.splitlines()[0]}\n    {params}")
@@ -313,6 +316,7 @@ def cmd_lm_eval(args) -> int:
         raise ConfigError(f"--tasks {args.tasks!r}: holds an empty task name (give names separated by single commas, "
                           "e.g. arc_easy,piqa)")  # fmt: skip
     tasks = [task for task in tasks if task]
+    check_given_once("--tasks", args.tasks, tasks)
     if args.out:
         check_results_folder(args.out, "results/lm_eval")  # before the model loads, not after the evaluation
     results = run_lm_eval(args.checkpoint, tasks, out_dir=args.out, kv_policy=args.kv_policy, limit=args.limit,

@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from attnlab.cli_models import key_values
+from attnlab.cli_models import check_given_once, key_values
 from attnlab.config import ModelConfig, untrainable_memory_problem
 from attnlab.config_checks import MAX_INT
 from attnlab.config_io import memory_from_dict
@@ -87,7 +87,8 @@ def _devices(text: str) -> list[int]:
             raise InputError(f"--devices {text!r}: {item.strip()!r} is not a number of devices from 1 to "
                              f"{MAX_DEVICES:,} (give a list such as 1,2,4,8)")  # fmt: skip
         counts.append(n)
-    return sorted(set(counts))
+    check_given_once("--devices", text, counts)
+    return sorted(counts)
 
 
 def train_memory_report(cfg: ModelConfig, args) -> tuple[list[dict], list[str]]:
