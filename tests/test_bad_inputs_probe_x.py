@@ -175,3 +175,25 @@ def test_lm_eval_tasks_naming_a_task_twice_is_refused(tmp_path, capsys):
     pytest.importorskip("lm_eval")
     fails(capsys, ["lm-eval", str(tmp_path), "--tasks", "arc_easy,piqa,arc_easy"],
           "--tasks 'arc_easy,piqa,arc_easy': arc_easy is given twice: give each once")  # fmt: skip
+
+
+# ------------------------------------------------------------ a tokenizer.json vocab giving two tokens one id
+
+
+def test_a_tokenizer_json_vocab_with_two_tokens_on_one_id_is_refused(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer, models
+
+    from attnlab.data.pretrained import tokenizer_from_folder
+    from attnlab.errors import DataError
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "c": 3}
+    data = json.loads(Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).to_str())
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "[UNK]"}')
+    assert tokenizer_from_folder(tmp_path).decode([1, 2, 3]).split() == ["a", "b", "c"]  # as written: read
+    data["model"]["vocab"]["b"] = 3  # "b" and "c" on id 3: decoding 3 gives one of them
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(DataError, match=r"tokenizer\.json: the tokens 'b' and 'c' both have id 3 in model\.vocab"):
+        tokenizer_from_folder(tmp_path)
