@@ -44,12 +44,7 @@ from attnlab.cli_errors import (
     too_deep_line,
     warning_printer,
 )
-from attnlab.cli_memory import (
-    add_train_memory_flags,
-    check_train_memory_flags,
-    train_memory_report,
-    with_memory_option,
-)
+from attnlab.cli_memory import add_train_memory_flags, check_train_memory_flags, train_memory_report, with_memory_option
 from attnlab.cli_models import (
     check_given_once,
     check_results_folder,
@@ -66,6 +61,7 @@ from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT, unknown_key_problem
 from attnlab.config_io import load_config, other_config
 from attnlab.data.files import link_loop, special_file
+from attnlab.envcheck import thread_env_problem
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan, twice_problem
@@ -544,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("always", LengthWarning)  # every cut request said, not only the first
         warnings.showwarning = warning_printer(command, warnings.showwarning)
         try:
+            if thread_env_problem():  # (libgomp read it already, at torch's import above: its own line came first)
+                raise InputError(thread_env_problem())
             for dest in PATH_OPTIONS:  # an empty path ('' from an unset shell variable) names no file or folder
                 if getattr(args, dest, None) == "":
                     raise InputError(f"--{dest.replace('_', '-')} is empty: give a path")
