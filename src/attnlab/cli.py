@@ -49,14 +49,14 @@ from attnlab.cli_errors import (
     too_deep_line,
     warning_printer,
 )
-from attnlab.cli_memory import add_train_memory_flags, check_train_memory_flags, train_memory_report
+from attnlab.cli_memory import add_train_memory_flags, check_train_memory_flags, train_memory_report, with_memory_option
 from attnlab.cli_models import (
+    check_given_once,
     check_results_folder,
     cmd_convert,
     cmd_export,
     cmd_kv_eval,
     cmd_kv_tune,
-    key_values,
     unquantized_note,
 )
 from attnlab.cli_store import DEFAULT_NEW_TOKENS, REFERENCE_HELP, add_memory_parser, add_sampling_arguments
@@ -64,12 +64,13 @@ from attnlab.cli_validate import LINK_LOOP, cmd_validate
 from attnlab.compare import compare
 from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT, unknown_key_problem
-from attnlab.config_io import load_config, memory_from_dict, other_config
+from attnlab.config_io import load_config, other_config
 from attnlab.data.files import link_loop, special_file
 from attnlab.entry import interrupted
+from attnlab.envcheck import thread_env_problem
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
-from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan
+from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan, twice_problem
 from attnlab.eval.loading import WEIGHTS
 from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
 from attnlab.eval.probes import (
@@ -127,15 +128,6 @@ def _fmt(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def memory_option(text: str):
-    """--memory 'kind=bounded,recent_window=256,...' -> MemoryConfig."""
-    problems: list[str] = []
-    memory = memory_from_dict(key_values("--memory", text, "kind=window,recent_window=256"), problems)
-    if problems:
-        raise ConfigError([f"--memory: {p}" for p in problems])
-    return memory
-
-
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")  # what `info` reads as a model config file (not a model reference)
 
 
@@ -160,7 +152,7 @@ def cmd_info(args) -> int:
     is_config = Path(args.config).suffix.lower() in CONFIG_SUFFIXES and not Path(args.config).is_dir()
     cfg = config_file(args.config) if is_config else checked_model_config(args.config, args.data_dir)
     if args.memory is not None:
-        cfg = cfg.replace(memory=memory_option(args.memory))
+        cfg = with_memory_option(cfg, args.memory)
     if args.seq_len is not None and not 1 <= args.seq_len <= MAX_INT:
         raise InputError(f"--seq-len {args.seq_len} must be in 1 .. {MAX_INT:,} (2**31 - 1) tokens")
     report = info(cfg, dtype=args.dtype, seq_len=args.seq_len, policy=args.kv_policy)
@@ -284,6 +276,8 @@ def list_benchmarks(args) -> int:
         if unknown:
             raise ConfigError([unknown_key_problem(b, list(BENCHMARKS), "", what="benchmark")
                                for b in unknown])  # fmt: skip
+        if twice_problem(names):
+            raise ConfigError(f"--benchmarks {','.join(names)}: {twice_problem(names)}")
     for name in dict.fromkeys(names):
         params = ", ".join(f"{k}={v!r}" for k, v in parameters(name).items())
         print(f"{name}: {BENCHMARKS[name].__doc__.splitlines()[0]}\n    {params}")
@@ -324,6 +318,7 @@ def cmd_lm_eval(args) -> int:
         raise ConfigError(f"--tasks {args.tasks!r}: holds an empty task name (give names separated by single commas, "
                           "e.g. arc_easy,piqa)")  # fmt: skip
     tasks = [task for task in tasks if task]
+    check_given_once("--tasks", args.tasks, tasks)
     if args.out:
         check_results_folder(args.out, "results/lm_eval")  # before the model loads, not after the evaluation
     results = run_lm_eval(args.checkpoint, tasks, out_dir=args.out, kv_policy=args.kv_policy, limit=args.limit,
@@ -431,8 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes of a model config or reference")
     p.add_argument("config", help="a model config (.yaml or .json) or a model reference: " + REFERENCE_HELP)
-    p.add_argument("--memory", default=None, help="a bounded memory, e.g. 'kind=bounded,recent_window=256,"
-                   "exact_slots=64,summary_slots=64' (model.memory keys)")  # fmt: skip
+    p.add_argument("--memory", default=None, help="a memory, e.g. 'kind=bounded,recent_window=256,exact_slots=64,"
+                   "summary_slots=64' (model.memory keys); in place of the model's own, if it has one")  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where data files are (else $ATTNLAB_DATA)")
     p.add_argument("--dtype", default="fp16", help="KV storage dtype: fp32, fp16, bf16 (default fp16)")
     p.add_argument("--seq-len", type=int, default=None, help="context length (default max_seq_len)")
@@ -551,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("always", LengthWarning)  # every cut request said, not only the first
         warnings.showwarning = warning_printer(command, warnings.showwarning)
         try:
+            if thread_env_problem():  # (libgomp read it already, at torch's import above: its own line came first)
+                raise InputError(thread_env_problem())
             for dest in PATH_OPTIONS:  # an empty path ('' from an unset shell variable) names no file or folder
                 if getattr(args, dest, None) == "":
                     raise InputError(f"--{dest.replace('_', '-')} is empty: give a path")

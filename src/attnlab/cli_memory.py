@@ -1,17 +1,53 @@
-"""`attnlab info REF --train-memory`: the per-device memory of a training step, for DDP and FSDP at N devices."""
+"""`attnlab info REF --memory ...`: the model with another memory; `attnlab info REF --train-memory`: the per-device
+memory of a training step, for DDP and FSDP at N devices."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from attnlab.cli_models import check_given_once, key_values
 from attnlab.config import ModelConfig, untrainable_memory_problem
 from attnlab.config_checks import MAX_INT
-from attnlab.errors import InputError
+from attnlab.config_io import memory_from_dict
+from attnlab.errors import AttnlabWarning, ConfigError, InputError
 from attnlab.model.transformer import build_model
 from attnlab.train.memory import train_memory_lines, train_memory_rows
 from attnlab.train.optim import trainable_problem
 
 MAX_DEVICES = 1 << 20
+
+
+def memory_option(text: str):
+    """--memory 'kind=bounded,recent_window=256,...' -> MemoryConfig."""
+    problems: list[str] = []
+    memory = memory_from_dict(key_values("--memory", text, "kind=window,recent_window=256"), problems)
+    if problems:
+        raise ConfigError([f"--memory: {p}" for p in problems])
+    return memory
+
+
+def _described(memory) -> str:
+    slots = f", {memory.slots:,} slots per layer" if memory.slots is not None else ""
+    return f"{memory.kind}{slots}"
+
+
+def with_memory_option(cfg: ModelConfig, text: str) -> ModelConfig:
+    """`cfg` with the memory of `info --memory TEXT`. On a model that has a memory of its own, the given one takes its
+    place (a what-if, as `convert --memory` replaces it) and one warning line says so; the model's own memory given
+    again changes nothing and is refused, as convert refuses a conversion to what the model already is."""
+    memory = memory_option(text)
+    own = cfg.memory
+    if own.kind == "none":
+        return cfg.replace(memory=memory)
+    if memory == own:
+        raise InputError(f"--memory {text} is this model's own memory already ({_described(own)}): it changes "
+                         "nothing; leave out --memory, or give another memory to see its figures")  # fmt: skip
+    warnings.warn(f"--memory replaces this model's own memory ({_described(own)}) with {_described(memory)}: the "
+                  "figures are those of the model with the given memory (leave out --memory for its own)",
+                  AttnlabWarning, stacklevel=2)  # fmt: skip
+    return cfg.replace(memory=memory)
 
 
 def add_train_memory_flags(p) -> None:
@@ -51,7 +87,8 @@ def _devices(text: str) -> list[int]:
             raise InputError(f"--devices {text!r}: {item.strip()!r} is not a number of devices from 1 to "
                              f"{MAX_DEVICES:,} (give a list such as 1,2,4,8)")  # fmt: skip
         counts.append(n)
-    return sorted(set(counts))
+    check_given_once("--devices", text, counts)
+    return sorted(counts)
 
 
 def train_memory_report(cfg: ModelConfig, args) -> tuple[list[dict], list[str]]:

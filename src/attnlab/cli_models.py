@@ -59,6 +59,14 @@ from attnlab.paths import run_folder_problem
 from attnlab.train.checkpoint import CheckpointError
 
 
+def check_given_once(flag: str, given: str, values) -> None:
+    """InputError for a comma-separated flag naming one value twice (it would be merged or measured twice), as
+    kv-eval refuses a policy given twice."""
+    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if twice is not None:
+        raise InputError(f"{flag} {given!r}: {twice} is given twice: give each once")
+
+
 def key_values(flag: str, text: str, example: str) -> dict:
     """'kind=bounded,recent_window=256,...' -> {key: value} (values read as YAML scalars), one-line errors."""
     data = {}
@@ -264,9 +272,7 @@ def cmd_kv_tune(args) -> int:
     if any(r < 0 for r in resids):
         raise InputError(f"--resids {args.resids!r} must be >= 0")
     for flag, given, values in (("--formats", args.formats, formats), ("--resids", args.resids, resids)):
-        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
-        if twice is not None:  # it would be measured twice, as kv-eval refuses a policy given twice
-            raise InputError(f"{flag} {given!r}: {twice} is given twice: give each once")
+        check_given_once(flag, given, values)
     if not (math.isfinite(args.budget) and args.budget > 0):
         raise InputError(f"--budget={args.budget!r} must be a finite number of bytes per token > 0")
     if args.max_dnll is not None and not (math.isfinite(args.max_dnll) and args.max_dnll >= 0):

@@ -48,6 +48,13 @@ def interrupted(command: str) -> int:
 def main() -> int:
     """Runs `attnlab` with sys.argv: its exit code, which the console script exits with (SIGINT is left ignored:
     the process is ending; in-process callers want attnlab.cli.main)."""
+    from attnlab.envcheck import thread_env_problem  # (standard library only)
+
+    problem = thread_env_problem()  # before torch's import, where libgomp would print its own raw line first
+    if problem:
+        command = command_name(sys.argv[1:])
+        print(f"attnlab{' ' + command if command else ''}: error: {problem}", file=sys.stderr)
+        return 2
     try:
         with _noting_interrupts() as seen:
             try:

@@ -265,6 +265,7 @@ def tokenizer_from_folder(folder: str | Path, name: str | None = None) -> Pretra
         tokenizer = HFTokenizer.from_str(text)
     except Exception as e:  # the tokenizers library raises plain Exceptions
         raise DataError(f"{path}: not a valid tokenizer.json ({' '.join(str(e).split())})") from None
+    check_vocab_ids(tokenizer, path)
     settings = _read_json(folder / "tokenizer_config.json")
     check_settings(folder / "tokenizer_config.json", settings, tokenizer)
     config = special_ids(folder, tokenizer)
@@ -305,3 +306,16 @@ def check_token_ids(tokenizer: PretrainedTokenizer, vocab_size: int, source: str
         raise DataError(f"{source}: token {token!r} has id {first}{more}, but the model has {vocab_size} "
                         f"embedding rows (vocab_size={vocab_size}, ids 0 .. {vocab_size - 1}): the tokenizer is not "
                         "this model's, or was changed (use the model's own tokenizer)")  # fmt: skip
+
+
+def check_vocab_ids(tokenizer: HFTokenizer, path: Path) -> None:
+    """DataError (one line naming tokenizer.json, the id and both tokens) when its model's vocab maps two tokens to
+    one id: decoding that id gives one of them, so the other could never be read back (an added token given an id
+    already taken is moved past the vocabulary, which check_token_ids refuses)."""
+    seen: dict[int, str] = {}
+    for token, i in sorted(tokenizer.get_vocab(with_added_tokens=False).items(), key=lambda item: (item[1], item[0])):
+        if i in seen:
+            raise DataError(f"{path}: the tokens {seen[i]!r} and {token!r} both have id {i} in model.vocab: one of "
+                            "them could never be decoded: the file is damaged or was edited (use the model's own "
+                            "tokenizer.json)")  # fmt: skip
+        seen[i] = token

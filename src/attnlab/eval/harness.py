@@ -262,6 +262,12 @@ def prompt_region_problems(params: dict, where: str) -> list[str]:
             "inside the prompt, or a longer prompt" for name, span in past]  # fmt: skip
 
 
+def twice_problem(values) -> str | None:
+    """--benchmarks naming a benchmark twice (it would run once), said as a parameter's list holding a value twice."""
+    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    return None if twice is None else f"holds {brief(twice)} twice: give each once"
+
+
 def policy_problem(key: str, value) -> str | None:
     """A KV policy parameter (kv_policy, or kv_quant's policies) that does not parse, checked before any benchmark
     runs (a run whose lengths all fit no cache would otherwise never read it); policies naming one policy twice."""
@@ -409,6 +415,8 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         unknown = [b for b in benchmarks if b not in BENCHMARKS]
         if unknown:
             raise ConfigError([unknown_key_problem(b, list(BENCHMARKS), "", what="benchmark") for b in unknown])
+        if twice_problem(benchmarks):  # it would run once: refused as kv-eval refuses a policy given twice
+            raise ConfigError(f"--benchmarks {','.join(benchmarks)}: {twice_problem(benchmarks)}")
         absent = [b for b in benchmarks if b not in spec]
         if chosen_by and absent:  # --benchmarks picks some of a manifest's benchmarks (with their parameters)
             raise ConfigError(

@@ -169,6 +169,7 @@ def tokenizer_from_gguf(meta: dict, source: str = "gguf", name: str | None = Non
     if not meta.get("tokenizer.ggml.tokens"):
         raise DataError(f"{source}: no tokenizer.ggml.tokens in the metadata")
     check_token_list(meta["tokenizer.ggml.tokens"], source)
+    check_per_token_arrays(meta, source)
     tokenizer = GGUF_TOKENIZERS[kind](meta, source)
     # Control tokens (<|im_start|>, <s>) are special: matched whole in prompts, plain text in ordinary text.
     # User-defined ones (<think>) are always matched whole, as llama.cpp does.
@@ -214,6 +215,28 @@ def check_token_list(tokens, source: str) -> None:
         raise DataError(f"{source}: tokenizer.ggml.tokens[{wrong}]={brief(tokens[wrong])} is not a string (the "
                         "tokens must be an array of strings): the file is damaged; download or convert it "
                         "again")  # fmt: skip
+
+
+PER_TOKEN_KEYS = ("tokenizer.ggml.token_type", "tokenizer.ggml.scores")  # one entry per token, by position
+
+
+def check_per_token_arrays(meta: dict, source: str) -> None:
+    """DataError (one line naming the file, both keys and both lengths) unless each of PER_TOKEN_KEYS the file has
+    is an array as long as tokenizer.ggml.tokens: they are read by position, so a shorter one would leave the
+    tokens past its end with no type (a CONTROL token no longer special) or no score, silently."""
+    n_tokens = len(meta["tokenizer.ggml.tokens"])
+    for key in PER_TOKEN_KEYS:
+        values = meta.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, list):
+            raise DataError(f"{source}: {key} is {brief(values)}, not an array (one entry per token of "
+                            "tokenizer.ggml.tokens): the file is damaged; download or convert it again")  # fmt: skip
+        if len(values) != n_tokens:
+            raise DataError(f"{source}: {key} holds {len(values):,} entries, tokenizer.ggml.tokens {n_tokens:,} "
+                            "tokens: they go one per token, by position, so the tokens past the shorter array "
+                            "would be read with no type or score (a control token no longer special): the file is "
+                            "damaged; download or convert it again")  # fmt: skip
 
 
 def special_id(meta: dict, which: str, n_tokens: int, source: str) -> int | None:

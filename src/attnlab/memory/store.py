@@ -5,9 +5,10 @@
     <store>/states/<name>-<random>.safetensors   the state (attnlab.memory.state), a new file per ingest
 
 The store folder is `store`, else $ATTNLAB_MEMORY, else $XDG_CACHE_HOME/attnlab/memory (~/.cache/...).
-Ingesting writes the new state file first and registers it in one transaction; a replaced or removed
-state's file is deleted only after the index stops naming it, so the index never points at a missing or
-half-written file. A query reads the state file into a new cache and never writes to the store.
+Ingesting writes the new state file first and registers it in one transaction. A replaced or removed state's
+file is deleted inside the transaction that changes its row, which commits only once the file is gone: a file
+that cannot be deleted (a read-only states/ folder) rolls the row back, so a refused rm or --replace changes
+nothing. A query reads the state file into a new cache and never writes to the store.
 """
 
 from __future__ import annotations
@@ -138,11 +139,16 @@ class MemoryStore:
                              f"restore the index from a copy, or move {self.root} away to start an empty "
                              "store")  # fmt: skip
 
-    def _run(self, sql: str, args: tuple = (), write: bool = False) -> list[tuple]:
+    def _run(self, sql: str, args: tuple = (), write: bool = False, then=None) -> list[tuple]:
+        """Runs `sql` in one transaction. then: called before the commit (e.g. deleting a state file): if it
+        raises (an OSError such as permission denied), the change is rolled back and the error goes on."""
         uri = f"{self.index.resolve().as_uri()}?mode={'rwc' if write else 'ro'}"
         try:
             with closing(sqlite3.connect(uri, uri=True)) as db, db:  # `with db`: one transaction, committed
-                return db.execute(sql, args).fetchall()
+                rows = db.execute(sql, args).fetchall()
+                if then is not None:
+                    then()  # (raises: `with db` rolls the statement back)
+                return rows
         except sqlite3.IntegrityError:
             raise
         except sqlite3.Error as e:
@@ -218,23 +224,24 @@ class MemoryStore:
         old = self.find(entry.name)
         row = (entry.name, entry.file, json.dumps(entry.documents), *[getattr(entry, c) for c in COLUMNS[3:]])
         verb = "INSERT OR REPLACE" if replace else "INSERT"
-        try:
-            self._run(f"{verb} INTO states ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})", row, True)
+        gone = old is not None and old.file != entry.file and self.holds(old)  # never a file outside the store
+        try:  # the old file is deleted before the commit: one that cannot be leaves the old row in place
+            self._run(f"{verb} INTO states ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})", row, True,
+                      then=(lambda: self.path(old).unlink(missing_ok=True)) if gone else None)  # fmt: skip
         except sqlite3.IntegrityError:
             raise StoreError(f"a memory named {entry.name!r} exists in {self.root} (pass --replace)") from None
-        if old is not None and old.file != entry.file and self.holds(old):  # never a file outside the store
-            self.path(old).unlink(missing_ok=True)
 
     def remove(self, name: str) -> tuple[str, object]:
         """Deletes the row of memory `name`, damaged or not, and its state file when that is one of the store's;
-        (name, the file its row names)."""
+        (name, the file its row names). A file that cannot be deleted (OSError) keeps the row: nothing changes."""
         row = next((row for row in self.rows() if row[0] == name), None)
         if row is None:
             raise StoreError(f"no memory named {name!r} in {self.root} (`attnlab memory ls` lists them)")
         (file,) = self._run("SELECT file FROM states WHERE name = ?", (name,))[0]
-        self._run("DELETE FROM states WHERE name = ?", (name,), write=True)
-        if isinstance(file, str) and self.holds_file(file):
-            (self.root / file).unlink(missing_ok=True)
+        ours = isinstance(file, str) and self.holds_file(file)
+        # The file is deleted before the row's deletion commits: a file that cannot be deleted keeps the row.
+        self._run("DELETE FROM states WHERE name = ?", (name,), write=True,
+                  then=(lambda: (self.root / file).unlink(missing_ok=True)) if ours else None)  # fmt: skip
         return name, file
 
 
@@ -405,7 +412,7 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
                   header["config_hash"], model_path, created, header["sha256"])  # fmt: skip
     try:
         store.put(entry, replace)
-    except StoreError:
+    except (StoreError, OSError):  # (an old state that could not be deleted: the old row stays)
         final.unlink(missing_ok=True)  # registered nowhere
         raise
     return entry
