@@ -27,7 +27,7 @@ from attnlab.manifest import Manifest, RunSpec
 from attnlab.paths import inside
 from attnlab.retrofit import changes, check_pretrained, first_phases
 from attnlab.train.distributed import dist_env
-from attnlab.train.loop import vocab_problem
+from attnlab.train.loop import check_training_data, vocab_problem
 
 # What a run writes through an entry of its folder (its other files are written to a temporary and renamed over the
 # entry: a link there is replaced, not written through).
@@ -162,14 +162,33 @@ def prepared_meta(data, data_dir) -> dict | None:
     return meta if ok and all(isinstance(e, dict) and "sha256" in e for e in meta["splits"].values()) else None
 
 
-def prepared_folder_problem(data, data_dir) -> str | None:
-    """The line the run would refuse the data's prepared folder with (a damaged meta.json, a token file of another
-    size, a tokenizer file whose sha256 differs), where it is prepared already: a dry run opens it as the run does
-    (sizes and the tokenizer's few files; the token files' sha256 is left to the first read)."""
-    if prepared_meta(data, data_dir) is None:
+def _prepared_folder(data, data_dir) -> Path | None:
+    """The data's prepared folder when the run would open it rather than prepare it (its meta.json is there)."""
+    if names_model(data.tokenizer):  # its cache key needs the model's tokenizer
         return None
+    folder = default_cache_dir() / folder_name(data, cache_key(data, data_dir))
+    return folder if (folder / "meta.json").exists() else None
+
+
+def prepared_folder_problem(data, data_dir) -> str | None:
+    """The line the run would refuse the data's prepared folder with when it opens it (meta.json not a valid one, a
+    token file of another size, a tokenizer file whose sha256 differs), where it is prepared already: a dry run
+    opens it as the run does (data.prepared.open_prepared)."""
+    folder = _prepared_folder(data, data_dir)
     try:
-        open_prepared(default_cache_dir() / folder_name(data, cache_key(data, data_dir)))
+        open_prepared(folder) if folder is not None else None
+    except DataError as e:
+        return str(e)
+    return None
+
+
+def training_data_problem(spec: RunSpec, data_dir, run_dir: Path) -> str | None:
+    """The line the run would refuse to train (or resume) `spec` with over its prepared data, where it is prepared
+    already: train.loop.check_training_data, the run's own check (every .bin read once for its sha256 and id range,
+    ~1.5 GB/s; the tokenizer loaded; an evaluation window in val and test; the run's tokenizer/ copy unchanged)."""
+    folder = _prepared_folder(spec.data, data_dir)
+    try:
+        check_training_data(open_prepared(folder), spec.train, run_dir) if folder is not None else None
     except DataError as e:
         return str(e)
     return None

@@ -47,6 +47,7 @@ from attnlab.run_checks import (
     local_data_problem,
     prepared_folder_problem,
     prepared_meta,
+    training_data_problem,
 )
 from attnlab.train.checkpoint import (
     CheckpointError,
@@ -321,10 +322,15 @@ def dry_run_status(
         if checkpoint is not None:
             refuse_resume(spec, run_dir, checkpoint, _dry_config(spec, converted, meta, checkpoint.config), meta,
                           data_dir)  # fmt: skip
-            problem = read_files_problem(checkpoint, run_dir, spec.train)  # what the run reads next
+            problem = training_data_problem(spec, data_dir, run_dir) or read_files_problem(
+                checkpoint, run_dir, spec.train
+            )  # what the run reads next
             if problem:
                 return f"would be refused: {problem}"
             return f"would resume from step {checkpoint.step} of {spec.train.steps} in {run_dir}"
+        problem = training_data_problem(spec, data_dir, run_dir)
+        if problem:
+            return f"would be refused: {problem}"
     except (ConfigError, DataError) as e:
         return "would be refused: " + " ".join(str(e).split())
     return f"would train {spec.train.steps} steps into {run_dir}{start}"

@@ -101,6 +101,19 @@ def state_problem(state: dict, mine: dict) -> str | None:
     return f"sampler state does not match this sampler: {', '.join(differ)}" if differ else None
 
 
+def eval_windows(n_tokens: int, seq_len: int, max_tokens: int | None = None) -> int:
+    """How many evaluation windows eval_batches makes of a split of n_tokens."""
+    n_windows = (n_tokens - 1) // seq_len
+    return n_windows if max_tokens is None else min(n_windows, max_tokens // seq_len)
+
+
+def eval_window_problem(n_tokens: int, seq_len: int, max_tokens: int | None = None) -> str | None:
+    """The line eval_batches refuses a split of n_tokens with (no window fits), or None."""
+    if eval_windows(n_tokens, seq_len, max_tokens) >= 1:
+        return None
+    return f"no evaluation window of seq_len={seq_len} fits (split of {n_tokens:,} tokens, budget {max_tokens})"
+
+
 def eval_batches(
     tokens: np.ndarray,
     seq_len: int,
@@ -116,13 +129,10 @@ def eval_batches(
     world_size > 1 rank r takes windows r, r + world_size, ... (the union over ranks is the same set).
     """
     _check_layout(seq_len, batch_size, rank, world_size)
-    n_windows = (len(tokens) - 1) // seq_len
-    if max_tokens is not None:
-        n_windows = min(n_windows, max_tokens // seq_len)
-    if n_windows < 1:
-        raise DataError(
-            f"no evaluation window of seq_len={seq_len} fits (split of {len(tokens):,} tokens, budget {max_tokens})"
-        )
+    problem = eval_window_problem(len(tokens), seq_len, max_tokens)
+    if problem:
+        raise DataError(problem)
+    n_windows = eval_windows(len(tokens), seq_len, max_tokens)
     mine = np.arange(rank, n_windows, world_size)  # window indices of this rank
     for start in range(0, len(mine), batch_size):
         yield _windows(tokens, mine[start : start + batch_size] * seq_len, seq_len)

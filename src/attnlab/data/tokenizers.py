@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -327,6 +328,29 @@ def tokenizer_record(tokenizer: Tokenizer, folder: str | Path) -> dict:
     the sha256 of every file in the folder (tokenizer_problem checks them)."""
     files = {p.name: sha256_file(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name[0] != "."}
     return {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id, "files": files}
+
+
+def tokenizer_copy_problem(tokenizer: Tokenizer, source: str | Path, copy: str | Path) -> str | None:
+    """Why a run must not save `tokenizer` (loaded from the prepared folder `source`) over its own tokenizer/ folder
+    `copy`, or None: a file the save would write is there already with another sha256 (the run's first steps were
+    trained with that one; a resume or a rerun over the run's folder). A file not there yet is no difference."""
+    copy = Path(copy)
+    if not copy.is_dir():
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer.save(scratch)  # what the run would write, byte for byte
+        for made in sorted(Path(scratch).iterdir()):
+            kept = copy / made.name
+            if not kept.is_file():
+                continue
+            new, old = sha256_file(made), sha256_file(kept)
+            if new != old:
+                theirs = Path(source) / made.name
+                return (f"{theirs}: the prepared tokenizer differs from the run's own copy {kept} (sha256 "
+                        f"{new[:12]}... vs {old[:12]}...), which the run was trained with: restore the prepared data "
+                        f"(or delete {source} to prepare it again from the source), or start the run again in a new "
+                        "--out")  # fmt: skip
+    return None
 
 
 def tokenizer_problem(record: dict, tokenizer: Tokenizer, folder: str | Path) -> str | None:

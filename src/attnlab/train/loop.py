@@ -17,7 +17,9 @@ from attnlab.accounting import kv_report, param_counts
 from attnlab.config import DataConfig, ModelConfig, TrainConfig, untrainable_memory_problem
 from attnlab.data import BatchSampler
 from attnlab.data.files import atomic_write_text
-from attnlab.data.tokenizers import tokenizer_record
+from attnlab.data.prepared_meta import _redo
+from attnlab.data.sampler import eval_window_problem
+from attnlab.data.tokenizers import tokenizer_copy_problem, tokenizer_record
 from attnlab.errors import ConfigError, DataError, DivergedError
 from attnlab.model.transformer import build_model
 from attnlab.train.budget import batch_memory_problem, positions_memory_problem
@@ -84,6 +86,29 @@ def vocab_problem(model_vocab: int, tokenizer_vocab: int) -> str | None:
         return None
     return (f"model vocab_size={model_vocab} is smaller than the tokenizer's {tokenizer_vocab} (leave vocab_size "
             "out of the manifest to take the tokenizer's)")  # fmt: skip
+
+
+def check_training_data(prepared, train_cfg: TrainConfig, run_dir: str | Path) -> None:
+    """What `train` checks of its prepared data before it writes anything (run --dry-run makes the same checks):
+    every split's sha256 and id range (Prepared.verify reads each .bin once, ~1.5 GB/s), a 'val' split, the tokenizer
+    loaded from the folder, an evaluation window in the val and test splits (scored in training and at the end), and
+    the run's own tokenizer/ copy, if it has one, unchanged (never overwritten). DataError naming the file."""
+    prepared.verify()
+    prepared.split("val")  # a data without one is refused here already
+    tokenizer = prepared.tokenizer
+    for split in ("val", "test"):
+        if split not in prepared.splits:
+            continue
+        tokens = prepared.meta["splits"][split]["tokens"]
+        budget = (train_cfg.test_tokens or tokens) if split == "test" else train_cfg.eval_tokens
+        problem = eval_window_problem(tokens, train_cfg.seq_len, budget)
+        if problem:
+            file = prepared.path / prepared.meta["splits"][split]["file"]
+            raise DataError(f"{file} ({split} split): {problem}; lower train.seq_len, or prepare more data "
+                            f"({_redo(prepared.path)})")  # fmt: skip
+    problem = tokenizer_copy_problem(tokenizer, prepared.path, Path(run_dir) / "tokenizer")
+    if problem:
+        raise DataError(problem)
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -158,8 +183,8 @@ def train(
     if model_cfg.max_seq_len < train_cfg.seq_len:
         raise ConfigError(f"train.seq_len={train_cfg.seq_len} exceeds model max_seq_len={model_cfg.max_seq_len}")
     prepared = prepared or prepare_rank0_first(data_cfg, data_dir, dist_info)
-    prepared.verify()  # every split's sha256 and id range, before anything is written
-    val_tokens = prepared.split("val")  # scored every eval_every steps: a data without one is refused here already
+    check_training_data(prepared, train_cfg, run_dir)  # before anything is written
+    val_tokens = prepared.split("val")  # scored every eval_every steps
     problem = vocab_problem(model_cfg.vocab_size, prepared.vocab_size)
     if problem:
         raise ConfigError(problem)
