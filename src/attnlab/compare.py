@@ -112,6 +112,16 @@ def _summary(path: Path) -> dict:
         value = summary.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise DataError(f"{path}: {key}={value!r} is not a number (it was changed); {fix}")
+    for key, least in (("params", 1), ("steps", 0), ("tokens", 0)):  # whole numbers (a model has parameters)
+        value = summary.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise DataError(f"{path}: field '{key}' is {value!r}, which is impossible (a whole number >= {least}): it "
+                            f"was changed by hand; {fix}")  # fmt: skip
+    for key in ("kv_bytes_per_token_fp16", "train_tok_per_s"):  # measured, whatever the model learned: finite
+        value = summary.get(key)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise DataError(f"{path}: field '{key}' is {value!r}, which is impossible (a finite number >= 0): it "
+                            f"was changed by hand; {fix}")  # fmt: skip
     for split in ("val", "test"):  # figures that contradict each other, refused as `attnlab report` refuses them
         loss, ppl = f"{split}_loss", f"{split}_ppl"
         problem = (range_problem(loss, summary.get(loss), "loss") or range_problem(ppl, summary.get(ppl), "ppl")

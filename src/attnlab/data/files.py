@@ -178,6 +178,9 @@ def atomic_write_text(path: str | Path, text: str, durable: bool = False) -> Non
         tmp.write_text(text, encoding="utf-8")
 
 
+OUTPUTS_IDLE = 60.0  # seconds without a write after which a dead writer's outputs_together stage is stale
+
+
 @contextlib.contextmanager
 def outputs_together(folder: str | Path, command: str) -> Iterator[Path]:
     """Yields a temporary folder inside `folder` in which a command writes every file of its outputs, each at the
@@ -189,7 +192,9 @@ def outputs_together(folder: str | Path, command: str) -> Iterator[Path]:
     folder = Path(folder)
     made = [f for f in (folder, *folder.parents) if not os.path.lexists(f)]  # deepest first
     stage = temp_path_beside(folder / command)
-    remove_stale_temporaries(folder, re.escape(command))
+    # a killed report's (or compare's) stage: its writer is gone and it was not written for OUTPUTS_IDLE seconds (a
+    # command writes each of its files within seconds: one of another machine, whose pid cannot be seen, still is)
+    remove_stale_temporaries(folder, re.escape(command), idle_seconds=OUTPUTS_IDLE)
     try:
         stage.mkdir()
         yield stage

@@ -9,6 +9,7 @@ import math
 import os
 import platform
 import sys
+import unicodedata
 import warnings
 from collections import defaultdict
 from contextlib import ExitStack
@@ -64,11 +65,30 @@ def records_target(path: str | Path) -> Path:
         via = f" (via the link {given})" if target != given.absolute() else ""
         raise InputError(f"{target}{via}: {what}: records are appended to a regular .jsonl file; give a file path")
     if target.is_file():  # rows are appended only to records: never to a user's YAML, notes or a binary file
+        torn = torn_line(target)
+        if torn:
+            raise InputError(f"{given}: {torn}")
         problem = _not_records(target)
         if problem:
             raise InputError(f"{given}: exists and is not a file of attnlab records ({problem}); records are "
                              "appended only to a .jsonl file of records: give a new file or a records one")  # fmt: skip
     return target
+
+
+def torn_line(path: Path) -> str | None:
+    """What a records file whose last line was cut short (an append interrupted: killed, a full disk) is, in one
+    phrase with the fix, or None. Refused, not dropped: the records are the user's results."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig", errors="replace")
+    except OSError:
+        return None
+    lines = text.splitlines()
+    if not lines or text.endswith(("\n", "\r")) or not isinstance(json_objects(lines[:-1]), list):
+        return None
+    if isinstance(json_objects(lines[-1:]), list):
+        return None
+    return (f"line {len(lines)} was cut short (a write interrupted: it ends without its newline and is not a whole "
+            "JSON object); remove that line, or run the benchmark again")  # fmt: skip
 
 
 def _not_records(path: Path) -> str | None:
@@ -162,7 +182,13 @@ def bench_records(folder: str | Path) -> Path:
 def read_records(path: str | Path, benchmark: str | None = None) -> list[dict]:
     """The records of a JSONL file (a UTF-8 byte-order mark at its start is read past), those of `benchmark` if
     given; DataError naming the file and the first line that is not a JSON object (a damaged file)."""
-    rows = read_json_lines(path, fix="records are appended one JSON object per line")
+    try:
+        rows = read_json_lines(path, fix="records are appended one JSON object per line")
+    except DataError:
+        torn = torn_line(Path(path))
+        if torn:
+            raise DataError(f"{path}: {torn}") from None
+        raise
     return [r for r in rows if benchmark is None or r.get("benchmark") == benchmark]
 
 
@@ -320,6 +346,15 @@ AT_LEAST_0 = ("loss", "kv_bytes", "kv_bytes_analytic", "peak_rss_bytes", "bytes_
               "ppl_ratio", "window_loss", "bucket_loss")  # fmt: skip
 AT_LEAST_1 = ("ppl",)
 FRACTIONS = ("acc", "acc_norm", "accuracy", "top1", "greedy")
+# Lengths and counts a benchmark ran with, in any record that holds them: whole numbers of at least 1 (a window of
+# 0 tokens measures nothing). Figures that are never infinite whatever the model does (bytes, times, speeds,
+# fractions; a loss and a perplexity may be a diverged model's infinity; NaN is shown as such in any figure).
+COUNTS = ("seq_len", "stride", "max_tokens", "windows", "threads", "batch_size", "prompt_length", "memory_slots",
+          "streams", "n")  # fmt: skip
+FINITE = ("kv_bytes", "kv_bytes_analytic", "peak_rss_bytes", "bytes_per_token", "vs_full", "decode_tokens_per_s_median",
+          "decode_tokens_per_s_min", "decode_tokens_per_s_max", "ttft_ms_median", "prefill_ms", "last_chunk_ms",
+          "decode_ms_per_token", "depth", "factor", "bucket", *FRACTIONS)  # fmt: skip
+LABELS = ("model", "kind", "split", "task", "policy")  # shown in tables and legends: one line, and not empty
 
 # Figures a record holds twice, so that one must agree with the other: a perplexity is the exponential of its loss
 # (a perplexity ratio of its loss difference), and a bootstrap interval holds its own point (summarize_losses: the
@@ -422,6 +457,10 @@ def _contradiction(record: dict) -> str | None:
             return problem
     for point_field, interval_field in INTERVALS.get(benchmark, []):
         point, interval = record.get(point_field), record.get(interval_field)
+        bounds = interval if isinstance(interval, list) and all(_number(v) for v in interval) else []
+        if bounds and not _finite(*bounds) and (_finite(point) or any(_finite(v) for v in bounds)):
+            return (f"field '{interval_field}' is {_shown(interval)}, which is impossible beside '{point_field}' "
+                    f"{_shown(point)} (an interval around a finite figure has finite bounds)")  # fmt: skip
         if not (isinstance(interval, list) and len(interval) == 2 and _finite(point, *interval)):
             continue
         low, high = interval
@@ -475,8 +514,42 @@ def _shown(value) -> str:
     return "missing" if value is None else f"{json.dumps(value)[:40]}"
 
 
+def label_problem(field: str, value) -> str | None:
+    """Why a label a table or a plot shows (a model's, a split's) cannot be shown, or None: empty (a row and a
+    legend entry without a name), or holding a line break or another control character (it would break a markdown
+    table's row in two)."""
+    if not isinstance(value, str):
+        return None
+    if not value.strip():
+        return f"field '{field}' is {_shown(value)}, which is impossible (an empty label)"
+    if any(unicodedata.category(c) == "Cc" for c in value):
+        return f"field '{field}' is {_shown(value)}, which is impossible (a label holding a control character)"
+    return None
+
+
+def _count_or_finite_problem(record: dict) -> str | None:
+    """Why a length or count (COUNTS) is not a whole number >= 1, or a figure that is always finite (FINITE) is NaN
+    or infinite, or None (missing and null are left to FIELDS)."""
+    for field in COUNTS:
+        value = record.get(field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            return f"field '{field}' is {_shown(value)}, which is impossible (a length or count: a whole number >= 1)"
+    for field in FINITE:
+        values = record.get(field) if isinstance(record.get(field), list) else [record.get(field)]
+        if any(_number(v) and math.isinf(v) for v in values):  # (NaN: shown as such, as every figure)
+            return f"field '{field}' is {_shown(record.get(field))}, which is impossible (it is a finite number)"
+    return None
+
+
 def record_problem(record: dict) -> str | None:
     """What is wrong with a record's fields that the report reads (see FIELDS), or None."""
+    for field in LABELS:
+        problem = label_problem(field, record.get(field))
+        if problem:
+            return problem
+    problem = _count_or_finite_problem(record)
+    if problem:
+        return problem
     if record["benchmark"] == "probes":
         return _probes_problem(record)
     ok = record.get("status", "ok") == "ok"

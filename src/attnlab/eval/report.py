@@ -405,7 +405,9 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
                             "remove that line, or run the benchmark again")  # fmt: skip
         problem = record_problem(record)
         if problem:
-            which = f"record {number} ({record['benchmark']}, {record['model']})"
+            model = record["model"]
+            model = model if model.isprintable() and model.strip() else repr(model)  # (one line, whatever it holds)
+            which = f"record {number} ({record['benchmark']}, {model})"
             raise DataError(f"{records_path}: {which}: {problem} (the file was changed); repair or remove that line, "
                             "or run the benchmark again")  # fmt: skip
     for name, folder in (("tables", True), ("report.md", False), ("report.html", False)):  # before anything is written
