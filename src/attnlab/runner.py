@@ -32,7 +32,7 @@ from attnlab.data.sampler import sampler_state
 from attnlab.data.sources import NAMED_SOURCES, local_path
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
-from attnlab.paths import brief, run_folder_problem
+from attnlab.paths import blocking_file, brief, run_folder_problem
 from attnlab.retrofit import (
     conversion_problem,
     converted_folder,
@@ -408,6 +408,9 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         raise ConfigError(f"--out {out_root}: {link}: remove the link, or give another --out")
     if Path(out_root).exists() and not Path(out_root).is_dir():
         raise ConfigError(f"--out {out_root}: a file, not a folder (runs are written into a folder)")
+    blocker = blocking_file(out_root)  # (the run could make no folder there: the dry run says so too)
+    if blocker is not None:
+        raise ConfigError(f"--out {out_root}: {blocker} is a file, not a folder: give another --out")
     problem = run_folder_problem(out_root, RUNS_NEST)
     if problem:
         raise ConfigError(problem)

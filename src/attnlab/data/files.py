@@ -443,8 +443,10 @@ def special_file(path: str | Path) -> str | None:
 def lock_file_problem(path: str | Path) -> str | None:
     """Why `path` cannot be a lock file (folder_lock): something other than a regular file is there; or None."""
     what = special_file(path)
-    if what is None or what == "a folder":  # (a folder is said as any folder where a file is expected)
+    if what is None:
         return None
+    if what == "a folder":  # (it may hold files of the user's: moved, not deleted)
+        return f"{path}: a folder, where attnlab keeps its lock file: move it away and start again"
     return f"{path}: {what}, where attnlab keeps its lock file: delete it (it holds nothing of yours) and start again"
 
 
@@ -458,6 +460,9 @@ def folder_lock(folder: str | Path, name: str, busy: Callable[[str], str]) -> It
     if fcntl is None:
         yield
         return
+    problem = lock_file_problem(folder / name)  # (the dry run says the same line)
+    if problem:
+        raise InputError(problem)
     # O_NONBLOCK: opening a fifo (or a device) must not wait; it is refused once open (fstat: no race)
     fd = os.open(folder / name, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
     try:
