@@ -24,7 +24,7 @@ def test_z1_an_out_below_a_file_is_refused_by_the_run_and_its_dry_run_alike(stop
     argv = ["run", str(manifest), "--out", str(out), "--no-progress"]
     line = fails(capsys, [*argv, "--dry-run"])
     assert line == fails(capsys, argv), line
-    assert line.endswith(f"error: --out {out}: {tmp_path / 'doc.txt'} is a file, not a folder: give another --out")
+    assert line.endswith(f"error: --out {out}: {tmp_path / 'doc.txt'} is a file, not a folder: choose another --out")
     assert (tmp_path / "doc.txt").read_text() == "mine\n"
 
 
@@ -40,3 +40,17 @@ def test_z2_a_run_lock_that_is_a_folder_is_refused_by_the_run_and_its_dry_run_al
     assert (lock / "note.txt").read_text() == "mine\n"
     lock.rename(tmp_path / "moved")
     assert main(argv) == 0
+
+
+from test_bad_inputs_probe_e_cli import plain_run  # noqa: E402,F401 (a module fixture: a tiny trained run)
+
+
+def test_z3_convert_refuses_an_out_below_a_file_before_loading(plain_run, tmp_path, capsys, data_dir):  # noqa: F811
+    """Was: the model loaded and scored first (its <unk> warning printed), then the refusal: two lines."""
+    (tmp_path / "doc.txt").write_text("mine\n")
+    out = tmp_path / "doc.txt" / "x"
+    argv = ["convert", str(plain_run), "--attention", "kind=mha,n_kv_heads=1", "--out", str(out),
+            "--eval-tokens", "64", "--seq-len", "16", "--data-dir", str(data_dir)]  # fmt: skip
+    assert fails(capsys, argv).endswith(f"--out {out}: {tmp_path / 'doc.txt'} is a file, not a folder: choose another "
+                                        "--out")  # fmt: skip
+    assert (tmp_path / "doc.txt").read_text() == "mine\n"

@@ -121,6 +121,8 @@ def check_writable(flag: str, path: Path) -> None:
     written: said before the work, not after it. A path that does not exist yet needs its nearest existing folder
     writable (the folders between are made)."""
     target = path if path.exists() else next((p for p in path.absolute().parents if p.exists()), None)
+    if target is not None and target != path and not target.is_dir():  # (nothing can be made below a file)
+        raise InputError(f"{flag} {path}: {target} is a file, not a folder: choose another {flag}")
     if target is not None and not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
         what = "the file" if target == path else f"its folder {target}"
         if read_only_file_system(target):

@@ -410,7 +410,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         raise ConfigError(f"--out {out_root}: a file, not a folder (runs are written into a folder)")
     blocker = blocking_file(out_root)  # (the run could make no folder there: the dry run says so too)
     if blocker is not None:
-        raise ConfigError(f"--out {out_root}: {blocker} is a file, not a folder: give another --out")
+        raise ConfigError(f"--out {out_root}: {blocker} is a file, not a folder: choose another --out")
     problem = run_folder_problem(out_root, RUNS_NEST)
     if problem:
         raise ConfigError(problem)
