@@ -198,13 +198,14 @@ def test_a_bottleneck_as_wide_as_d_model_is_refused(d_attn):
 
 def test_a_bottleneck_below_d_model_or_with_its_null_key_is_accepted():
     for attention in ({"d_attn": 16}, {"d_attn": 32, "null_attn": True}, {"d_attn": 64, "null_attn": True}):
-        model_config_from_dict({**PROBE_MODEL, "attention": {"kind": "bottleneck", **attention}})
+        cfg = model_config_from_dict({**PROBE_MODEL, "attention": {"kind": "bottleneck", **attention}})
+        assert cfg.attention.d_attn == attention["d_attn"]
 
 
 def test_a_bottleneck_as_wide_as_d_model_is_refused_by_validate(tmp_path, capsys):
     manifest = probe_manifest(tmp_path, hat_text(tmp_path), "{seq_len: 16, batch_size: 2, steps: 2}")
     argv = [str(manifest), "--set", "model.attention={kind: bottleneck, d_attn: 32, n_kv_heads: 1}"]
-    validate_refuses(capsys, argv, "attention.d_attn=32 is not less than d_model=32", "kind: mha, n_kv_heads: 1")
+    assert validate_refuses(capsys, argv, "attention.d_attn=32 is not less than d_model=32", "kind: mha, n_kv_heads: 1")
 
 
 def test_an_mla_latent_wider_than_d_model_is_refused():
@@ -229,7 +230,7 @@ def test_an_mla_latent_wider_than_d_model_is_refused():
     ],
 )
 def test_kv_tune_refuses_a_negative_max_dnll_and_a_value_given_twice(tiny_run, capsys, flags, fragment):
-    fails(capsys, ["kv-tune", str(tiny_run), "--budget", "100", "--split", "val", *flags], fragment)
+    assert fails(capsys, ["kv-tune", str(tiny_run), "--budget", "100", "--split", "val", *flags], fragment)
 
 
 # ----------------------------------------------------------------------------- calibration tokens below d_model

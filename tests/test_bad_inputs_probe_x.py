@@ -95,7 +95,7 @@ def test_s3_a_gguf_token_type_array_shorter_than_the_tokens_is_refused(tmp_path,
     from gguf_files import TOKENS, write_gguf
 
     path = write_gguf(tmp_path / "m.gguf", types=[3] + [1] * 9)  # 10 types for 97 tokens
-    fails(capsys, ["generate", str(path), "ab", "--max-new-tokens", "1"],
+    assert fails(capsys, ["generate", str(path), "ab", "--max-new-tokens", "1"],
           f"{path}: tokenizer.ggml.token_type holds 10 entries, tokenizer.ggml.tokens {len(TOKENS)} tokens",
           "the file is damaged")  # fmt: skip
 
@@ -147,7 +147,8 @@ def test_info_memory_in_place_of_the_model_s_own_says_so(tmp_path, capsys):
 def test_info_memory_that_is_the_model_s_own_is_refused(tmp_path, capsys):
     config = tmp_path / "model.yaml"
     config.write_text(MEMORY_MODEL)
-    fails(capsys, ["info", str(config), "--memory", "kind=bounded,recent_window=16,exact_slots=4,summary_slots=4"],
+    own = "kind=bounded,recent_window=16,exact_slots=4,summary_slots=4"
+    assert fails(capsys, ["info", str(config), "--memory", own],
           "--memory kind=bounded,recent_window=16,exact_slots=4,summary_slots=4 is this model's own memory already "
           "(bounded, 24 slots per layer): it changes nothing; leave out --memory")  # fmt: skip
 
@@ -167,13 +168,13 @@ def test_bench_benchmarks_named_twice_is_refused(tmp_path, capsys):
 def test_info_devices_naming_a_count_twice_is_refused(tmp_path, capsys):
     config = tmp_path / "model.yaml"
     config.write_text(MEMORY_MODEL.split("memory:")[0])
-    fails(capsys, ["info", str(config), "--train-memory", "--devices", "1,2,1"],
+    assert fails(capsys, ["info", str(config), "--train-memory", "--devices", "1,2,1"],
           "--devices '1,2,1': 1 is given twice: give each once")  # fmt: skip
 
 
 def test_lm_eval_tasks_naming_a_task_twice_is_refused(tmp_path, capsys):
     pytest.importorskip("lm_eval")
-    fails(capsys, ["lm-eval", str(tmp_path), "--tasks", "arc_easy,piqa,arc_easy"],
+    assert fails(capsys, ["lm-eval", str(tmp_path), "--tasks", "arc_easy,piqa,arc_easy"],
           "--tasks 'arc_easy,piqa,arc_easy': arc_easy is given twice: give each once")  # fmt: skip
 
 

@@ -138,7 +138,7 @@ def test_y1_a_resumes_dry_run_refuses_a_damaged_prepared_tokenizer_too(copies, c
     path, out, folder = copies
     damage, said = DAMAGE["vocab equal tokens"]
     damage(folder)
-    refused_alike(capsys, ["run", str(path), "--out", str(out), "--no-progress"], folder, said)
+    assert refused_alike(capsys, ["run", str(path), "--out", str(out), "--no-progress"], folder, said)
 
 
 def test_y1_intact_prepared_data_still_would_train_and_resume(copies, tmp_path, capsys):
