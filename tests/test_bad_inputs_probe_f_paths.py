@@ -39,3 +39,11 @@ def test_a_path_longer_than_path_max_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     deep = "/".join(["y" * 200] * 25)  # 5,000+ bytes, each part within NAME_MAX
     assert fails(capsys, ["info", f"{deep}/x.yaml"], "file name too long", "the whole path is", "4096")
+
+
+def test_first_repeat_names_the_first_value_given_again():
+    from attnlab.paths import first_repeat
+
+    assert first_repeat([3, 1, 2, 1, 3]) == 1  # the first one seen again, not the first one that repeats
+    assert first_repeat([[8], [16], [8]]) == [8]  # unhashable values (a parameter's list of lists)
+    assert first_repeat(["a", "b"]) is None and first_repeat([]) is None

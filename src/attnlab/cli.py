@@ -63,14 +63,14 @@ from attnlab.cli_store import DEFAULT_NEW_TOKENS, REFERENCE_HELP, add_memory_par
 from attnlab.cli_validate import LINK_LOOP, cmd_validate
 from attnlab.compare import compare
 from attnlab.config import ModelConfig
-from attnlab.config_checks import MAX_INT, unknown_key_problem
+from attnlab.config_checks import MAX_INT
 from attnlab.config_io import load_config, other_config
 from attnlab.data.files import link_loop, special_file
 from attnlab.entry import interrupted
 from attnlab.envcheck import thread_env_problem
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
-from attnlab.eval.harness import BENCHMARKS, load_plan, parameters, run_plan, twice_problem
+from attnlab.eval.harness import BENCHMARKS, benchmark_names, load_plan, parameters, run_plan
 from attnlab.eval.loading import WEIGHTS
 from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
 from attnlab.eval.probes import (
@@ -268,16 +268,7 @@ def list_benchmarks(args) -> int:
                          "drop --list to run benchmarks; --benchmarks A,B lists only those)")  # fmt: skip
     names = list(BENCHMARKS)
     if args.benchmarks is not None:
-        names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-        if not names:
-            raise InputError("--benchmarks names no benchmark: give a comma-separated list (e.g. perplexity,needle), "
-                             "or leave it out to list them all")  # fmt: skip
-        unknown = [b for b in names if b not in BENCHMARKS]
-        if unknown:
-            raise ConfigError([unknown_key_problem(b, list(BENCHMARKS), "", what="benchmark")
-                               for b in unknown])  # fmt: skip
-        if twice_problem(names):
-            raise ConfigError(f"--benchmarks {','.join(names)}: {twice_problem(names)}")
+        names = benchmark_names(args.benchmarks.split(","))
     for name in dict.fromkeys(names):
         params = ", ".join(f"{k}={v!r}" for k, v in parameters(name).items())
         print(f"{name}: {BENCHMARKS[name].__doc__.splitlines()[0]}\n    {params}")

@@ -55,14 +55,14 @@ from attnlab.interop.references import model_config_of, resolve
 from attnlab.interop.tokenizer import warn_unknown_tokens
 from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import calibration_size_problem, calibration_tokens_problem
-from attnlab.paths import run_folder_problem
+from attnlab.paths import first_repeat, run_folder_problem
 from attnlab.train.checkpoint import CheckpointError
 
 
 def check_given_once(flag: str, given: str, values) -> None:
     """InputError for a comma-separated flag naming one value twice (it would be merged or measured twice), as
     kv-eval refuses a policy given twice."""
-    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    twice = first_repeat(values)
     if twice is not None:
         raise InputError(f"{flag} {given!r}: {twice} is given twice: give each once")
 
@@ -206,7 +206,7 @@ def check_kv_arguments(args) -> Path | None:
         KVPolicy.parse(policy)  # a typo is said before the model is loaded
     policies = getattr(args, "policies", None)  # (kv-tune: None, it measures policies of its own)
     named = [",".join(sorted(str(KVPolicy.parse(p)).split(","))) for p in policies or ()]  # (k=..,v=.. as v=..,k=..)
-    twice = next((p for i, p in enumerate(named) if p in named[:i]), None)
+    twice = first_repeat(named)
     if twice is not None:  # it would be measured twice, and its rows recorded twice
         given = ", ".join(repr(p) for p, n in zip(policies, named, strict=True) if n == twice)
         raise InputError(f"--policies: {twice!r} is given twice (as {given}): give each policy once")

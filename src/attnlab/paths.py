@@ -27,6 +27,17 @@ def brief(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def first_repeat(values):
+    """The first value of `values` given a second time, or None: a list a flag or parameter names one value twice in
+    is refused (it would be measured, merged or recorded twice)."""
+    seen: list = []  # (a list, not a set: values may be unhashable)
+    for value in values:
+        if value in seen:
+            return value
+        seen.append(value)
+    return None
+
+
 def cache_dir() -> Path:
     """The user cache, `$XDG_CACHE_HOME/attnlab` (else ~/.cache/attnlab): prepared data, downloads, kernels. An
     empty XDG_CACHE_HOME is unset, as the XDG Base Directory spec says (not the working directory)."""

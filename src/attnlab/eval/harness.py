@@ -60,7 +60,7 @@ from attnlab.eval.probes import load_suite, probe_records, run_probes
 from attnlab.eval.records import append_records, read_records, records_folder
 from attnlab.eval.speed import run_latency, run_memory
 from attnlab.interop.references import model_config_of, tokenizer_of
-from attnlab.paths import brief, check_name, in_data_dirs
+from attnlab.paths import brief, check_name, first_repeat, in_data_dirs
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PROMPT = (
@@ -262,10 +262,18 @@ def prompt_region_problems(params: dict, where: str) -> list[str]:
             "inside the prompt, or a longer prompt" for name, span in past]  # fmt: skip
 
 
-def twice_problem(values) -> str | None:
-    """--benchmarks naming a benchmark twice (it would run once), said as a parameter's list holding a value twice."""
-    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
-    return None if twice is None else f"holds {brief(twice)} twice: give each once"
+def benchmark_names(given: list[str]) -> list[str]:
+    """--benchmarks' names, stripped; ConfigError for none, an unknown one, or one given twice (it would run once)."""
+    names = [b.strip() for b in given if b.strip()]
+    if not names:
+        raise ConfigError("--benchmarks names no benchmark: give a comma-separated list (e.g. perplexity,needle), or "
+                          "leave --benchmarks out (bench: for the default set; list: to list them all)")  # fmt: skip
+    unknown = [b for b in names if b not in BENCHMARKS]
+    if unknown:
+        raise ConfigError([unknown_key_problem(b, list(BENCHMARKS), "", what="benchmark") for b in unknown])
+    if first_repeat(names) is not None:
+        raise ConfigError(f"--benchmarks {','.join(names)}: holds {brief(first_repeat(names))} twice: give each once")
+    return names
 
 
 def policy_problem(key: str, value) -> str | None:
@@ -337,7 +345,7 @@ def parameter_problem(parameter: inspect.Parameter, value: Any) -> str | None:
     if isinstance(default, (list, tuple)) or annotation.startswith(("list", "tuple")):
         if not isinstance(value, list) or not value:
             return "must be a non-empty list"
-        twice = next((item for i, item in enumerate(value) if item in value[:i]), None)
+        twice = first_repeat(value)
         if twice is not None:  # the same length, depth or task twice would be measured twice
             return f"holds {brief(twice)} twice: give each once"
         sample = default[0] if isinstance(default, (list, tuple)) and default else None
@@ -405,18 +413,8 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
     else:
         name, checkpoints, spec = "bench", paths, {b: {} for b in DEFAULT_SET}
         chosen_by = None
-    if benchmarks is not None and not any(b.strip() for b in benchmarks):
-        raise ConfigError(
-            "--benchmarks names no benchmark: give a comma-separated list (e.g. perplexity,needle), or leave "
-            "--benchmarks out for the default set"
-        )
-    if benchmarks:
-        benchmarks = [b.strip() for b in benchmarks if b.strip()]
-        unknown = [b for b in benchmarks if b not in BENCHMARKS]
-        if unknown:
-            raise ConfigError([unknown_key_problem(b, list(BENCHMARKS), "", what="benchmark") for b in unknown])
-        if twice_problem(benchmarks):  # it would run once: refused as kv-eval refuses a policy given twice
-            raise ConfigError(f"--benchmarks {','.join(benchmarks)}: {twice_problem(benchmarks)}")
+    if benchmarks is not None:
+        benchmarks = benchmark_names(benchmarks)
         absent = [b for b in benchmarks if b not in spec]
         if chosen_by and absent:  # --benchmarks picks some of a manifest's benchmarks (with their parameters)
             raise ConfigError(
