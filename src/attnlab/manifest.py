@@ -46,11 +46,11 @@ tokenizer, an init_from's calibrate_on that is neither a dataset nor a text file
 fit on (1), a model vocab_size smaller than a fixed tokenizer's (gpt2, byte), a data.max_tokens that holds no
 training window, train.eval_tokens below train.seq_len, a batch whose activations cannot fit this machine's
 memory (train.budget), a phase or init_from target whose model cannot start from the weights it continues (other
-shapes, another tokenizer, or a fitted tokenizer on other data), and train.seq_len above the model's max_seq_len. The
-last holds with a memory too (memory.kind != none): such a model reads streams of any length when it scores or
-generates, but it trains on sequences of at most max_seq_len (raise model.max_seq_len to train on longer ones;
-the trainer refuses them as well). Whether a local data file exists depends on --data-dir:
-`run` checks it (dry runs included) before the first run starts.
+shapes, the same read otherwise: train.warm_start; another tokenizer, or a fitted tokenizer on other data), and
+train.seq_len above the model's max_seq_len. The last holds with a memory too (memory.kind != none): such a model
+reads streams of any length when it scores or generates, but it trains on sequences of at most max_seq_len (raise
+model.max_seq_len to train on longer ones; the trainer refuses them as well). Whether a local data file exists
+depends on --data-dir: `run` checks it (dry runs included) before the first run starts.
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ def _start_problem(spec: RunSpec, previous: RunSpec, where: str, whose: str) -> 
     """Why `spec`'s model cannot start from the weights `previous` leaves (a previous phase, or the init_from
     target's last phase), as train() would find once `previous` is trained: another tokenizer (its ids mean other
     tokens), a fitted tokenizer (char, word, bpe) on other data, or weights of other shapes (only a memory may be
-    added). whose: "phase p1's", "target a's"."""
+    added) or read otherwise (other heads, RoPE: warm_start.reading_changes). whose: "phase p1's", "target a's"."""
     data, before = spec.data, previous.data
     if data.tokenizer != before.tokenizer:
         return (f"{where}: data.tokenizer={data.tokenizer} is not {whose} {before.tokenizer}, whose ids its weights "

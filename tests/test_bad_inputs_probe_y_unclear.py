@@ -1,0 +1,120 @@
+"""Probe Y's unclear findings and nits (/work/probe_y/REPORT.md): a target or phase started from weights of the same
+shapes read otherwise (another n_heads, head_dim or RoPE) with no word (U1); init_from an unfinished run (U2); a
+missing init_from path reported as a pretrained model's keys "fixed by its weights" (U3); a prepared meta.json whose
+`data` record is not its folder's (U4); a char vocab.json with a token of two characters (U5); kv-tune's default
+--resids refused for a memory model (U6); an upper-case sha256 said not to be hex digits; report.md's labels not
+escaped; bench's record temporaries of a killed process never swept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest
+
+import attnlab
+from attnlab.cli import main
+from attnlab.config import DataConfig, TrainConfig
+from attnlab.errors import ConfigError
+from attnlab.train import train
+from attnlab.train.checkpoint import load_model_from_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
+TRAIN = "{seq_len: 16, batch_size: 2, steps: 2, warmup_steps: 1, eval_every: 2, eval_tokens: 32, checkpoint_every: 2}"
+FOUR_HEADS = "{d_model: 32, n_layers: 1, n_heads: 4, max_seq_len: 64}"  # head_dim 8
+
+
+def refused(capsys, path: Path, tmp_path: Path, *fragments: str) -> str:
+    """validate, run --dry-run and run refuse the manifest at `path` alike, in one line holding every fragment,
+    and nothing is trained: that line (after the manifest's path)."""
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    line = err.strip().split(f"{path}: ", 1)[1]
+    out = tmp_path / "out"
+    for argv in (["run", str(path), "--out", str(out), "--dry-run"], ["run", str(path), "--out", str(out)]):
+        said = fails(capsys, argv, *fragments)
+        assert said.endswith(f"{path}: {line}"), (said, line)
+    assert not out.exists()
+    return line
+
+
+# ----------------------------------------------------------------------------- U1: weights read otherwise
+
+
+SAME_SHAPES = {  # b's model section, starting from a (4 heads of 8): what the line names
+    "n_heads": ("{n_heads: 2}", "n_heads 2, target a's 4"),
+    "n_heads and head_dim": ("{n_heads: 2, attention: {kind: mha, head_dim: 16}}", "n_heads 2, target a's 4; "
+                             "attention.head_dim 16, target a's None"),
+    "rope_base": ("{rope_base: 500.0}", "rope_base 500.0, target a's 10000.0"),
+    "rope_interleaved": ("{rope_interleaved: true}", "rope_interleaved True, target a's False"),
+    "rope_scaling": ("{rope_scaling: {type: linear, factor: 2.0}}", "rope_scaling {'type': 'linear'"),
+    "norm_eps": ("{norm_eps: 1.0e-6}", "norm_eps 1e-06, target a's 1e-05"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SAME_SHAPES)
+def test_u1_a_target_from_another_of_the_same_shapes_read_otherwise_is_refused(tmp_path, capsys, case):
+    """Was: b trained from a's weights with no word (the same matrices split into 2 heads of 16, RoPE over other
+    pairs), though a model given as init_from refuses such a change ("fixed by its weights")."""
+    model, said = SAME_SHAPES[case]
+    targets = f"  a: {{}}\n  b: {{init_from: a, model: {model}}}\n"
+    path = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, targets, model=FOUR_HEADS)
+    line = refused(capsys, path, tmp_path, f"targets.b: its model cannot start from target a's weights ({said}")
+    assert "the same tensors, read otherwise" in line and "it needs the same architecture and vocabulary" in line
+
+
+def test_u1_a_phase_of_the_same_shapes_read_otherwise_is_refused(tmp_path, capsys):
+    phases = "    phases:\n      - {name: p1}\n      - {name: p2, model: {n_heads: 2}}\n"
+    path = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, f"  a:\n{phases}", model=FOUR_HEADS)
+    refused(capsys, path, tmp_path, "targets.a.phases[1]: its model cannot start from phase p1's weights (n_heads 2, "
+            "phase p1's 4; the same tensors, read otherwise)")  # fmt: skip
+
+
+def test_u1_another_attention_kind_of_other_tensors_is_still_refused(tmp_path, capsys):
+    targets = "  a: {}\n  b: {init_from: a, model: {attention: {kind: diff}}}\n"
+    path = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, targets, model=FOUR_HEADS)
+    refused(capsys, path, tmp_path, "(attention.kind 'diff', target a's 'mha')",
+            "the attention's window changed: mha and sliding differ only in it")  # fmt: skip
+
+
+SAME_READING = {  # b's model section, which reads a's weights as a does (options left out or written out)
+    "head_dim and n_kv_heads written out": "{attention: {kind: mha, head_dim: 8, n_kv_heads: 4}}",
+    "a longer context": "{max_seq_len: 128}",
+    "init_std": "{init_std: 0.05}",
+}
+
+
+@pytest.mark.parametrize("case", SAME_READING)
+def test_u1_what_reads_the_weights_alike_is_accepted(tmp_path, capsys, case):
+    targets = f"  a: {{}}\n  b: {{init_from: a, model: {SAME_READING[case]}}}\n"
+    path = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, targets, model=FOUR_HEADS)
+    assert main(["validate", str(path)]) == 0
+    assert "ok (manifest m: 2 targets" in capsys.readouterr().out
+
+
+def test_u1_a_phase_may_restrict_full_attention_to_a_window_and_back(tmp_path, capsys):
+    """mha and sliding have the same tensors, read alike but for how far back a query reads (docs/guarantees.md):
+    train with full attention, then within a window, then with full attention again."""
+    window = "{name: window, model: {attention: {kind: sliding, window: 8}}}"
+    phases = f"    phases:\n      - {{name: full}}\n      - {window}\n      - {{name: again}}\n"
+    path = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, f"  a:\n{phases}", model=FOUR_HEADS)
+    out = tmp_path / "out"
+    printed = dry_run(capsys, ["run", str(path), "--out", str(out), "--dry-run"])
+    assert "would be refused" not in printed and printed.count("would train") == 3, printed
+    assert main(["run", str(path), "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    cfg, _ = load_model_from_checkpoint(out / "m" / "a" / "seed0" / "window", tag="last")
+    assert cfg.attention.kind == "sliding" and cfg.attention.window == 8
+
+
+def test_u1_train_refuses_init_from_weights_it_would_read_otherwise(tiny_run, tmp_path):
+    """The library's train(init_from=...) checks it too (the manifest's check is made before anything runs)."""
+    data = DataConfig(source=str(tiny_run.parents[2] / "text.txt"), tokenizer="char", val_fraction=0.2)
+    cfg = attnlab.model_config_from_dict({**PROBE_MODEL, "n_heads": 1})  # PROBE_MODEL: 2 heads of 16
+    train_cfg = TrainConfig(seq_len=16, batch_size=2, steps=2, eval_every=2, eval_tokens=32)
+    with pytest.raises(ConfigError, match=r"\(init_from\): this run's model cannot start from this checkpoint's weig"
+                       r"hts \(n_heads 1, this checkpoint's 2; the same tensors, read otherwise\)"):  # fmt: skip
+        train(cfg, data, train_cfg, tmp_path / "run", progress=False, init_from=tiny_run)
+    assert not (tmp_path / "run").exists()
