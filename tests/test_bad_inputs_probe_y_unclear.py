@@ -118,3 +118,36 @@ def test_u1_train_refuses_init_from_weights_it_would_read_otherwise(tiny_run, tm
                        r"hts \(n_heads 1, this checkpoint's 2; the same tensors, read otherwise\)"):  # fmt: skip
         train(cfg, data, train_cfg, tmp_path / "run", progress=False, init_from=tiny_run)
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- U3: an init_from that is nowhere
+
+
+MISSING = {  # init_from -> what the line says
+    "a target's phase": ("a/p1", "targets.b.init_from: a/p1: no such model file or folder (init_from: a starts from "
+                         "target a's last phase; no other phase of a target can be named)"),
+    "a model file": ("nothere/model.gguf", "targets.b.init_from: nothere/model.gguf: no such model file or folder"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MISSING)
+def test_u3_an_init_from_that_is_nowhere_is_said_rather_than_the_keys_its_model_would_fix(tmp_path, capsys, case):
+    """Was only: "defaults.model.d_model, ... (inherited by target b, which starts from a pretrained model): a
+    pretrained model's d_model, n_layers, n_heads are fixed by its weights": fixing that led to a second refusal."""
+    ref, said = MISSING[case]
+    targets = f"  a:\n    phases:\n      - {{name: p1}}\n      - {{name: p2}}\n  b: {{init_from: {ref}}}\n"
+    path = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, targets)
+    line = refused(capsys, path, tmp_path, said)
+    assert line == said and "fixed by its weights" not in line
+
+
+def test_u3_a_model_found_in_the_data_directory_is_not_said_missing(tmp_path, capsys, tiny_run):
+    """A relative init_from is looked up in --data-dir too, as the run loads it: there, the model's own keys are
+    still what is refused."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "models").symlink_to(tiny_run.parent)
+    path = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, "  b: {init_from: models/seed0}\n")
+    argv = ["validate", str(path), "--data-dir", str(tmp_path / "data")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "d_model, n_layers, n_heads are fixed by its weights" in err and "no such model" not in err, err

@@ -105,7 +105,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_run(args) -> int:
-    manifest = load_manifest(args.manifest, args.set)
+    manifest = load_manifest(args.manifest, args.set, args.data_dir)
     run_manifest(
         manifest, args.out, targets=args.target, seeds=args.seed, data_dir=args.data_dir, dry_run=args.dry_run,
         resume=not args.no_resume, progress=not args.no_progress, convert_only=args.convert_only,

@@ -80,6 +80,7 @@ from attnlab.errors import ConfigError
 from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import (
     conversion_options_problem,
+    missing_model_problems,
     plain_name_problem,
     pretrained_model_problems,
     pretrained_source,
@@ -398,8 +399,9 @@ def _start_problems(runs: list[RunSpec], order: list[str]) -> list[str]:
 RESERVED_NAMES = ("manifest.json", "compare.md", "compare.csv", "val_loss.png")
 
 
-def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> Manifest:
-    """Reads and fully resolves a manifest; raises one ConfigError listing every problem."""
+def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data_dir=None) -> Manifest:
+    """Reads and fully resolves a manifest; raises one ConfigError listing every problem. data_dir (--data-dir)
+    is where an init_from model missing from the working directory may be."""
     path = Path(path)
     raw = read_yaml(path)
     problems: list[str] = []
@@ -535,8 +537,8 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                                         source))  # fmt: skip
     if not problems:
         problems = _start_problems(runs, [t for t in order if isinstance(t, str)])
-    if problems:
-        raise ConfigError(problems, source=str(path))
+    if problems:  # (an init_from model that is nowhere is said first: the other problems may follow from it)
+        raise ConfigError(missing_model_problems(problems, sources, targets, data_dir), source=str(path))
     runs.sort(key=lambda r: (order.index(r.target), seeds.index(r.seed)))  # stable: phases keep order
     return Manifest(name, path, tuple(seeds), tuple(runs))
 
