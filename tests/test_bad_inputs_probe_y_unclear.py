@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest
+from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest, stop_after_first_checkpoint
 
 import attnlab
 from attnlab.cli import main
@@ -151,3 +151,47 @@ def test_u3_a_model_found_in_the_data_directory_is_not_said_missing(tmp_path, ca
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "d_model, n_layers, n_heads are fixed by its weights" in err and "no such model" not in err, err
+
+
+# ----------------------------------------------------------------------------- U2: init_from an unfinished run
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory) -> Path:
+    """A run stopped right after its step-2 checkpoint, of 4 steps: out/m/base/seed0 (its text beside m.yml)."""
+    root = tmp_path_factory.mktemp("stopped")
+    path = probe_manifest(root, hat_text(root), TRAIN.replace("steps: 2,", "steps: 4,"))
+    with pytest.MonkeyPatch.context() as patch:
+        stop_after_first_checkpoint(patch, ["run", str(path), "--out", str(root / "out"), "--no-progress"])
+    return root / "out" / "m" / "base" / "seed0"
+
+
+def starting_from(tmp_path: Path, text: Path, ref: Path) -> Path:
+    """tmp_path/s.yml: one target trained from the model `ref` (its tokenizer, its architecture)."""
+    path = tmp_path / "s.yml"
+    path.write_text(f"name: s\nseeds: [0]\ndefaults:\n  data: {{source: {text}, val_fraction: 0.2}}\n  train: {TRAIN}\n"
+                    f"targets:\n  a: {{init_from: {ref}}}\n")  # fmt: skip
+    return path
+
+
+def test_u2_init_from_an_unfinished_run_says_so_in_one_warning_line(stopped_run, tmp_path, capsys):
+    """Was: converted and trained from with no word."""
+    path, out = starting_from(tmp_path, stopped_run.parents[3] / "text.txt", stopped_run), tmp_path / "out"
+    checkpoint = stopped_run / "checkpoints" / "step-000002"
+    said = (f"targets.a.init_from: {stopped_run} is not finished: step 2 of 4; its best checkpoint (step 2) is what "
+            f"target a starts from (finish that run first, or give init_from: {checkpoint} to start from it on "
+            "purpose)")  # fmt: skip
+    run = ["run", str(path), "--out", str(out)]
+    for argv in ([*run, "--convert-only", "--dry-run"], [*run, "--dry-run"], [*run, "--no-progress"]):
+        assert main(argv) == 0
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines == [f"attnlab run: warning: {said}"], lines
+    assert (out / "s" / "a" / "seed0" / "summary.json").is_file()
+
+
+def test_u2_a_finished_run_or_a_checkpoint_named_on_purpose_is_no_warning(stopped_run, tiny_run, tmp_path, capsys):
+    checkpoint = stopped_run / "checkpoints" / "step-000002"
+    for i, ref in enumerate((tiny_run, checkpoint)):
+        path = starting_from(tmp_path, stopped_run.parents[3] / "text.txt", ref)
+        assert main(["run", str(path), "--out", str(tmp_path / f"out{i}"), "--dry-run"]) == 0
+        assert capsys.readouterr().err == ""
