@@ -7,6 +7,8 @@ escaped; bench's record temporaries of a killed process never swept."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest, stop_
 import attnlab
 from attnlab.cli import main
 from attnlab.config import DataConfig, TrainConfig
+from attnlab.data import prepare
 from attnlab.errors import ConfigError
 from attnlab.train import train
 from attnlab.train.checkpoint import load_model_from_checkpoint
@@ -195,3 +198,80 @@ def test_u2_a_finished_run_or_a_checkpoint_named_on_purpose_is_no_warning(stoppe
         path = starting_from(tmp_path, stopped_run.parents[3] / "text.txt", ref)
         assert main(["run", str(path), "--out", str(tmp_path / f"out{i}"), "--dry-run"]) == 0
         assert capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------- U4, U5, a nit: prepared data edited
+
+
+@pytest.fixture
+def prepared(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """(manifest, prepared folder): the probes' manifest and its data prepared in a cache of the test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    text = hat_text(tmp_path)
+    path = probe_manifest(tmp_path, text, TRAIN)  # (data: this text, char tokenizer, val_fraction 0.2)
+    return path, prepare(DataConfig(source=str(text), tokenizer="char", val_fraction=0.2)).path
+
+
+def edit_meta(folder: Path, edit) -> None:
+    """meta.json changed by edit(meta), its tokenizer files' sums re-written to agree (a careful hand)."""
+    meta = json.loads((folder / "meta.json").read_text())
+    edit(meta)
+    for name in meta["tokenizer"]["files"]:
+        meta["tokenizer"]["files"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def refused_alike(capsys, path: Path, out: Path, *fragments: str) -> str:
+    """The run is refused, and its dry run says it would be, with the run's own line: that line."""
+    printed = dry_run(capsys, ["run", str(path), "--out", str(out), "--dry-run"])
+    line = fails(capsys, ["run", str(path), "--out", str(out)], *fragments).split("error: ", 1)[1]
+    assert printed == f"[1/1] base seed0: would be refused: {line}\n", (printed, line)
+    assert not out.exists()
+    return line
+
+
+def multi_character(meta: dict, folder: Path) -> None:
+    vocab = json.loads((folder / "vocab.json").read_text())
+    vocab["tokens"][13] = "AB"
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+
+
+EDITS = {  # what is done to meta.json (and the files its sums cover), what the line says
+    "U4 data record": (lambda meta, folder: meta["data"].update(val_fraction=0.1),
+                       "meta.json: 'data.val_fraction' is 0.1, but the folder is named for data.val_fraction=0.2 (its "
+                       "record was changed by hand"),
+    "U5 char token of two characters": (multi_character, "vocab.json: not a valid char tokenizer file (char vocabulary "
+                                        "must hold single characters besides <unk> and <|endoftext|>, but token 13 is "
+                                        "'AB')"),
+    "sha256 upper case": (lambda meta, folder: meta["splits"]["val"].update(sha256=meta["splits"]["val"]["sha256"]
+                                                                            .upper()),
+                          "meta.json: 'splits.val.sha256' is '", "(expected 64 lower-case hex digits)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", EDITS)
+def test_prepared_data_edited_by_hand_is_refused_by_the_run_and_its_dry_run(prepared, tmp_path, capsys, case):
+    """Were: the data record and the two-character token used with no word; the upper-case sha256 said to be "not
+    64 hex digits"."""
+    path, folder = prepared
+    edit, *said = EDITS[case]
+    edit_meta(folder, lambda meta: edit(meta, folder))
+    line = refused_alike(capsys, path, tmp_path / "out", *said)
+    fix = f"delete {folder} to prepare it again" if "U5" not in case else f"delete {folder} to make it again from"
+    assert line.startswith(str(folder)) and fix in line
+
+
+def test_u4_what_the_folders_key_does_not_hold_is_not_compared(tmp_path):
+    """A local source spelled otherwise (the key holds the file, not its spelling), a dataset's own splits (no
+    fractions in its key), a folder prepared before the record, a key it lacks: no refusal."""
+    from attnlab.data.prepared_meta import data_record_problem
+
+    text = DataConfig(source=str(hat_text(tmp_path)), tokenizer="char", val_fraction=0.2)
+    record = {"source": "./text.txt", "tokenizer": "char", "val_fraction": 0.2, "test_fraction": 0.0}
+    assert data_record_problem(tmp_path, {"data": record}, text) is None
+    assert data_record_problem(tmp_path, {}, text) is None
+    assert data_record_problem(tmp_path, {"data": {"tokenizer": "char"}}, text) is None
+    wikitext = DataConfig(source="wikitext2", tokenizer="word", val_fraction=0.1)
+    assert data_record_problem(tmp_path, {"data": {"source": "wikitext2", "val_fraction": 0.05}}, wikitext) is None
+    assert "'data.source' is 'wikitext2-raw'" in data_record_problem(tmp_path, {"data": {"source": "wikitext2-raw"}},
+                                                                     wikitext)  # fmt: skip
