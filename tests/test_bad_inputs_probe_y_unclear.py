@@ -12,7 +12,15 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest, stop_after_first_checkpoint
+from helpers import (
+    PROBE_MODEL,
+    dry_run,
+    fails,
+    hat_text,
+    probe_manifest,
+    stop_after_first_checkpoint,
+    train_tiny_run,
+)
 
 import attnlab
 from attnlab.cli import main
@@ -275,3 +283,23 @@ def test_u4_what_the_folders_key_does_not_hold_is_not_compared(tmp_path):
     assert data_record_problem(tmp_path, {"data": {"source": "wikitext2", "val_fraction": 0.05}}, wikitext) is None
     assert "'data.source' is 'wikitext2-raw'" in data_record_problem(tmp_path, {"data": {"source": "wikitext2-raw"}},
                                                                      wikitext)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- U6: kv-tune's default --resids
+
+
+@pytest.fixture(scope="module")
+def memory_run(tmp_path_factory) -> Path:
+    """A tiny run of a model with a bounded memory."""
+    memory = {"kind": "bounded", "recent_window": 8, "exact_slots": 4, "summary_slots": 4}
+    return train_tiny_run(tmp_path_factory.mktemp("memory"), {**PROBE_MODEL, "memory": memory}, steps=2)
+
+
+def test_u6_kv_tune_without_resids_tries_0_alone_for_a_model_with_a_memory(memory_run, capsys):
+    """Was: "--resids 0,32,128: a model with a memory ... takes --resids 0", though no --resids was given."""
+    argv = ["kv-tune", str(memory_run), "--budget", "150", "--split", "val", "--seq-len", "16", "--tokens", "32",
+            "--formats", "fp16,q8_0"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith("k=")]
+    assert rows and all(",resid=" not in row for row in rows), out
