@@ -303,3 +303,30 @@ def test_u6_kv_tune_without_resids_tries_0_alone_for_a_model_with_a_memory(memor
     out = capsys.readouterr().out
     rows = [line.split()[0] for line in out.splitlines() if line.startswith("k=")]
     assert rows and all(",resid=" not in row for row in rows), out
+
+
+# ----------------------------------------------------------------------------- a nit: labels in report.md
+
+
+def test_a_label_of_html_characters_is_escaped_in_report_md_and_shown_as_written_in_report_html(tmp_path, capsys):
+    """Was: report.html escaped a label <script>alert(1)</script>, report.md held it raw (a renderer runs it)."""
+    label, other = "<script>alert(1)</script>", "a&b|c\\d"
+    record = {"benchmark": "perplexity", "kind": "mha", "split": "val", "tokens": 64, "loss": 4.2,
+              "loss_ci": [4.1, 4.3], "ppl": 66.7, "ppl_ci": [60.3, 73.7], "seq_len": 32, "stride": 32}  # fmt: skip
+    folder = tmp_path / "b<&>"
+    folder.mkdir()
+    rows = [record | {"model": label}, record | {"model": other}]
+    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(folder)]) == 0
+    capsys.readouterr()
+    markdown, page = (folder / "report.md").read_text(), (folder / "report.html").read_text()
+    shown, other_shown = "\\<script\\>alert(1)\\</script\\>", "a\\&b\\|c\\\\d"
+    assert "<" not in markdown.replace("\\<", "") and "&" not in markdown.replace("\\&", ""), markdown
+    assert markdown.startswith("# Evaluation report: b\\<\\&\\>\n")
+    assert f"2 checkpoints: {shown}, {other_shown}." in markdown  # the labels as they are listed
+    assert f"| {shown} |" in markdown and f"| {other_shown} |" in markdown  # and in the table
+    assert f"| {shown} |" in (folder / "tables" / "perplexity.md").read_text()
+    assert "<script>" not in page and "\\" not in page.replace("c\\d", "")
+    assert "<h1>Evaluation report: b&lt;&amp;&gt;</h1>" in page
+    assert "2 checkpoints: &lt;script&gt;alert(1)&lt;/script&gt;, a&amp;b|c\\d.</p>" in page
+    assert "<td>&lt;script&gt;alert(1)&lt;/script&gt;</td>" in page and "<td>a&amp;b|c\\d</td>" in page
