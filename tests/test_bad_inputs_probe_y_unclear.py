@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from helpers import (
     stop_after_first_checkpoint,
     train_tiny_run,
 )
+from test_integrity import dead_pid
 
 import attnlab
 from attnlab.cli import main
@@ -330,3 +333,28 @@ def test_a_label_of_html_characters_is_escaped_in_report_md_and_shown_as_written
     assert "<h1>Evaluation report: b&lt;&amp;&gt;</h1>" in page
     assert "2 checkpoints: &lt;script&gt;alert(1)&lt;/script&gt;, a&amp;b|c\\d.</p>" in page
     assert "<td>&lt;script&gt;alert(1)&lt;/script&gt;</td>" in page and "<td>a&amp;b|c\\d</td>" in page
+
+
+# ----------------------------------------------------------------------------- records' temporaries of a killed bench
+
+
+def test_a_killed_appends_temporary_is_removed_by_the_next_append(tiny_run, tmp_path, capsys):
+    """Was: `.records.jsonl.<pid>.<hex>.tmp` of a bench killed mid-append stayed for good (as a killed report's stage
+    is removed by the next report: its writer gone and the temporary idle a minute)."""
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "records.jsonl").write_text("")
+    dead = dead_pid()
+    stale = out / f".records.jsonl.{dead}.0123456789ab.tmp"
+    recent = out / f".records.jsonl.{dead}.0123456789ac.tmp"  # maybe a bench on another machine: still writing
+    other = out / f".probes.jsonl.{dead}.0123456789ad.tmp"  # another file's: its own append sweeps it
+    for path in (stale, recent, other):
+        path.write_text('{"benchmark": "mem')
+    minutes_ago = time.time() - 120
+    for path in (stale, other):
+        os.utime(path, (minutes_ago, minutes_ago))
+    argv = ["bench", str(tiny_run), "--benchmarks", "memory", "--set", "memory.lengths=[16]", "--out", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert not stale.exists() and recent.exists() and other.exists()
+    assert (out / "records.jsonl").read_text().count("\n") >= 1
