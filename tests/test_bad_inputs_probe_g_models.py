@@ -156,7 +156,9 @@ def test_a_text_shorter_than_one_window_names_the_file_and_the_given_seq_len(run
 
 
 def test_kv_tune_on_a_memory_model_refuses_residual_windows_before_measuring(memory_run, capsys):
-    argv = ["kv-tune", str(memory_run), "--budget", "150", "--split", "val", "--seq-len", "32", "--tokens", "64"]
+    """(Given: with no --resids such a model takes 0 alone, probe Y's U6.)"""
+    argv = ["kv-tune", str(memory_run), "--budget", "150", "--split", "val", "--seq-len", "32", "--tokens", "64",
+            "--resids", "0,32,128"]  # fmt: skip
     line = fails(capsys, argv, "--resids 0,32,128", "memory.kind=bounded", "takes --resids 0")
     assert "kv policy" not in line
     assert "measuring" not in capsys.readouterr().out

@@ -105,7 +105,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_run(args) -> int:
-    manifest = load_manifest(args.manifest, args.set)
+    manifest = load_manifest(args.manifest, args.set, args.data_dir)
     run_manifest(
         manifest, args.out, targets=args.target, seeds=args.seed, data_dir=args.data_dir, dry_run=args.dry_run,
         resume=not args.no_resume, progress=not args.no_progress, convert_only=args.convert_only,
@@ -445,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="bytes per token at --seq-len, all layers, residual window included")  # fmt: skip
             p.add_argument("--max-dnll", type=float, default=None, help="exit 1 when the best dNLL is above this")
             p.add_argument("--formats", default="fp16,q8_0,q4_0,nf4", help="formats to try per tensor")
-            p.add_argument("--resids", default="0,32,128", help="residual window sizes to try")
+            p.add_argument("--resids", default=None, help="residual window sizes to try (default 0,32,128; 0 for a "
+                           "model with a memory, which stores every slot in the policy's formats)")  # fmt: skip
         p.add_argument("--split", default="test", help="held-out split of the checkpoint's dataset (default test)")
         p.add_argument("--dataset", default=None, help="score a named dataset or text file instead, tokenized with "
                        "the model's tokenizer (a pretrained model: e.g. wikitext2-raw)")  # fmt: skip

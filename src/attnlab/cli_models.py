@@ -259,14 +259,17 @@ def cmd_kv_eval(args) -> int:
     return 0
 
 
+DEFAULT_RESIDS = "0,32,128"  # kv-tune's residual windows, for a model without a memory
+
+
 def cmd_kv_tune(args) -> int:
     formats = tuple(f.strip() for f in args.formats.split(","))
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
         raise InputError(f"--formats {args.formats!r}: {', '.join(map(repr, unknown)) or 'nothing'} is not a format "
                          f"(use some of {', '.join(FORMATS)}, comma-separated)")  # fmt: skip
-    try:
-        resids = tuple(int(r) for r in args.resids.split(","))
+    try:  # (not given: DEFAULT_RESIDS, or 0 alone for a model with a memory, once the model is loaded)
+        resids = tuple(int(r) for r in (args.resids or DEFAULT_RESIDS).split(","))
     except ValueError:
         raise InputError(
             f"--resids {args.resids!r} must be whole numbers of tokens, comma-separated (e.g. 0,64)"
@@ -284,6 +287,8 @@ def cmd_kv_tune(args) -> int:
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     check_kv_model(args, model)
     memory = model.model.cfg.memory.kind
+    if memory != "none" and args.resids is None:  # its recent window is quantized too: a residual window is moot
+        resids = (0,)
     if memory != "none" and any(resids):  # before minutes of measuring
         raise InputError(f"--resids {args.resids}: a model with a memory (memory.kind={memory}) stores every slot, "
                          "the recent window's too, in the policy's formats: it takes --resids 0")  # fmt: skip

@@ -45,7 +45,7 @@ def cmd_validate(args) -> int:
                                   f"{'probe suite' if kind == 'probes' else 'model config'}: edit the file)",
                                   source=str(path))  # fmt: skip
             if kind == "manifest":
-                manifest = load_manifest(path, args.set)
+                manifest = load_manifest(path, args.set, args.data_dir)
                 problems = check_pretrained(list(manifest.runs), list(manifest.runs), args.data_dir)
                 if args.data_dir:  # where the data is was said: its local files must be there, as `run` checks
                     problems += local_source_problems(list(manifest.runs), args.data_dir)

@@ -46,11 +46,11 @@ tokenizer, an init_from's calibrate_on that is neither a dataset nor a text file
 fit on (1), a model vocab_size smaller than a fixed tokenizer's (gpt2, byte), a data.max_tokens that holds no
 training window, train.eval_tokens below train.seq_len, a batch whose activations cannot fit this machine's
 memory (train.budget), a phase or init_from target whose model cannot start from the weights it continues (other
-shapes, another tokenizer, or a fitted tokenizer on other data), and train.seq_len above the model's max_seq_len. The
-last holds with a memory too (memory.kind != none): such a model reads streams of any length when it scores or
-generates, but it trains on sequences of at most max_seq_len (raise model.max_seq_len to train on longer ones;
-the trainer refuses them as well). Whether a local data file exists depends on --data-dir:
-`run` checks it (dry runs included) before the first run starts.
+shapes, the same read otherwise: train.warm_start; another tokenizer, or a fitted tokenizer on other data), and
+train.seq_len above the model's max_seq_len. The last holds with a memory too (memory.kind != none): such a model
+reads streams of any length when it scores or generates, but it trains on sequences of at most max_seq_len (raise
+model.max_seq_len to train on longer ones; the trainer refuses them as well). Whether a local data file exists
+depends on --data-dir: `run` checks it (dry runs included) before the first run starts.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ from attnlab.errors import ConfigError
 from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import (
     conversion_options_problem,
+    missing_model_problems,
     plain_name_problem,
     pretrained_model_problems,
     pretrained_source,
@@ -339,7 +340,7 @@ def _start_problem(spec: RunSpec, previous: RunSpec, where: str, whose: str) -> 
     """Why `spec`'s model cannot start from the weights `previous` leaves (a previous phase, or the init_from
     target's last phase), as train() would find once `previous` is trained: another tokenizer (its ids mean other
     tokens), a fitted tokenizer (char, word, bpe) on other data, or weights of other shapes (only a memory may be
-    added). whose: "phase p1's", "target a's"."""
+    added) or read otherwise (other heads, RoPE: warm_start.reading_changes). whose: "phase p1's", "target a's"."""
     data, before = spec.data, previous.data
     if data.tokenizer != before.tokenizer:
         return (f"{where}: data.tokenizer={data.tokenizer} is not {whose} {before.tokenizer}, whose ids its weights "
@@ -398,8 +399,9 @@ def _start_problems(runs: list[RunSpec], order: list[str]) -> list[str]:
 RESERVED_NAMES = ("manifest.json", "compare.md", "compare.csv", "val_loss.png")
 
 
-def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> Manifest:
-    """Reads and fully resolves a manifest; raises one ConfigError listing every problem."""
+def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data_dir=None) -> Manifest:
+    """Reads and fully resolves a manifest; raises one ConfigError listing every problem. data_dir (--data-dir)
+    is where an init_from model missing from the working directory may be."""
     path = Path(path)
     raw = read_yaml(path)
     problems: list[str] = []
@@ -535,8 +537,8 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> M
                                         source))  # fmt: skip
     if not problems:
         problems = _start_problems(runs, [t for t in order if isinstance(t, str)])
-    if problems:
-        raise ConfigError(problems, source=str(path))
+    if problems:  # (an init_from model that is nowhere is said first: the other problems may follow from it)
+        raise ConfigError(missing_model_problems(problems, sources, targets, data_dir), source=str(path))
     runs.sort(key=lambda r: (order.index(r.target), seeds.index(r.seed)))  # stable: phases keep order
     return Manifest(name, path, tuple(seeds), tuple(runs))
 

@@ -8,8 +8,9 @@ from typing import Any
 
 from attnlab.config import checkpointing_memory_problem, names_model, source_problem, untrainable_memory_problem
 from attnlab.config_checks import MAX_INT, unknown_key_problem
+from attnlab.errors import DataError
 from attnlab.interop.convert import LOW_RANK, PAIR_RULES, calibration_minimum
-from attnlab.paths import brief
+from attnlab.paths import brief, in_data_dirs
 
 SOURCE_DEFAULTS = {"model": None, "rope_pairs": "energy", "calibration_tokens": 4096, "calibrate_on": "wikitext2-nounk"}
 MIN_CALIBRATION_TOKENS = 2  # a calibration needs one window of 2 tokens (calibration_tokens_problem)
@@ -132,3 +133,34 @@ def conversion_options_problem(init_from: Any, attention: Any, where: str) -> st
     this = f"this target's model.attention.kind is {kind}" if kind else "this target keeps the source's attention"
     return (f"{where}.{given[0]}={brief(init_from[given[0]])} applies to bottleneck/decoupled/mla conversions "
             f"({this}): leave it out")  # fmt: skip
+
+
+def missing_model_problems(problems: list[str], sources: dict, targets, data_dir) -> list[str]:
+    """`problems` with, first, each init_from naming a local model file or folder that is nowhere (as given, nor in
+    a data directory), in place of what those targets' model sections may not change (a pretrained model's keys
+    "fixed by its weights", which presume a model): `init_from: a/p1` meant a target, or a path was mistyped.
+    sources: each target's pretrained source (None: trained from scratch); data_dir: --data-dir or None."""
+    missing: dict[str, str] = {}
+    for source in sources.values():
+        ref = source and source["model"]
+        if not isinstance(ref, str) or not names_model(ref) or ref.startswith("hf:") or source["target"] in missing:
+            continue  # (a plain name is said not to be a model reference: plain_name_problem)
+        try:
+            if in_data_dirs(ref, data_dir).exists():
+                continue
+        except DataError:  # $ATTNLAB_DATA names a file: said where the model is loaded
+            continue
+        head, _, tail = ref.partition("/")
+        hint = (f" (init_from: {head} starts from target {head}'s last phase; no other phase of a target can be "
+                "named)" if head in targets and tail else "")  # fmt: skip
+        missing[source["target"]] = f"targets.{source['target']}.init_from: {ref}: no such model file or folder{hint}"
+    if not missing:
+        return problems
+    moot = [name for name, source in sources.items() if source is not None and source["target"] in missing]
+
+    def presumes(problem: str) -> bool:  # a model key "fixed by its weights" of a target starting from no model
+        whose = (f"target {name}," in problem or problem.startswith(f"targets.{name}.") for name in moot)
+        return "fixed by its weights" in problem and any(whose)
+
+    kept = [problem for problem in problems if not presumes(problem)]
+    return [*missing.values(), *kept]

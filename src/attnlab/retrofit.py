@@ -19,6 +19,7 @@ it is the same one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch
 from attnlab.config import ModelConfig, names_model, untrainable_memory_problem
 from attnlab.config_io import model_config_from_dict
 from attnlab.data.files import read_json_object
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, DataError
 from attnlab.interop.convert import LOW_RANK, calibration_minimum
 from attnlab.manifest import RunSpec
 from attnlab.manifest_pretrained import PRETRAINED_CHANGES, calibration_size_problem
@@ -250,6 +251,7 @@ def converted_model(spec: RunSpec, root: Path, data_dir, log: Callable = print) 
     wanted = _json_normal(recipe(spec, data_dir))
     source = spec.source
     attention, memory, others = changes(spec)
+    unfinished_source_warning(spec, data_dir)
     log(f"converting {source['model']} for target {spec.target} into {folder}")
     loaded = load_reference(source["model"], data_dir=data_dir)
     calibration = None
@@ -278,6 +280,31 @@ def converted_model(spec: RunSpec, root: Path, data_dir, log: Callable = print) 
     for note in conversion.notes:
         log(f"  {note}")
     return folder
+
+
+def unfinished_source_warning(spec: RunSpec, data_dir) -> None:
+    """One warning line (AttnlabWarning) when the target's init_from names an attnlab run that is not finished (an
+    interrupted run, or one still training): the conversion starts from the checkpoint it has reached, not from the
+    model its config describes. A checkpoint folder named as init_from is taken as chosen: no warning."""
+    from attnlab.interop.references import resolve
+    from attnlab.train.checkpoint import find_checkpoint
+
+    ref = spec.source["model"]
+    try:
+        kind, where = resolve(ref, data_dir)
+        if kind != "run" or not (where / "checkpoints").is_dir() or (where / "summary.json").exists():
+            return
+        last, best = find_checkpoint(where, "last"), find_checkpoint(where, "best")
+        steps = last.config["train"]["steps"] if last is not None else None
+    except (AttnlabError, KeyError, TypeError):
+        return  # (a damaged run: refused, and named, where it is loaded)
+    if last is None or not isinstance(steps, int) or last.step >= steps:
+        return
+    used = best or last  # what load_reference takes: the best checkpoint, else the last
+    warnings.warn(f"targets.{spec.target}.init_from: {ref} is not finished: step {last.step} of {steps}; its "
+                  f"{'best' if best else 'last'} checkpoint (step {used.step}) is what target {spec.target} starts "
+                  f"from (finish that run first, or give init_from: {used.path} to start from it on purpose)",
+                  AttnlabWarning, stacklevel=2)  # fmt: skip
 
 
 def run_config(spec: RunSpec, converted: Path) -> ModelConfig:

@@ -176,7 +176,7 @@ def prepared_folder_problem(data, data_dir) -> str | None:
     opens it as the run does (data.prepared.open_prepared)."""
     folder = _prepared_folder(data, data_dir)
     try:
-        open_prepared(folder) if folder is not None else None
+        open_prepared(folder, data_cfg=data) if folder is not None else None
     except DataError as e:
         return str(e)
     return None
@@ -188,7 +188,7 @@ def training_data_problem(spec: RunSpec, data_dir, run_dir: Path) -> str | None:
     ~1.5 GB/s; the tokenizer loaded; an evaluation window in val and test; the run's tokenizer/ copy unchanged)."""
     folder = _prepared_folder(spec.data, data_dir)
     try:
-        check_training_data(open_prepared(folder), spec.train, run_dir) if folder is not None else None
+        check_training_data(open_prepared(folder, data_cfg=spec.data), spec.train, run_dir) if folder else None
     except DataError as e:
         return str(e)
     return None

@@ -40,6 +40,7 @@ from attnlab.retrofit import (
     first_phases,
     model_tokenizer,
     run_config,
+    unfinished_source_warning,
 )
 from attnlab.run_checks import (
     RUNS_NEST,
@@ -449,6 +450,8 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
             if dry_run:
                 problem = _conversion_line(firsts[name], root, data_dir)
                 refused += [name] if problem else []
+                if not folder.exists() and not problem:
+                    unfinished_source_warning(firsts[name], data_dir)
                 log(f"{name}: would convert {firsts[name].source['model']} into {folder}" if not folder.exists() else
                     f"{name}: would be refused: {problem}" if problem else
                     f"{name}: {_kept(folder, resume, dry_run=True)}")  # fmt: skip
@@ -462,6 +465,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
         return []
     refused: list[str] = []  # runs a dry run finds would be refused
     seen: dict = {}  # the lines a dry run found for each converted target and each data (first_problem)
+    warned: set[str] = set()  # the targets whose conversion a dry run warned of (once, not per seed)
     for index, spec in enumerate(runs, 1):
         run_dir = spec.run_dir(root)
         label = f"[{index}/{len(runs)}] {spec.target} seed{spec.seed}" + (f" {spec.phase}" if spec.phase else "")
@@ -479,6 +483,9 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
             init_from = converted
         if dry_run:
             fresh = converted is not None and init_from == converted and not converted.exists()
+            if fresh and spec.source["target"] == spec.target and spec.target not in warned:  # as the run would
+                warned.add(spec.target)
+                unfinished_source_warning(first_phases(list(manifest.runs))[spec.target], data_dir)
             made = f" (converted from {spec.source['model']} first)" if fresh else ""
             start = f" from {init_from}" if init_from else ""
             before = (" ".join(str(untrained).split()) if untrained is not None else

@@ -178,7 +178,8 @@ def atomic_write_text(path: str | Path, text: str, durable: bool = False) -> Non
         tmp.write_text(text, encoding="utf-8")
 
 
-OUTPUTS_IDLE = 60.0  # seconds without a write after which a dead writer's outputs_together stage is stale
+OUTPUTS_IDLE = 60.0  # seconds without a write after which a dead writer's outputs_together stage (or a records
+# file's temporary, eval.records) is stale
 
 
 @contextlib.contextmanager

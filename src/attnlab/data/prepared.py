@@ -42,7 +42,7 @@ import numpy as np
 
 from attnlab.config import DataConfig, names_model
 from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove_stale_temporaries, sha256_file
-from attnlab.data.prepared_meta import FORMAT_VERSION, _check_meta, _redo, token_dtype  # noqa: F401
+from attnlab.data.prepared_meta import FORMAT_VERSION, _check_meta, _redo, data_record_problem, token_dtype  # noqa: F401
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
 from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
 from attnlab.errors import AttnlabWarning, ConfigError, DataError
@@ -217,9 +217,10 @@ def _scan(file: Path, dtype: np.dtype, chunk_bytes: int = 1 << 22) -> tuple[str,
     return digest.hexdigest(), largest
 
 
-def open_prepared(path: str | Path, verify: bool = False) -> Prepared:
+def open_prepared(path: str | Path, verify: bool = False, data_cfg: DataConfig | None = None) -> Prepared:
     """A prepared folder, after checking meta.json, each .bin's size and the tokenizer's files' sha256; each .bin's
-    sha256 and id range are checked when its split is first read, or now when `verify`."""
+    sha256 and id range are checked when its split is first read, or now when `verify`. data_cfg: the DataConfig
+    the folder was found for (its key named it), which meta.json's `data` record must agree with."""
     path = Path(path)
     redo = _redo(path)
     try:
@@ -231,6 +232,9 @@ def open_prepared(path: str | Path, verify: bool = False) -> Prepared:
     except json.JSONDecodeError as e:
         raise DataError(f"{path / 'meta.json'} is not valid JSON ({e}); {redo}") from None
     _check_meta(path, meta)
+    problem = data_record_problem(path, meta, data_cfg) if data_cfg is not None else None
+    if problem:
+        raise DataError(problem)
     itemsize = np.dtype(meta["dtype"]).itemsize
     for entry in meta["splits"].values():
         file, expected = path / entry["file"], entry["tokens"] * itemsize
@@ -275,7 +279,7 @@ def prepare(
     key = cache_key(data_cfg, data_dir, tokenizer)
     folder = Path(cache_dir or default_cache_dir()) / folder_name(data_cfg, key)
     if (folder / "meta.json").exists():
-        return open_prepared(folder)
+        return open_prepared(folder, data_cfg=data_cfg)
     return _build(data_cfg, folder, data_dir, download, tokenizer)
 
 

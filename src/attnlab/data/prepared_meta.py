@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from attnlab.data.sources import SPLITS
+from attnlab.config import names_model
+from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT
 from attnlab.errors import DataError
 
 FORMAT_VERSION = 1
@@ -59,7 +60,7 @@ def _check_meta(path: Path, meta) -> None:
         if Path(name).name != name or name in ("", ".", ".."):
             raise fail(f"'tokenizer.files.{name}'", "is not a file name in the folder")
         if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
-            raise fail(f"'tokenizer.files.{name}'", f"is {sha256!r} (expected 64 hex digits)")
+            raise fail(f"'tokenizer.files.{name}'", f"is {sha256!r} (expected 64 lower-case hex digits)")
     splits = meta["splits"]
     if not isinstance(splits, dict) or not splits:
         raise fail("'splits'", f"is {splits!r} (expected an object: split name -> file, tokens, sha256)")
@@ -78,4 +79,28 @@ def _check_meta(path: Path, meta) -> None:
         if not whole(tokens) or tokens < 0:
             raise fail(f"'splits.{split}.tokens'", f"is {tokens!r} (expected a whole number >= 0)")
         if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
-            raise fail(f"'splits.{split}.sha256'", f"is {sha256!r} (expected 64 hex digits)")
+            raise fail(f"'splits.{split}.sha256'", f"is {sha256!r} (expected 64 lower-case hex digits)")
+
+
+def data_record_problem(path: Path, meta: dict, data_cfg) -> str | None:
+    """Why meta.json's `data` record (the DataConfig the folder was prepared with) is not that of `data_cfg`, whose
+    cache key named the folder, or None: a record changed by hand (the folder's token files were made as its name
+    says, so the record cannot be trusted). Compared on what the key holds and a record says alike: a local
+    source's path may be spelled otherwise, a model's tokenizer reached by another name, and a dataset with its own
+    splits has no split fractions. A folder without the record (prepared before it) is not compared, nor a key it
+    lacks."""
+    record, where, redo = meta.get("data"), path / "meta.json", _redo(path)
+    if record is None:
+        return None
+    if not isinstance(record, dict):
+        return f"{where}: 'data' is {record!r} (expected an object: the data config it was prepared with); {redo}"
+    keys = ["max_tokens"]
+    keys += [] if data_cfg.source in WIKITEXT else ["val_fraction", "test_fraction"]
+    keys += [] if names_model(data_cfg.tokenizer) else ["tokenizer"]
+    keys += ["source"] if data_cfg.source in NAMED_SOURCES or record.get("source") in NAMED_SOURCES else []
+    for key in keys:
+        if key in record and record[key] != getattr(data_cfg, key):  # (a key not recorded is not said otherwise)
+            return (f"{where}: 'data.{key}' is {record.get(key)!r}, but the folder is named for data.{key}="
+                    f"{getattr(data_cfg, key)!r} (its record was changed by hand: it no longer says how its token "
+                    f"files were made); {redo}")  # fmt: skip
+    return None

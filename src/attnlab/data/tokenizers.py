@@ -137,6 +137,13 @@ class CharTokenizer(VocabTokenizer):
 
     name = "char"
 
+    def __init__(self, tokens: list[str]):
+        super().__init__(tokens)
+        for i, token in enumerate(self.tokens):  # (encode reads one character at a time: a longer token never matches)
+            if len(token) != 1 and token not in (UNK, EOT):
+                raise DataError(f"char vocabulary must hold single characters besides {UNK} and {EOT}, but token {i} "
+                                f"is {token!r}")  # fmt: skip
+
     @classmethod
     def fit(cls, texts: Iterable[str]) -> CharTokenizer:
         chars: set[str] = set()

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import unicodedata
 import warnings
@@ -20,6 +21,7 @@ import torch
 import attnlab
 from attnlab.data.files import (
     LINK_LOOP,
+    OUTPUTS_IDLE,
     appending_in,
     atomic_path,
     file_kind,
@@ -27,6 +29,7 @@ from attnlab.data.files import (
     link_loop,
     read_json_lines,
     read_only_file_system,
+    remove_stale_temporaries,
 )
 from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.paths import run_folder_problem
@@ -150,6 +153,10 @@ def append_records_together(rows_by_path: dict) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     with appending_in(folder), ExitStack() as stack:  # another process appending there waits: its rows are kept too
         for path, rows in zip(paths, rows_by_path.values(), strict=True):
+            # a killed append's temporary (a whole copy of the records): its writer is gone and it was not written
+            # for OUTPUTS_IDLE seconds (an append takes a moment: one of another machine, whose pid cannot be seen
+            # from here, is still writing it)
+            remove_stale_temporaries(folder, re.escape(path.name), idle_seconds=OUTPUTS_IDLE)
             old = path.read_text() if path.exists() else ""
             if old and not old.endswith("\n"):
                 old += "\n"

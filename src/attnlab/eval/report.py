@@ -60,11 +60,8 @@ class Table:
                 math.isfinite(v) else _fmt(v) for v, spec in zip(row, specs, strict=True)]  # fmt: skip
 
     def markdown(self) -> str:
-        def cell(text: str) -> str:  # a '|' in a name (a folder called a|b) would open another column
-            return text.replace("\\", "\\\\").replace("|", "\\|")
-
-        lines = ["| " + " | ".join(map(cell, self.headers)) + " |", "|" + " --- |" * len(self.headers)]
-        lines += ["| " + " | ".join(map(cell, self._cells(row))) + " |" for row in self.rows]
+        lines = ["| " + " | ".join(map(md_text, self.headers)) + " |", "|" + " --- |" * len(self.headers)]
+        lines += ["| " + " | ".join(map(md_text, self._cells(row))) + " |" for row in self.rows]
         return "\n".join(lines) + (f"\n\n{self.note}" if self.note else "")
 
     def csv(self) -> str:
@@ -82,6 +79,21 @@ class Table:
         lines.append(" & ".join(esc(h) for h in self.headers) + r" \\ \hline")
         lines += [" & ".join(map(esc, self._cells(row))) + r" \\" for row in self.rows]
         return "\n".join(lines + [r"\hline", r"\end{tabular}"]) + "\n"
+
+
+MD_SPECIAL = re.compile(r"([\\|<>&])")
+
+
+def md_text(text: str) -> str:
+    """Text as Markdown shows it, character for character: a backslash before a backslash, a '|' (in a table it would
+    open another column: a folder called a|b) and '<', '>', '&' (which a renderer would read as HTML: a model
+    labelled <script> is shown, not run). to_html reads them back."""
+    return MD_SPECIAL.sub(r"\\\1", text)
+
+
+def _md_plain(text: str) -> str:
+    """md_text's text back."""
+    return re.sub(r"\\([\\|<>&])", r"\1", text)
 
 
 def _ok(rows: list[dict]) -> list[dict]:
@@ -450,17 +462,17 @@ def _write_report(stage: Path, folder_name: str, records: list[dict], models: li
             atomic_write_text(stage / "tables" / f"{t.name}{suffix}", text)
     plots = {title: _drawn(stage / name, draw, notes, records_path) for title, (name, draw) in drawings.items()}
     plots = {title: p for title, p in plots.items() if p}
-    parts = [f"# Evaluation report: {folder_name}", "",
-             f"{_count(len(records), 'record')}, {_count(len(models), 'checkpoint')}: {', '.join(models)}.",
+    parts = [f"# Evaluation report: {md_text(folder_name)}", "",
+             f"{_count(len(records), 'record')}, {_count(len(models), 'checkpoint')}: {md_text(', '.join(models))}.",
              ""]  # fmt: skip
     untabled = Counter(r["benchmark"] for r in records if r["benchmark"] not in DRAWN)
     if untabled:
         notes.append("Not in this report (no table or plot draws them): " + ", ".join(
             f"{n} {name} record{'s' * (n > 1)}" for name, n in untabled.items()) + ".")  # fmt: skip
     notes += status_notes(records)  # records that measured nothing (too_long, too_short, oom, ...), and why
-    parts += [f"Note: {note}\n" for note in notes]
+    parts += [f"Note: {md_text(note)}\n" for note in notes]
     for t in tables:
-        parts += [f"## {t.title}", "", t.markdown(), ""]
+        parts += [f"## {md_text(t.title)}", "", t.markdown(), ""]
     for title, p in plots.items():
         parts += [f"## {title}", "", f"![{title}]({Path(p).name})", ""]
     markdown = "\n".join(parts)
@@ -569,12 +581,12 @@ def to_html(markdown: str, base: Path) -> str:
         image = re.fullmatch(r"!\[(.*)\]\((.*)\)", line)
         if line.startswith("#"):
             level = len(line) - len(line.lstrip("#"))
-            body.append(f"<h{level}>{html.escape(line.lstrip('# '))}</h{level}>")
+            body.append(f"<h{level}>{html.escape(_md_plain(line.lstrip('# ')))}</h{level}>")
         elif image:
             data = base64.b64encode((base / image.group(2)).read_bytes()).decode()
             body.append(f'<img alt="{html.escape(image.group(1))}" src="data:image/png;base64,{data}">')
         elif line.strip():
-            body.append(f"<p>{html.escape(line)}</p>")
+            body.append(f"<p>{html.escape(_md_plain(line))}</p>")
     flush_table()
     style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;"
              "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px}img{max-width:100%}")  # fmt: skip

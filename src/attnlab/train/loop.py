@@ -59,6 +59,7 @@ from attnlab.train.resume import (
     trainer_values,
 )
 from attnlab.train.warm_start import misfits as weight_misfits
+from attnlab.train.warm_start import reading_problem
 
 SUMMARY_STATUS = "complete"  # summary.json's status: the only one written (a run has no summary until it finishes)
 
@@ -213,7 +214,7 @@ def train(
         load_weights(model, checkpoint)  # into the whole model, before it is sharded
         state.update(resumed_state(checkpoint, sampler))
     elif init_from is not None:
-        _, previous = load_model_from_checkpoint(init_from, tag="last")
+        previous_cfg, previous = load_model_from_checkpoint(init_from, tag="last")
         # A phase may add a bounded memory: its write gate and EMA rate are new (freshly initialised);
         # any other missing or unexpected weight means the phases do not fit together (train.warm_start).
         shapes = {k: v.shape for k, v in model.state_dict().items()}
@@ -223,6 +224,9 @@ def train(
                 f"{init_from}: its weights do not fit this model's shapes ({', '.join(wrong[:3])}"
                 f"{', ...' if len(wrong) > 3 else ''}): init_from needs the same architecture and vocabulary"
             )
+        problem = reading_problem(model_cfg, previous_cfg, "this checkpoint's")  # the same shapes, read alike?
+        if problem:
+            raise ConfigError(f"{init_from} (init_from): this run's model {problem.removeprefix('its model ')}")
         missing, unexpected = model.load_state_dict(previous.state_dict(), strict=False)
         misfits = [k for k in missing if ".memory." not in k] + list(unexpected)
         if misfits:
