@@ -7,7 +7,7 @@ test fails with its fix backed out."""
 from __future__ import annotations
 
 import pytest
-from helpers import dry_run
+from helpers import dry_run, fails
 
 from attnlab.cli import main
 
@@ -52,3 +52,34 @@ def test_u8_the_entry_point_reads_no_resume_from_the_arguments_as_given(capsys):
     assert no_resume_given(["run", "m.yml", "--no-res"]) and no_resume_given(["run", "m.yml", "--no-resume"])
     assert not no_resume_given(["run", "m.yml", "--no-progress"]) and not no_resume_given(["run", "m.yml"])
     assert interrupted("run", True) == 130 and "without --no-resume" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- U6: YAML 1.1-only numbers
+
+YAML_11_ONLY = {"1_2": ("its underscores dropped", "12"), "0b1100": ("binary", "12"), "-1_000": (
+    "its underscores dropped", "-1000"), "1_0.5": ("its underscores dropped", "10.5")}  # fmt: skip
+
+
+@pytest.mark.parametrize("text", sorted(YAML_11_ONLY))
+def test_u6_numbers_only_yaml_1_1_reads_are_refused_in_set_and_in_files(stopped, tmp_path, capsys, text):
+    """Was: `--set train.steps=1_2` (or 0b1100) trained 12 steps; YAML 1.2 (and other tools) read a string there."""
+    manifest, _ = stopped
+    form, value = YAML_11_ONLY[text]
+    said = f"{text} is a number only in YAML 1.1 ({form}: {value}), a string in YAML 1.2: write {value} if that is "
+    argv = ["run", str(manifest), "--out", str(tmp_path / "out"), "--dry-run", "--set", f"train.steps={text}"]
+    line = fails(capsys, argv, said + "meant, or quote it for a string")
+    assert "stray quote" not in line  # (the value is YAML: the line says how to quote it)
+    config = tmp_path / "model.yaml"
+    config.write_text(f"vocab_size: 97\nd_model: 64\nn_layers: 2\nn_heads: 4\nmax_seq_len: {text}\n")
+    assert main(["validate", str(config)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"{config}: ") and "line 5, column 14" in line and said + "meant" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_u6_hex_and_quoted_values_are_still_read(stopped, tmp_path, capsys):
+    """0xC is 12 in YAML 1.2 as in 1.1; a quoted '1_2' is the string it always was (refused by the type check)."""
+    manifest, _ = stopped
+    argv = ["run", str(manifest), "--out", str(tmp_path / "out"), "--dry-run"]
+    assert "would train 12 steps" in dry_run(capsys, [*argv, "--set", "train.steps=0xC"])
+    fails(capsys, [*argv, "--set", "train.steps='1_2'"], "train.steps")
