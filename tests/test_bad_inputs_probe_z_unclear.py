@@ -6,8 +6,11 @@ test fails with its fix backed out."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
-from helpers import dry_run, fails
+from helpers import dry_run, fails, snapshot
 
 from attnlab.cli import main
 
@@ -17,6 +20,24 @@ import test_bad_inputs_probe_v_runs as v_runs  # noqa: E402
 
 RUN, STEP, interrupted, refused_alike = v_runs.RUN, v_runs.STEP, v_runs.interrupted, v_runs.refused_alike
 stopped = v_runs.stopped  # (a module fixture: a run stopped right after its step-2 checkpoint, of 4)
+
+
+@pytest.fixture(scope="module")
+def finished(stopped, tmp_path_factory) -> tuple[Path, Path]:
+    """(manifest, --out) of the stopped run finished (its manifest folder: manifest.json, compare.md, ...), made
+    once: tests copy --out."""
+    manifest, out = stopped
+    done = tmp_path_factory.mktemp("finished") / "out"
+    shutil.copytree(out, done, symlinks=True)
+    assert main(["run", str(manifest), "--out", str(done), "--no-progress"]) == 0
+    return manifest, done
+
+
+def finished_copy(finished, tmp_path: Path) -> tuple[list[str], Path]:
+    """(the argv rerunning it, --out) of a copy of the finished run."""
+    manifest, out = finished
+    shutil.copytree(out, tmp_path / "out", symlinks=True)
+    return ["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"], tmp_path / "out"
 
 
 # ----------------------------------------------------------------------------- U8: an interrupted --no-resume run
@@ -83,3 +104,33 @@ def test_u6_hex_and_quoted_values_are_still_read(stopped, tmp_path, capsys):
     argv = ["run", str(manifest), "--out", str(tmp_path / "out"), "--dry-run"]
     assert "would train 12 steps" in dry_run(capsys, [*argv, "--set", "train.steps=0xC"])
     fails(capsys, [*argv, "--set", "train.steps='1_2'"], "train.steps")
+
+
+# ----------------------------------------------------------------------------- U7: --out a manifest's own folder
+
+
+@pytest.mark.parametrize("below", ["", "base"])
+def test_u7_an_out_that_is_a_manifests_folder_is_refused_by_the_run_and_its_dry_run(finished, tmp_path, capsys,
+                                                                                     below):  # fmt: skip
+    """Was: `run m.yml --out out/m` trained into out/m/m/base/seed0, a second manifest folder inside the first."""
+    argv, out = finished_copy(finished, tmp_path)
+    given = out / "m" / below if below else out / "m"
+    argv[argv.index("--out") + 1] = str(given)
+    before = snapshot(out)
+    where = "is" if not below else f"is inside {out / 'm'}, which is"
+    said = (f"error: --out {given} {where} the folder of manifest m's runs (it holds manifest.json): runs go to "
+            f"OUT/<manifest>/<target>/seed<S>; give the folder that holds it, --out {out}")  # fmt: skip
+    for command in ([*argv, "--dry-run"], argv):
+        assert fails(capsys, command).endswith(said)
+    assert snapshot(out) == before
+    argv[argv.index("--out") + 1] = str(out)
+    assert "done already" in dry_run(capsys, [*argv, "--dry-run"])  # the folder the line names
+
+
+def test_u7_a_manifest_json_of_another_kind_is_not_taken_for_a_manifests_folder(stopped, tmp_path, capsys):
+    """A web app's manifest.json (its own "name") in --out, or one naming another folder, is not attnlab's."""
+    manifest, _ = stopped
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "manifest.json").write_text('{"name": "My app", "start_url": "/"}')
+    argv = ["run", str(manifest), "--out", str(tmp_path / "site"), "--dry-run"]
+    assert "would train 4 steps" in dry_run(capsys, argv)
