@@ -134,3 +134,58 @@ def test_u7_a_manifest_json_of_another_kind_is_not_taken_for_a_manifests_folder(
     (tmp_path / "site" / "manifest.json").write_text('{"name": "My app", "start_url": "/"}')
     argv = ["run", str(manifest), "--out", str(tmp_path / "site"), "--dry-run"]
     assert "would train 4 steps" in dry_run(capsys, argv)
+
+
+# ----------------------------------------------------------------------------- U1: a damaged last.json or best.json
+
+CHECKPOINTS = RUN / "checkpoints"
+POINTER = '{"dir": "step-000002", "step": 2}'
+
+
+@pytest.mark.parametrize("text", ['{"dir": "step-000002", "step": 2.0}', '{"dir": "step-000002/", "step": 2}', "xx",
+                                  '{"dir": "step-000002", "step": 3}'])  # fmt: skip
+def test_u1_a_damaged_last_json_says_which_pointer_resumes_and_what_starts_over(stopped, tmp_path, capsys, text):
+    """Was: "...; delete it to start over", but with last.json deleted the run refused again (its checkpoint folders
+    are there); the line's two ways now do what it says."""
+    argv, out = interrupted(stopped, tmp_path)
+    (out / CHECKPOINTS / "last.json").write_text(text)
+    line = refused_alike(capsys, argv, out)
+    assert line.startswith(f"{out / CHECKPOINTS / 'last.json'}: ") and "delete it to start over" not in line, line
+    assert line.endswith(f"; write {POINTER} into last.json to resume from step 2, or delete {out / CHECKPOINTS} to "
+                         "start over")  # fmt: skip
+    (out / CHECKPOINTS / "last.json").write_text(POINTER)
+    assert "would resume from step 2 of 4" in dry_run(capsys, [*argv, "--dry-run"])
+    shutil.rmtree(out / CHECKPOINTS)
+    assert "would train 4 steps" in dry_run(capsys, [*argv, "--dry-run"])
+
+
+def test_u1_a_damaged_best_json_says_deleting_it_resumes(stopped, tmp_path, capsys):
+    """Was: "unreadable ...; delete it to start over", but with best.json deleted the run resumes from step 2."""
+    argv, out = interrupted(stopped, tmp_path)
+    best = out / CHECKPOINTS / "best.json"
+    best.write_text("xx")
+    line = refused_alike(capsys, argv, out)
+    assert line == (f"{best}: unreadable (Expecting value: line 1 column 1 (char 0)); write {POINTER} into best.json "
+                    "(step-000002, its last checkpoint: no earlier one is kept), or delete best.json alone: the "
+                    "run resumes from step 2"), line  # fmt: skip
+    best.unlink()
+    assert "would resume from step 2 of 4" in dry_run(capsys, [*argv, "--dry-run"])
+    assert main(argv) == 0 and capsys.readouterr()
+
+
+def test_u1_the_best_json_line_names_the_checkpoint_before_the_last_when_there_is_one(tmp_path):
+    """A run keeps its last checkpoint and its best (an earlier one, or the last itself): best.json names the one
+    before the last, and deleting it would let the next checkpoint's pruning delete that one."""
+    from attnlab.train.checkpoint import CheckpointError, read_pointer
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):  # (step-000006: a newer folder no pointer names yet, as a kill before last.json leaves)
+        (root / f"step-{step:06d}").mkdir(parents=True)
+        (root / f"step-{step:06d}" / "model.safetensors").write_bytes(b"")
+    (root / "last.json").write_text('{"dir": "step-000004", "step": 4}')
+    (root / "best.json").write_text("[]")
+    with pytest.raises(CheckpointError) as refused:
+        read_pointer(root, "best")
+    assert str(refused.value).endswith(f"; write {POINTER} into best.json (step-000002, the one checkpoint kept "
+                                       "before its last), or delete best.json alone: the run resumes from step 4 and "
+                                       "no longer keeps step-000002 as its best")  # fmt: skip

@@ -259,7 +259,7 @@ def read_pointer(root: Path, tag: str) -> dict | None:
     try:
         pointer = loads_json(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e}); delete it to start over") from None
+        raise CheckpointError(f"{path}: unreadable ({e}); {_pointer_fix(Path(root), tag)}") from None
     if not (
         isinstance(pointer, dict)
         and isinstance(pointer.get("dir"), str)
@@ -267,12 +267,45 @@ def read_pointer(root: Path, tag: str) -> dict | None:
         and isinstance(pointer.get("step"), int)
     ):
         raise CheckpointError(f'{path}: not a checkpoint pointer (expected {{"dir": "step-N", "step": N}}); '
-                              "delete it to start over")  # fmt: skip
+                              f"{_pointer_fix(Path(root), tag)}")  # fmt: skip
     if pointer["step"] != int(pointer["dir"][5:]):  # a resume (and a dry run) would count from the wrong step
+        fix = _pointer_fix(Path(root), tag, Path(root) / pointer["dir"])
         raise CheckpointError(f"{path}: names {pointer['dir']} but step {pointer['step']} (a checkpoint folder holds "
-                              f"the step in its name): write {pointer_text(Path(root) / pointer['dir'])} into "
-                              f"{path.name}, or delete it to start over")  # fmt: skip
+                              f"the step in its name); {fix}")  # fmt: skip
     return pointer
+
+
+def _pointer_fix(root: Path, tag: str, named: Path | None = None) -> str:
+    """How to mend a damaged pointer (last.json, best.json), each way saying what it does: deleting last.json does not
+    start the run over while checkpoint folders are there (find_checkpoint refuses that), and deleting best.json
+    alone lets the run resume from its last checkpoint, forgetting which one scored best. named: the checkpoint
+    folder the pointer names (its step wrong), proposed when it is there."""
+    folders = step_folders(root)
+    name = f"{tag}.json"
+    if tag == "last":
+        if not folders:
+            return f"delete it and the run starts over (no checkpoint folder is left in {root})"
+        target = named if named in folders else folders[-1]
+        return (f"write {pointer_text(target)} into {name} to resume from step {int(target.name[5:])}, or delete "
+                f"{root} to start over")  # fmt: skip
+    try:
+        last = read_pointer(root, "last")
+    except CheckpointError:
+        last = None
+    if last is None or not (root / last["dir"]).is_dir():  # (a resume refuses the last pointer first)
+        return f"write the pointer of the run's best checkpoint into {name}, or delete it alone"
+    earlier = [f for f in folders if int(f.name[5:]) < last["step"]]  # the best is the last or an earlier one
+    best, why = (named, "") if named in folders else (None, "")
+    if best is None and not earlier:
+        best, why = root / last["dir"], "its last checkpoint: no earlier one is kept"
+    elif best is None and len(earlier) == 1:
+        best, why = earlier[0], "the one checkpoint kept before its last"
+    resumes = f"delete {name} alone: the run resumes from step {last['step']}"
+    if best is None:
+        return f"write the pointer of the run's best checkpoint into {name}, or {resumes} and no longer keeps its best"
+    said = f" ({best.name}, {why})" if why else ""
+    kept = "" if best.name == last["dir"] else f" and no longer keeps {best.name} as its best"
+    return f"write {pointer_text(best)} into {name}{said}, or {resumes}{kept}"
 
 
 def _remove_unreferenced(root: Path) -> None:
@@ -317,7 +350,7 @@ def find_checkpoint(run_dir: Path, tag: str = "last") -> Checkpoint | None:
     trainer, config = _read_json(path, TRAINER, recorded), _read_json(path, CONFIG, recorded)
     if not isinstance(trainer, dict) or not isinstance(config, dict):
         raise CheckpointError(f"{path}: incomplete or corrupt checkpoint (trainer.json and config.json must hold "
-                              "objects); delete it to start over")  # fmt: skip
+                              f"objects); {_fix(path)}")  # fmt: skip
     return Checkpoint(path, pointer["step"], trainer, config)
 
 
