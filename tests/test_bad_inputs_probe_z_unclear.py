@@ -6,13 +6,17 @@ test fails with its fix backed out."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import dry_run, fails, snapshot
 
 from attnlab.cli import main
+from attnlab.errors import AttnlabWarning
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -189,3 +193,66 @@ def test_u1_the_best_json_line_names_the_checkpoint_before_the_last_when_there_i
     assert str(refused.value).endswith(f"; write {POINTER} into best.json (step-000002, the one checkpoint kept "
                                        "before its last), or delete best.json alone: the run resumes from step 4 and "
                                        "no longer keeps step-000002 as its best")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- U2: a damaged metrics log on resume
+
+RESUMES = (
+    "the run resumes from step 2 and logs only the steps after it (restore the file from a copy first to keep them)"
+)
+
+
+def warned_alike(capsys, argv: list[str]) -> str:
+    """The dry run says "would resume" and the run resumes, each with the same one warning line: that line."""
+    assert main([*argv, "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert "would resume from step 2 of 4" in captured.out
+    (line,) = captured.err.strip().splitlines()
+    assert main(argv) == 0
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+    assert line.startswith("attnlab run: warning: ")
+    return line.removeprefix("attnlab run: warning: ")
+
+
+@pytest.mark.parametrize("how", ["deleted", "emptied"])
+def test_u2_a_resume_over_a_deleted_or_emptied_metrics_log_says_which_rows_it_lacks(stopped, tmp_path, capsys, how):
+    """Was: "would resume from step 2" and a resume without a word, the log then lacking the rows up to step 2."""
+    argv, out = interrupted(stopped, tmp_path)
+    log = out / RUN / "metrics.jsonl"
+    log.unlink() if how == "deleted" else log.write_text("")
+    said = ("missing: the rows the run logged up to step 2 are gone" if how == "deleted" else
+            "holds none of the rows the run logged up to step 2 (it was emptied or cut)")  # fmt: skip
+    assert warned_alike(capsys, argv) == f"{log}: {said}; {RESUMES}"
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [4, 4]  # (what the warning said)
+
+
+def test_u2_a_nan_in_the_metrics_log_is_refused_as_damage_by_the_run_and_its_dry_run(stopped, tmp_path, capsys):
+    """Was: taken as a row (the JSON NaN token) and kept: the trainer never logs one (a NaN loss stops the run)."""
+    argv, out = interrupted(stopped, tmp_path)
+    log = out / RUN / "metrics.jsonl"
+    row = json.loads(log.read_text())
+    log.write_text(json.dumps({**row, "val_loss": float("nan")}) + "\n")
+    line = refused_alike(capsys, argv, out)
+    assert line == (f"{log}: line 1: val_loss is NaN, which the trainer never logs (the metrics log was changed); "
+                    "repair or remove that line, or delete the file to start the log afresh")  # fmt: skip
+
+
+def test_u2_the_warning_names_the_rows_a_log_lacks_in_its_middle(tmp_path):
+    """log_every 2, eval_every 4: a resume from step 8 should find training rows at 2, 4, 6, 8 and validation rows
+    at 4 and 8; a gradient norm may be infinite (clip_grad_norm_ of an overflow), a loss may not."""
+    from attnlab.train.logging import metrics_rows
+
+    train_cfg = SimpleNamespace(steps=20, log_every=2, eval_every=4)
+    log = tmp_path / "metrics.jsonl"
+    rows = [{"step": 2, "loss": 3.0, "grad_norm": float("inf")}, {"step": 6, "loss": 2.0}, {"step": 8, "loss": 1.0},
+            {"step": 8, "val_loss": 1.5, "val_ppl": 4.48}, {"step": 10, "loss": 0.5}]  # fmt: skip
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.warns(AttnlabWarning) as said:
+        assert len(metrics_rows(log, 8, train_cfg)[1]) == 4
+    assert [str(w.message) for w in said] == [f"{log}: lacks rows the run logged before its checkpoint (training loss "
+                                              f"at step 4; validation loss at step 4); the run resumes from step 8 and "
+                                              "logs only the steps after it (restore the file from a copy first to "
+                                              "keep them)"]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metrics_rows(log, 2, train_cfg)  # (all there up to step 2)

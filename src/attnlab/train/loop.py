@@ -239,7 +239,7 @@ def train(
     if checkpoint is not None:
         load_optimizer(optimizer, checkpoint, model)
 
-    log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"])
+    log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"], train_cfg=train_cfg)
     saved_tokenizer = None  # what the checkpoints record of the tokenizer saved with the run (rank 0 writes them)
     if dist_info.is_main:
         for name, text in (run_files or {}).items():

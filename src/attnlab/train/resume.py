@@ -273,7 +273,7 @@ def read_files_problem(checkpoint, run_dir: Path, train_cfg) -> str | None:
     train.logging.metrics_rows). train_cfg: the run's TrainConfig (which parameters it trains, its optimizer)."""
     try:
         _load_on_meta(checkpoint, train_cfg)
-        metrics_rows(run_dir / "metrics.jsonl", checkpoint.step)
+        metrics_rows(run_dir / "metrics.jsonl", checkpoint.step, train_cfg)  # (a warning names rows it lacks)
     except DataError as e:
         return str(e)
     return None
