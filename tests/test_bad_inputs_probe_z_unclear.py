@@ -6,6 +6,7 @@ test fails with its fix backed out."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import warnings
@@ -13,7 +14,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import dry_run, fails, snapshot
+import torch
+from helpers import dry_run, edit_trainer, fails, snapshot
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
 from attnlab.errors import AttnlabWarning
@@ -256,3 +260,46 @@ def test_u2_the_warning_names_the_rows_a_log_lacks_in_its_middle(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         metrics_rows(log, 2, train_cfg)  # (all there up to step 2)
+
+
+# ----------------------------------------------------------------------------- U3: weights re-saved in another dtype
+
+
+def resave(folder: Path, dtype: torch.dtype) -> None:
+    """folder's model.safetensors re-saved with every tensor in `dtype` (its metadata kept), checksums.json made to
+    agree (as a careful hand would)."""
+    path = folder / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    save_file({name: t.to(dtype) for name, t in load_file(path).items()}, path, metadata=metadata)
+    checksums = json.loads((folder / "checksums.json").read_text())
+    data = path.read_bytes()
+    checksums["files"]["model.safetensors"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "checksums.json").write_text(json.dumps(checksums, indent=1))
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.float16, "F16"), (torch.float64, "F64")])
+def test_u3_weights_re_saved_in_another_dtype_are_refused_by_the_resume_and_its_dry_run(stopped, tmp_path, capsys,
+                                                                                       dtype, name):  # fmt: skip
+    """Was: resumed without a word (F16 rounds every weight: the resume is no longer bit-exact)."""
+    argv, out = interrupted(stopped, tmp_path)
+    resave(out / STEP, dtype)
+    line = refused_alike(capsys, argv, out)
+    weights = out / STEP / "model.safetensors"
+    assert line.startswith(f"{weights}: blocks.0.attn.out.weight and 7 more are {name}, where the run saves F32 (the "
+                           "file was re-saved in another dtype), so the run would not resume exactly; restore it from "
+                           f"a copy, or delete {out / CHECKPOINTS}"), line  # fmt: skip
+
+
+def test_u3_the_best_checkpoint_a_resume_scores_at_its_end_is_checked_before_it_starts(stopped, tmp_path, capsys):
+    """A run resumed at its last step to write its summary scores its best checkpoint (step 2 here, its step-4 loss
+    no better than the best_val_loss step 2 records): re-saved in F16, it is refused now, not after training."""
+    argv, out = interrupted(stopped, tmp_path)
+    edit_trainer(out / STEP, lambda t: t.update(best_val_loss=0.0))  # (so step 4 does not beat step 2)
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert json.loads((out / CHECKPOINTS / "best.json").read_text())["dir"] == "step-000002"
+    (out / RUN / "summary.json").unlink()
+    resave(out / STEP, torch.float16)
+    line = refused_alike(capsys, argv, out)
+    assert line.startswith(f"{out / STEP / 'model.safetensors'}: blocks.0.attn.out.weight and 7 more are F16"), line

@@ -62,6 +62,7 @@ from attnlab.train.checkpoint_files import (  # noqa: F401 (names callers import
     _unreadable_weights,
     recorded_checksums,
     verify_file,
+    weights_dtype_problem,
 )
 
 log = logging.getLogger(__name__)
@@ -390,10 +391,13 @@ def _stale_pointer(root: Path, tag: str, missing: str) -> str:
             f"{pointer_text(newest)} into {pointer.name} to use it{resumes}, or give {newest} itself")  # fmt: skip
 
 
-def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path, header_only: bool = False) -> None:
+def load_weights(
+    model: torch.nn.Module, checkpoint: Checkpoint | Path, header_only: bool = False, exact: bool = False
+) -> None:
     """The checkpoint's weights into `model`, after checking model.safetensors against its recorded sha256 and its
     tensors' names and shapes (its header) against the model's. header_only: those checks alone, nothing loaded (a
-    dry run's, with a model on the meta device)."""
+    dry run's, with a model on the meta device). exact: a resume's, which continues the run bit-exactly: each tensor
+    of the dtype the model holds it in (the run saves that dtype; weights re-saved in another are refused)."""
     folder = Path(getattr(checkpoint, "path", checkpoint))
     path = verify_file(folder, WEIGHTS, recorded_checksums(folder))
     if not path.exists():
@@ -402,6 +406,9 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path, header_o
         problem = weights_fit_problem(path, unwrap(model))
         if problem:
             raise CheckpointError(f"{path}: weights do not fit this model ({problem}); {_fix(folder)}")
+        problem = weights_dtype_problem(path, unwrap(model)) if exact else None
+        if problem:
+            raise CheckpointError(f"{path}: {problem}, so the run would not resume exactly; {_fix(folder)}")
         if header_only:
             return
         missing, unexpected = load_model(unwrap(model), str(path), strict=False)
@@ -416,6 +423,16 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path, header_o
     if bad:  # a diverged run saves none (the loop stops first): these were written in, checksum or not
         raise CheckpointError(f"{path}: {len(bad)} weight tensor(s) hold NaN or infinity ({', '.join(bad[:3])}); "
                               f"{_fix(folder)}")  # fmt: skip
+
+
+def load_resumed_weights(model: torch.nn.Module, checkpoint: Checkpoint, header_only: bool = False) -> None:
+    """A resume's weights: the checkpoint's into `model` (header_only: checked only), each tensor in the dtype the run
+    saves (load_weights' exact); and the run's best checkpoint, which it scores at its end, checked so now."""
+    load_weights(model, checkpoint, header_only=header_only, exact=True)
+    run_dir = checkpoint.path.parent.parent if checkpoint.path.parent.name == "checkpoints" else None
+    best = find_checkpoint(run_dir, "best") if run_dir is not None else None
+    if best is not None and best.path != checkpoint.path:
+        load_weights(model, best, header_only=True, exact=True)
 
 
 def weights_fit_problem(path: Path, model: torch.nn.Module) -> str | None:
