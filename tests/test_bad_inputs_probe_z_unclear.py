@@ -303,3 +303,43 @@ def test_u3_the_best_checkpoint_a_resume_scores_at_its_end_is_checked_before_it_
     resave(out / STEP, torch.float16)
     line = refused_alike(capsys, argv, out)
     assert line.startswith(f"{out / STEP / 'model.safetensors'}: blocks.0.attn.out.weight and 7 more are F16"), line
+
+
+# ----------------------------------------------------------------------------- U4: a compare.md the user added to
+
+
+def test_u4_a_compare_md_changed_since_attnlab_wrote_it_is_refused_by_a_rerun_and_its_dry_run(finished, tmp_path,
+                                                                                             capsys):  # fmt: skip
+    """Was: the finished manifest rerun (its run skipped) rewrote compare.md, the user's line gone; the dry run said
+    only "done already, would be skipped"."""
+    argv, out = finished_copy(finished, tmp_path)
+    table = out / "m" / "compare.md"
+    with table.open("a") as file:
+        file.write("# my notes\n")
+    before = snapshot(out)
+    said = (f"error: {table}: changed since attnlab compare wrote it (it would be replaced, and the change lost): "
+            "move it away, or give another --out")  # fmt: skip
+    for command in ([*argv, "--dry-run"], argv, ["compare", str(out / "m")]):
+        assert fails(capsys, command).endswith(said)
+    assert snapshot(out) == before
+    table.rename(tmp_path / "notes.md")
+    assert main(argv) == 0 and capsys.readouterr()
+    assert table.read_text().startswith("| target | seeds | params |") and "# my notes" not in table.read_text()
+
+
+def test_u4_the_files_written_with_compare_md_are_checked_by_its_record(finished, tmp_path, capsys):
+    argv, out = finished_copy(finished, tmp_path)
+    with (out / "m" / "compare.csv").open("a") as file:
+        file.write("mine,1\n")
+    fails(capsys, ["compare", str(out / "m")], f"{out / 'm' / 'compare.csv'}: changed since attnlab compare wrote it")
+    (out / "m" / "compare.csv").unlink()
+    assert main(["compare", str(out / "m")]) == 0 and capsys.readouterr()
+
+
+def test_u4_a_compare_md_from_before_the_record_is_still_redrawn(finished, tmp_path, capsys):
+    """One written by an older attnlab (no record line) cannot be told changed: it is replaced, as before."""
+    argv, out = finished_copy(finished, tmp_path)
+    table = out / "m" / "compare.md"
+    table.write_text(table.read_text().split("<!-- attnlab compare")[0])
+    assert main(argv) == 0 and capsys.readouterr()
+    assert "<!-- attnlab compare sha256: compare.md " in table.read_text()
