@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -343,3 +345,59 @@ def test_u4_a_compare_md_from_before_the_record_is_still_redrawn(finished, tmp_p
     table.write_text(table.read_text().split("<!-- attnlab compare")[0])
     assert main(argv) == 0 and capsys.readouterr()
     assert "<!-- attnlab compare sha256: compare.md " in table.read_text()
+
+
+# ----------------------------------------------------------------------------- U5: a journal beside a memory index
+
+from test_bad_inputs_probe_w_unclear import bounded_run  # noqa: E402,F401 (a module fixture: a bounded-memory run)
+
+HOT_JOURNAL = """
+import os, sqlite3, sys
+db = sqlite3.connect(sys.argv[1])
+db.execute("PRAGMA cache_size = 1")  # pages spill to the index (its journal holding their old content) at once
+db.execute("BEGIN")
+db.execute("DELETE FROM states")
+db.execute("CREATE TABLE filler (x)")
+db.executemany("INSERT INTO filler VALUES (?)", [("x" * 500,)] * 200)
+os._exit(0)  # killed mid-write: the transaction never committed, its journal left behind
+"""
+
+
+@pytest.fixture
+def store(bounded_run, tmp_path, capsys) -> Path:  # noqa: F811
+    """A store holding one memory, 'notes'."""
+    (tmp_path / "doc.txt").write_text("the cat sat on the mat " * 20)
+    argv = ["memory", "ingest", str(bounded_run), str(tmp_path / "doc.txt"), "--name", "notes", "--store"]
+    assert main([*argv, str(tmp_path / "store"), "--no-progress"]) == 0
+    capsys.readouterr()
+    return tmp_path / "store"
+
+
+def test_u5_a_file_at_the_journals_name_that_sqlite_did_not_write_is_named(store, bounded_run, tmp_path, capsys):  # noqa: F811
+    """Was: "read-only (attempt to write a readonly database): make <store> and its index writable", the store being
+    writable (and ingest took the index for emptied). The file is left as it is (SQLite, opening the index for
+    writing, would delete it)."""
+    journal = store / "index.sqlite-journal"
+    shutil.copy(store / "index.sqlite", journal)
+    before = journal.read_bytes()
+    ingest = ["memory", "ingest", str(bounded_run), str(tmp_path / "doc.txt"), "--name", "more", "--no-progress"]
+    for argv in (["memory", "ls", "--store", str(store)], ["memory", "rm", "notes", "--store", str(store)],
+                 [*ingest, "--store", str(store)]):  # fmt: skip
+        assert fails(capsys, argv).endswith(
+            f"error: {journal}: not a journal SQLite wrote (it lacks a journal's header), at the name where SQLite "
+            "keeps the rollback journal of index.sqlite, which cannot be read while it is there: move it away and "
+            "run again"
+        )
+    assert journal.read_bytes() == before
+    journal.rename(tmp_path / "moved")
+    assert main(["memory", "ls", "--store", str(store)]) == 0 and "notes" in capsys.readouterr().out
+
+
+def test_u5_sqlites_own_journal_of_an_interrupted_write_is_rolled_back_by_a_read(store, capsys):
+    """A write killed mid-transaction leaves a hot journal, which a read-only open cannot roll back (it said
+    "read-only"): `memory ls` rolls it back, as any writer would, and lists the store as it was."""
+    subprocess.run([sys.executable, "-c", HOT_JOURNAL, str(store / "index.sqlite")], check=True, timeout=60)
+    assert (store / "index.sqlite-journal").read_bytes()[:8] == bytes.fromhex("d9d505f920a163d7")
+    assert main(["memory", "ls", "--store", str(store)]) == 0
+    assert "notes" in capsys.readouterr().out
+    assert not (store / "index.sqlite-journal").exists()
