@@ -11,6 +11,7 @@ config (train.seed apart): targets of the same name from different manifests, or
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import math
@@ -18,7 +19,14 @@ import re
 import statistics
 from pathlib import Path
 
-from attnlab.data.files import atomic_write_text, outputs_together, read_json_lines, read_json_object, special_file
+from attnlab.data.files import (
+    atomic_write_text,
+    outputs_together,
+    read_json_lines,
+    read_json_object,
+    sha256_file,
+    special_file,
+)
 from attnlab.errors import DataError, InputError
 from attnlab.eval.plots import plot_val_loss
 from attnlab.eval.records import distinct_labels, exponential_problem, range_problem
@@ -253,7 +261,6 @@ def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: s
     check_outputs(paths.values())  # nothing written while one of them is the user's own
     markdown = to_markdown(rows, notes)
     with outputs_together(out_dir, "compare") as stage:  # the three written, then renamed: together or not at all
-        atomic_write_text(stage / "compare.md", markdown)
         atomic_write_text(stage / "compare.csv", to_csv(rows))
         try:
             plot_val_loss(runs, stage / "val_loss.png")
@@ -261,6 +268,8 @@ def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: s
             if e.filename is None:
                 e.filename = str(stage / "val_loss.png")
             raise
+        written = {name: sha256_file(stage / name) for name in ("compare.csv", "val_loss.png")}
+        atomic_write_text(stage / "compare.md", markdown + record_line(markdown, written))
     return {"rows": rows, "text": markdown, **paths}
 
 
@@ -289,9 +298,40 @@ OWN_START = {"compare.md": b"| target | seeds | params |", "compare.csv": b"targ
              "val_loss.png": b"\x89PNG"}  # fmt: skip
 
 
+# compare.md's last line: the sha256 of the text above it and of the files written with it, so that a file of
+# compare's own changed since (a note added to compare.md) is told from one it may replace. An HTML comment: not shown.
+RECORD = re.compile(rb"^<!-- attnlab compare sha256: compare.md ([0-9a-f]{64}) compare.csv ([0-9a-f]{64}) "
+                    rb"val_loss.png ([0-9a-f]{64}) -->\n", re.MULTILINE)  # fmt: skip
+
+
+def record_line(markdown: str, written: dict[str, str]) -> str:
+    """The line ending compare.md (RECORD): the sha256 of `markdown` and of the files `written` ({name: sha256})."""
+    text = hashlib.sha256(markdown.encode("utf-8")).hexdigest()
+    return (f"<!-- attnlab compare sha256: compare.md {text} compare.csv {written['compare.csv']} val_loss.png "
+            f"{written['val_loss.png']} -->\n")  # fmt: skip
+
+
+def _recorded(folder: Path) -> dict[str, str] | None:
+    """{name: sha256 compare wrote} from folder's compare.md when it is as compare wrote it; {} when compare.md is
+    not there or was written before the record (nothing is known); None when it was changed since."""
+    path = folder / "compare.md"
+    if not path.is_file():
+        return {}
+    data = path.read_bytes()
+    found = RECORD.search(data)
+    if found is None:
+        return {} if data.startswith(OWN_START["compare.md"]) and b"<!-- attnlab compare" not in data else None
+    text, csv_sum, png_sum = (group.decode() for group in found.groups())
+    if data[found.end() :] or hashlib.sha256(data[: found.start()]).hexdigest() != text:
+        return None
+    return {"compare.csv": csv_sum, "val_loss.png": png_sum}
+
+
 def check_outputs(paths) -> None:
-    """Refuses (InputError, naming it) a folder or other non-file where compare writes a file, and a file there
-    that compare did not write (the user's own compare.md is never replaced)."""
+    """Refuses (InputError, naming it) a folder or other non-file where compare writes a file, a file there that
+    compare did not write (the user's own compare.md is never replaced), and one of compare's own changed since it
+    wrote it (a note added to compare.md: its record, RECORD, says what it wrote)."""
+    paths = list(paths)
     for path in paths:
         if path.exists() and not path.is_file():
             what = "a folder" if path.is_dir() else "not a regular file"
@@ -303,3 +343,11 @@ def check_outputs(paths) -> None:
             if start != OWN_START[path.name]:
                 raise InputError(f"{path}: not a file attnlab compare wrote (it would be replaced): move it away, "
                                  "or give another --out")  # fmt: skip
+    for folder in dict.fromkeys(path.parent for path in paths):
+        recorded = _recorded(folder)
+        changed = [folder / "compare.md"] if recorded is None else [
+            folder / name for name, digest in recorded.items()
+            if (folder / name).is_file() and sha256_file(folder / name) != digest]  # fmt: skip
+        if changed:
+            raise InputError(f"{changed[0]}: changed since attnlab compare wrote it (it would be replaced, and the "
+                             "change lost): move it away, or give another --out")  # fmt: skip

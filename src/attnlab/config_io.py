@@ -67,6 +67,10 @@ class IntTooLarge(yaml.constructor.ConstructorError):
     """An integer of more digits than Python converts (jsonio.MAX_INT_DIGITS): no setting is anywhere near."""
 
 
+class Yaml11Number(yaml.constructor.ConstructorError):
+    """A number only YAML 1.1 reads so (010, 1:30, 1_000, 0b1100): YAML 1.2 reads another number or a string."""
+
+
 class DuplicateKey(yaml.constructor.ConstructorError):
     """A mapping key given twice: valid YAML and JSON (whose loaders keep the last), refused here."""
 
@@ -93,8 +97,10 @@ class StrictLoader(yaml.SafeLoader):
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         """YAML 1.1's integers but the two forms that read as another number than written: a leading zero (010 is
-        octal 8) and base 60 (1:30 is 90). Refused, as YAML 1.2 reads neither so. So is an integer of more digits
-        than Python converts (jsonio.MAX_INT_DIGITS): far too large for any setting, and it would fail to read."""
+        octal 8) and base 60 (1:30 is 90). Refused, as YAML 1.2 reads neither so; and so are the forms YAML 1.2 reads
+        as strings (1_2 and binary 0b1100 are 12 only in YAML 1.1; hex 0xC is 12 in both). So is an integer of more
+        digits than Python converts (jsonio.MAX_INT_DIGITS): far too large for any setting, and it would fail to
+        read."""
         text = str(node.value).replace("_", "").lstrip("+-")
         if too_many_digits(text):
             raise self._too_large(node, f"an integer of {sum(c.isalnum() for c in text)} digits")
@@ -103,13 +109,25 @@ class StrictLoader(yaml.SafeLoader):
             raise self._too_large(node, f"an integer of {value.bit_length()} bits")
         if ":" in text or (len(text) > 1 and text[0] == "0" and text[1].isdigit()):
             form = "base 60" if ":" in text else "octal (a leading zero)"
-            raise yaml.constructor.ConstructorError(
+            raise Yaml11Number(
                 problem=f"{node.value} reads in YAML 1.1 as {form}, the number {value}: write {value} if that is "
                 f"meant, the digits without the leading zero{' or colon' if ':' in text else ''} if not, or quote it "
                 "for a string",
                 problem_mark=node.start_mark,
             )
+        if "_" in str(node.value) or text[:2].lower() == "0b":
+            raise self._yaml_11_only(node, value, "binary" if text[:2].lower() == "0b" else "its underscores dropped")
         return value
+
+    @staticmethod
+    def _yaml_11_only(node: yaml.ScalarNode, value, form: str) -> Yaml11Number:
+        """The error for a number only YAML 1.1 reads (1_000, 0b1100): YAML 1.2 (and other tools reading the file)
+        reads a string there."""
+        return Yaml11Number(
+            problem=f"{node.value} is a number only in YAML 1.1 ({form}: {value}), a string in YAML 1.2: write "
+            f"{value} if that is meant, or quote it for a string",
+            problem_mark=node.start_mark,
+        )
 
     @staticmethod
     def _too_large(node: yaml.ScalarNode, what: str) -> IntTooLarge:
@@ -120,14 +138,17 @@ class StrictLoader(yaml.SafeLoader):
         )
 
     def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
-        """YAML 1.1's floats but base 60 (1:30.5 is 90.5), refused as construct_yaml_int refuses 1:30."""
+        """YAML 1.1's floats but base 60 (1:30.5 is 90.5) and underscores (1_0.5), refused as construct_yaml_int
+        refuses 1:30 and 1_0."""
         value = super().construct_yaml_float(node)
         if ":" in str(node.value):
-            raise yaml.constructor.ConstructorError(
+            raise Yaml11Number(
                 problem=f"{node.value} reads in YAML 1.1 as base 60, the number {value}: write {value} if that is "
                 "meant, or quote it for a string",
                 problem_mark=node.start_mark,
             )
+        if "_" in str(node.value):
+            raise self._yaml_11_only(node, value, "its underscores dropped")
         return value
 
 

@@ -27,6 +27,9 @@ from collections.abc import Iterator
 
 INTERRUPTED = 130  # the shell's exit code of a command stopped by SIGINT (128 + 2)
 RESUMABLE = {"run": "run the same command again to resume from the last checkpoint"}  # what an interrupted one does
+# ... and one given --no-resume, whose same command would start over rather than resume
+STARTS_OVER = {"run": "run it again without --no-resume to resume from the last checkpoint (with it, the run starts "
+               "over)"}  # fmt: skip
 GRACE_SECONDS = 10.0  # as train.signals: a second Ctrl-C this soon after the first is ignored while the first stops
 
 
@@ -37,12 +40,19 @@ def command_name(argv: list[str]) -> str:
     return " ".join(words[:2] if words[:1] == ["memory"] else words[:1])
 
 
-def interrupted(command: str) -> int:
+def interrupted(command: str, no_resume: bool = False) -> int:
     """One line for a command stopped with Ctrl-C (KeyboardInterrupt), no traceback; exit code 130.
-    `attnlab run: interrupted; run the same command again to resume from the last checkpoint`."""
-    how = f"; {RESUMABLE[command]}" if command in RESUMABLE else ""
+    `attnlab run: interrupted; run the same command again to resume from the last checkpoint` (no_resume: the command
+    was given --no-resume, so that the same command would start over: run it again without it)."""
+    said = STARTS_OVER if no_resume else RESUMABLE
+    how = f"; {said[command]}" if command in said else ""
     print(f"attnlab{' ' + command if command else ''}: interrupted{how}", file=sys.stderr)
     return INTERRUPTED
+
+
+def no_resume_given(argv: list[str]) -> bool:
+    """Whether the arguments as given hold --no-resume (or an abbreviation argparse takes for it: --no-r...)."""
+    return any(arg.startswith("--no-r") and "--no-resume".startswith(arg) for arg in argv)
 
 
 def main() -> int:
@@ -68,7 +78,7 @@ def main() -> int:
             if seen and code != INTERRUPTED:  # a library took the KeyboardInterrupt and carried on without it
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
-        return interrupted(command_name(sys.argv[1:]))
+        return interrupted(command_name(sys.argv[1:]), no_resume_given(sys.argv[1:]))
     finally:
         _ignore_interrupts()  # the command is done: a Ctrl-C now would end the interpreter's exit hooks in a traceback
     return code

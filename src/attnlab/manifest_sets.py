@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import yaml
 
-from attnlab.config_io import IntTooLarge, TooDeep, parse_yaml, yaml_problem
+from attnlab.config_io import IntTooLarge, TooDeep, Yaml11Number, parse_yaml, yaml_problem
 from attnlab.errors import ConfigError
 from attnlab.paths import brief
 
@@ -26,7 +26,7 @@ def parse_set(assignments: list[str] | tuple[str, ...]) -> dict:
         try:
             value = parse_yaml(raw) if raw.strip() else None
         except yaml.YAMLError as e:
-            plain = isinstance(e, (TooDeep, IntTooLarge))  # (quoting would not help)
+            plain = isinstance(e, (TooDeep, IntTooLarge, Yaml11Number))  # (quoting would not help, or is said)
             fix = "" if plain else " (quote the whole value, or drop a stray quote or bracket)"
             raise ConfigError(f"--set {brief(item)}: the value {brief(raw)} is {yaml_problem(e)}{fix}") from None
         if len(parts) == 1 and not isinstance(value, dict):  # train=null would drop the whole section, defaults in

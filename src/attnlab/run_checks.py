@@ -149,6 +149,37 @@ def vocab_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
 RUNS_NEST = "runs go to OUT/<manifest>/<target>/seed<S>; give the folder that holds your runs, e.g. --out runs"
 
 
+def manifest_folder_problem(out_root: str | Path) -> str | None:
+    """The line refusing an --out that is (or is inside) the folder of a manifest's runs, OUT/<manifest> (it holds
+    the manifest.json `attnlab run` writes there), before anything is written: the runs would go into a second
+    manifest folder nested inside the first, and `compare` of it would show both."""
+    absolute = Path(out_root).absolute()
+    for folder in (absolute, *absolute.parents):
+        name = _manifest_named(folder)
+        if name is None:
+            continue
+        shown = [p.relative_to(Path.cwd()) if p.is_relative_to(Path.cwd()) else p for p in (folder, folder.parent)]
+        where = "is" if folder == absolute else f"is inside {shown[0]}, which is"
+        return (f"--out {out_root} {where} the folder of manifest {name}'s runs (it holds manifest.json): runs go to "
+                f"OUT/<manifest>/<target>/seed<S>; give the folder that holds it, --out {shown[1]}")  # fmt: skip
+    return None
+
+
+def _manifest_named(folder: Path) -> str | None:
+    """The manifest's name when `folder` is where `attnlab run` put its runs: its manifest.json (a small object of
+    the manifest's name and path, the name the folder's own) says so; else None."""
+    path = folder / "manifest.json"
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 16:
+            return None
+        record = loads_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not (isinstance(record, dict) and isinstance(record.get("path"), str) and record.get("name") == folder.name):
+        return None
+    return folder.name
+
+
 def prepared_meta(data, data_dir) -> dict | None:
     """The meta.json of the data's prepared folder when it is prepared already (a dry run prepares nothing)."""
     if names_model(data.tokenizer):  # its cache key needs the model's tokenizer

@@ -57,6 +57,10 @@ class StoreError(DataError):
     """The memory store or one of its entries cannot be used."""
 
 
+class JournalError(StoreError):
+    """The index cannot be read for the file at its journal's name (index.sqlite-journal) beside it."""
+
+
 def store_dir(store: str | Path | None = None) -> Path:
     if store:
         return Path(store)
@@ -76,6 +80,9 @@ class Entry:
     model_path: str
     created: str  # UTC, ISO 8601
     state_sha256: str  # the state file's header checksum
+
+
+JOURNAL_HEADER = bytes.fromhex("d9d505f920a163d7")  # how SQLite's rollback journals begin
 
 
 class MemoryStore:
@@ -130,6 +137,8 @@ class MemoryStore:
             return
         try:
             tables = self._run("SELECT name FROM sqlite_master WHERE type = 'table' AND name = 'states'")
+        except JournalError:
+            raise  # (the index is not known to be damaged: the journal beside it is what to see to)
         except StoreError:
             tables = []
         states = [p.name for p in (self.root / "states").glob("*.safetensors")]
@@ -139,7 +148,7 @@ class MemoryStore:
                              f"restore the index from a copy, or move {self.root} away to start an empty "
                              "store")  # fmt: skip
 
-    def _run(self, sql: str, args: tuple = (), write: bool = False, then=None) -> list[tuple]:
+    def _run(self, sql: str, args: tuple = (), write: bool = False, then=None, recovered: bool = False) -> list[tuple]:
         """Runs `sql` in one transaction. then: called before the commit (e.g. deleting a state file): if it
         raises (an OSError such as permission denied), the change is rolled back and the error goes on."""
         uri = f"{self.index.resolve().as_uri()}?mode={'rwc' if write else 'ro'}"
@@ -152,7 +161,43 @@ class MemoryStore:
         except sqlite3.IntegrityError:
             raise
         except sqlite3.Error as e:
+            if getattr(e, "sqlite_errorname", "") == "SQLITE_READONLY_ROLLBACK" and not recovered:
+                problem = self._journal_problem()  # (a read met SQLite's journal of an interrupted write)
+                if problem is None:
+                    return self._run(sql, args, write, then, recovered=True)
+                raise JournalError(problem) from None
             raise StoreError(f"{self.index}: {self._problem(e)}") from None
+
+    def _journal_problem(self) -> str | None:
+        """A read-only open found index.sqlite-journal, which SQLite must roll back before the index is read. One of
+        SQLite's (its header: an ingest or rm interrupted mid-write) is rolled back as any writer of the index
+        would, when the store may be written (None: read again); else the line naming the journal and the fix."""
+        journal = self.index.with_name(self.index.name + "-journal")
+        try:
+            with journal.open("rb") as file:
+                ours = file.read(len(JOURNAL_HEADER)) == JOURNAL_HEADER
+        except FileNotFoundError:
+            return None  # (rolled back meanwhile: read again)
+        except OSError as e:
+            return (f"{journal}: cannot be read ({e.strerror or e}), and SQLite must roll back this journal of "
+                    f"{self.index.name} before the index is read: make it readable")  # fmt: skip
+        if not ours:
+            return (f"{journal}: not a journal SQLite wrote (it lacks a journal's header), at the name where SQLite "
+                    f"keeps the rollback journal of {self.index.name}, which cannot be read while it is there: move "
+                    "it away and run again")  # fmt: skip
+        if not (os.access(self.root, os.W_OK | os.X_OK) and os.access(self.index, os.W_OK)):
+            return (
+                f"{self.index}: read-only, and SQLite must roll back its journal {journal.name} (a write to the "
+                f"index was interrupted), which needs write access: make {self.root} and its index writable, or "
+                "choose another store with --store or $ATTNLAB_MEMORY"
+            )
+        uri = f"{self.index.resolve().as_uri()}?mode=rw"
+        try:
+            with closing(sqlite3.connect(uri, uri=True)) as db:  # (opening it for writing rolls the journal back)
+                db.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        except sqlite3.Error as e:
+            return f"{self.index}: {self._problem(e)}"
+        return None
 
     def _problem(self, error: sqlite3.Error) -> str:
         """What is wrong with the index, and what to do, for SQLite's error."""

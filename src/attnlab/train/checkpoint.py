@@ -62,6 +62,7 @@ from attnlab.train.checkpoint_files import (  # noqa: F401 (names callers import
     _unreadable_weights,
     recorded_checksums,
     verify_file,
+    weights_dtype_problem,
 )
 
 log = logging.getLogger(__name__)
@@ -259,7 +260,7 @@ def read_pointer(root: Path, tag: str) -> dict | None:
     try:
         pointer = loads_json(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e}); delete it to start over") from None
+        raise CheckpointError(f"{path}: unreadable ({e}); {_pointer_fix(Path(root), tag)}") from None
     if not (
         isinstance(pointer, dict)
         and isinstance(pointer.get("dir"), str)
@@ -267,12 +268,45 @@ def read_pointer(root: Path, tag: str) -> dict | None:
         and isinstance(pointer.get("step"), int)
     ):
         raise CheckpointError(f'{path}: not a checkpoint pointer (expected {{"dir": "step-N", "step": N}}); '
-                              "delete it to start over")  # fmt: skip
+                              f"{_pointer_fix(Path(root), tag)}")  # fmt: skip
     if pointer["step"] != int(pointer["dir"][5:]):  # a resume (and a dry run) would count from the wrong step
+        fix = _pointer_fix(Path(root), tag, Path(root) / pointer["dir"])
         raise CheckpointError(f"{path}: names {pointer['dir']} but step {pointer['step']} (a checkpoint folder holds "
-                              f"the step in its name): write {pointer_text(Path(root) / pointer['dir'])} into "
-                              f"{path.name}, or delete it to start over")  # fmt: skip
+                              f"the step in its name); {fix}")  # fmt: skip
     return pointer
+
+
+def _pointer_fix(root: Path, tag: str, named: Path | None = None) -> str:
+    """How to mend a damaged pointer (last.json, best.json), each way saying what it does: deleting last.json does not
+    start the run over while checkpoint folders are there (find_checkpoint refuses that), and deleting best.json
+    alone lets the run resume from its last checkpoint, forgetting which one scored best. named: the checkpoint
+    folder the pointer names (its step wrong), proposed when it is there."""
+    folders = step_folders(root)
+    name = f"{tag}.json"
+    if tag == "last":
+        if not folders:
+            return f"delete it and the run starts over (no checkpoint folder is left in {root})"
+        target = named if named in folders else folders[-1]
+        return (f"write {pointer_text(target)} into {name} to resume from step {int(target.name[5:])}, or delete "
+                f"{root} to start over")  # fmt: skip
+    try:
+        last = read_pointer(root, "last")
+    except CheckpointError:
+        last = None
+    if last is None or not (root / last["dir"]).is_dir():  # (a resume refuses the last pointer first)
+        return f"write the pointer of the run's best checkpoint into {name}, or delete it alone"
+    earlier = [f for f in folders if int(f.name[5:]) < last["step"]]  # the best is the last or an earlier one
+    best, why = (named, "") if named in folders else (None, "")
+    if best is None and not earlier:
+        best, why = root / last["dir"], "its last checkpoint: no earlier one is kept"
+    elif best is None and len(earlier) == 1:
+        best, why = earlier[0], "the one checkpoint kept before its last"
+    resumes = f"delete {name} alone: the run resumes from step {last['step']}"
+    if best is None:
+        return f"write the pointer of the run's best checkpoint into {name}, or {resumes} and no longer keeps its best"
+    said = f" ({best.name}, {why})" if why else ""
+    kept = "" if best.name == last["dir"] else f" and no longer keeps {best.name} as its best"
+    return f"write {pointer_text(best)} into {name}{said}, or {resumes}{kept}"
 
 
 def _remove_unreferenced(root: Path) -> None:
@@ -317,7 +351,7 @@ def find_checkpoint(run_dir: Path, tag: str = "last") -> Checkpoint | None:
     trainer, config = _read_json(path, TRAINER, recorded), _read_json(path, CONFIG, recorded)
     if not isinstance(trainer, dict) or not isinstance(config, dict):
         raise CheckpointError(f"{path}: incomplete or corrupt checkpoint (trainer.json and config.json must hold "
-                              "objects); delete it to start over")  # fmt: skip
+                              f"objects); {_fix(path)}")  # fmt: skip
     return Checkpoint(path, pointer["step"], trainer, config)
 
 
@@ -357,10 +391,13 @@ def _stale_pointer(root: Path, tag: str, missing: str) -> str:
             f"{pointer_text(newest)} into {pointer.name} to use it{resumes}, or give {newest} itself")  # fmt: skip
 
 
-def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path, header_only: bool = False) -> None:
+def load_weights(
+    model: torch.nn.Module, checkpoint: Checkpoint | Path, header_only: bool = False, exact: bool = False
+) -> None:
     """The checkpoint's weights into `model`, after checking model.safetensors against its recorded sha256 and its
     tensors' names and shapes (its header) against the model's. header_only: those checks alone, nothing loaded (a
-    dry run's, with a model on the meta device)."""
+    dry run's, with a model on the meta device). exact: a resume's, which continues the run bit-exactly: each tensor
+    of the dtype the model holds it in (the run saves that dtype; weights re-saved in another are refused)."""
     folder = Path(getattr(checkpoint, "path", checkpoint))
     path = verify_file(folder, WEIGHTS, recorded_checksums(folder))
     if not path.exists():
@@ -369,6 +406,9 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path, header_o
         problem = weights_fit_problem(path, unwrap(model))
         if problem:
             raise CheckpointError(f"{path}: weights do not fit this model ({problem}); {_fix(folder)}")
+        problem = weights_dtype_problem(path, unwrap(model)) if exact else None
+        if problem:
+            raise CheckpointError(f"{path}: {problem}, so the run would not resume exactly; {_fix(folder)}")
         if header_only:
             return
         missing, unexpected = load_model(unwrap(model), str(path), strict=False)
@@ -383,6 +423,16 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint | Path, header_o
     if bad:  # a diverged run saves none (the loop stops first): these were written in, checksum or not
         raise CheckpointError(f"{path}: {len(bad)} weight tensor(s) hold NaN or infinity ({', '.join(bad[:3])}); "
                               f"{_fix(folder)}")  # fmt: skip
+
+
+def load_resumed_weights(model: torch.nn.Module, checkpoint: Checkpoint, header_only: bool = False) -> None:
+    """A resume's weights: the checkpoint's into `model` (header_only: checked only), each tensor in the dtype the run
+    saves (load_weights' exact); and the run's best checkpoint, which it scores at its end, checked so now."""
+    load_weights(model, checkpoint, header_only=header_only, exact=True)
+    run_dir = checkpoint.path.parent.parent if checkpoint.path.parent.name == "checkpoints" else None
+    best = find_checkpoint(run_dir, "best") if run_dir is not None else None
+    if best is not None and best.path != checkpoint.path:
+        load_weights(model, best, header_only=True, exact=True)
 
 
 def weights_fit_problem(path: Path, model: torch.nn.Module) -> str | None:

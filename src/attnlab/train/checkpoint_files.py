@@ -10,6 +10,7 @@ import re
 import warnings
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from attnlab.data.files import failure_words, file_kind, sha256_file
@@ -153,3 +154,26 @@ def _unreadable_weights(path: Path, error: BaseException) -> CheckpointError:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return CheckpointError(f"{path}: not a readable safetensors file ({first}): it was truncated or damaged; "
                            f"{_fix(path.parent)}")  # fmt: skip
+
+
+# safetensors' names of the dtypes a model's state holds
+DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+               torch.bool: "BOOL"}  # fmt: skip
+
+
+def weights_dtype_problem(path: Path, model: torch.nn.Module) -> str | None:
+    """Which tensors of a safetensors file (its header; no data read) are of another dtype than `model` holds them
+    in (a run saves its weights in the dtype it trains them in), or None; once their names and shapes fit
+    (checkpoint.weights_fit_problem)."""
+    state = model.state_dict()
+    with safe_open(str(path), framework="pt") as f:
+        found = {name: f.get_slice(name).get_dtype() for name in f.keys() if name in state}
+    wrong = {name: dtype for name, dtype in found.items() if dtype != DTYPE_NAMES.get(state[name].dtype, "?")}
+    if not wrong:
+        return None
+    first = min(wrong)
+    more = f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""
+    saved = DTYPE_NAMES.get(state[first].dtype, state[first].dtype)
+    return (f"{first}{more} {'are' if more else 'is'} {wrong[first]}, where the run saves {saved} (the file was "
+            "re-saved in another dtype)")  # fmt: skip

@@ -4,6 +4,7 @@ progress bar with loss, tok/s and ETA (tqdm, when wanted)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -16,14 +17,16 @@ from attnlab.jsonio import loads_json
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, enabled: bool = True, resume_step: int = 0):
+    def __init__(self, run_dir: Path, enabled: bool = True, resume_step: int = 0, train_cfg=None):
+        """train_cfg: the run's TrainConfig, whose steps, log_every and eval_every say which rows a resume from
+        resume_step should find (a warning names the ones missing)."""
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tensorboard = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._truncate_after(resume_step)
+        self._truncate_after(resume_step, train_cfg)
         self.file = open(self.path, "ab", buffering=0)  # unbuffered: a failed write leaves nothing to flush later
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -32,9 +35,9 @@ class MetricsLog:
         except ImportError:  # tensorboard is optional
             self.tensorboard = None
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int, train_cfg=None) -> None:
         """On resume, rows logged after the checkpoint will be logged again: drop them (atomically)."""
-        rows, kept = metrics_rows(self.path, step)
+        rows, kept = metrics_rows(self.path, step, train_cfg)
         if len(kept) != len(rows) or (rows and not _ends_a_line(self.path)):  # (appended rows start on a new line)
             atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
@@ -88,12 +91,21 @@ def _ends_a_line(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
-def metrics_rows(path: Path, step: int) -> tuple[list[str], list[str]]:
+# What the trainer logs only as finite numbers (a loss that is not stops the run before its row is written; a
+# validation loss is of at least one window). The gradient norm may be infinite.
+FINITE_KEYS = ("loss", "lr", "tok_per_s", "val_loss", "val_ppl")
+
+
+def metrics_rows(path: Path, step: int, train_cfg=None) -> tuple[list[str], list[str]]:
     """(every row of a run's metrics log, those of steps <= step: what a resume from `step` keeps), ([], []) when
-    there is none; DataError naming the line that is not UTF-8, not JSON or not a metrics row (a resume and its dry
-    run refuse the log alike). A last line cut short (no newline, not JSON: a write stopped by a full disk or a
-    kill) is dropped with a warning: it was written after the last checkpoint, as every row a resume logs again."""
+    there is none; DataError naming the line that is not UTF-8, not JSON or not a metrics row, or holds a value the
+    trainer never logs (a NaN loss): a resume and its dry run refuse the log alike. A last line cut short (no
+    newline, not JSON: a write stopped by a full disk or a kill) is dropped with a warning: it was written after the
+    last checkpoint, as every row a resume logs again. train_cfg (the run's TrainConfig): rows the run logged up to
+    `step` and the log lacks (it was deleted, emptied or cut) are named in a warning: they are not logged again."""
     if not path.exists():
+        if train_cfg is not None:
+            _missing_rows(path, step, train_cfg, None)
         return [], []
     kind = file_kind(path)
     if kind is not None:  # (a FIFO would be waited on without end)
@@ -108,18 +120,58 @@ def metrics_rows(path: Path, step: int) -> tuple[list[str], list[str]]:
         raise DataError(f"{path}: line {line} is not UTF-8 text (the metrics log was damaged); repair or "
                         "remove that line, or delete the file to start the log afresh") from None  # fmt: skip
     rows = [line for line in text.splitlines() if line.strip()]
-    kept = []
+    kept, kept_rows = [], []
+    fix = "repair or remove that line, or delete the file to start the log afresh"
     for number, line in enumerate(rows, 1):
         try:
             row = loads_json(line)
         except json.JSONDecodeError:
-            raise DataError(f"{path}: line {number} is not JSON (the metrics log was damaged); repair or "
-                            "remove that line, or delete the file to start the log afresh") from None  # fmt: skip
+            raise DataError(f"{path}: line {number} is not JSON (the metrics log was damaged); {fix}") from None
         if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
             raise DataError(f"{path}: line {number} is not a metrics row (an object with an integer step)")
+        for key in FINITE_KEYS:
+            value = row.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise DataError(f"{path}: line {number}: {key} is {json.dumps(value)}, which the trainer never logs "
+                                f"(the metrics log was changed); {fix}")  # fmt: skip
         if row.get("step", 0) <= step:
             kept.append(line)
+            kept_rows.append(row)
+    if train_cfg is not None:
+        _missing_rows(path, step, train_cfg, kept_rows)
     return rows + torn, kept
+
+
+def _missing_rows(path: Path, step: int, train_cfg, rows: list[dict] | None) -> None:
+    """A warning naming the rows a run resuming from `step` logged before it (a training row every log_every
+    steps, a validation row every eval_every steps, both at the last step) that its log lacks (rows None: the log
+    is missing): they are not logged again."""
+    wanted = {"loss": "training", "val_loss": "validation"}
+    every = {"loss": train_cfg.log_every, "val_loss": train_cfg.eval_every}
+    lacking = {}
+    for key in wanted:
+        logged = {row.get("step") for row in rows or () if key in row}
+        last = {train_cfg.steps} if train_cfg.steps <= step else set()  # (a resume to write the summary)
+        expected = set(range(every[key], step + 1, every[key])) | last
+        if expected - logged:
+            lacking[key] = sorted(expected - logged)
+    if not lacking:
+        return
+    resumes = (f"the run resumes from step {step} and logs only the steps after it (restore the file from a copy "
+               "first to keep them)")  # fmt: skip
+    if not rows:
+        what = ("missing: the rows the run logged up to step {step} are gone" if rows is None else
+                "holds none of the rows the run logged up to step {step} (it was emptied or cut)")  # fmt: skip
+        warnings.warn(f"{path}: {what.format(step=step)}; {resumes}", AttnlabWarning, stacklevel=3)
+        return
+    said = "; ".join(f"{wanted[key]} loss at step{'s' * (len(steps) > 1)} {_steps(steps)}" for key, steps in
+                     lacking.items())  # fmt: skip
+    warnings.warn(f"{path}: lacks rows the run logged before its checkpoint ({said}); {resumes}", AttnlabWarning,
+                  stacklevel=3)  # fmt: skip
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:3])) + (f" and {len(steps) - 3} more" if len(steps) > 3 else "")
 
 
 def _torn_last_line(path: Path, data: bytes) -> tuple[bytes, list[str]]:

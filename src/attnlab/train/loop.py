@@ -29,6 +29,7 @@ from attnlab.train.checkpoint import (
     find_checkpoint,
     load_model_from_checkpoint,
     load_optimizer,
+    load_resumed_weights,
     load_weights,
     recorded_checksums,
     save_checkpoint,
@@ -211,7 +212,7 @@ def train(
         if problem:  # the files written again below: a damaged one is named, not silently replaced
             raise DataError(problem)
         # Every file is checked (sha256) before it is used; a refusal leaves the run folder as it was.
-        load_weights(model, checkpoint)  # into the whole model, before it is sharded
+        load_resumed_weights(model, checkpoint)  # into the whole model, before it is sharded
         state.update(resumed_state(checkpoint, sampler))
     elif init_from is not None:
         previous_cfg, previous = load_model_from_checkpoint(init_from, tag="last")
@@ -243,7 +244,7 @@ def train(
     if checkpoint is not None:
         load_optimizer(optimizer, checkpoint, model)
 
-    log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"])
+    log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"], train_cfg=train_cfg)
     saved_tokenizer = None  # what the checkpoints record of the tokenizer saved with the run (rank 0 writes them)
     if dist_info.is_main:
         for name, text in (run_files or {}).items():
@@ -349,7 +350,7 @@ def finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype
     if best is not None and is_sharded(model):
         load_full_weights(model, load_file(verify_file(best.path, WEIGHTS, recorded_checksums(best.path))), dropped)
     elif best is not None:
-        load_weights(model, best)
+        load_weights(model, best, exact=True)  # (the run's own: in the dtype it saves)
     scored = model if is_sharded(model) else unwrap(model)
     for split in ("val", "test"):
         if split not in prepared.splits:

@@ -36,7 +36,7 @@ from attnlab.train.checkpoint import (
     CheckpointError,
     find_checkpoint,
     load_optimizer,
-    load_weights,
+    load_resumed_weights,
 )
 from attnlab.train.logging import metrics_rows
 from attnlab.train.optim import build_optimizer, freeze
@@ -267,13 +267,14 @@ def check_resume(checkpoint, config: dict | None, sampler: dict, data_problem=No
 
 def read_files_problem(checkpoint, run_dir: Path, train_cfg) -> str | None:
     """For a dry run: the line the resume would refuse the files it reads after check_resume with, or None: the
-    checkpoint's weights and optimizer state not as written or not of this model (by the run's own load_weights and
-    load_optimizer, on a model built on the meta device: their checksums, the weights' names and shapes from their
-    header, the optimizer state's structure and shapes), the run's metrics log damaged (as the run reads it,
+    checkpoint's weights and optimizer state not as written or not of this model (by the run's own
+    load_resumed_weights and load_optimizer, on a model built on the meta device: their checksums, the weights' names,
+    shapes and dtypes from their header, the best checkpoint's weights too, the optimizer state's structure and
+    shapes), the run's metrics log damaged (as the run reads it,
     train.logging.metrics_rows). train_cfg: the run's TrainConfig (which parameters it trains, its optimizer)."""
     try:
         _load_on_meta(checkpoint, train_cfg)
-        metrics_rows(run_dir / "metrics.jsonl", checkpoint.step)
+        metrics_rows(run_dir / "metrics.jsonl", checkpoint.step, train_cfg)  # (a warning names rows it lacks)
     except DataError as e:
         return str(e)
     return None
@@ -285,7 +286,7 @@ def _load_on_meta(checkpoint, train_cfg) -> None:
     cfg = model_config_from_dict(checkpoint.config["model"], source=str(checkpoint.path / CONFIG), saved=True)
     with torch.device("meta"):
         model = build_model(cfg, init=False)
-    load_weights(model, checkpoint, header_only=True)
+    load_resumed_weights(model, checkpoint, header_only=True)
     freeze(model, train_cfg.trainable)
     optimizer = build_optimizer(model, train_cfg)
     rng = torch.get_rng_state()
