@@ -128,10 +128,12 @@ def test_ctrl_c_during_run_ends_in_one_line_and_exit_code_130(tmp_path, capsys, 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(attnlab.cli, "cmd_run", stopped)
-    assert main(["run", str(write_manifest(tmp_path)), "--dry-run"]) == 130
+    assert main(["run", str(write_manifest(tmp_path))]) == 130
     assert capsys.readouterr().err.splitlines() == [
         "attnlab run: interrupted; run the same command again to resume from the last checkpoint"
     ]
+    assert main(["run", str(write_manifest(tmp_path)), "--dry-run"]) == 130  # a dry run: nothing to resume
+    assert capsys.readouterr().err.splitlines() == ["attnlab run: interrupted"]
 
 
 def test_a_checkpoint_from_before_checksums_is_one_warning_line(tmp_path, capsys):

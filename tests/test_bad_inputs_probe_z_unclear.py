@@ -76,13 +76,26 @@ def test_u8_an_interrupted_no_resume_run_says_to_run_it_again_without_no_resume(
     assert "would resume from step 2 of 4" in dry_run(capsys, [*argv, "--dry-run"])  # what the line says
 
 
-def test_u8_the_entry_point_reads_no_resume_from_the_arguments_as_given(capsys):
+def test_u8_the_entry_point_reads_no_resume_and_dry_run_from_the_arguments_as_given(capsys):
     """A Ctrl-C during the imports, before the arguments are parsed (argparse takes an abbreviation)."""
-    from attnlab.entry import interrupted, no_resume_given
+    from attnlab.entry import given, interrupted
 
-    assert no_resume_given(["run", "m.yml", "--no-res"]) and no_resume_given(["run", "m.yml", "--no-resume"])
-    assert not no_resume_given(["run", "m.yml", "--no-progress"]) and not no_resume_given(["run", "m.yml"])
+    assert given("--no-resume", "--no-r", ["run", "m.yml", "--no-res"]) and given(
+        "--no-resume", "--no-r", ["--no-resume"]
+    )
+    assert not given("--no-resume", "--no-r", ["run", "m.yml", "--no-progress"]) and not given(
+        "--no-resume", "--no-r", []
+    )
+    assert given("--dry-run", "--dr", ["run", "m.yml", "--dry"]) and not given("--dry-run", "--dr", ["--data-dir", "d"])
     assert interrupted("run", True) == 130 and "without --no-resume" in capsys.readouterr().err
+
+
+def test_an_interrupted_dry_run_says_nothing_of_resuming(capsys):
+    """A dry run trains nothing: 'run the same command again to resume' would only dry-run again."""
+    from attnlab.entry import interrupted
+
+    assert interrupted("run", False, dry_run=True) == 130 and interrupted("run", True, dry_run=True) == 130
+    assert capsys.readouterr().err.splitlines() == ["attnlab run: interrupted"] * 2
 
 
 # ----------------------------------------------------------------------------- U6: YAML 1.1-only numbers

@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             return fail(command, str(e))
         except KeyboardInterrupt:  # Ctrl-C: one line (a run resumes from its last checkpoint), exit code 130
-            return interrupted(command, getattr(args, "no_resume", False))
+            return interrupted(command, getattr(args, "no_resume", False), getattr(args, "dry_run", False))
         except BrokenPipeError:  # output piped into `head` and the like
             sys.stderr.close()
             return 0

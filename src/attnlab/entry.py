@@ -40,19 +40,21 @@ def command_name(argv: list[str]) -> str:
     return " ".join(words[:2] if words[:1] == ["memory"] else words[:1])
 
 
-def interrupted(command: str, no_resume: bool = False) -> int:
+def interrupted(command: str, no_resume: bool = False, dry_run: bool = False) -> int:
     """One line for a command stopped with Ctrl-C (KeyboardInterrupt), no traceback; exit code 130.
     `attnlab run: interrupted; run the same command again to resume from the last checkpoint` (no_resume: the command
-    was given --no-resume, so that the same command would start over: run it again without it)."""
-    said = STARTS_OVER if no_resume else RESUMABLE
+    was given --no-resume, so that the same command would start over: run it again without it; dry_run: a dry run
+    trains nothing, so there is nothing to resume)."""
+    said = {} if dry_run else STARTS_OVER if no_resume else RESUMABLE
     how = f"; {said[command]}" if command in said else ""
     print(f"attnlab{' ' + command if command else ''}: interrupted{how}", file=sys.stderr)
     return INTERRUPTED
 
 
-def no_resume_given(argv: list[str]) -> bool:
-    """Whether the arguments as given hold --no-resume (or an abbreviation argparse takes for it: --no-r...)."""
-    return any(arg.startswith("--no-r") and "--no-resume".startswith(arg) for arg in argv)
+def given(flag: str, shortest: str, argv: list[str]) -> bool:
+    """Whether the arguments as given hold `flag` (or an abbreviation argparse takes for it, from `shortest` on:
+    --no-r... for --no-resume, --dr... for --dry-run)."""
+    return any(arg.startswith(shortest) and flag.startswith(arg) for arg in argv)
 
 
 def main() -> int:
@@ -78,7 +80,8 @@ def main() -> int:
             if seen and code != INTERRUPTED:  # a library took the KeyboardInterrupt and carried on without it
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
-        return interrupted(command_name(sys.argv[1:]), no_resume_given(sys.argv[1:]))
+        argv = sys.argv[1:]
+        return interrupted(command_name(argv), given("--no-resume", "--no-r", argv), given("--dry-run", "--dr", argv))
     finally:
         _ignore_interrupts()  # the command is done: a Ctrl-C now would end the interpreter's exit hooks in a traceback
     return code
