@@ -72,7 +72,7 @@ from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, benchmark_names, load_plan, parameters, run_plan
 from attnlab.eval.loading import WEIGHTS
-from attnlab.eval.multiple_choice import run_multiple_choice, write_multiple_choice
+from attnlab.eval.multiple_choice import run_multiple_choice, task_given_first, write_multiple_choice
 from attnlab.eval.probes import (
     comparison_record,
     distinct_names,
@@ -204,6 +204,7 @@ def cmd_mc(args) -> int:
     what = special_file(args.file) if args.file is not None else None
     if what is not None:  # before the model is loaded (a fifo would be waited on without end)
         raise InputError(f"--file {args.file}: {what}: give the task's data file (a regular file)")
+    task_given_first(args.task, args.checkpoint)  # (before the model loads)
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     rows, s = run_multiple_choice(model, args.task, path=args.file, limit=args.limit, data_dir=args.data_dir)
     print(

@@ -325,6 +325,22 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
+def task_given_first(task: str, model: str) -> Task:
+    """The task of `attnlab mc TASK CHECKPOINT`, checked before the model loads. The two given the other way round
+    (the model first, as generate, info and probes take it) are one line saying the order, not "no such file" of
+    the task name read as a model."""
+    if task in TASKS:
+        return TASKS[task]
+    order = f"the order is `attnlab mc TASK CHECKPOINT`, the task first: attnlab mc {model} {task}"
+    if model in TASKS:
+        raise InputError(f"{model} is a task and {task} is not one: {order}")
+    if task.startswith("hf:") or Path(task).exists():
+        tasks = ", ".join(TASKS)
+        raise InputError(f"{task} is a model, not a task ({tasks}): the order is `attnlab mc TASK CHECKPOINT`, the "
+                         "task first")  # fmt: skip
+    return get_task(task)
+
+
 def load_items(task: str, path: str | Path | None = None, data_dir: str | Path | None = None) -> list[Item]:
     """A task's items from `path`, else from its default file in the data directory ($ATTNLAB_DATA, cache)."""
     spec = get_task(task)
