@@ -161,7 +161,8 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
     """ModelConfig of a GGUF file's metadata (`<arch>.*` keys, and the rope_freqs.weight tensor); ConfigError (one
     line) for what attnlab cannot express: another architecture, mixture of experts, partial RoPE or RoPE scaled
     otherwise than linearly or by frequency factors, per-layer head counts; DataError (one line) for a tensor whose
-    shape the metadata does not imply (check_tensor_shapes)."""
+    shape the metadata does not imply (check_tensor_shapes), a block's tensor missing or one past the blocks it
+    counts (check_block_tensors)."""
     meta, source = file.metadata, str(file.path)
     arch = meta.get("general.architecture")
     if arch in REFUSED_ARCHITECTURES:
@@ -228,6 +229,7 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
     except ConfigError as e:
         raise e.with_source(source) from None
     check_tensor_shapes(file, cfg)
+    check_block_tensors(file, cfg)
     return cfg
 
 
@@ -261,6 +263,30 @@ def check_tensor_shapes(file: GGUFFile, cfg: ModelConfig) -> None:
             raise DataError(f"{file.path} ({name}): the tensor has shape {file.shape(name)}, but the file's metadata "
                             f"({arch}.*) implies {implied[name]}: the file is damaged or its tensors are not its "
                             "metadata's model; download or convert it again")  # fmt: skip
+
+
+def check_block_tensors(file: GGUFFile, cfg: ModelConfig) -> None:
+    """DataError (one line naming the file, the first tensors missing or past the last block, and the block count)
+    unless the file holds every tensor of the blocks its metadata counts ({arch}.block_count) and none past them.
+    From the header alone, before any weight is read: `info` would otherwise print the figures of a depth the
+    tensors contradict, where loading the model refuses it."""
+    arch = file.metadata.get("general.architecture")
+    parts = [f"{part}.weight" for part in BLOCK_NAMES] + (list(QKV_BIASES) if cfg.attention.qkv_bias else [])
+    required = ["token_embd.weight", "output_norm.weight"]
+    required += [f"blk.{i}.{part}" for i in range(cfg.n_layers) for part in parts]
+    blocks = {int(m.group(1)) for name in file.tensors if (m := BLOCK_TENSOR.fullmatch(name))}
+    held = max(blocks) + 1 if blocks else 0
+    depth = f"{arch}.block_count is {cfg.n_layers} but the tensors are of {held} block{'s' * (held != 1)}"
+    fix = "the file is damaged or its metadata is not its tensors' model; download or convert it again"
+    missing = [name for name in required if name not in file.tensors]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        why = f" ({depth})" if held != cfg.n_layers else ""
+        raise DataError(f"{file.path}: missing tensor(s) {', '.join(missing[:3])}{more}{why}: {fix}")
+    past = [name for name in file.tensors if (m := BLOCK_TENSOR.fullmatch(name)) and int(m.group(1)) >= cfg.n_layers]
+    if past:
+        more = f" and {len(past) - 3} more" if len(past) > 3 else ""
+        raise DataError(f"{file.path}: tensor(s) {', '.join(past[:3])}{more} of no block ({depth}): {fix}")
 
 
 def check_token_count(file: GGUFFile) -> None:
