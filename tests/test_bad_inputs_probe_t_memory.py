@@ -196,6 +196,7 @@ def test_m2_ls_marks_a_damaged_row_and_rm_removes_it(bounded_run, tmp_path, caps
 @pytest.mark.parametrize("verb", ["rm", "query"])
 def test_m3_a_memory_subcommands_error_line_names_it(tmp_path, capsys, verb):
     argv = ["memory", verb, "nothing", *(["the cat"] if verb == "query" else []), "--store", str(tmp_path / "s")]
+    (tmp_path / "s").mkdir()  # (a store that is not there is refused before any name is looked up)
     assert main(argv) == 2
     err = capsys.readouterr().err
     said = f"no memory named 'nothing' in {tmp_path / 's'} (`attnlab memory ls` lists them)"

@@ -93,8 +93,8 @@ def test_v3_every_memory_command_refuses_a_store_that_is_a_broken_link(tiny_run,
     for argv in (["ls"], ["rm", "x"], ["query", "x", "hi"], ["ingest", str(tiny_run), str(doc), "--name", "x"]):
         assert fails(capsys, ["memory", *argv, "--store", str(store)], f"--store {store}: {said}", "remove the link")
     assert os.path.islink(store) and not (tmp_path / "nowhere").exists()
-    missing = tmp_path / "not-made-yet"  # a store not made yet is still empty, not an error
-    assert main(["memory", "ls", "--store", str(missing)]) == 0 and "no memories" in capsys.readouterr().out
+    missing = tmp_path / "not-made-yet"  # a store given that is not there is refused too (probe AA, U5)
+    assert fails(capsys, ["memory", "ls", "--store", str(missing)], f"--store {missing}: no such memory store")
 
 
 # ----------------------------------------------------------------------------- v4, v5: convert's lines

@@ -191,8 +191,8 @@ def test_cli_ingest_ls_query_rm(tmp_path, run, capsys):
     from attnlab.eval.loading import load_for_eval
 
     store = tmp_path / "store"
-    assert main(["memory", "ls", "--store", str(store)]) == 0
-    assert capsys.readouterr().out == f"no memories in {store}\n" and not store.exists()  # reading makes nothing
+    assert main(["memory", "ls", "--store", str(store)]) == 2  # a store given that is not there: a typo?
+    assert "no such memory store" in capsys.readouterr().err and not store.exists()  # reading makes nothing
     first, second = tmp_path / "a.txt", tmp_path / "b.txt"
     first.write_text("the cat sat on the mat by the red door.")  # 39 characters
     second.write_text("a dog and a cat sat by a")  # 24: with the end-of-text between, 64 tokens

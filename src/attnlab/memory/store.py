@@ -87,9 +87,10 @@ JOURNAL_HEADER = bytes.fromhex("d9d505f920a163d7")  # how SQLite's rollback jour
 
 class MemoryStore:
     """The index of one store folder. Every method opens and closes its own connection; reads open the index
-    read-only. create=False (ls, query, rm) makes nothing: a store that does not exist is empty. create=True
-    (ingest) checks that the store can be made or used, and makes it when the first state is written (make()): an
-    ingest refused on the way leaves no store folder behind."""
+    read-only. create=False (ls, query, rm) makes nothing: a store given (--store, $ATTNLAB_MEMORY) that does not
+    exist is refused (a typo), the default one not made yet is empty. create=True (ingest) checks that the store can
+    be made or used, and makes it when the first state is written (make()): an ingest refused on the way leaves no
+    store folder behind."""
 
     def __init__(self, store: str | Path | None = None, create: bool = True):
         self.root = store_dir(store)
@@ -101,6 +102,11 @@ class MemoryStore:
             raise StoreError(f"{where}: {link}: remove the link, or give another --store")
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"{self.root}: a file, not a memory store folder (give --store a folder)")
+        given = "--store" if store else "$ATTNLAB_MEMORY" if os.environ.get("ATTNLAB_MEMORY") else None
+        if not create and given and not self.root.exists():  # (a typo would list "no memories": as if all were lost)
+            raise StoreError(f"{given} {self.root}: no such memory store (no folder there; check the path, or make "
+                             f"the store with `attnlab memory ingest MODEL DOCUMENTS --name NAME --store "
+                             f"{self.root}`)")  # fmt: skip
         if create:
             flag = "--store" if store else "$ATTNLAB_MEMORY" if os.environ.get("ATTNLAB_MEMORY") else "the store"
             problem = run_folder_problem(self.root, STORE_INSIDE_A_RUN, flag)
