@@ -303,16 +303,19 @@ def cmd_generate(args) -> int:
 
 
 def cmd_lm_eval(args) -> int:
-    from attnlab.eval.lmeval import run_lm_eval, table  # lm-eval is an optional extra: pip install 'attnlab[lmeval]'
-
-    tasks = [task.strip() for task in args.tasks.split(",")]
-    if any(not task for task in tasks) and any(tasks):
+    tasks = [task.strip() for task in args.tasks.split(",")]  # (checked before lm-eval's minutes of imports)
+    if not any(tasks):
+        raise ConfigError(f"--tasks {args.tasks!r} names no task (give lm-eval task names separated by commas, e.g. "
+                          "arc_easy,piqa)")  # fmt: skip
+    if any(not task for task in tasks):
         raise ConfigError(f"--tasks {args.tasks!r}: holds an empty task name (give names separated by single commas, "
                           "e.g. arc_easy,piqa)")  # fmt: skip
     tasks = [task for task in tasks if task]
     check_given_once("--tasks", args.tasks, tasks)
     if args.out:
         check_results_folder(args.out, "results/lm_eval")  # before the model loads, not after the evaluation
+    from attnlab.eval.lmeval import run_lm_eval, table  # lm-eval is an optional extra: pip install 'attnlab[lmeval]'
+
     results = run_lm_eval(args.checkpoint, tasks, out_dir=args.out, kv_policy=args.kv_policy, limit=args.limit,
                           num_fewshot=args.num_fewshot, data_dir=args.data_dir, include_path=args.include_path,
                           batch_size=args.batch_size, weights=args.weights, activations=args.activations)  # fmt: skip
