@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 import types
 import typing
 from typing import Any
@@ -78,6 +79,25 @@ def value_problem(value: Any, annotation: Any, key: str, int_limit: int = MAX_IN
     return None
 
 
+EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 4e0, 1E3: PyYAML reads them as strings (no dot)
+
+
+def exponent_text_problem(value: Any, annotation: Any, key: str) -> str | None:
+    """The line for a whole-number field given a number in exponent form without a dot (4e0, 1e3): PyYAML (YAML
+    1.1) reads it as a string, so "must be int, got str" would puzzle; it says so and the integer to write."""
+    if not isinstance(value, str) or not EXPONENT.fullmatch(value.strip()) or not _type_ok(1, annotation):
+        return None
+    if _type_ok(1.5, annotation):  # (a float field reads it as a number: dataclass_kwargs)
+        return None
+    text = value.strip()
+    number, (mantissa, exponent) = float(text), re.split("[eE]", text)
+    dotted = f"{mantissa}{'' if '.' in mantissa else '.0'}e{exponent}"
+    why = f"{text} is read as text (YAML reads a number with an exponent only when it has a dot, as in {dotted})"
+    if math.isfinite(number) and number.is_integer():
+        return f"{key}={brief(value)} must be a whole number: {why}: write {int(number)}"
+    return f"{key}={brief(value)} must be a whole number, and {text} is not one ({number:g})"
+
+
 def field_problems(obj: Any, where: str) -> list[str]:
     """value_problem of every init field of dataclass instance `obj` (checked before anything reads them)."""
     out = []
@@ -123,7 +143,9 @@ def dataclass_kwargs(cls: type, data: Any, where: str, problems: list[str], skip
                 value = float(value)
             except ValueError:
                 pass
-        problem = value_problem(value, annotation, where + key, limit)
+        problem = exponent_text_problem(value, annotation, where + key) or value_problem(
+            value, annotation, where + key, limit
+        )
         if problem:
             problems.append(problem)
             continue
