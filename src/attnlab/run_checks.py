@@ -19,6 +19,7 @@ from attnlab.data.prepared import (
     folder_problem,
     open_prepared,
 )
+from attnlab.data.source_identity import named_source_key, prepared_source_problem
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
 from attnlab.errors import ConfigError, DataError
 from attnlab.interop.convert import LOW_RANK
@@ -203,14 +204,14 @@ def _prepared_folder(data, data_dir) -> Path | None:
 
 def prepared_folder_problem(data, data_dir) -> str | None:
     """The line the run would refuse the data's prepared folder with when it opens it (meta.json not a valid one, a
-    token file of another size, a tokenizer file whose sha256 differs), where it is prepared already: a dry run
-    opens it as the run does (data.prepared.open_prepared)."""
+    token file of another size, a tokenizer file whose sha256 differs, a named dataset's source files not those
+    found now), where it is prepared already: a dry run opens it as the run does (data.prepared.prepare)."""
     folder = _prepared_folder(data, data_dir)
     try:
-        open_prepared(folder, data_cfg=data) if folder is not None else None
+        meta = open_prepared(folder, data_cfg=data).meta if folder is not None else None
     except DataError as e:
         return str(e)
-    return None
+    return prepared_source_problem(folder, meta, data.source, data_dir) if meta is not None else None
 
 
 def training_data_problem(spec: RunSpec, data_dir, run_dir: Path) -> str | None:
@@ -245,12 +246,16 @@ def link_problems(runs: list[RunSpec], root: Path) -> list[str]:
 
 def local_data_problem(data, data_dir) -> str | None:
     """The line the run's data preparation would refuse a local data.source with (not readable as its kind, or too
-    few documents for a split), found by reading it as the preparation does (data.prepared.check_source); None for
-    a named dataset, a missing file (check_runs says so), or data prepared already (the run reads it no more)."""
-    if data.source in NAMED_SOURCES:
-        return None
+    few documents for a split), found by reading it as the preparation does (data.prepared.check_source); the same
+    for a named dataset's files found that are not the dataset's own (data.source_identity). None for the dataset's
+    own files, a missing file (check_runs says so), or data prepared already (the run reads it no more)."""
     try:
-        local_path(data.source, data_dir)
+        if data.source not in NAMED_SOURCES:
+            local_path(data.source, data_dir)
+        elif named_source_key(data.source, data_dir) == data.source:
+            return None
+        else:
+            open_source(data.source, data_dir, download=False)  # all its files found (else check_runs says so)
     except DataError:
         return None
     if prepared_meta(data, data_dir) is not None:
