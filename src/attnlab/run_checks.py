@@ -6,6 +6,7 @@ vocabulary, and the pretrained targets' models (runner.py runs them)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -72,6 +73,9 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
     problems += [] if problems else link_problems(runs, root)
     if problems:
         raise ConfigError(problems, source=str(manifest.path))
+    unmakeable = unmakeable_folder([spec.run_dir(root) for spec in runs])
+    if unmakeable is not None:  # the run's own error, which the CLI says in one line naming the folder
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(unmakeable))
     world = dist_env().world_size  # under torchrun: each process takes an equal share of every batch
     uneven = [spec for spec in runs if spec.train.batch_size % world]
     if uneven:
@@ -144,6 +148,20 @@ def vocab_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
         if problem and f"targets.{spec.target}: {problem}" not in problems:
             problems.append(f"targets.{spec.target}: {problem}")
     return problems
+
+
+def unmakeable_folder(run_dirs: list[Path]) -> Path | None:
+    """The first folder a run would make (the first missing one on the way to its run folder) in an existing folder
+    this user cannot write to (os.access: also a read-only file system, or `chattr +i` for root), or None: the run
+    would fail making it, after preparing its data; its dry run says so too."""
+    for run_dir in dict.fromkeys(run_dirs):
+        missing = next((p for p in (run_dir, *run_dir.parents) if p.parent.exists() or p.parent == p), None)
+        if missing is None or missing.exists() or missing.is_symlink() or missing.parent == missing:
+            continue
+        parent = missing.parent
+        if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+            return missing
+    return None
 
 
 # why runner refuses an --out in a run's folder (paths.run_folder_problem)
