@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import warnings
 from pathlib import Path
 
 from attnlab.config import names_model
@@ -22,11 +23,11 @@ from attnlab.data.prepared import (
 )
 from attnlab.data.source_identity import named_source_key, prepared_source_problem
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.interop.convert import LOW_RANK
 from attnlab.jsonio import loads_json
 from attnlab.manifest import Manifest, RunSpec
-from attnlab.paths import inside
+from attnlab.paths import cache_dir, inside
 from attnlab.retrofit import changes, check_pretrained, first_phases
 from attnlab.train.distributed import dist_env
 from attnlab.train.loop import check_training_data, vocab_problem
@@ -161,6 +162,26 @@ def unmakeable_folder(run_dirs: list[Path]) -> Path | None:
         parent = missing.parent
         if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
             return missing
+    return None
+
+
+def out_folder_problem(out_root: str | Path) -> str | None:
+    """The line refusing an --out inside attnlab's own cache (cache_dir(): prepared data, downloads, compiled
+    kernels), which one clears to free space or start afresh, deleting the runs with it. An --out inside a Hugging
+    Face model folder (an `attnlab export --hf` folder: config.json beside model.safetensors) is said in one warning
+    line: the runs would be mixed with the model's files (nothing is lost: `export --hf --overwrite` refuses a
+    folder holding other files), and such a folder is no export of attnlab's alone, so it is not refused."""
+    resolved, cache = Path(out_root).resolve(), cache_dir().resolve()
+    if resolved.is_relative_to(cache):
+        return (f"--out {out_root} is inside attnlab's cache {cache_dir()} (prepared data, downloads, compiled "
+                "kernels), which clearing the cache deletes: give a folder of your own, e.g. --out runs")  # fmt: skip
+    for folder in (resolved, *resolved.parents):
+        weights = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+        if weights and (folder / "config.json").is_file():
+            warnings.warn(f"--out {out_root} is inside {folder}, a Hugging Face model folder (config.json, "
+                          "model.safetensors): the runs are mixed with its files; give a folder of their own",
+                          AttnlabWarning, stacklevel=2)  # fmt: skip
+            break
     return None
 
 

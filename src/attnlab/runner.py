@@ -47,6 +47,7 @@ from attnlab.run_checks import (
     check_runs,
     local_data_problem,
     manifest_folder_problem,
+    out_folder_problem,
     prepared_folder_problem,
     prepared_meta,
     training_data_problem,
@@ -415,7 +416,9 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
     blocker = blocking_file(out_root)  # (the run could make no folder there: the dry run says so too)
     if blocker is not None:
         raise ConfigError(f"--out {out_root}: {blocker} is a file, not a folder: choose another --out")
-    problem = run_folder_problem(out_root, RUNS_NEST) or manifest_folder_problem(out_root)
+    problem = (
+        run_folder_problem(out_root, RUNS_NEST) or manifest_folder_problem(out_root) or out_folder_problem(out_root)
+    )
     if problem:
         raise ConfigError(problem)
     env = dist_env()  # torchrun's variables, checked before anything else (a dry run never joins a process group)
