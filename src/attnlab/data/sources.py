@@ -376,8 +376,9 @@ def local_path(source: str, data_dir: str | Path | None = None) -> Path:
 
 
 def source_key(source: str, data_dir: str | Path | None = None) -> str:
-    """What identifies a source's content for the preparation cache: a named dataset by its name (the
-    data is fixed), a local file by its path, size and modification time (an edited file is prepared anew)."""
+    """What identifies a source's content for the preparation cache: a local file by its path, size and modification
+    time (an edited file is prepared anew); a named dataset by its name here (data.prepared.cache_key keys it by
+    data.source_identity.named_source_key: the files found too, unless they are the dataset's own)."""
     if source in NAMED_SOURCES:
         return source
     path = local_path(source, data_dir)
