@@ -6,7 +6,9 @@ vocabulary, and the pretrained targets' models (runner.py runs them)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import warnings
 from pathlib import Path
 
 from attnlab.config import names_model
@@ -19,12 +21,13 @@ from attnlab.data.prepared import (
     folder_problem,
     open_prepared,
 )
+from attnlab.data.source_identity import named_source_key, prepared_source_problem
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.interop.convert import LOW_RANK
 from attnlab.jsonio import loads_json
 from attnlab.manifest import Manifest, RunSpec
-from attnlab.paths import inside
+from attnlab.paths import cache_dir, inside
 from attnlab.retrofit import changes, check_pretrained, first_phases
 from attnlab.train.distributed import dist_env
 from attnlab.train.loop import check_training_data, vocab_problem
@@ -71,6 +74,9 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
     problems += [] if problems else link_problems(runs, root)
     if problems:
         raise ConfigError(problems, source=str(manifest.path))
+    unmakeable = unmakeable_folder([spec.run_dir(root) for spec in runs])
+    if unmakeable is not None:  # the run's own error, which the CLI says in one line naming the folder
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(unmakeable))
     world = dist_env().world_size  # under torchrun: each process takes an equal share of every batch
     uneven = [spec for spec in runs if spec.train.batch_size % world]
     if uneven:
@@ -145,6 +151,40 @@ def vocab_problems(runs: list[RunSpec], data_dir: str | None) -> list[str]:
     return problems
 
 
+def unmakeable_folder(run_dirs: list[Path]) -> Path | None:
+    """The first folder a run would make (the first missing one on the way to its run folder) in an existing folder
+    this user cannot write to (os.access: also a read-only file system, or `chattr +i` for root), or None: the run
+    would fail making it, after preparing its data; its dry run says so too."""
+    for run_dir in dict.fromkeys(run_dirs):
+        missing = next((p for p in (run_dir, *run_dir.parents) if p.parent.exists() or p.parent == p), None)
+        if missing is None or missing.exists() or missing.is_symlink() or missing.parent == missing:
+            continue
+        parent = missing.parent
+        if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+            return missing
+    return None
+
+
+def out_folder_problem(out_root: str | Path) -> str | None:
+    """The line refusing an --out inside attnlab's own cache (cache_dir(): prepared data, downloads, compiled
+    kernels), which one clears to free space or start afresh, deleting the runs with it. An --out inside a Hugging
+    Face model folder (an `attnlab export --hf` folder: config.json beside model.safetensors) is said in one warning
+    line: the runs would be mixed with the model's files (nothing is lost: `export --hf --overwrite` refuses a
+    folder holding other files), and such a folder is no export of attnlab's alone, so it is not refused."""
+    resolved, cache = Path(out_root).resolve(), cache_dir().resolve()
+    if resolved.is_relative_to(cache):
+        return (f"--out {out_root} is inside attnlab's cache {cache_dir()} (prepared data, downloads, compiled "
+                "kernels), which clearing the cache deletes: give a folder of your own, e.g. --out runs")  # fmt: skip
+    for folder in (resolved, *resolved.parents):
+        weights = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+        if weights and (folder / "config.json").is_file():
+            warnings.warn(f"--out {out_root} is inside {folder}, a Hugging Face model folder (config.json, "
+                          "model.safetensors): the runs are mixed with its files; give a folder of their own",
+                          AttnlabWarning, stacklevel=2)  # fmt: skip
+            break
+    return None
+
+
 # why runner refuses an --out in a run's folder (paths.run_folder_problem)
 RUNS_NEST = "runs go to OUT/<manifest>/<target>/seed<S>; give the folder that holds your runs, e.g. --out runs"
 
@@ -203,14 +243,14 @@ def _prepared_folder(data, data_dir) -> Path | None:
 
 def prepared_folder_problem(data, data_dir) -> str | None:
     """The line the run would refuse the data's prepared folder with when it opens it (meta.json not a valid one, a
-    token file of another size, a tokenizer file whose sha256 differs), where it is prepared already: a dry run
-    opens it as the run does (data.prepared.open_prepared)."""
+    token file of another size, a tokenizer file whose sha256 differs, a named dataset's source files not those
+    found now), where it is prepared already: a dry run opens it as the run does (data.prepared.prepare)."""
     folder = _prepared_folder(data, data_dir)
     try:
-        open_prepared(folder, data_cfg=data) if folder is not None else None
+        meta = open_prepared(folder, data_cfg=data).meta if folder is not None else None
     except DataError as e:
         return str(e)
-    return None
+    return prepared_source_problem(folder, meta, data.source, data_dir) if meta is not None else None
 
 
 def training_data_problem(spec: RunSpec, data_dir, run_dir: Path) -> str | None:
@@ -245,12 +285,16 @@ def link_problems(runs: list[RunSpec], root: Path) -> list[str]:
 
 def local_data_problem(data, data_dir) -> str | None:
     """The line the run's data preparation would refuse a local data.source with (not readable as its kind, or too
-    few documents for a split), found by reading it as the preparation does (data.prepared.check_source); None for
-    a named dataset, a missing file (check_runs says so), or data prepared already (the run reads it no more)."""
-    if data.source in NAMED_SOURCES:
-        return None
+    few documents for a split), found by reading it as the preparation does (data.prepared.check_source); the same
+    for a named dataset's files found that are not the dataset's own (data.source_identity). None for the dataset's
+    own files, a missing file (check_runs says so), or data prepared already (the run reads it no more)."""
     try:
-        local_path(data.source, data_dir)
+        if data.source not in NAMED_SOURCES:
+            local_path(data.source, data_dir)
+        elif named_source_key(data.source, data_dir) == data.source:
+            return None
+        else:
+            open_source(data.source, data_dir, download=False)  # all its files found (else check_runs says so)
     except DataError:
         return None
     if prepared_meta(data, data_dir) is not None:

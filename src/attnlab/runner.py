@@ -29,7 +29,7 @@ from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import broken_link, lock_file_problem, read_json_object
 from attnlab.data.pretrained import tokenizer_from_folder
 from attnlab.data.sampler import sampler_state
-from attnlab.data.sources import NAMED_SOURCES, local_path
+from attnlab.data.sources import NAMED_SOURCES, local_files, local_path
 from attnlab.errors import ConfigError, DataError
 from attnlab.manifest import Manifest, RunSpec
 from attnlab.paths import blocking_file, brief, run_folder_problem
@@ -47,6 +47,7 @@ from attnlab.run_checks import (
     check_runs,
     local_data_problem,
     manifest_folder_problem,
+    out_folder_problem,
     prepared_folder_problem,
     prepared_meta,
     training_data_problem,
@@ -66,6 +67,7 @@ from attnlab.train.resume import (
     FINISHED,
     check_resume,
     config_differences,
+    found_files_change,
     prepared_data_check,
     read_files_problem,
     resumed_files_problem,
@@ -267,7 +269,7 @@ def _dry_config(spec: RunSpec, converted: Path | None, meta: dict | None, saved:
 def _data_problem(data, meta: dict | None, data_dir, run_dir: Path, finished: bool = False):
     """How to check a checkpoint of run_dir against today's data (a function: the checkpoint -> the line refusing
     it, or None): by the prepared data's meta when known, else (a dry run, before the data is prepared again) by
-    the local source file; None when neither can be (a named dataset not prepared yet). finished: the words for a
+    the local source file, or a named dataset's files found (data.source_identity). finished: the words for a
     finished run."""
     source, where, words = data.source, str(run_dir), FINISHED if finished else {}
     if meta is not None:
@@ -275,7 +277,8 @@ def _data_problem(data, meta: dict | None, data_dir, run_dir: Path, finished: bo
     if source not in NAMED_SOURCES:
         path = local_path(source, data_dir)
         return lambda checkpoint: source_file_change(checkpoint, path, source, where, **words)
-    return None
+    files = local_files(source, data_dir)  # (none found: the dataset's own would be downloaded)
+    return lambda checkpoint: found_files_change(checkpoint, files, source, where, **words)
 
 
 def refuse_resume(spec: RunSpec, run_dir: Path, checkpoint, config: dict | None, meta: dict | None, data_dir) -> None:
@@ -413,7 +416,9 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
     blocker = blocking_file(out_root)  # (the run could make no folder there: the dry run says so too)
     if blocker is not None:
         raise ConfigError(f"--out {out_root}: {blocker} is a file, not a folder: choose another --out")
-    problem = run_folder_problem(out_root, RUNS_NEST) or manifest_folder_problem(out_root)
+    problem = (
+        run_folder_problem(out_root, RUNS_NEST) or manifest_folder_problem(out_root) or out_folder_problem(out_root)
+    )
     if problem:
         raise ConfigError(problem)
     env = dist_env()  # torchrun's variables, checked before anything else (a dry run never joins a process group)

@@ -43,6 +43,7 @@ import numpy as np
 from attnlab.config import DataConfig, names_model
 from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove_stale_temporaries, sha256_file
 from attnlab.data.prepared_meta import FORMAT_VERSION, _check_meta, _redo, data_record_problem, token_dtype  # noqa: F401
+from attnlab.data.source_identity import file_sha256, named_source_key, prepared_source_problem
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
 from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
 from attnlab.errors import AttnlabWarning, ConfigError, DataError
@@ -64,11 +65,14 @@ def default_cache_dir() -> Path:
 
 def cache_key(data_cfg: DataConfig, data_dir: str | Path | None = None, tokenizer: Tokenizer | None = None) -> str:
     """16 hex digits of sha256 over everything that determines the prepared files. A model's tokenizer
-    (data.tokenizer a model reference) counts by its fingerprint, not by the name it was reached by."""
+    (data.tokenizer a model reference) counts by its fingerprint, not by the name it was reached by. A named dataset
+    counts by its name while the files found are its own, else by the files found too (data.source_identity)."""
     own_splits = data_cfg.source in WIKITEXT  # the split fractions do not apply to WikiText
     blob = {
         "format_version": FORMAT_VERSION,
-        "source": source_key(data_cfg.source, data_dir),
+        "source": named_source_key(data_cfg.source, data_dir)
+        if data_cfg.source in NAMED_SOURCES
+        else source_key(data_cfg.source, data_dir),
         "tokenizer": _model_tokenizer(data_cfg, tokenizer).fingerprint
         if names_model(data_cfg.tokenizer)
         else data_cfg.tokenizer,
@@ -279,7 +283,11 @@ def prepare(
     key = cache_key(data_cfg, data_dir, tokenizer)
     folder = Path(cache_dir or default_cache_dir()) / folder_name(data_cfg, key)
     if (folder / "meta.json").exists():
-        return open_prepared(folder, data_cfg=data_cfg)
+        prepared = open_prepared(folder, data_cfg=data_cfg)
+        problem = prepared_source_problem(folder, prepared.meta, data_cfg.source, data_dir)
+        if problem:
+            raise DataError(problem)
+        return prepared
     return _build(data_cfg, folder, data_dir, download, tokenizer)
 
 
@@ -388,9 +396,11 @@ def _encode(source: Source, tokenizer: Tokenizer, writers: dict[str, _SplitWrite
 
 
 def _empty_split(source: Source, split: str, train_documents: int) -> str:
+    name = source.name  # a named dataset's: with the file read (another file than the dataset's may stand there)
+    name += f" ({', '.join(map(str, source.files))})" if name in NAMED_SOURCES and source.files else ""
     if train_documents == 0 and split == "train":  # nothing at all: an empty file (or only blank lines)
-        return f"{source.name}: holds no document (it is empty, or blank lines only): give a file with text"
-    return (f"{source.name}: no document fell in the {split!r} split ({train_documents} training documents); use a "
+        return f"{name}: holds no document (it is empty, or blank lines only): give a file with text"
+    return (f"{name}: no document fell in the {split!r} split ({train_documents} training documents); use a "
             "larger source, more documents (blank-line separated), or other fractions")  # fmt: skip
 
 
@@ -522,7 +532,10 @@ def _fill(data_cfg: DataConfig, folder: Path, source, data_dir, download, model_
         "data": dataclasses.asdict(data_cfg),
         "source": source.name,
         "split_method": "dataset" if source.own_splits else "hash",
-        "source_files": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in source.files],
+        "source_files": [
+            {"path": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p) or sha256_file(p)}
+            for p in source.files
+        ],
         "streamed_from": source.streamed_from,
         "tokenizer": {
             "name": tokenizer.name,

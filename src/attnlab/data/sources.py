@@ -204,6 +204,19 @@ def file_texts(path: Path) -> Iterator[str]:
         raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())}); replace the file") from None
 
 
+def whole_text(path: Path) -> str:
+    """A text file's whole text (.xz / .gz decompressed); DataError naming it when it is not UTF-8 or a damaged
+    archive, as file_texts says."""
+    try:
+        with open_text(path) as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                        "save it as UTF-8") from None  # fmt: skip
+    except (EOFError, lzma.LZMAError, gzip.BadGzipFile) as e:
+        raise DataError(f"{path}: a damaged or cut-short {path.suffix} archive ({e}); replace the file") from None
+
+
 # ----------------------------------------------------------------------------- lookup and downloads
 
 
@@ -283,9 +296,7 @@ def _wikitext(name: str, data_dir: str | Path | None, download: bool | None, spl
 
     def read() -> Iterator[tuple[str, str]]:
         for split, path in found.items():
-            with open_text(path) as f:
-                text = f.read()
-            yield from ((split, doc) for doc in split_wikitext(text))
+            yield from ((split, doc) for doc in split_wikitext(whole_text(path)))
 
     return Source(name=name, own_splits=True, read=read, files=list(found.values()))
 
@@ -365,13 +376,32 @@ def local_path(source: str, data_dir: str | Path | None = None) -> Path:
 
 
 def source_key(source: str, data_dir: str | Path | None = None) -> str:
-    """What identifies a source's content for the preparation cache: a named dataset by its name (the
-    data is fixed), a local file by its path, size and modification time (an edited file is prepared anew)."""
+    """What identifies a source's content for the preparation cache: a local file by its path, size and modification
+    time (an edited file is prepared anew); a named dataset by its name here (data.prepared.cache_key keys it by
+    data.source_identity.named_source_key: the files found too, unless they are the dataset's own)."""
     if source in NAMED_SOURCES:
         return source
     path = local_path(source, data_dir)
     stat = path.stat()
     return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def local_files(source: str, data_dir: str | Path | None = None) -> dict[str, Path]:
+    """The local files the named dataset `source` would be read from now, by their role (tinyshakespeare's
+    `input.txt`, WikiText's splits, fineweb-edu's file names), found as open_source finds them, without reading or
+    downloading anything: empty when it would download (or stream) them, partial when it would download some."""
+    dirs = data_dirs(data_dir)
+    if source == "tinyshakespeare":
+        found = [d / "tinyshakespeare" / "input.txt" for d in dirs if (d / "tinyshakespeare" / "input.txt").exists()]
+        return {"input.txt": found[0]} if found else {}
+    if source == "fineweb-edu":
+        for folder in (d / "fineweb-edu" for d in dirs):
+            files = sorted(p for p in folder.glob("*") if p.is_file() and base_suffix(p) in (".parquet", ".jsonl"))
+            if files:
+                return {p.name: p for p in files}
+        return {}
+    extension = WIKITEXT["wikitext2" if source == "wikitext2-nounk" else source][0]
+    return _wikitext_files(extension, [d / "wikitext-2" for d in dirs])
 
 
 UNK = re.compile(r"<unk> ?")

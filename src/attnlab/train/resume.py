@@ -28,6 +28,7 @@ from attnlab.config_checks import value_problem
 from attnlab.config_io import model_config_from_dict, read_yaml
 from attnlab.data.files import file_kind, read_json_object, sha256_file
 from attnlab.data.sampler import state_problem
+from attnlab.data.source_identity import file_sha256, identity, recorded_identities
 from attnlab.errors import ConfigError, DataError
 from attnlab.model.transformer import build_model
 from attnlab.paths import brief
@@ -133,7 +134,7 @@ def data_change(checkpoint, meta: dict, source: str, where: str, since: str = "t
     before, after = saved["splits"], now["splits"]
     changed = [s for s in sorted(set(before) | set(after)) if before.get(s) != after.get(s)]
     if not changed:
-        return None
+        return source_record_problem(checkpoint, saved["source_files"], now["source_files"], source, again)
     what = _edited(saved["source_files"], now["source_files"])
     if what is None and saved["source_files"] and set(saved["source_files"]) != set(now["source_files"]):
         what = "it is read from other files than then"
@@ -141,6 +142,37 @@ def data_change(checkpoint, meta: dict, source: str, where: str, since: str = "t
         what = "the same source files, tokenized otherwise (another attnlab or tokenizer version)"
     return (f"{where}: the data {source} changed since {since} ({what}; its prepared {', '.join(changed)} "
             f"tokens differ from those the checkpoint was trained on); {how}")  # fmt: skip
+
+
+def source_record_problem(checkpoint, saved: dict, now: dict, source: str, again: str = AGAIN) -> str | None:
+    """For the same prepared tokens: the line refusing a checkpoint whose data record names other source files than
+    those the data was prepared from (compared by sha256 alone, so a data folder moved elsewhere resumes; the
+    dataset's own files by what they hold, data.source_identity), naming trainer.json and both; else None."""
+    then, made = (sorted(map(str, recorded_identities(source, files))) for files in (saved, now))
+    if not then or not made or then == made:
+        return None
+
+    def said(files: dict) -> str:
+        return ", ".join(f"{path} (sha256 {str(sha)[:12]}...)" for path, sha in sorted(files.items()))
+
+    return (f"{checkpoint.path / 'trainer.json'}: data.source_files records {said(saved)}, but the prepared data "
+            f"the run reads was made from {said(now)}: the record was edited, or the source files were replaced by "
+            f"others that tokenize alike; restore the file (or the data) from a copy, or {again}")  # fmt: skip
+
+
+def found_files_change(checkpoint, files: dict, source: str, where: str, since: str = "this run started",
+                       how: str = HOW, again: str = AGAIN) -> str | None:  # fmt: skip
+    """data_change for a dry run of a named dataset not prepared yet, from the files it would be prepared from
+    (files: data.sources.local_files'): the line refusing the resume when one is not among those the checkpoint
+    records (by what it holds, data.source_identity), else None."""
+    saved = data_record(checkpoint, again)
+    then = recorded_identities(source, saved["source_files"]) if saved is not None else []
+    for role, path in files.items() if then else ():
+        sha = file_sha256(path)
+        if identity(source, sha, role) not in then:
+            return (f"{where}: the data {source} changed since {since} ({Path(path).name}'s sha256 is now "
+                    f"{str(sha)[:12]}..., not that of a file the checkpoint was trained on); {how}")  # fmt: skip
+    return None
 
 
 def source_file_change(checkpoint, path: Path, source: str, where: str, since: str = "this run started",
