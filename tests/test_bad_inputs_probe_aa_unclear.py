@@ -2,15 +2,13 @@
 an object says what deleting really does; `mc` with the model first says the order; `info` of a GGUF whose block
 count its tensors contradict is refused as generate refuses it; `memory ls/rm/query` of a store that is not there
 (a typo) is refused, not "no memories"; `lm-eval --tasks ''` is refused before lm-eval is imported; a whole number
-written 4e0 (text to YAML 1.1) is said so; the console script freezes the garbage collector before the
-interpreter's exit. Each test fails with its fix backed out."""
+written 4e0 (text to YAML 1.1) is said so. Each test fails with its fix backed out."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
-import signal
 import sys
 
 import pytest
@@ -167,24 +165,3 @@ def test_a_whole_number_in_exponent_form_is_said_to_be_read_as_text(tmp_path, ca
     assert capsys.readouterr().err == f"{config}: n_layers='2e0' must be a whole number: {said}\n"
     assert "would train 4 steps" in dry_run(capsys, [*argv, "train.lr=2e-3"])  # (a float field reads it as a number)
     assert not (tmp_path / "out").exists()
-
-
-# ----------------------------------------------------------------------------- the exit after a refusal
-
-
-def test_the_console_script_freezes_the_garbage_collector_before_the_interpreters_exit(monkeypatch):
-    """Was: a refused run lived on ~1 s (10 s under load) after its line, the interpreter's exit collecting torch's and
-    sympy's objects; frozen, they are left to the process's end."""
-    import gc
-
-    import attnlab.cli
-    from attnlab import entry
-
-    frozen = []
-    monkeypatch.setattr(attnlab.cli, "main", lambda: 2)
-    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
-    handler = signal.getsignal(signal.SIGINT)
-    try:
-        assert entry.main() == 2 and frozen == [True]
-    finally:
-        signal.signal(signal.SIGINT, handler)  # (entry.main leaves SIGINT ignored: the process is ending)

@@ -19,7 +19,6 @@ own start-up and the script's first two imports, a few milliseconds), which ends
 from __future__ import annotations
 
 import contextlib
-import gc
 import signal
 import sys
 import threading
@@ -85,10 +84,6 @@ def main() -> int:
         return interrupted(command_name(argv), given("--no-resume", "--no-r", argv), given("--dry-run", "--dr", argv))
     finally:
         _ignore_interrupts()  # the command is done: a Ctrl-C now would end the interpreter's exit hooks in a traceback
-        # The interpreter's exit collects every object still alive, torch's and sympy's millions of them: a second
-        # here, several on a busy machine, after the command's last line. Frozen, they are left to the process's end
-        # (atexit hooks still run; what a command writes it closes itself).
-        gc.freeze()
     return code
 
 
