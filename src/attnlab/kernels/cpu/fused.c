@@ -91,6 +91,59 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* exp of 8 floats, within 2 ulps (Cephes' expf, as avx_mathfun's exp256_ps): 2^n exp(r), r = x - n ln 2 in two
+ * parts, exp(r) by its polynomial; below -87.3 gives 0 (expf: a denormal), above 88.4 exp(88.4) (expf: inf). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 given = x, nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q); /* NaN stays NaN */
+    const __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_blendv_ps(_mm256_andnot_ps(low, _mm256_mul_ps(y, _mm256_castsi256_ps(e))), given, nan);
+}
+#endif
+
+/* p (n) = exp(p - top); returns their sum. */
+static float exp_shifted(float *p, int64_t n, float top) {
+    int64_t t = 0;
+    float total = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    __m256 sum = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(p + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    total = sum8(sum);
+#endif
+    for (; t < n; t++) total += p[t] = expf(p[t] - top);
+    return total;
+}
+
+/* gate (n) = silu(gate) up = gate / (1 + exp(-gate)) up, as F.silu(gate) * up. */
+static void silu_mul(float *gate, const float *up, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 /* y (n) += p x (n) */
 static inline void axpy(float p, const float *x, float *restrict y, int64_t n) {
     int64_t i = 0;
@@ -113,10 +166,9 @@ static void attend(const float *q, const float *K, const float *V, int64_t heads
         for (int64_t t = 0; t < n; t++)
             for (int64_t g = 0; g < group; g++) s[g * n + t] = dot(q + (kv * group + g) * dim, keys + t * dim, dim) * scale;
         for (int64_t g = 0; g < group; g++) {
-            float *p = s + g * n, top = p[0], total = 0.0f;
+            float *p = s + g * n, top = p[0];
             for (int64_t t = 1; t < n; t++) top = p[t] > top ? p[t] : top;
-            for (int64_t t = 0; t < n; t++) total += p[t] = expf(p[t] - top);
-            const float inverse = 1.0f / total;
+            const float inverse = 1.0f / exp_shifted(p, n, top);
             for (int64_t t = 0; t < n; t++) p[t] *= inverse;
             memset(y + (kv * group + g) * dim, 0, sizeof(float) * (size_t)dim);
         }
@@ -174,10 +226,7 @@ int attnlab_fused_decode(const int64_t *plan, float eps, float scale, int64_t to
         rms_norm(x, AT(const float *, p[L_MLP_NORM]), d, eps, h);
         matvec((int)p[L_GATE_UP_FMT], AT(const uint8_t *, p[L_GATE_UP]), 2 * hidden, d, h, c, gate_up,
                AT(const float *, p[L_GATE_UP_BIAS]));
-        for (int64_t i = 0; i < hidden; i++) { /* silu(gate) * up, into gate's half */
-            const float gate = gate_up[i];
-            gate_up[i] = gate / (1.0f + expf(-gate)) * gate_up[hidden + i];
-        }
+        silu_mul(gate_up, gate_up + hidden, hidden); /* into gate's half */
         matvec((int)p[L_DOWN_FMT], AT(const uint8_t *, p[L_DOWN]), d, hidden, gate_up, c, h,
                AT(const float *, p[L_DOWN_BIAS]));
         for (int64_t i = 0; i < d; i++) x[i] += h[i];
