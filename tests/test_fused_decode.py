@@ -65,6 +65,10 @@ TINY_CASES = {
         {"rope_interleaved": True, "tie_embeddings": False},
     ),  # fmt: skip
     "q4_1-qkv-bias-3-layers": ({"kind": "mha", "n_kv_heads": 2, "qkv_bias": True}, "q4_1", {"n_layers": 3}),
+    # head_dim 32 and 64: fused.c's blocked attention (groups of 1-4 query heads per KV head, 32 values at a time)
+    "q4_1-gqa3-head-dim-32": ({"kind": "mha", "n_kv_heads": 2, "head_dim": 32}, "q4_1", {"n_heads": 6}),
+    "q8_0-mqa4-head-dim-64": ({"kind": "mha", "n_kv_heads": 1, "head_dim": 64}, "q8_0", {}),
+    "q4_0-mqa5-head-dim-32": ({"kind": "mha", "n_kv_heads": 1, "head_dim": 32}, "q4_0", {"n_heads": 5}),
 }
 
 

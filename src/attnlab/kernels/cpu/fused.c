@@ -154,26 +154,103 @@ static inline void axpy(float p, const float *x, float *restrict y, int64_t n) {
     for (; i < n; i++) y[i] += p * x[i];
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* s[g n + t] = scale q_g . K[t] for the `group` queries q (group, dim) of one KV head, 4 rows of K at a time (one
+ * horizontal reduction per 4 dot products); dim % 8 == 0. */
+static inline __attribute__((always_inline)) void scores_by4(const int group, const float *q, const float *keys,
+                                                              int64_t dim, int64_t n, float scale, float *s) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k = keys + t * dim;
+        for (int g = 0; g < group; g++) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < dim; c += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + g * dim + c);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + c), qv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + dim + c), qv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 2 * dim + c), qv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 3 * dim + c), qv, a3);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* rows 0..3, twice */
+            const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(s + g * n + t, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+        }
+    }
+    for (; t < n; t++)
+        for (int g = 0; g < group; g++) s[g * n + t] = dot(q + g * dim, keys + t * dim, dim) * scale;
+}
+
+/* y (group, dim) = sum over t < n of p[g n + t] V[t], 32 values of each row at a time, the group's 4 x group sums in
+ * registers (each row's 32 values are one pass's: every line of V is read once); dim % 32 == 0, group <= 4. */
+static inline __attribute__((always_inline)) void wsum_by32(const int group, const float *p, const float *values,
+                                                             int64_t dim, int64_t n, float *y) {
+    for (int64_t c = 0; c < dim; c += 32) {
+        __m256 acc[4][4];
+        for (int g = 0; g < group; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = values + t * dim + c;
+            const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16);
+            const __m256 v3 = _mm256_loadu_ps(v + 24);
+            for (int g = 0; g < group; g++) {
+                const __m256 w = _mm256_broadcast_ss(p + g * n + t);
+                acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]), acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
+                acc[g][2] = _mm256_fmadd_ps(w, v2, acc[g][2]), acc[g][3] = _mm256_fmadd_ps(w, v3, acc[g][3]);
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + g * dim + c + 8 * j, acc[g][j]);
+    }
+}
+#endif
+
+/* The attention of one KV head's `group` query heads q (group, dim) over rows 0..n-1 of its keys and values (slots,
+ * dim): y (group, dim); s: group x n floats of workspace. */
+static inline __attribute__((always_inline)) void attend_kv(const int group, const float *q, const float *keys,
+                                                             const float *values, int64_t dim, int64_t n, float scale,
+                                                             float *s, float *y) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    const int blocked = group <= 4 && dim % 32 == 0;
+    if (blocked)
+        scores_by4(group, q, keys, dim, n, scale, s);
+    else
+#endif
+        for (int64_t t = 0; t < n; t++)
+            for (int g = 0; g < group; g++) s[g * n + t] = dot(q + g * dim, keys + t * dim, dim) * scale;
+    for (int g = 0; g < group; g++) {
+        float *p = s + g * n, top = p[0];
+        for (int64_t t = 1; t < n; t++) top = p[t] > top ? p[t] : top;
+        const float inverse = 1.0f / exp_shifted(p, n, top);
+        for (int64_t t = 0; t < n; t++) p[t] *= inverse;
+    }
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (blocked) {
+        wsum_by32(group, s, values, dim, n, y);
+        return;
+    }
+#endif
+    memset(y, 0, sizeof(float) * (size_t)(group * dim));
+    for (int64_t t = 0; t < n; t++)
+        for (int g = 0; g < group; g++) axpy(s[g * n + t], values + t * dim, y + g * dim, dim);
+}
+
 /* y (heads, dim) = softmax(scale q K^T) V over rows 0..n-1 of K and V (kv_heads, slots, dim), query head h reading
- * KV head h / group; scores: heads x n floats of workspace. The G query heads of a KV head read its rows together. */
+ * KV head h / group; scores: heads x n floats of workspace. The G query heads of a KV head read its rows together
+ * (attend_kv, compiled for G = 1..4 apart: their sums stay in registers). */
 static void attend(const float *q, const float *K, const float *V, int64_t heads, int64_t kv_heads, int64_t slots,
                    int64_t dim, int64_t n, float scale, float *scores, float *y) {
     const int64_t group = heads / kv_heads;
 #pragma omp parallel for schedule(static) if (n * heads >= 4096)
     for (int64_t kv = 0; kv < kv_heads; kv++) {
-        const float *keys = K + kv * slots * dim, *values = V + kv * slots * dim;
-        float *s = scores + kv * group * n;
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t g = 0; g < group; g++) s[g * n + t] = dot(q + (kv * group + g) * dim, keys + t * dim, dim) * scale;
-        for (int64_t g = 0; g < group; g++) {
-            float *p = s + g * n, top = p[0];
-            for (int64_t t = 1; t < n; t++) top = p[t] > top ? p[t] : top;
-            const float inverse = 1.0f / exp_shifted(p, n, top);
-            for (int64_t t = 0; t < n; t++) p[t] *= inverse;
-            memset(y + (kv * group + g) * dim, 0, sizeof(float) * (size_t)dim);
+        const float *qk = q + kv * group * dim, *keys = K + kv * slots * dim, *values = V + kv * slots * dim;
+        float *s = scores + kv * group * n, *out = y + kv * group * dim;
+        switch (group) {
+        case 1: attend_kv(1, qk, keys, values, dim, n, scale, s, out); break;
+        case 2: attend_kv(2, qk, keys, values, dim, n, scale, s, out); break;
+        case 3: attend_kv(3, qk, keys, values, dim, n, scale, s, out); break;
+        case 4: attend_kv(4, qk, keys, values, dim, n, scale, s, out); break;
+        default: attend_kv((int)group, qk, keys, values, dim, n, scale, s, out);
         }
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t g = 0; g < group; g++) axpy(s[g * n + t], values + t * dim, y + (kv * group + g) * dim, dim);
     }
 }
 
