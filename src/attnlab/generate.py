@@ -349,10 +349,11 @@ def generate(
     compiled region.
     fused: decode each token in one C call through the whole model (attnlab.model.fused: batch 1, mha attention,
     SwiGLU, RMSNorm, every linear layer packed for 8-bit activations, a new dense float32 cache): faster than the
-    compiled step and nothing to compile; its logits are the eager step's up to float32 rounding (amplified by the
-    8-bit activations' rounding, as any change of summation order is). None (auto) uses it where it applies
-    (`fused_problem`; ATTNLAB_CPU_KERNELS=0 turns it off), `compile` then changes nothing; True requires it
-    (InputError naming why it does not apply); False never uses it.
+    compiled step and nothing to compile. Its logits are the eager step's up to float32 rounding, which the 8-bit
+    activations' rounding amplifies as it does any change of summation order (the compiled step's too): greedy
+    tokens may then differ where the two best logits nearly tie (tests/test_fused_decode.py). None (auto) uses it
+    where it applies (`fused_problem`; ATTNLAB_CPU_KERNELS=0 turns it off), `compile` then changes nothing; True
+    requires it (InputError naming why it does not apply); False never uses it.
     callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
@@ -429,11 +430,11 @@ def generate(
         if own and static_decode_supported(model, cache):
             # A new cache: its slots are its positions, so the decode may switch to the static step at any
             # token. The prompt goes in before static mode (its queries attend over the held slots only).
-            logits = prefill_last(model, tokens, cache, prefill_chunk)
-            warm = model in _COMPILED and _COMPILED[model].compiled and not _COMPILED[model].eager
-            problem = "it was turned off (fused=False)" if fused is False else fused_problem(model, cache)
+            problem = "fused=False" if fused is False else fused_problem(model, cache)  # before a long prefill
             if fused and problem:
                 raise InputError(f"fused=True: the fused decode step does not apply: {problem}")
+            logits = prefill_last(model, tokens, cache, prefill_chunk)
+            warm = model in _COMPILED and _COMPILED[model].compiled and not _COMPILED[model].eager
             if problem is None:
                 fused_step = FusedDecode(model, cache)  # one C call per token: nothing to compile
             elif compile is True or (compile == "auto" and warm and can_compile_on_cpu()):
