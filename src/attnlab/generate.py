@@ -17,6 +17,7 @@ import torch
 from attnlab.cache.base import ModelCache
 from attnlab.config_memory import PRESSES
 from attnlab.errors import AttnlabWarning, InputError, LengthWarning, UnquantizedWarning
+from attnlab.model.fused import FusedDecode, fused_problem
 
 # Inductor options of the compiled decode step, measured on bench/decode.py's model (per step):
 # cpp_wrapper calls the step's kernels from C++, not Python (293 -> 239 µs, 1 thread); decompose_mm_pass
@@ -312,6 +313,7 @@ def generate(
     cache: ModelCache | None = None,
     compile: bool | None = None,
     callback=None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Continues prompt(s): a list of ids or a (T,) / (B, T) tensor. Returns the new tokens, (N,) or (B, N).
 
@@ -345,6 +347,13 @@ def generate(
     sliding window's ring buffer, bounded memories, quantized caches the C kernels cannot read, e.g. KIVI)
     and a given `cache` decode eagerly either way; a quantized cache's attention is one opaque op inside the
     compiled region.
+    fused: decode each token in one C call through the whole model (attnlab.model.fused: batch 1, mha attention,
+    SwiGLU, RMSNorm, every linear layer packed for 8-bit activations, a new dense float32 cache): faster than the
+    compiled step and nothing to compile. Its logits are the eager step's up to float32 rounding, which the 8-bit
+    activations' rounding amplifies as it does any change of summation order (the compiled step's too): greedy
+    tokens may then differ where the two best logits nearly tie (tests/test_fused_decode.py). None (auto) uses it
+    where it applies (`fused_problem`; ATTNLAB_CPU_KERNELS=0 turns it off), `compile` then changes nothing; True
+    requires it (InputError naming why it does not apply); False never uses it.
     callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
@@ -415,17 +424,27 @@ def generate(
                 warnings.warn(f"kv_policy {kv_policy} quantizes nothing here: its residual window keeps all {held} of "
                               "this generation in full precision, so the cache is the plain one (give a smaller "
                               "resid or flush, or leave the policy out)", UnquantizedWarning, stacklevel=3)  # fmt: skip
+        fused_step = None
+        if fused and not own:
+            raise InputError("fused=True decodes through generate's own new cache: leave out `cache` (or fused)")
         if own and static_decode_supported(model, cache):
             # A new cache: its slots are its positions, so the decode may switch to the static step at any
             # token. The prompt goes in before static mode (its queries attend over the held slots only).
+            problem = "fused=False" if fused is False else fused_problem(model, cache)  # before a long prefill
+            if fused and problem:
+                raise InputError(f"fused=True: the fused decode step does not apply: {problem}")
             logits = prefill_last(model, tokens, cache, prefill_chunk)
             warm = model in _COMPILED and _COMPILED[model].compiled and not _COMPILED[model].eager
-            if compile is True or (compile == "auto" and warm and can_compile_on_cpu()):
+            if problem is None:
+                fused_step = FusedDecode(model, cache)  # one C call per token: nothing to compile
+            elif compile is True or (compile == "auto" and warm and can_compile_on_cpu()):
                 cache.set_static(True)
                 step = compiled_decode_step(model)
             elif compile == "auto":
                 timed = []
         else:  # a given cache (e.g. a memory state), or one without a static mode: eager
+            if fused:
+                raise InputError(f"fused=True: the fused decode step does not apply: {fused_problem(model, cache)}")
             logits = prefill(model, tokens, cache, prefill_chunk)
         positions = torch.tensor([cache.seen], device=device)
         stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
@@ -444,7 +463,9 @@ def generate(
                 if bool(done.all()):
                     break
             if i + 1 < max_new_tokens:
-                if step is None:
+                if fused_step is not None:
+                    logits, greedy = fused_step(next_token)  # (advances cache.seen)
+                elif step is None:
                     start = time.perf_counter()
                     logits = decode_step(model, next_token, cache)
                     if timed is not None:

@@ -87,10 +87,16 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build(directory: Path | None = None, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
+def build(
+    directory: Path | None = None,
+    extra_flags: tuple[str, ...] = (),
+    source: Path = SOURCE,
+    includes: tuple[Path, ...] = (),
+) -> Path:
     """Compiles `source` (default qattn.c; once per source, headers, flags, compiler and CPU) and returns the shared
     library's path. Raises RuntimeError with the compiler's message when it fails. extra_flags: for tests (e.g. a
-    build without AVX-512)."""
+    build without AVX-512). includes: other sources of this folder that `source` #includes (fused.c includes
+    qmatmul.c), hashed with it so that a change to them builds it again."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (install gcc or clang, or set CC)")
@@ -104,7 +110,8 @@ def build(directory: Path | None = None, extra_flags: tuple[str, ...] = (), sour
                 return
         raise RuntimeError(f"{shlex.join(cc)} failed on {source.name}: {result.stderr.strip()[:2000]}")
 
-    return cached_build(directory or kernel_dir(), source.stem, [source, flags, compiler_version(cc)], make)
+    key = [source, *includes, flags, compiler_version(cc)]
+    return cached_build(directory or kernel_dir(), source.stem, key, make)
 
 
 def compiler_version(compiler: list[str]) -> bytes:

@@ -1,0 +1,321 @@
+/* One decode step of a Llama-style block stack in one call (attnlab.model.fused): batch 1, one new token.
+ *
+ *   x = embed[token]
+ *   for each block:  h = rms_norm(x) attn_norm;  q, k, v = qkv(h) (+ bias);  q, k rotated by RoPE at `pos`
+ *                    K[pos], V[pos] = k, v (the dense cache's buffers, slot = position); slot_positions[pos] = pos
+ *                    y = softmax(scale q K[0..pos]^T) V[0..pos] per query head (head h reads KV head h / G)
+ *                    x += out(y);  x += down(silu(gate) * up), gate | up = gate_up(rms_norm(x) mlp_norm)
+ *   logits = lm_head(rms_norm(x) norm), and their argmax over the first vocab_size
+ *
+ * Every linear layer is a QuantizedLinear with 8-bit activations over packed rows (qmatmul.c's attnlab_qmatmul_q8p):
+ * its input quantized by quantize_row_q8 and each group of 16 rows multiplied by group_q8, the same functions, so
+ * a layer given the same input gives the same bits. The rest (RMSNorm, RoPE, softmax, SiLU) is float32 arithmetic
+ * as attnlab's PyTorch ops do it, summed in another order (RoPE: the same products and differences, rounded alike:
+ * this file is built with -ffp-contract=off).
+ *
+ * The model arrives as a plan, int64 values (attnlab.model.fused builds it once per cache; pointers as integers):
+ * PLAN_HEADER values, then PLAN_LAYER values per block, in the orders of the enums below. Formats are qmatmul.c's
+ * (ggml's type ids); the embedding's 0 means a float32 table.
+ */
+#include "qmatmul.c"
+
+enum {
+    P_LAYERS, P_D_MODEL, P_HEADS, P_KV_HEADS, P_HEAD_DIM, P_HIDDEN, P_SLOTS, P_ROPE_LEN, P_INTERLEAVED, P_VOCAB_ROWS,
+    P_VOCAB_SIZE, P_EMBED_FMT, P_EMBED, P_EMBED_ROWS, P_NORM, P_HEAD_FMT, P_HEAD, P_HEAD_BIAS, PLAN_HEADER
+};
+enum {
+    L_ATTN_NORM, L_QKV_FMT, L_QKV, L_QKV_BIAS, L_OUT_FMT, L_OUT, L_OUT_BIAS, L_MLP_NORM, L_GATE_UP_FMT, L_GATE_UP,
+    L_GATE_UP_BIAS, L_DOWN_FMT, L_DOWN, L_DOWN_BIAS, L_K, L_V, L_SLOT_POSITIONS, L_COS, L_SIN, PLAN_LAYER
+};
+
+#define AT(type, value) ((type)(intptr_t)(value))
+
+/* Buffers of one step: x's 8-bit codes, their scales and sums (the widest input), and the float rows between. */
+typedef struct {
+    int8_t *xq;
+    float *xd;
+    int32_t *xs;
+} codes_t;
+
+/* y (n) = x (k) W^T + bias, W packed by attnlab_pack_q8 (fmt Q4_0, Q4_1 or Q8_0): attnlab_qmatmul_q8p for one row,
+ * with the codes in `c` rather than freshly allocated. */
+static void matvec(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, codes_t c, float *y,
+                   const float *bias) {
+    quantize_row_q8(x, k, c.xq, c.xd, c.xs);
+    const int64_t nb = k / 32, group_bytes = PACK * nb * block_bytes(fmt), groups = n / PACK;
+#pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = w + g * group_bytes;
+        const float *b = bias ? bias + g * PACK : NULL;
+        switch (fmt) {
+        case Q4_0: group_q8(Q4_0, group, nb, c.xq, c.xd, c.xs, y + g * PACK, b); break;
+        case Q4_1: group_q8(Q4_1, group, nb, c.xq, c.xd, c.xs, y + g * PACK, b); break;
+        default: group_q8(Q8_0, group, nb, c.xq, c.xd, c.xs, y + g * PACK, b);
+        }
+    }
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight, as RMSNorm (the mean of squares summed in double). */
+static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < n; i++) squares += (double)x[i] * (double)x[i];
+    const float rstd = 1.0f / sqrtf((float)(squares / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] * rstd) * weight[i];
+}
+
+/* x (dim) rotated in place by the angles of one position (cos, sin: dim / 2 each), as attnlab.ops.rope.rotate:
+ * pairs (i, i + dim / 2), or (2i, 2i + 1) when interleaved. */
+static void rotate(float *x, const float *cos, const float *sin, int64_t dim, int interleaved) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float *a = interleaved ? x + 2 * i : x + i, *b = interleaved ? x + 2 * i + 1 : x + i + half;
+        const float first = *a, second = *b;
+        *a = first * cos[i] - second * sin[i];
+        *b = interleaved ? first * sin[i] + second * cos[i] : second * cos[i] + first * sin[i];
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    sum = sum8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* exp of 8 floats, within 2 ulps (Cephes' expf, as avx_mathfun's exp256_ps): 2^n exp(r), r = x - n ln 2 in two
+ * parts, exp(r) by its polynomial; below -87.3 gives 0 (expf: a denormal), above 88.4 exp(88.4) (expf: inf). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 given = x, nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q); /* NaN stays NaN */
+    const __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_blendv_ps(_mm256_andnot_ps(low, _mm256_mul_ps(y, _mm256_castsi256_ps(e))), given, nan);
+}
+#endif
+
+/* p (n) = exp(p - top); returns their sum. */
+static float exp_shifted(float *p, int64_t n, float top) {
+    int64_t t = 0;
+    float total = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    __m256 sum = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(p + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    total = sum8(sum);
+#endif
+    for (; t < n; t++) total += p[t] = expf(p[t] - top);
+    return total;
+}
+
+/* gate (n) = silu(gate) up = gate / (1 + exp(-gate)) up, as F.silu(gate) * up. */
+static void silu_mul(float *gate, const float *up, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* y (n) += p x (n) */
+static inline void axpy(float p, const float *x, float *restrict y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    const __m256 pp = _mm256_set1_ps(p);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pp, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += p * x[i];
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* s[g n + t] = scale q_g . K[t] for the `group` queries q (group, dim) of one KV head, 4 rows of K at a time (one
+ * horizontal reduction per 4 dot products); dim % 8 == 0. */
+static inline __attribute__((always_inline)) void scores_by4(const int group, const float *q, const float *keys,
+                                                              int64_t dim, int64_t n, float scale, float *s) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k = keys + t * dim;
+        for (int g = 0; g < group; g++) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < dim; c += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + g * dim + c);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + c), qv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + dim + c), qv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 2 * dim + c), qv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 3 * dim + c), qv, a3);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* rows 0..3, twice */
+            const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(s + g * n + t, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+        }
+    }
+    for (; t < n; t++)
+        for (int g = 0; g < group; g++) s[g * n + t] = dot(q + g * dim, keys + t * dim, dim) * scale;
+}
+
+/* y (group, dim) = sum over t < n of p[g n + t] V[t], 32 values of each row at a time, the group's 4 x group sums in
+ * registers (each row's 32 values are one pass's: every line of V is read once); dim % 32 == 0, group <= 4. */
+static inline __attribute__((always_inline)) void wsum_by32(const int group, const float *p, const float *values,
+                                                             int64_t dim, int64_t n, float *y) {
+    for (int64_t c = 0; c < dim; c += 32) {
+        __m256 acc[4][4];
+        for (int g = 0; g < group; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = values + t * dim + c;
+            const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16);
+            const __m256 v3 = _mm256_loadu_ps(v + 24);
+            for (int g = 0; g < group; g++) {
+                const __m256 w = _mm256_broadcast_ss(p + g * n + t);
+                acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]), acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
+                acc[g][2] = _mm256_fmadd_ps(w, v2, acc[g][2]), acc[g][3] = _mm256_fmadd_ps(w, v3, acc[g][3]);
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + g * dim + c + 8 * j, acc[g][j]);
+    }
+}
+#endif
+
+/* The attention of one KV head's `group` query heads q (group, dim) over rows 0..n-1 of its keys and values (slots,
+ * dim): y (group, dim); s: group x n floats of workspace. */
+static inline __attribute__((always_inline)) void attend_kv(const int group, const float *q, const float *keys,
+                                                             const float *values, int64_t dim, int64_t n, float scale,
+                                                             float *s, float *y) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    const int blocked = group <= 4 && dim % 32 == 0;
+    if (blocked)
+        scores_by4(group, q, keys, dim, n, scale, s);
+    else
+#endif
+        for (int64_t t = 0; t < n; t++)
+            for (int g = 0; g < group; g++) s[g * n + t] = dot(q + g * dim, keys + t * dim, dim) * scale;
+    for (int g = 0; g < group; g++) {
+        float *p = s + g * n, top = p[0];
+        for (int64_t t = 1; t < n; t++) top = p[t] > top ? p[t] : top;
+        const float inverse = 1.0f / exp_shifted(p, n, top);
+        for (int64_t t = 0; t < n; t++) p[t] *= inverse;
+    }
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (blocked) {
+        wsum_by32(group, s, values, dim, n, y);
+        return;
+    }
+#endif
+    memset(y, 0, sizeof(float) * (size_t)(group * dim));
+    for (int64_t t = 0; t < n; t++)
+        for (int g = 0; g < group; g++) axpy(s[g * n + t], values + t * dim, y + g * dim, dim);
+}
+
+/* y (heads, dim) = softmax(scale q K^T) V over rows 0..n-1 of K and V (kv_heads, slots, dim), query head h reading
+ * KV head h / group; scores: heads x n floats of workspace. The G query heads of a KV head read its rows together
+ * (attend_kv, compiled for G = 1..4 apart: their sums stay in registers). */
+static void attend(const float *q, const float *K, const float *V, int64_t heads, int64_t kv_heads, int64_t slots,
+                   int64_t dim, int64_t n, float scale, float *scores, float *y) {
+    const int64_t group = heads / kv_heads;
+#pragma omp parallel for schedule(static) if (n * heads >= 4096)
+    for (int64_t kv = 0; kv < kv_heads; kv++) {
+        const float *qk = q + kv * group * dim, *keys = K + kv * slots * dim, *values = V + kv * slots * dim;
+        float *s = scores + kv * group * n, *out = y + kv * group * dim;
+        switch (group) {
+        case 1: attend_kv(1, qk, keys, values, dim, n, scale, s, out); break;
+        case 2: attend_kv(2, qk, keys, values, dim, n, scale, s, out); break;
+        case 3: attend_kv(3, qk, keys, values, dim, n, scale, s, out); break;
+        case 4: attend_kv(4, qk, keys, values, dim, n, scale, s, out); break;
+        default: attend_kv((int)group, qk, keys, values, dim, n, scale, s, out);
+        }
+    }
+}
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* One decode step (see the top of this file): `token` at position `pos` through the plan's blocks; logits
+ * (vocab_rows) written, *argmax the index of the largest of the first vocab_size (the first one; NaN counts as the
+ * largest, as torch.argmax). Returns 0, -1 when pos or token is out of the plan's range, -2 when out of memory. */
+int attnlab_fused_decode(const int64_t *plan, float eps, float scale, int64_t token, int64_t pos, float *logits,
+                         int64_t *argmax) {
+    const int64_t layers = plan[P_LAYERS], d = plan[P_D_MODEL], heads = plan[P_HEADS], kv_heads = plan[P_KV_HEADS];
+    const int64_t dim = plan[P_HEAD_DIM], hidden = plan[P_HIDDEN], slots = plan[P_SLOTS];
+    if (pos < 0 || pos >= slots || pos >= plan[P_ROPE_LEN] || token < 0 || token >= plan[P_EMBED_ROWS]) return -1;
+    const int64_t q_width = heads * dim, kv_width = kv_heads * dim, widest = max3(d, q_width, hidden);
+    const int64_t floats = 2 * d + q_width + 2 * kv_width + q_width + 2 * hidden + heads * (pos + 1) + widest / 32;
+    float *buffer = malloc(sizeof(float) * (size_t)floats);
+    codes_t c = {malloc((size_t)widest), NULL, malloc(sizeof(int32_t) * (size_t)(widest / 32))};
+    if (!buffer || !c.xq || !c.xs) {
+        free(buffer), free(c.xq), free(c.xs);
+        return -2;
+    }
+    float *x = buffer, *h = x + d, *qkv = h + d, *y = qkv + q_width + 2 * kv_width, *gate_up = y + q_width;
+    float *scores = gate_up + 2 * hidden;
+    c.xd = scores + heads * (pos + 1);
+
+    const int embed_fmt = (int)plan[P_EMBED_FMT];
+    if (embed_fmt == 0)
+        memcpy(x, AT(const float *, plan[P_EMBED]) + token * d, sizeof(float) * (size_t)d);
+    else
+        attnlab_dequantize(embed_fmt, AT(const uint8_t *, plan[P_EMBED]) + token * (d / 32) * block_bytes(embed_fmt),
+                           1, d, x);
+
+    for (int64_t l = 0; l < layers; l++) {
+        const int64_t *p = plan + PLAN_HEADER + l * PLAN_LAYER;
+        rms_norm(x, AT(const float *, p[L_ATTN_NORM]), d, eps, h);
+        matvec((int)p[L_QKV_FMT], AT(const uint8_t *, p[L_QKV]), q_width + 2 * kv_width, d, h, c, qkv,
+               AT(const float *, p[L_QKV_BIAS]));
+        const float *cos = AT(const float *, p[L_COS]) + pos * (dim / 2), *sin = AT(const float *, p[L_SIN]) + pos * (dim / 2);
+        for (int64_t head = 0; head < heads + kv_heads; head++) rotate(qkv + head * dim, cos, sin, dim, (int)plan[P_INTERLEAVED]);
+        float *K = AT(float *, p[L_K]), *V = AT(float *, p[L_V]);
+        for (int64_t kv = 0; kv < kv_heads; kv++) {
+            memcpy(K + (kv * slots + pos) * dim, qkv + q_width + kv * dim, sizeof(float) * (size_t)dim);
+            memcpy(V + (kv * slots + pos) * dim, qkv + q_width + kv_width + kv * dim, sizeof(float) * (size_t)dim);
+        }
+        AT(int64_t *, p[L_SLOT_POSITIONS])[pos] = pos;
+        attend(qkv, K, V, heads, kv_heads, slots, dim, pos + 1, scale, scores, y);
+        matvec((int)p[L_OUT_FMT], AT(const uint8_t *, p[L_OUT]), d, q_width, y, c, h, AT(const float *, p[L_OUT_BIAS]));
+        for (int64_t i = 0; i < d; i++) x[i] += h[i];
+
+        rms_norm(x, AT(const float *, p[L_MLP_NORM]), d, eps, h);
+        matvec((int)p[L_GATE_UP_FMT], AT(const uint8_t *, p[L_GATE_UP]), 2 * hidden, d, h, c, gate_up,
+               AT(const float *, p[L_GATE_UP_BIAS]));
+        silu_mul(gate_up, gate_up + hidden, hidden); /* into gate's half */
+        matvec((int)p[L_DOWN_FMT], AT(const uint8_t *, p[L_DOWN]), d, hidden, gate_up, c, h,
+               AT(const float *, p[L_DOWN_BIAS]));
+        for (int64_t i = 0; i < d; i++) x[i] += h[i];
+    }
+
+    rms_norm(x, AT(const float *, plan[P_NORM]), d, eps, h);
+    matvec((int)plan[P_HEAD_FMT], AT(const uint8_t *, plan[P_HEAD]), plan[P_VOCAB_ROWS], d, h, c, logits,
+           AT(const float *, plan[P_HEAD_BIAS]));
+    int64_t best = 0;
+    for (int64_t i = 1; i < plan[P_VOCAB_SIZE] && !isnan(logits[best]); i++)
+        if (logits[i] > logits[best] || isnan(logits[i])) best = i;
+    *argmax = best;
+    free(buffer), free(c.xq), free(c.xs);
+    return 0;
+}

@@ -1,0 +1,77 @@
+"""One decode step of a whole Llama-style block stack in one C call (fused.c): batch 1, one new token, every linear
+layer 8-bit activations over packed rows (qmatmul.c's functions, #included), a dense float32 KV cache.
+
+    status = decode(plan, eps, scale, token, pos, logits)    # -> the argmax of the logits
+
+`plan` is an int64 tensor fused.c reads the model and the cache from (attnlab.model.fused builds it: PLAN_HEADER
+values, then PLAN_LAYER per block). Built and loaded as qattn.c is (attnlab.kernels.cpu.compiled); callers check
+`available()` first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from attnlab.kernels import cpu
+from attnlab.kernels.cpu import qmatmul
+
+SOURCE = Path(__file__).with_name("fused.c")
+PLAN_HEADER = 18  # fused.c's P_* values, in its order
+PLAN_LAYER = 19  # fused.c's L_* values per block, in its order
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def build(directory: Path | None = None) -> Path:
+    """fused.c built (attnlab.kernels.cpu.build), its cache key including qmatmul.c, which it #includes."""
+    return cpu.build(directory, source=SOURCE, includes=(qmatmul.SOURCE,))
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled fused.c, or None (see attnlab.kernels.cpu.compiled; warned once)."""
+    return cpu.compiled(SOURCE, load, builder=build)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    function = lib.attnlab_fused_decode
+    function.argtypes = [_ptr, ctypes.c_float, ctypes.c_float, _i64, _i64, _ptr, _ptr]
+    function.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether fused.c is built, the kernels not switched off, and this machine multiplies packed rows fast (the
+    layers it reads are packed only there: qmatmul.packed_fast)."""
+    return not cpu.switched_off() and qmatmul.packed_fast() and library() is not None
+
+
+class Decoder:
+    """The C function bound to one plan: `step(token, pos, logits)` -> the argmax (see fused.c). The plan's
+    pointers stay valid while the caller holds the tensors they point into."""
+
+    def __init__(self, plan: torch.Tensor, eps: float, scale: float):
+        if plan.dtype != torch.int64 or not plan.is_contiguous():
+            raise ValueError("the plan must be a contiguous int64 tensor")
+        self.plan, self.eps, self.scale = plan, ctypes.c_float(eps), ctypes.c_float(scale)
+        self._function = library().attnlab_fused_decode  # looked up once: attribute access costs a few µs
+        self._argmax = ctypes.c_int64(0)
+        self._argmax_pointer = ctypes.addressof(self._argmax)
+
+    def step(self, token: int, pos: int, logits: torch.Tensor) -> int:
+        """token at position pos through the plan's blocks; logits (vocab rows,) float32 written; returns the argmax
+        over the first vocab_size. ValueError for a position or token outside the plan; MemoryError."""
+        status = self._function(self.plan.data_ptr(), self.eps, self.scale, token, pos, logits.data_ptr(),
+                                self._argmax_pointer)  # fmt: skip
+        if status == -1:
+            raise ValueError(
+                f"fused decode: position {pos} or token {token} outside the cache, RoPE table or vocabulary"
+            )
+        if status:
+            raise MemoryError("fused decode: out of memory for its row buffers")
+        return self._argmax.value
