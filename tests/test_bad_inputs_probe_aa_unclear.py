@@ -165,3 +165,13 @@ def test_a_whole_number_in_exponent_form_is_said_to_be_read_as_text(tmp_path, ca
     assert capsys.readouterr().err == f"{config}: n_layers='2e0' must be a whole number: {said}\n"
     assert "would train 4 steps" in dry_run(capsys, [*argv, "train.lr=2e-3"])  # (a float field reads it as a number)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_exponent_in_a_whole_number_field_is_written_out_exactly():
+    """float('1e40') is not 10**40: the integer to write comes from the text, exactly, or is not offered."""
+    from attnlab.config_checks import exponent_text_problem
+
+    assert exponent_text_problem("1e3", int, "train.steps").endswith(": write 1000")
+    assert exponent_text_problem("1e22", int, "k").endswith(": write 1" + "0" * 22)  # float: 10000000000000000777216
+    assert "write" not in exponent_text_problem("1e40", int, "k")  # (too long to write out)
+    assert exponent_text_problem("25e-1", int, "k").endswith("25e-1 is not one (2.5)")

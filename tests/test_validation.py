@@ -453,7 +453,7 @@ def test_set_values_are_checked_like_file_values(tmp_path):
     path = tmp_path / "m.yml"
     path.write_text(MANIFEST)
     cases = {
-        "train.steps=1e40": "train.steps='1e40' must be int",
+        "train.steps=1e40": "train.steps='1e40' must be a whole number: 1e40 is read as text",
         "train.steps=10000000000000000000000000000000000000000": "train.steps=1000",
         "model.head_dim=0": "unknown key 'head_dim'",
         "model.attention.head_dim=0": "attention.head_dim=0 must be >= 1",

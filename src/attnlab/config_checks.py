@@ -11,6 +11,7 @@ import math
 import re
 import types
 import typing
+from decimal import Decimal
 from typing import Any
 
 from attnlab.errors import ConfigError
@@ -90,12 +91,14 @@ def exponent_text_problem(value: Any, annotation: Any, key: str) -> str | None:
     if _type_ok(1.5, annotation):  # (a float field reads it as a number: dataclass_kwargs)
         return None
     text = value.strip()
-    number, (mantissa, exponent) = float(text), re.split("[eE]", text)
+    number, (mantissa, exponent) = Decimal(text), re.split("[eE]", text)  # (exact: float(1e40) is not 10**40)
     dotted = f"{mantissa}{'' if '.' in mantissa else '.0'}e{exponent}"
     why = f"{text} is read as text (YAML reads a number with an exponent only when it has a dot, as in {dotted})"
-    if math.isfinite(number) and number.is_integer():
+    if abs(number.adjusted()) <= 30 and number == number.to_integral_value():
         return f"{key}={brief(value)} must be a whole number: {why}: write {int(number)}"
-    return f"{key}={brief(value)} must be a whole number, and {text} is not one ({number:g})"
+    if number == number.to_integral_value():  # (a whole number of more than 30 digits: too long to write out)
+        return f"{key}={brief(value)} must be a whole number: {why}"
+    return f"{key}={brief(value)} must be a whole number, and {text} is not one ({float(number):g})"
 
 
 def field_problems(obj: Any, where: str) -> list[str]:
