@@ -11,7 +11,6 @@ config (train.seed apart): targets of the same name from different manifests, or
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import math
@@ -30,6 +29,7 @@ from attnlab.data.files import (
 from attnlab.errors import DataError, InputError
 from attnlab.eval.plots import plot_val_loss
 from attnlab.eval.records import distinct_labels, exponential_problem, range_problem
+from attnlab.output_record import changed_output, record_line
 from attnlab.paths import is_run_folder
 
 SEED_DIR = re.compile(r"seed(\d+)")
@@ -258,8 +258,8 @@ def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: s
     check_not_in_run(runs_dir, out_dir)
     out_dir = Path(out_dir or runs_dir)
     paths = {"markdown": out_dir / "compare.md", "csv": out_dir / "compare.csv", "plot": out_dir / "val_loss.png"}
-    check_outputs(paths.values())  # nothing written while one of them is the user's own
     markdown = to_markdown(rows, notes)
+    check_outputs(paths.values(), markdown)  # nothing written while one of them is the user's own
     with outputs_together(out_dir, "compare") as stage:  # the three written, then renamed: together or not at all
         atomic_write_text(stage / "compare.csv", to_csv(rows))
         try:
@@ -269,7 +269,7 @@ def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: s
                 e.filename = str(stage / "val_loss.png")
             raise
         written = {name: sha256_file(stage / name) for name in ("compare.csv", "val_loss.png")}
-        atomic_write_text(stage / "compare.md", markdown + record_line(markdown, written))
+        atomic_write_text(stage / "compare.md", markdown + record_line("compare", "compare.md", markdown, written))
     return {"rows": rows, "text": markdown, **paths}
 
 
@@ -298,39 +298,11 @@ OWN_START = {"compare.md": b"| target | seeds | params |", "compare.csv": b"targ
              "val_loss.png": b"\x89PNG"}  # fmt: skip
 
 
-# compare.md's last line: the sha256 of the text above it and of the files written with it, so that a file of
-# compare's own changed since (a note added to compare.md) is told from one it may replace. An HTML comment: not shown.
-RECORD = re.compile(rb"^<!-- attnlab compare sha256: compare.md ([0-9a-f]{64}) compare.csv ([0-9a-f]{64}) "
-                    rb"val_loss.png ([0-9a-f]{64}) -->\n", re.MULTILINE)  # fmt: skip
-
-
-def record_line(markdown: str, written: dict[str, str]) -> str:
-    """The line ending compare.md (RECORD): the sha256 of `markdown` and of the files `written` ({name: sha256})."""
-    text = hashlib.sha256(markdown.encode("utf-8")).hexdigest()
-    return (f"<!-- attnlab compare sha256: compare.md {text} compare.csv {written['compare.csv']} val_loss.png "
-            f"{written['val_loss.png']} -->\n")  # fmt: skip
-
-
-def _recorded(folder: Path) -> dict[str, str] | None:
-    """{name: sha256 compare wrote} from folder's compare.md when it is as compare wrote it; {} when compare.md is
-    not there or was written before the record (nothing is known); None when it was changed since."""
-    path = folder / "compare.md"
-    if not path.is_file():
-        return {}
-    data = path.read_bytes()
-    found = RECORD.search(data)
-    if found is None:
-        return {} if data.startswith(OWN_START["compare.md"]) and b"<!-- attnlab compare" not in data else None
-    text, csv_sum, png_sum = (group.decode() for group in found.groups())
-    if data[found.end() :] or hashlib.sha256(data[: found.start()]).hexdigest() != text:
-        return None
-    return {"compare.csv": csv_sum, "val_loss.png": png_sum}
-
-
-def check_outputs(paths) -> None:
+def check_outputs(paths, new_markdown: str | None = None) -> None:
     """Refuses (InputError, naming it) a folder or other non-file where compare writes a file, a file there that
     compare did not write (the user's own compare.md is never replaced), and one of compare's own changed since it
-    wrote it (a note added to compare.md: its record, RECORD, says what it wrote)."""
+    wrote it (a note added to compare.md: its last line records what it wrote, output_record); a compare.md without
+    that line only when it is not `new_markdown` (None: not known yet, accepted)."""
     paths = list(paths)
     for path in paths:
         if path.exists() and not path.is_file():
@@ -344,10 +316,6 @@ def check_outputs(paths) -> None:
                 raise InputError(f"{path}: not a file attnlab compare wrote (it would be replaced): move it away, "
                                  "or give another --out")  # fmt: skip
     for folder in dict.fromkeys(path.parent for path in paths):
-        recorded = _recorded(folder)
-        changed = [folder / "compare.md"] if recorded is None else [
-            folder / name for name, digest in recorded.items()
-            if (folder / name).is_file() and sha256_file(folder / name) != digest]  # fmt: skip
-        if changed:
-            raise InputError(f"{changed[0]}: changed since attnlab compare wrote it (it would be replaced, and the "
-                             "change lost): move it away, or give another --out")  # fmt: skip
+        line = changed_output(folder, "compare", "compare.md", ("compare.csv", "val_loss.png"), new_markdown)
+        if line:
+            raise InputError(line)

@@ -27,7 +27,7 @@ from attnlab.eval.plots import (
     region_mass_bars,
 )
 from attnlab.eval.records import bench_records, latest_and_distinct, pair_labels, read_records, record_problem
-from attnlab.eval.report_outputs import check_outputs
+from attnlab.eval.report_outputs import check_outputs, record_outputs
 from attnlab.eval.stats import paired_comparison
 
 
@@ -448,6 +448,7 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
     check_outputs(out_dir, tables, [name for name, _ in drawings.values()])  # before anything is written
     with outputs_together(out_dir, "report") as stage:  # every file written, then all renamed into out_dir
         plots = _write_report(stage, out_dir.name, records, models, tables, drawings, notes, records_path)
+        record_outputs(stage, out_dir)  # (one of its own changed since it wrote it: refused, nothing replaced)
     return {"markdown": out_dir / "report.md", "html": out_dir / "report.html", "tables": [t.name for t in tables],
             "plots": [str(out_dir / name) for name in plots], "notes": notes}  # fmt: skip
 

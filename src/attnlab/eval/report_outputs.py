@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from attnlab.data.files import atomic_write_text, sha256_file
 from attnlab.errors import InputError
 from attnlab.eval.plots import attnlab_png
+from attnlab.output_record import changed_output, record_line
 
 # How the report's own files begin (and its tables' Markdown and LaTeX): another file at their place is the user's,
 # never replaced. PNGs carry attnlab's mark (plots.attnlab_png); a table's CSV goes with its Markdown.
@@ -56,3 +58,18 @@ def check_outputs(out_dir: Path, tables: list, plots: list[str]) -> None:
                    if start == "png" else _ours(path, start))  # fmt: skip
         if not own:
             refuse(path, "not a file attnlab report wrote")
+
+
+def record_outputs(stage: Path, out_dir: Path) -> None:
+    """Before the report's files in `stage` replace those in `out_dir`: refuses (InputError, one line) one of the
+    report's own there changed since it wrote it (a note added to report.md, a table edited: report.md's last line
+    records the sha256 of each, output_record), and a report.md without that line that is not the new one byte for
+    byte; then ends stage/report.md with the record of the files written now."""
+    names = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
+    names.remove("report.md")
+    markdown = (stage / "report.md").read_bytes().decode("utf-8")
+    line = changed_output(out_dir, "report", "report.md", names, markdown, "move it away, then run the report again")
+    if line:
+        raise InputError(line)
+    written = {name: sha256_file(stage / name) for name in names}
+    atomic_write_text(stage / "report.md", markdown + record_line("report", "report.md", markdown, written))

@@ -1,0 +1,99 @@
+"""Probe AB's findings (/work/probe_ab/REPORT.md): `report` rewrote its report.md, report.html, tables and plots after
+the user changed them (AB4), and `compare` a compare.md whose record line the user had removed, with a note added
+(AB5). Each test fails with its fix backed out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import fails, snapshot
+
+from attnlab.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
+PERPLEXITY = {"attnlab": "0.1.0", "benchmark": "perplexity", "ci_level": 0.95, "config_hash": "d3ebf6b846b6",
+              "dataset": "tinyshakespeare", "device": "cpu", "dtype": "float32", "kind": "mha", "loss": 4.0538536,
+              "loss_ci": [4.032056, 4.077070], "max_tokens": 512, "model": "base/seed0", "model_path": "nowhere",
+              "params": {"dataset": None, "max_tokens": 512, "seq_len": 64, "split": "test", "stride": None},
+              "ppl": 57.619072, "ppl_ci": [56.376708, 58.972432], "python": "3.11.7", "seq_len": 64,
+              "split": "test", "stride": 64, "threads": 1, "time": "2026-12-06T10:26:29+00:00", "tokenizer": "char",
+              "tokens": 512, "tokens_in_split": 108086, "tokens_sha256": "c534c95a38cb4d58", "torch": "2.13.0+cpu",
+              "weights": "sha256:" + "f" * 64, "window_loss": [263.2, 260.3, 258.6, 262.0, 258.7, 256.8, 257.1, 258.8],
+              "window_tokens": [64] * 8, "windows": 8}  # fmt: skip
+
+
+@pytest.fixture
+def reported(tmp_path, capsys) -> Path:
+    """A bench folder with one perplexity record, reported once."""
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    (folder / "records.jsonl").write_text(json.dumps(PERPLEXITY) + "\n")
+    assert main(["report", str(folder)]) == 0
+    capsys.readouterr()
+    return folder
+
+
+def append(path: Path, data: bytes) -> None:
+    with path.open("ab") as file:
+        file.write(data)
+
+
+# ----------------------------------------------------------------------- AB4: report's own files changed since
+
+
+@pytest.mark.parametrize("name", ["report.md", "report.html", "tables/perplexity.csv", "tables/perplexity.md"])
+def test_ab4_a_report_file_changed_since_the_report_wrote_it_is_refused(reported, capsys, name):
+    """Was: `attnlab report` rewrote it, the user's note gone, rc 0."""
+    append(reported / name, b"# my note\n")
+    before = snapshot(reported)
+    fails(capsys, ["report", str(reported)], f"{reported / name}: changed since attnlab report wrote it (it would be "
+          "replaced, and the change lost): move it away, then run the report again")  # fmt: skip
+    assert snapshot(reported) == before
+
+
+def test_ab4_a_report_as_written_is_redrawn_and_a_moved_note_frees_the_place(reported, capsys):
+    assert main(["report", str(reported)]) == 0  # unchanged: written again, as before
+    capsys.readouterr()
+    assert "<!-- attnlab report sha256: report.md " in (reported / "report.md").read_text().splitlines()[-1]
+    append(reported / "report.md", b"# my note\n")
+    (reported / "report.md").rename(reported / "notes.md")
+    assert main(["report", str(reported)]) == 0
+    assert (
+        "# my note" in (reported / "notes.md").read_text() and "# my note" not in (reported / "report.md").read_text()
+    )
+
+
+def test_ab4_a_report_md_without_its_record_is_replaced_only_when_it_is_the_new_one(reported, capsys):
+    """A report.md from before the record (or its last line removed) cannot be told changed: replaced only when it is
+    what the report writes now, byte for byte; otherwise refused (the user's text kept)."""
+    path = reported / "report.md"
+    text = path.read_text().rsplit("<!-- attnlab report", 1)[0]
+    path.write_text(text)
+    assert main(["report", str(reported)]) == 0
+    capsys.readouterr()
+    path.write_text(text + "# my note\n")
+    fails(capsys, ["report", str(reported)], f"{path}: holds no record of what attnlab report wrote")
+    assert path.read_text().endswith("# my note\n")
+
+
+# ------------------------------------------------------------- AB5: compare.md without its record, a note added
+
+
+import test_bad_inputs_probe_z_unclear as z_unclear  # noqa: E402
+
+finished, stopped = z_unclear.finished, z_unclear.stopped  # (module fixtures: a tiny manifest's run, finished)
+
+
+def test_ab5_a_compare_md_whose_record_was_removed_and_a_note_added_is_kept(finished, tmp_path, capsys):
+    """Was: replaced, the note lost (a compare.md without the record was taken for an older attnlab's)."""
+    argv, out = z_unclear.finished_copy(finished, tmp_path)
+    table = out / "m" / "compare.md"
+    text = table.read_text().rsplit("<!-- attnlab compare", 1)[0]
+    table.write_text(text + "my own note\n")
+    before = snapshot(out)
+    said = f"{table}: holds no record of what attnlab compare wrote (its last line, removed, or an older attnlab's)"
+    fails(capsys, ["compare", str(out / "m")], said)
+    assert snapshot(out) == before
