@@ -1,10 +1,13 @@
 """Probe AB's findings (/work/probe_ab/REPORT.md): `report` rewrote its report.md, report.html, tables and plots after
 the user changed them (AB4), and `compare` a compare.md whose record line the user had removed, with a note added
-(AB5). Each test fails with its fix backed out."""
+(AB5); a SIGTERM ended a command with no line (U7). Each test fails with its fix backed out."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,3 +100,61 @@ def test_ab5_a_compare_md_whose_record_was_removed_and_a_note_added_is_kept(fini
     said = f"{table}: holds no record of what attnlab compare wrote (its last line, removed, or an older attnlab's)"
     fails(capsys, ["compare", str(out / "m")], said)
     assert snapshot(out) == before
+
+
+# --------------------------------------------------------------------- U7: SIGTERM ends a command in one line, 143
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+MODEL = str(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny-mha.yaml")
+# The console script (attnlab.entry:main) with a SIGTERM sent to itself as the import of module argv[1] starts, or
+# ("command") once the command named by argv[2] runs.
+TERM = """
+import importlib.abc, os, signal, sys, time
+moment, sys.argv = sys.argv[1], ["attnlab", *sys.argv[2:]]
+
+def term():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+
+class Term(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == moment:
+            sys.meta_path.remove(self)
+            term()
+
+if moment == "command":
+    import attnlab.cli
+    setattr(attnlab.cli, "cmd_" + sys.argv[1], lambda args: term())
+else:
+    sys.meta_path.insert(0, Term())
+from attnlab.entry import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("moment", "argv", "said"),
+    [
+        ("command", ["info", MODEL], "attnlab info: terminated\n"),
+        ("torch", ["info", MODEL], "attnlab info: terminated\n"),  # during the imports
+        (
+            "command",
+            ["run", "m.yml"],
+            "attnlab run: terminated; run the same command again to resume from the last checkpoint\n",
+        ),  # fmt: skip
+        (
+            "command",
+            ["run", "m.yml", "--no-resume"],
+            "attnlab run: terminated; run it again without --no-resume to "
+            "resume from the last checkpoint (with it, the run starts over)\n",
+        ),  # fmt: skip
+        ("command", ["run", "m.yml", "--dry-run"], "attnlab run: terminated\n"),
+    ],
+)
+def test_u7_sigterm_is_one_line_and_exit_code_143(moment, argv, said):
+    """Was: rc 143 and no line (Python's default action for SIGTERM)."""
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    process = subprocess.run([sys.executable, "-c", TERM, moment, *argv], env=env, text=True, capture_output=True,
+                             timeout=60)  # fmt: skip
+    assert (process.returncode, process.stderr) == (143, said), process.stderr[-3000:]
+    assert process.stdout == ""

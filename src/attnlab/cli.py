@@ -66,7 +66,7 @@ from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT
 from attnlab.config_io import load_config, other_config
 from attnlab.data.files import link_loop, special_file
-from attnlab.entry import interrupted
+from attnlab.entry import Terminated, interrupted
 from attnlab.envcheck import thread_env_problem
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
@@ -556,8 +556,10 @@ def main(argv: list[str] | None = None) -> int:
             if echoed_by_rank0(e):
                 return 2
             return fail(command, str(e))
-        except KeyboardInterrupt:  # Ctrl-C: one line (a run resumes from its last checkpoint), exit code 130
-            return interrupted(command, getattr(args, "no_resume", False), getattr(args, "dry_run", False))
+        except KeyboardInterrupt as e:  # Ctrl-C: one line (a run resumes from its last checkpoint), exit code 130
+            return interrupted(
+                command, getattr(args, "no_resume", False), getattr(args, "dry_run", False), isinstance(e, Terminated)
+            )  # SIGTERM (the entry point's handler): 143
         except BrokenPipeError:  # output piped into `head` and the like
             sys.stderr.close()
             return 0

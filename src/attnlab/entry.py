@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 
 INTERRUPTED = 130  # the shell's exit code of a command stopped by SIGINT (128 + 2)
+TERMINATED = 143  # ... and by SIGTERM (128 + 15): `kill`, a service manager, a job scheduler's stop
 RESUMABLE = {"run": "run the same command again to resume from the last checkpoint"}  # what an interrupted one does
 # ... and one given --no-resume, whose same command would start over rather than resume
 STARTS_OVER = {"run": "run it again without --no-resume to resume from the last checkpoint (with it, the run starts "
@@ -40,15 +41,22 @@ def command_name(argv: list[str]) -> str:
     return " ".join(words[:2] if words[:1] == ["memory"] else words[:1])
 
 
-def interrupted(command: str, no_resume: bool = False, dry_run: bool = False) -> int:
-    """One line for a command stopped with Ctrl-C (KeyboardInterrupt), no traceback; exit code 130.
+class Terminated(KeyboardInterrupt):
+    """Raised by the entry point's SIGTERM handler: a KeyboardInterrupt, so that a command stops (and cleans up) as
+    for Ctrl-C, said as `terminated`, exit code 143."""
+
+
+def interrupted(command: str, no_resume: bool = False, dry_run: bool = False, terminated: bool = False) -> int:
+    """One line for a command stopped with Ctrl-C (KeyboardInterrupt), no traceback; exit code 130 (terminated, by
+    SIGTERM: `attnlab <command>: terminated`, exit code 143).
     `attnlab run: interrupted; run the same command again to resume from the last checkpoint` (no_resume: the command
     was given --no-resume, so that the same command would start over: run it again without it; dry_run: a dry run
     trains nothing, so there is nothing to resume)."""
     said = {} if dry_run else STARTS_OVER if no_resume else RESUMABLE
     how = f"; {said[command]}" if command in said else ""
-    print(f"attnlab{' ' + command if command else ''}: interrupted{how}", file=sys.stderr)
-    return INTERRUPTED
+    print(f"attnlab{' ' + command if command else ''}: {'terminated' if terminated else 'interrupted'}{how}",
+          file=sys.stderr)  # fmt: skip
+    return TERMINATED if terminated else INTERRUPTED
 
 
 def given(flag: str, shortest: str, argv: list[str]) -> bool:
@@ -72,19 +80,25 @@ def main() -> int:
             try:
                 from attnlab.cli import main as run_command
 
-                code = run_command()  # (a Ctrl-C it meets is its own one line, and code 130)
+                code = run_command()  # (a Ctrl-C it meets is its own one line, and code 130; SIGTERM's 143)
             except Exception:
                 if not seen:
                     raise
-                raise KeyboardInterrupt from None  # the failure of something a Ctrl-C stopped, in its own words
-            if seen and code != INTERRUPTED:  # a library took the KeyboardInterrupt and carried on without it
-                raise KeyboardInterrupt
-    except KeyboardInterrupt:
+                raise _stop(seen) from None  # the failure of something a Ctrl-C stopped, in its own words
+            if seen and code not in (INTERRUPTED, TERMINATED):  # a library took the KeyboardInterrupt and went on
+                raise _stop(seen)
+    except KeyboardInterrupt as e:
         argv = sys.argv[1:]
-        return interrupted(command_name(argv), given("--no-resume", "--no-r", argv), given("--dry-run", "--dr", argv))
+        return interrupted(command_name(argv), given("--no-resume", "--no-r", argv), given("--dry-run", "--dr", argv),
+                           isinstance(e, Terminated))  # fmt: skip
     finally:
         _ignore_interrupts()  # the command is done: a Ctrl-C now would end the interpreter's exit hooks in a traceback
     return code
+
+
+def _stop(seen: list[float]) -> KeyboardInterrupt:
+    """The exception of the signal noted last in `seen` (a SIGTERM's time is noted negative)."""
+    return Terminated() if seen[-1] < 0 else KeyboardInterrupt()
 
 
 @contextlib.contextmanager
@@ -92,28 +106,34 @@ def _noting_interrupts() -> Iterator[list[float]]:
     """Within the block a SIGINT raises KeyboardInterrupt, as Python's own handler does, and is noted (its time) in
     the list yielded; once one came, every import raises KeyboardInterrupt again (_StopImports). Further SIGINTs in
     the GRACE_SECONDS after one are ignored, as train.signals ignores them during a run (whose handler then stands
-    aside: this one is installed). A handler someone else installed (or SIGINT ignored) is left alone."""
+    aside: this one is installed). A handler someone else installed (or SIGINT ignored) is left alone. A SIGTERM
+    (its default action kept so far) is handled alike, raising Terminated; its time is noted negative."""
     seen: list[float] = []
     if threading.current_thread() is not threading.main_thread():
         yield seen
         return
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    handled = [sig for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))
+               if signal.getsignal(sig) is default]  # fmt: skip
+    if not handled:
         yield seen
         return
 
     def note(signum, frame):
-        if seen and time.monotonic() - seen[-1] < GRACE_SECONDS:
-            return  # a second Ctrl-C while the first is being handled
-        seen.append(time.monotonic())
-        raise KeyboardInterrupt
+        if seen and time.monotonic() - abs(seen[-1]) < GRACE_SECONDS:
+            return  # a second Ctrl-C (or SIGTERM) while the first is being handled
+        seen.append(-time.monotonic() if signum == signal.SIGTERM else time.monotonic())
+        raise _stop(seen)
 
     stop = _StopImports(seen)
     sys.meta_path.insert(0, stop)
-    signal.signal(signal.SIGINT, note)
+    for sig in handled:
+        signal.signal(sig, note)
     try:
         yield seen
     finally:
         sys.meta_path.remove(stop)
+        if signal.SIGTERM in handled:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a SIGTERM from now on ends the exit hooks, silently)
 
 
 class _StopImports:
@@ -126,7 +146,7 @@ class _StopImports:
 
     def find_spec(self, name, path, target=None):
         if self.seen and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
-            raise KeyboardInterrupt
+            raise _stop(self.seen)
         return None  # (the other finders find the module)
 
 
