@@ -1,6 +1,7 @@
 """Probe AB's findings (/work/probe_ab/REPORT.md): `report` rewrote its report.md, report.html, tables and plots after
 the user changed them (AB4), and `compare` a compare.md whose record line the user had removed, with a note added
-(AB5); a SIGTERM ended a command with no line (U7). Each test fails with its fix backed out."""
+(AB5); a SIGTERM ended a command with no line (U7); kv-tune picked a policy that quantized nothing (U2). Each test
+fails with its fix backed out."""
 
 from __future__ import annotations
 
@@ -158,3 +159,29 @@ def test_u7_sigterm_is_one_line_and_exit_code_143(moment, argv, said):
                              timeout=60)  # fmt: skip
     assert (process.returncode, process.stderr) == (143, said), process.stderr[-3000:]
     assert process.stdout == ""
+
+
+# ------------------------------------------------- U2: kv-tune and a residual window that holds the whole sequence
+
+
+def tune_argv(run: Path, resids: str) -> list[str]:
+    return ["kv-tune", str(run), "--budget", "100000", "--formats", "q4_0", "--resids", resids, "--tokens", "128",
+            "--seq-len", "32", "--split", "val"]  # fmt: skip
+
+
+def test_u2_kv_tune_leaves_out_a_policy_whose_residual_window_holds_the_whole_sequence(tiny_run, capsys):
+    """Was: picked `k=q4_0,v=q4_0,resid=64` on 32-token sequences (nothing quantized, labelled q4_0), no word."""
+    assert main(tune_argv(tiny_run, "0,64")) == 0
+    out, err = capsys.readouterr()
+    said = (
+        "attnlab kv-tune: warning: left out of the choice: 1 policy under the budget (k=q4_0,v=q4_0,resid=64): "
+        "resid >= seq_len 32 keeps every token in the full-precision residual window, so nothing is quantized"
+    )
+    assert [line for line in err.splitlines() if "warning" in line][0].startswith(said), err
+    assert err.count("resid >= seq_len") == 1, err
+    assert "resid=64" not in out.split("best")[-1], out
+
+
+def test_u2_kv_tune_with_only_such_windows_is_refused(tiny_run, capsys):
+    fails(capsys, tune_argv(tiny_run, "64"), "no policy under --budget 100000 bytes/token can be measured: 1 policy "
+          "under the budget (k=q4_0,v=q4_0,resid=64): resid >= seq_len 32 keeps every token")  # fmt: skip

@@ -282,9 +282,9 @@ def tune(
         for resid in resids
         for t in tensors
         for fmt in options[t]
-        if fmt != dtype
+        if fmt != dtype and resid < seq_len  # (resid >= seq_len: nothing quantized, nothing to measure)
     ]
-    fitting, unread = [], []  # (assignment, resid, bytes per token at seq_len, policy) under the budget
+    fitting, unread, idle = [], [], []  # (assignment, resid, bytes per token at seq_len, policy) under the budget
     plain = kv_report(model.cfg, dtype, seq_len)["kv_bytes"]
     last = last_chunk_start(seq_len, chunk)
     for resid in resids:
@@ -294,10 +294,21 @@ def tune(
             held = kv_report(model.cfg, dtype, seq_len, text)["kv_bytes"]
             if held / seq_len > budget:
                 continue
+            if resid >= seq_len and any(fmt != dtype for fmt in combo):
+                idle.append(text)  # every token in the full-precision residual window: labelled quantized, is not
+                continue
             if held != plain and first_read(model.cfg, KVPolicy.parse(text), dtype) > last:
                 unread.append(text)  # its bytes count quantized tokens no query reads: its KL would be 0 unmeasured
                 continue
             fitting.append((assignment, resid, held / seq_len, text))
+    if idle:  # said before minutes of measuring, as kv-eval says it (warn_unquantized)
+        what = (f"{len(idle)} polic{'ies' if len(idle) > 1 else 'y'} under the budget ({idle[0]}"
+                f"{', ...' * (len(idle) > 1)}): resid >= seq_len {seq_len} keeps every token in the full-precision "
+                "residual window, so nothing is quantized (the bytes and dNLL of the full-precision cache); give "
+                f"--resids below {seq_len}, or a longer --seq-len")  # fmt: skip
+        if not fitting and not unread:
+            raise InputError(f"no policy under --budget {budget:g} bytes/token can be measured: {what}")
+        warnings.warn(f"left out of the choice: {what}", AttnlabWarning, stacklevel=2)
     if unread:  # said before minutes of measuring
         what = (f"{len(unread)} polic{'ies' if len(unread) > 1 else 'y'} under the budget ({unread[0]}"
                 f"{', ...' * (len(unread) > 1)}) quantize{'s' * (len(unread) == 1)} tokens "
