@@ -185,3 +185,24 @@ def test_u2_kv_tune_leaves_out_a_policy_whose_residual_window_holds_the_whole_se
 def test_u2_kv_tune_with_only_such_windows_is_refused(tiny_run, capsys):
     fails(capsys, tune_argv(tiny_run, "64"), "no policy under --budget 100000 bytes/token can be measured: 1 policy "
           "under the budget (k=q4_0,v=q4_0,resid=64): resid >= seq_len 32 keeps every token")  # fmt: skip
+
+
+# ------------------------------------------------------------------------- U5: a record of an unknown benchmark
+
+
+def test_u5_a_record_of_a_benchmark_attnlab_does_not_know_is_one_warning_line(tmp_path, capsys):
+    """Was: dropped from the report without a word (rc 0, "0 tables")."""
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    records = folder / "records.jsonl"
+    records.write_text(json.dumps(PERPLEXITY) + "\n\n" + json.dumps({**PERPLEXITY, "benchmark": "zzz"}) + "\n")
+    assert main(["report", str(folder)]) == 0
+    err = capsys.readouterr().err
+    said = (
+        f"attnlab report: warning: {records}: line 3 (zzz): not a benchmark attnlab knows (a hand edit, or a "
+        "newer attnlab's record), so not in this report; known: perplexity, memory, latency, multiple_choice, "
+        "needle, context_sweep, rope_extrapolation, stream_loss, kv_quant, probes, effective_rank, attention_maps, "
+        "kv_tune"
+    )
+    assert err.splitlines() == [said], err
+

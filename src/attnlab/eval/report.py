@@ -27,7 +27,7 @@ from attnlab.eval.plots import (
     region_mass_bars,
 )
 from attnlab.eval.records import bench_records, latest_and_distinct, pair_labels, read_records, record_problem
-from attnlab.eval.report_outputs import check_outputs, record_outputs
+from attnlab.eval.report_outputs import check_outputs, record_outputs, warn_unknown_benchmarks
 from attnlab.eval.stats import paired_comparison
 
 
@@ -422,6 +422,7 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
             which = f"record {number} ({record['benchmark']}, {model})"
             raise DataError(f"{records_path}: {which}: {problem} (the file was changed); repair or remove that line, "
                             "or run the benchmark again")  # fmt: skip
+    warn_unknown_benchmarks(records_path, records, (*DRAWN, "kv_tune"))  # (kv-tune's: known, not drawn)
     for name, folder in (("tables", True), ("report.md", False), ("report.html", False)):  # before anything is written
         place = out_dir / name
         if os.path.lexists(place) and place.is_dir() != folder:

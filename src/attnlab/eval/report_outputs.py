@@ -4,10 +4,11 @@ user's own report.md, table or plot) is refused, never replaced, and so is a lin
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from attnlab.data.files import atomic_write_text, sha256_file
-from attnlab.errors import InputError
+from attnlab.errors import AttnlabWarning, InputError
 from attnlab.eval.plots import attnlab_png
 from attnlab.output_record import changed_output, record_line
 
@@ -73,3 +74,19 @@ def record_outputs(stage: Path, out_dir: Path) -> None:
         raise InputError(line)
     written = {name: sha256_file(stage / name) for name in names}
     atomic_write_text(stage / "report.md", markdown + record_line("report", "report.md", markdown, written))
+
+
+def warn_unknown_benchmarks(records_path: Path, records: list[dict], known) -> None:
+    """One AttnlabWarning line naming records_path's lines whose benchmark attnlab does not know (a hand edit, or a
+    newer attnlab's record): the report draws nothing of them, and says so rather than dropping them silently."""
+    unknown = [r["benchmark"] for r in records if r["benchmark"] not in known]
+    if not unknown:
+        return
+    text = records_path.read_text(encoding="utf-8-sig").splitlines()
+    lines = [number for number, line in enumerate(text, 1) if line.strip()]  # (records are its non-blank lines)
+    at = [(lines[i], r["benchmark"]) for i, r in enumerate(records) if r["benchmark"] not in known]
+    shown = ", ".join(f"line {n} ({b if b.isprintable() and b.strip() else repr(b)})" for n, b in at[:3])
+    more = f" and {len(at) - 3} more" if len(at) > 3 else ""
+    said = (f"{records_path}: {shown}{more}: not a benchmark attnlab knows (a hand edit, or a newer attnlab's "
+            f"record), so not in this report; known: {', '.join(known)}")  # fmt: skip
+    warnings.warn(said, AttnlabWarning, stacklevel=3)
