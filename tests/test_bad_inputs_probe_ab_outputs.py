@@ -1,7 +1,8 @@
 """Probe AB's findings (/work/probe_ab/REPORT.md): `report` rewrote its report.md, report.html, tables and plots after
 the user changed them (AB4), and `compare` a compare.md whose record line the user had removed, with a note added
-(AB5); a SIGTERM ended a command with no line (U7); kv-tune picked a policy that quantized nothing (U2). Each test
-fails with its fix backed out."""
+(AB5); a SIGTERM ended a command with no line (U7); kv-tune picked a policy that quantized nothing (U2); `report`
+dropped a record of an unknown benchmark without a word (U5); `--set` values did not take the manifest's ${variables}
+(U6). Each test fails with its fix backed out."""
 
 from __future__ import annotations
 
@@ -206,3 +207,27 @@ def test_u5_a_record_of_a_benchmark_attnlab_does_not_know_is_one_warning_line(tm
     )
     assert err.splitlines() == [said], err
 
+
+# ---------------------------------------------------------------------- U6: ${variables} in a --set value
+
+VARS_MANIFEST = """name: vm
+vars: {lr: 2.0e-3, steps: 7}
+defaults:
+  model: {d_model: 32, n_layers: 1, n_heads: 4, max_seq_len: 64}
+  data: {source: tinyshakespeare, tokenizer: char}
+  train: {seq_len: 32, batch_size: 4, steps: 12, lr: 1.0e-3, eval_every: 6, eval_tokens: 256}
+targets:
+  base: {}
+"""
+
+
+def test_u6_a_set_value_takes_the_manifests_variables(tmp_path, capsys):
+    """Was: "train.lr='${lr}' must be float, got str"."""
+    from attnlab.manifest import load_manifest
+
+    path = tmp_path / "vm.yml"
+    path.write_text(VARS_MANIFEST)
+    (spec,) = load_manifest(path, ["train.lr=${lr}", "train.steps=${steps}"]).runs
+    assert (spec.train.lr, spec.train.steps) == (2.0e-3, 7)
+    fails(capsys, ["run", str(path), "--out", str(tmp_path / "o"), "--dry-run", "--set", "train.lr=${lrr}"],
+          f"{path}: --set train.lr: undefined variable ${{lrr}} (did you mean ${{lr}}?)")  # fmt: skip

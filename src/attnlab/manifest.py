@@ -426,7 +426,8 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data
     if not isinstance(targets, dict) or not targets:
         problems.append("targets must be a non-empty mapping of target names to configs")
         targets = {}
-    overrides = parse_set(sets)
+    # --set values take the manifest's ${variables} as the manifest's own values do (`--set 'train.lr=${lr}'`)
+    overrides = {k: substitute(v, variables, f"--set {k}", problems, broken) for k, v in parse_set(sets).items()}
     order = list(targets)
     runs = []
     sources: dict[str, dict | None] = {}  # each target's pretrained source (RunSpec.source)
