@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import stat
 import unicodedata
 from pathlib import Path
 
@@ -81,12 +82,54 @@ def in_data_dirs(path: str | Path, data_dir: str | Path | None = None) -> Path:
     return next((d / path for d in data_dirs(data_dir) if (d / path).exists()), path)
 
 
+def data_file_problem(root: Path, relative: str) -> str | None:
+    """Why what stands at `<root>/<relative>` cannot be read as the data file it is looked up as, or None when it is
+    a regular file (a link to one included) or nothing is there (the lookup moves on to the next data folder). A
+    dangling link, a folder, a FIFO (never opened: it would wait for a writer) or a file where one of the path's
+    folders goes is named, rather than skipped for the next data folder's file or waited on."""
+    path = root / relative
+    for parent in reversed(path.relative_to(root).parents[:-1]):  # the folders between root and the file
+        folder = root / parent
+        if os.path.lexists(folder) and not folder.is_dir():
+            return (f"{folder}: a file, not a folder, where the folder of the data file {relative} goes (move it "
+                    f"away, or make it a folder that holds {path.name})")  # fmt: skip
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink() and not path.exists():
+        return (f"{path}: a link to {os.readlink(path)}, which does not exist (mount or restore it, or remove the "
+                "link to use the next data folder's file)")  # fmt: skip
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        return f"{path}: cannot be read ({e.strerror or e}); make it readable, or remove it"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return f"{path}: is a folder, where a file is expected (put the data file there, or remove the folder)"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"{path}: is {kind}, not a regular file (put the data file there: it is not opened, or waited on)"
+
+
+def first_data_file(relative: str, dirs: list[Path]) -> Path | None:
+    """The first `<dir>/<relative>` of `dirs` that is a regular file, None when none is there; DataError naming the
+    first thing in its place that is not one (see data_file_problem), where it would be looked for."""
+    for directory in dirs:
+        problem = data_file_problem(directory, relative)
+        if problem:
+            raise DataError(problem)
+        if (directory / relative).is_file():
+            return directory / relative
+    return None
+
+
 def find_data_file(relative: str, data_dir: str | Path | None = None) -> Path:
-    """The first existing `<dir>/<relative>`; the error says where it looked and how to provide it."""
-    tried = [d / relative for d in data_dirs(data_dir)]
-    for path in tried:
-        if path.exists():
-            return path
+    """The first `<dir>/<relative>` that is a regular file (anything else in its place is refused, naming it); the
+    error says where it looked and how to provide it."""
+    dirs = data_dirs(data_dir)
+    found = first_data_file(relative, dirs)
+    if found is not None:
+        return found
+    tried = [d / relative for d in dirs]
     raise DataError(
         f"{relative} not found (looked in: {', '.join(map(str, tried))}); "
         "pass --data-dir DIR or set ATTNLAB_DATA to a directory that holds it"

@@ -1,0 +1,101 @@
+"""Probe AB's findings on data and --out (/work/probe_ab/REPORT.md): a FIFO at a named dataset's file hung the run,
+its dry run and kv-eval (AB3); a dangling link, a folder or a file where a named dataset's file or folder goes in
+--data-dir was skipped without a word for the next data folder's file (U1)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from helpers import fails
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
+TRAIN = ("{seq_len: 16, batch_size: 2, steps: 4, warmup_steps: 1, eval_every: 2, eval_tokens: 32, "
+         "checkpoint_every: 2}")  # fmt: skip
+
+
+def manifest(root: Path, source: str) -> Path:
+    path = root / "m.yml"
+    extra = ", val_fraction: 0.2" if source == "tinyshakespeare" else ""
+    data = f"{{source: {source}, tokenizer: char{extra}}}"
+    path.write_text("name: m\nseeds: [0]\ndefaults:\n  model: {d_model: 32, n_layers: 1, n_heads: 2, max_seq_len: 64}\n"
+                    f"  data: {data}\n  train: {TRAIN}\ntargets:\n  base: {{}}\n")  # fmt: skip
+    return path
+
+
+@pytest.fixture
+def no_hang():
+    """A test that would wait on a FIFO fails after 60 s instead of hanging the suite."""
+
+    def stop(*_):
+        raise TimeoutError("waited on a FIFO")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def refused_alike(capsys, argv: list[str], *fragments: str) -> str:
+    """The run is refused with one line holding every fragment, and its dry run with the same line."""
+    line = fails(capsys, argv, *fragments)
+    assert fails(capsys, [*argv, "--dry-run"], *fragments) == line
+    assert not (Path(argv[argv.index("--out") + 1]) / "m").exists()
+    return line
+
+
+# ----------------------------------------------------------------------------- AB3, U1: what stands at a file's name
+
+
+def test_ab3_a_fifo_at_input_txt_is_named_not_waited_on(tmp_path, capsys, no_hang):
+    """Was: the run and its dry run waited for a writer forever, printing nothing."""
+    (tmp_path / "dd" / "tinyshakespeare").mkdir(parents=True)
+    os.mkfifo(tmp_path / "dd" / "tinyshakespeare" / "input.txt")
+    argv = ["run", str(manifest(tmp_path, "tinyshakespeare")), "--out", str(tmp_path / "o"), "--no-progress",
+            "--data-dir", str(tmp_path / "dd")]  # fmt: skip
+    line = refused_alike(capsys, argv, "is a FIFO, not a regular file")
+    assert line.startswith(f"attnlab run: error: {tmp_path / 'dd' / 'tinyshakespeare' / 'input.txt'}: is a FIFO")
+
+
+def test_ab3_a_fifo_at_a_wikitext_file_is_named_not_waited_on(tmp_path, capsys, no_hang, data_dir):
+    (tmp_path / "dd" / "wikitext-2").mkdir(parents=True)
+    os.mkfifo(tmp_path / "dd" / "wikitext-2" / "wiki.valid.tokens.xz")
+    for split in ("train", "test"):
+        (tmp_path / "dd" / "wikitext-2" / f"wiki.{split}.tokens.xz").symlink_to(
+            data_dir / "wikitext-2" / f"wiki.{split}.tokens.xz"
+        )
+    argv = ["run", str(manifest(tmp_path, "wikitext2")), "--out", str(tmp_path / "o"), "--no-progress",
+            "--data-dir", str(tmp_path / "dd")]  # fmt: skip
+    refused_alike(capsys, argv, f"{tmp_path / 'dd' / 'wikitext-2' / 'wiki.valid.tokens.xz'}: is a FIFO")
+
+
+def test_u1_a_dangling_link_at_input_txt_is_named_not_skipped(tmp_path, capsys, data_dir, monkeypatch):
+    """Was: trained on $ATTNLAB_DATA's input.txt without a word (a disk not mounted means other data)."""
+    monkeypatch.setenv("ATTNLAB_DATA", str(data_dir))
+    (tmp_path / "dd" / "tinyshakespeare").mkdir(parents=True)
+    (tmp_path / "dd" / "tinyshakespeare" / "input.txt").symlink_to("/nonexistent/input.txt")
+    argv = ["run", str(manifest(tmp_path, "tinyshakespeare")), "--out", str(tmp_path / "o"), "--no-progress",
+            "--data-dir", str(tmp_path / "dd")]  # fmt: skip
+    refused_alike(capsys, argv, f"{tmp_path / 'dd' / 'tinyshakespeare' / 'input.txt'}: a link to "
+                  "/nonexistent/input.txt, which does not exist")  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["folder at the file", "file at the folder"])
+def test_u1_a_folder_or_file_in_wikitexts_place_is_named_not_skipped(tmp_path, capsys, data_dir, monkeypatch, case):
+    """Was: $ATTNLAB_DATA's WikiText was used without a word (a folder at tinyshakespeare/input.txt was refused)."""
+    monkeypatch.setenv("ATTNLAB_DATA", str(data_dir))
+    dd = tmp_path / "dd"
+    if case == "folder at the file":
+        (dd / "wikitext-2" / "wiki.train.tokens.xz").mkdir(parents=True)
+        said = f"{dd / 'wikitext-2' / 'wiki.train.tokens.xz'}: is a folder, where a file is expected"
+    else:
+        dd.mkdir()
+        (dd / "wikitext-2").write_text("not a folder")
+        said = f"{dd / 'wikitext-2'}: a file, not a folder, where the folder of the data file"
+    argv = ["run", str(manifest(tmp_path, "wikitext2")), "--out", str(tmp_path / "o"), "--no-progress",
+            "--data-dir", str(dd)]  # fmt: skip
+    refused_alike(capsys, argv, said)
