@@ -4,12 +4,15 @@ its dry run and kv-eval (AB3); a dangling link, a folder or a file where a named
 
 from __future__ import annotations
 
+import lzma
 import os
 import signal
 from pathlib import Path
 
 import pytest
-from helpers import fails
+from helpers import dry_run, fails
+
+from attnlab.data.source_identity import named_source_key
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -99,3 +102,42 @@ def test_u1_a_folder_or_file_in_wikitexts_place_is_named_not_skipped(tmp_path, c
     argv = ["run", str(manifest(tmp_path, "wikitext2")), "--out", str(tmp_path / "o"), "--no-progress",
             "--data-dir", str(dd)]  # fmt: skip
     refused_alike(capsys, argv, said)
+
+
+# ----------------------------------------------------------------------------- AB1: a sum matched to the name's form
+
+
+@pytest.fixture
+def plain_under_xz(tmp_path, data_dir) -> Path:
+    """A --data-dir whose wikitext-2/wiki.valid.tokens.xz holds WikiText's own valid text, not compressed."""
+    folder = tmp_path / "dd" / "wikitext-2"
+    folder.mkdir(parents=True)
+    for split in ("train", "test"):
+        (folder / f"wiki.{split}.tokens.xz").symlink_to(data_dir / "wikitext-2" / f"wiki.{split}.tokens.xz")
+    xz = data_dir / "wikitext-2" / "wiki.valid.tokens.xz"
+    (folder / "wiki.valid.tokens.xz").write_bytes(lzma.decompress(xz.read_bytes()))
+    return tmp_path / "dd"
+
+
+def test_ab1_plain_text_under_an_xz_name_is_not_the_datasets_own_file(plain_under_xz, data_dir, tmp_path):
+    """The plain sum matches a plain name only: the .xz name is read as the run reads it (decompressed)."""
+    assert named_source_key("wikitext2", data_dir) == "wikitext2"
+    assert named_source_key("wikitext2", plain_under_xz).startswith("wikitext2:")
+    plain = tmp_path / "plain" / "wikitext-2"
+    plain.mkdir(parents=True)
+    (plain / "wiki.valid.tokens").write_bytes((plain_under_xz / "wikitext-2" / "wiki.valid.tokens.xz").read_bytes())
+    for split in ("train", "test"):
+        (plain / f"wiki.{split}.tokens.xz").symlink_to(data_dir / "wikitext-2" / f"wiki.{split}.tokens.xz")
+    assert named_source_key("wikitext2", tmp_path / "plain") == "wikitext2"
+
+
+def test_ab1_the_dry_run_refuses_plain_text_under_an_xz_name_as_the_run_does(
+    plain_under_xz, tmp_path, capsys, monkeypatch
+):
+    """Was: the dry run trusted the sum and said "would train"; the run refused a damaged .xz."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    argv = ["run", str(manifest(tmp_path, "wikitext2")), "--out", str(tmp_path / "o"), "--no-progress",
+            "--data-dir", str(plain_under_xz)]  # fmt: skip
+    said = f"{plain_under_xz / 'wikitext-2' / 'wiki.valid.tokens.xz'}: a damaged or cut-short .xz archive"
+    line = fails(capsys, argv, said).split("error: ", 1)[1]
+    assert dry_run(capsys, [*argv, "--dry-run"]) == f"[1/1] base seed0: would be refused: {line}\n"
