@@ -7,6 +7,7 @@ from __future__ import annotations
 import lzma
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,31 @@ def test_ab1_the_dry_run_refuses_plain_text_under_an_xz_name_as_the_run_does(
     said = f"{plain_under_xz / 'wikitext-2' / 'wiki.valid.tokens.xz'}: a damaged or cut-short .xz archive"
     line = fails(capsys, argv, said).split("error: ", 1)[1]
     assert dry_run(capsys, [*argv, "--dry-run"]) == f"[1/1] base seed0: would be refused: {line}\n"
+
+
+# ----------------------------------------------------------------------------- AB2: a cache folder the run cannot write
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """tmp_path/ro, an existing folder nothing can be made in (chattr +i for root, whom chmod does not stop)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    root = os.geteuid() == 0
+    if root and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    folder.chmod(0o555) if not root else None
+    yield folder
+    subprocess.run(["chattr", "-i", str(folder)], capture_output=True) if root else folder.chmod(0o755)
+
+
+def test_ab2_the_dry_run_refuses_a_cache_it_cannot_prepare_the_data_in(unwritable, data_dir, tmp_path, capsys,
+                                                                       monkeypatch):  # fmt: skip
+    """Was: the dry run said "would train 4 steps"; the run refused the cache folder it could not make."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(unwritable))
+    argv = ["run", str(manifest(tmp_path, "tinyshakespeare")), "--out", str(tmp_path / "o"), "--no-progress",
+            "--data-dir", str(data_dir)]  # fmt: skip
+    said = (f"{unwritable / 'attnlab'}: permission denied: cannot create it in {unwritable} (make that folder "
+            "writable, or set XDG_CACHE_HOME to another folder)")  # fmt: skip
+    assert fails(capsys, [*argv, "--dry-run"], said) == fails(capsys, argv, said)
+    assert list(unwritable.iterdir()) == [] and not (tmp_path / "o").exists()

@@ -98,6 +98,10 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
             ).exists()
         ):
             continue
+        if not names_model(data.tokenizer):  # the folder the run would prepare it in: the run's line if unmakeable
+            unmakeable = unmakeable_folder([default_cache_dir() / folder_name(data, cache_key(data, data_dir))])
+            if unmakeable is not None:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(unmakeable))
         try:
             if online:  # what the run would download (or why it could not), said before it starts
                 plan = download_plan(data.source, data_dir, data.max_tokens)
