@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 from helpers import dry_run, fails
 
+from attnlab.compare import check_not_in_run
 from attnlab.data.source_identity import named_source_key
+from attnlab.errors import InputError
+from attnlab.paths import run_folder_problem
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -170,3 +173,31 @@ def test_ab2_the_dry_run_refuses_a_cache_it_cannot_prepare_the_data_in(unwritabl
             "writable, or set XDG_CACHE_HOME to another folder)")  # fmt: skip
     assert fails(capsys, [*argv, "--dry-run"], said) == fails(capsys, argv, said)
     assert list(unwritable.iterdir()) == [] and not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------- U3: every --out inside the cache
+
+
+@pytest.mark.parametrize("flag", ["--out", "--hf", "--store", "$ATTNLAB_MEMORY"])
+def test_u3_a_folder_made_inside_attnlabs_cache_is_refused_for_every_flag(tmp_path, monkeypatch, flag):
+    """Was: `convert --out` (and export --hf, the records' --out, a store) inside the cache accepted, while `run
+    --out` there was refused."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    inner = tmp_path / "cache" / "attnlab" / "made"
+    assert run_folder_problem(inner, "why", flag) == (
+        f"{flag} {inner} is inside attnlab's cache {tmp_path / 'cache' / 'attnlab'} (prepared data, downloads, "
+        "compiled kernels), which clearing the cache deletes: give a folder of your own"
+    )
+    assert run_folder_problem(tmp_path / "elsewhere", "why", flag) is None
+    memory = tmp_path / "cache" / "attnlab" / "memory"  # the default store is the cache's own
+    assert (run_folder_problem(memory, "why", flag) is None) == (flag in ("--store", "$ATTNLAB_MEMORY"))
+
+
+def test_u3_convert_and_compare_refuse_an_out_inside_the_cache(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "cache" / "attnlab" / "cv"
+    fails(capsys, ["convert", str(tmp_path / "nothere"), "--attention", "kind=mha", "--out", str(out)],
+          f"--out {out} is inside attnlab's cache")  # fmt: skip
+    with pytest.raises(InputError, match=f"--out {out} is inside attnlab's cache"):  # compare's check of --out
+        check_not_in_run(tmp_path / "runs", out)
+    assert not out.exists()

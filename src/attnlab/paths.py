@@ -218,9 +218,26 @@ def is_run_folder(folder: Path) -> bool:
     return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
 
 
+def cache_folder_problem(path: str | Path, flag: str = "--out") -> str | None:
+    """The line refusing `path` (given as `flag`: a folder or file a command makes) inside attnlab's own cache
+    (cache_dir(): prepared data, downloads, compiled kernels), which one clears to free space or start afresh,
+    deleting what was written there with it; else None. The default memory store (cache_dir()/memory) is a store's."""
+    resolved, cache = Path(path).resolve(), cache_dir().resolve()
+    store = flag in ("--store", "$ATTNLAB_MEMORY", "the store")
+    if not resolved.is_relative_to(cache) or (store and resolved.is_relative_to(cache / "memory")):
+        return None
+    return (f"{flag} {path} is inside attnlab's cache {cache_dir()} (prepared data, downloads, compiled kernels), "
+            "which clearing the cache deletes: give a folder of your own")  # fmt: skip
+
+
 def run_folder_problem(path: str | Path, why: str, flag: str = "--out") -> str | None:
-    """The line refusing `path` (given as `flag`) when it is a run's folder or inside one, where another command's
-    output would be mixed with the run's own files (`why` says what would happen there, and the fix); else None."""
+    """The line refusing `path` (given as `flag`) when it is inside attnlab's cache (cache_folder_problem), or a
+    run's folder or inside one, where another command's output would be mixed with the run's own files (`why` says
+    what would happen there, and the fix); else None. Every command's --out (--hf, --store) that makes a folder or
+    file is checked here."""
+    problem = cache_folder_problem(path, flag)
+    if problem:
+        return problem
     absolute = Path(path).absolute()
     for folder in (absolute, *absolute.parents):
         if is_run_folder(folder):
