@@ -201,3 +201,19 @@ def test_u3_convert_and_compare_refuse_an_out_inside_the_cache(tmp_path, capsys,
     with pytest.raises(InputError, match=f"--out {out} is inside attnlab's cache"):  # compare's check of --out
         check_not_in_run(tmp_path / "runs", out)
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- U8: a run folder that is a link
+
+
+def test_u8_a_run_folder_linked_elsewhere_is_refused_naming_the_link(tmp_path, capsys):
+    """Was: refused with advice about '..' ("use plain names, without '..'"), where the user had made a link."""
+    (tmp_path / "sr" / "m" / "base").mkdir(parents=True)
+    (tmp_path / "real" / "seed0").mkdir(parents=True)
+    (tmp_path / "sr" / "m" / "base" / "seed0").symlink_to(tmp_path / "real" / "seed0")
+    argv = ["run", str(manifest(tmp_path, "tinyshakespeare")), "--out", str(tmp_path / "sr"), "--no-progress"]
+    said = (f"run folder {tmp_path / 'sr' / 'm' / 'base' / 'seed0'} is a link to {tmp_path / 'real' / 'seed0'}, "
+            f"outside {tmp_path / 'sr'}: move the folder it links to")  # fmt: skip
+    line = fails(capsys, argv, said)
+    assert fails(capsys, [*argv, "--dry-run"], said) == line
+    assert "'..'" not in line and list((tmp_path / "real" / "seed0").iterdir()) == []

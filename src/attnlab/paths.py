@@ -180,6 +180,12 @@ def inside(path: str | Path, root: str | Path, what: str) -> Path:
     """`path` when it resolves inside `root` (both resolved: `..` and symbolic links followed), else ConfigError."""
     resolved, base = Path(path).resolve(), Path(root).resolve()
     if not resolved.is_relative_to(base):
+        for link in reversed([Path(path), *Path(path).parents]):  # a link the user made, the shallowest first
+            if link.is_symlink() and not link.resolve().is_relative_to(base):
+                thing = "" if link == Path(path) else f": {link}"
+                raise ConfigError(f"{what} {path}{thing} is a link to {link.resolve()}, outside {root}: move the "
+                                  f"folder it links to into {root} in place of the link, or give --out where it "
+                                  "really is")  # fmt: skip
         raise ConfigError(f"{what} {path} resolves to {resolved}, outside {base} (use plain names, without '..')")
     return Path(path)
 
