@@ -30,7 +30,7 @@ from attnlab.errors import DataError, InputError
 from attnlab.eval.plots import plot_val_loss
 from attnlab.eval.records import distinct_labels, exponential_problem, range_problem
 from attnlab.output_record import changed_output, record_line
-from attnlab.paths import is_run_folder
+from attnlab.paths import cache_folder_problem, is_run_folder
 
 SEED_DIR = re.compile(r"seed(\d+)")
 WHERE = "give the folder `attnlab run --out` wrote for a manifest, e.g. runs/quickstart"
@@ -278,6 +278,9 @@ def check_not_in_run(runs_dir: str | Path, out_dir: str | Path | None) -> None:
     default out_dir when runs_dir is one run's folder): that folder holds what training wrote, and is kept as
     training left it; a comparison of one run goes where --out says."""
     given = Path(out_dir if out_dir is not None else runs_dir)
+    problem = cache_folder_problem(out_dir) if out_dir is not None else None
+    if problem:
+        raise InputError(problem)
     path = given.resolve()
     run = next((folder for folder in (path, *path.parents) if is_run_folder(folder)), None)
     if run is None:

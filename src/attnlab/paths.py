@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import stat
 import unicodedata
 from pathlib import Path
 
@@ -81,12 +82,54 @@ def in_data_dirs(path: str | Path, data_dir: str | Path | None = None) -> Path:
     return next((d / path for d in data_dirs(data_dir) if (d / path).exists()), path)
 
 
+def data_file_problem(root: Path, relative: str) -> str | None:
+    """Why what stands at `<root>/<relative>` cannot be read as the data file it is looked up as, or None when it is
+    a regular file (a link to one included) or nothing is there (the lookup moves on to the next data folder). A
+    dangling link, a folder, a FIFO (never opened: it would wait for a writer) or a file where one of the path's
+    folders goes is named, rather than skipped for the next data folder's file or waited on."""
+    path = root / relative
+    for parent in reversed(path.relative_to(root).parents[:-1]):  # the folders between root and the file
+        folder = root / parent
+        if os.path.lexists(folder) and not folder.is_dir():
+            return (f"{folder}: a file, not a folder, where the folder of the data file {relative} goes (move it "
+                    f"away, or make it a folder that holds {path.name})")  # fmt: skip
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink() and not path.exists():
+        return (f"{path}: a link to {os.readlink(path)}, which does not exist (mount or restore it, or remove the "
+                "link to use the next data folder's file)")  # fmt: skip
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        return f"{path}: cannot be read ({e.strerror or e}); make it readable, or remove it"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return f"{path}: is a folder, where a file is expected (put the data file there, or remove the folder)"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"{path}: is {kind}, not a regular file (put the data file there: it is not opened, or waited on)"
+
+
+def first_data_file(relative: str, dirs: list[Path]) -> Path | None:
+    """The first `<dir>/<relative>` of `dirs` that is a regular file, None when none is there; DataError naming the
+    first thing in its place that is not one (see data_file_problem), where it would be looked for."""
+    for directory in dirs:
+        problem = data_file_problem(directory, relative)
+        if problem:
+            raise DataError(problem)
+        if (directory / relative).is_file():
+            return directory / relative
+    return None
+
+
 def find_data_file(relative: str, data_dir: str | Path | None = None) -> Path:
-    """The first existing `<dir>/<relative>`; the error says where it looked and how to provide it."""
-    tried = [d / relative for d in data_dirs(data_dir)]
-    for path in tried:
-        if path.exists():
-            return path
+    """The first `<dir>/<relative>` that is a regular file (anything else in its place is refused, naming it); the
+    error says where it looked and how to provide it."""
+    dirs = data_dirs(data_dir)
+    found = first_data_file(relative, dirs)
+    if found is not None:
+        return found
+    tried = [d / relative for d in dirs]
     raise DataError(
         f"{relative} not found (looked in: {', '.join(map(str, tried))}); "
         "pass --data-dir DIR or set ATTNLAB_DATA to a directory that holds it"
@@ -137,6 +180,12 @@ def inside(path: str | Path, root: str | Path, what: str) -> Path:
     """`path` when it resolves inside `root` (both resolved: `..` and symbolic links followed), else ConfigError."""
     resolved, base = Path(path).resolve(), Path(root).resolve()
     if not resolved.is_relative_to(base):
+        for link in reversed([Path(path), *Path(path).parents]):  # a link the user made, the shallowest first
+            if link.is_symlink() and not link.resolve().is_relative_to(base):
+                thing = "" if link == Path(path) else f": {link}"
+                raise ConfigError(f"{what} {path}{thing} is a link to {link.resolve()}, outside {root}: move the "
+                                  f"folder it links to into {root} in place of the link, or give --out where it "
+                                  "really is")  # fmt: skip
         raise ConfigError(f"{what} {path} resolves to {resolved}, outside {base} (use plain names, without '..')")
     return Path(path)
 
@@ -175,9 +224,26 @@ def is_run_folder(folder: Path) -> bool:
     return isinstance(config, dict) and {"model", "data", "train"} <= set(config)
 
 
+def cache_folder_problem(path: str | Path, flag: str = "--out") -> str | None:
+    """The line refusing `path` (given as `flag`: a folder or file a command makes) inside attnlab's own cache
+    (cache_dir(): prepared data, downloads, compiled kernels), which one clears to free space or start afresh,
+    deleting what was written there with it; else None. The default memory store (cache_dir()/memory) is a store's."""
+    resolved, cache = Path(path).resolve(), cache_dir().resolve()
+    store = flag in ("--store", "$ATTNLAB_MEMORY", "the store")
+    if not resolved.is_relative_to(cache) or (store and resolved.is_relative_to(cache / "memory")):
+        return None
+    return (f"{flag} {path} is inside attnlab's cache {cache_dir()} (prepared data, downloads, compiled kernels), "
+            "which clearing the cache deletes: give a folder of your own")  # fmt: skip
+
+
 def run_folder_problem(path: str | Path, why: str, flag: str = "--out") -> str | None:
-    """The line refusing `path` (given as `flag`) when it is a run's folder or inside one, where another command's
-    output would be mixed with the run's own files (`why` says what would happen there, and the fix); else None."""
+    """The line refusing `path` (given as `flag`) when it is inside attnlab's cache (cache_folder_problem), or a
+    run's folder or inside one, where another command's output would be mixed with the run's own files (`why` says
+    what would happen there, and the fix); else None. Every command's --out (--hf, --store) that makes a folder or
+    file is checked here."""
+    problem = cache_folder_problem(path, flag)
+    if problem:
+        return problem
     absolute = Path(path).absolute()
     for folder in (absolute, *absolute.parents):
         if is_run_folder(folder):

@@ -27,7 +27,7 @@ from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.interop.convert import LOW_RANK
 from attnlab.jsonio import loads_json
 from attnlab.manifest import Manifest, RunSpec
-from attnlab.paths import cache_dir, inside
+from attnlab.paths import cache_folder_problem, inside
 from attnlab.retrofit import changes, check_pretrained, first_phases
 from attnlab.train.distributed import dist_env
 from attnlab.train.loop import check_training_data, vocab_problem
@@ -98,6 +98,10 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
             ).exists()
         ):
             continue
+        if not names_model(data.tokenizer):  # the folder the run would prepare it in: the run's line if unmakeable
+            unmakeable = unmakeable_folder([default_cache_dir() / folder_name(data, cache_key(data, data_dir))])
+            if unmakeable is not None:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(unmakeable))
         try:
             if online:  # what the run would download (or why it could not), said before it starts
                 plan = download_plan(data.source, data_dir, data.max_tokens)
@@ -171,10 +175,10 @@ def out_folder_problem(out_root: str | Path) -> str | None:
     Face model folder (an `attnlab export --hf` folder: config.json beside model.safetensors) is said in one warning
     line: the runs would be mixed with the model's files (nothing is lost: `export --hf --overwrite` refuses a
     folder holding other files), and such a folder is no export of attnlab's alone, so it is not refused."""
-    resolved, cache = Path(out_root).resolve(), cache_dir().resolve()
-    if resolved.is_relative_to(cache):
-        return (f"--out {out_root} is inside attnlab's cache {cache_dir()} (prepared data, downloads, compiled "
-                "kernels), which clearing the cache deletes: give a folder of your own, e.g. --out runs")  # fmt: skip
+    problem = cache_folder_problem(out_root)
+    if problem:
+        return problem
+    resolved = Path(out_root).resolve()
     for folder in (resolved, *resolved.parents):
         weights = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
         if weights and (folder / "config.json").is_file():

@@ -21,20 +21,20 @@ from pathlib import Path
 from attnlab.data.files import sha256_file
 from attnlab.data.sources import local_files
 
-_TINYSHAKESPEARE = {"input.txt": {"86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"}}
+_TINYSHAKESPEARE = {"input.txt": {"plain": "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"}}
 _WIKITEXT_V1 = {  # wiki.{train,valid,test}.tokens of wikitext-2-v1, as .xz and plain (pytorch/examples' train.txt, ...)
-    "train": {"706ddeb595fdf90aa45292dcb3a3a74a2e330738c662b71cf15fd3f27694e392",
-              "9e9fa1ad55b1c2c95b08e37dd8e653f638fac2c6de904b79e813611eefbc985f"},
-    "val": {"b9a9e7d0f07d32a6a40f2e2b2473855568a3ab8aae7243af52a4ce356c59aaf5",
-            "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8"},
-    "test": {"5b89d8701c38fd05d96e78076c92cf45bca38ad7f9a8938d57ea9fc24f409416",
-             "d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0"},
+    "train": {"xz": "706ddeb595fdf90aa45292dcb3a3a74a2e330738c662b71cf15fd3f27694e392",
+              "plain": "9e9fa1ad55b1c2c95b08e37dd8e653f638fac2c6de904b79e813611eefbc985f"},
+    "val": {"xz": "b9a9e7d0f07d32a6a40f2e2b2473855568a3ab8aae7243af52a4ce356c59aaf5",
+            "plain": "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8"},
+    "test": {"xz": "5b89d8701c38fd05d96e78076c92cf45bca38ad7f9a8938d57ea9fc24f409416",
+             "plain": "d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0"},
 }  # fmt: skip
 _WIKITEXT_RAW = {  # wiki.test.raw of wikitext-2-raw-v1 (its train and valid files are not known here: keyed by sum)
-    "test": {"69c515361535b1598c00165affb049f6d35be5f1a9fc54ad8a0cbdf3c80ba1ad",
-             "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"},
+    "test": {"xz": "69c515361535b1598c00165affb049f6d35be5f1a9fc54ad8a0cbdf3c80ba1ad",
+             "plain": "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"},
 }  # fmt: skip
-# source -> role (local_files' key) -> the sha256 of that file as the dataset distributes it
+# source -> role (local_files' key) -> form ("xz", "plain") -> the sha256 of that file as the dataset distributes it
 CANONICAL = {"tinyshakespeare": _TINYSHAKESPEARE, "wikitext2": _WIKITEXT_V1, "wikitext2-nounk": _WIKITEXT_V1,
              "wikitext2-raw": _WIKITEXT_RAW}  # fmt: skip
 
@@ -56,11 +56,14 @@ def file_sha256(path: Path) -> str | None:
     return _digests[key]
 
 
-def identity(source: str, sha256: str | None, role: str | None = None) -> str | None:
+def identity(source: str, sha256: str | None, role: str | None = None, path: Path | None = None) -> str | None:
     """What a file of `source` holds, for comparing records: `<source>:<role>` for a file of the dataset as
-    distributed (any of its forms; of the role given, when given), else its sha256."""
+    distributed (of the role given, when given; in the form its name `path` implies, when given: the .xz sum for a
+    `.xz` name, which the run decompresses, the plain sum for another, which it reads as it is, so that the plain
+    text under a `.xz` name is read, and refused, as the run reads it), else its sha256."""
+    form = None if path is None else "xz" if Path(path).suffix == ".xz" else "plain"
     for known, sums in CANONICAL.get(source, {}).items():
-        if sha256 in sums and role in (None, known):
+        if sha256 in (sums.values() if form is None else [sums.get(form)]) and role in (None, known):
             return f"{source}:{known}"
     return sha256
 
@@ -74,7 +77,7 @@ def named_source_key(source: str, data_dir: str | Path | None = None) -> str:
         parts = [f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}" for path in found.values()]
     else:
         sums = {role: file_sha256(path) for role, path in found.items()}
-        if all(identity(source, sha, role) != sha for role, sha in sums.items()):
+        if all(identity(source, sha, role, found[role]) != sha for role, sha in sums.items()):
             return source
         parts = [f"{role}={sha or f'{path.resolve()} (not a readable file)'}" for (role, path), sha in
                  zip(found.items(), sums.values(), strict=True)]  # fmt: skip
@@ -103,7 +106,7 @@ def prepared_source_problem(folder: Path, meta: dict, source: str, data_dir: str
     left = Counter(then)
     for role, path in local_files(source, data_dir).items():
         sha = file_sha256(path)
-        now = identity(source, sha, role)
+        now = identity(source, sha, role, path)
         if left[now] > 0:
             left[now] -= 1
             continue

@@ -38,7 +38,7 @@ from attnlab.data.files import (
 )
 from attnlab.errors import DataError
 from attnlab.jsonio import loads_json
-from attnlab.paths import cache_dir, data_dirs, find_data_file
+from attnlab.paths import cache_dir, data_dirs, find_data_file, first_data_file
 
 SPLITS = ("train", "val", "test")
 NAMED_SOURCES = DATA_SOURCES  # the datasets known by name (config.py checks a DataConfig against them)
@@ -266,9 +266,12 @@ def _wikitext_files(extension: str, dirs: list[Path]) -> dict[str, Path]:
     for split, file_split in WIKITEXT_SPLITS.items():
         names = [f"wiki.{file_split}.{extension}{suffix}" for suffix in ("", ".xz", ".txt")]
         names += [f"{file_split}.txt"] if extension == "tokens" else []  # pytorch/examples' names
-        hits = [folder / n for folder in dirs for n in names if (folder / n).is_file()]
-        if hits:
-            found[split] = hits[0]
+        for folder in dirs:  # (a dangling link, a folder, a FIFO at a file's name, a file at the folder's: named)
+            relative = [f"{folder.name}/{n}" for n in names]
+            hit = next((path for r in relative if (path := first_data_file(r, [folder.parent])) is not None), None)
+            if hit is not None:
+                found[split] = hit
+                break
     return found
 
 
@@ -302,11 +305,13 @@ def _wikitext(name: str, data_dir: str | Path | None, download: bool | None, spl
 
 
 def _tinyshakespeare(data_dir, download, val_fraction, test_fraction) -> Source:
-    try:
-        path = find_data_file("tinyshakespeare/input.txt", data_dir)
-    except DataError as e:
-        if not downloads_allowed(download):
-            raise DataError(f"tinyshakespeare: {e}; or allow downloads ({TINYSHAKESPEARE_URL})") from None
+    path = first_data_file("tinyshakespeare/input.txt", data_dirs(data_dir))  # (a FIFO, a dangling link: refused)
+    if path is None:
+        try:
+            find_data_file("tinyshakespeare/input.txt", data_dir)
+        except DataError as e:
+            if not downloads_allowed(download):
+                raise DataError(f"tinyshakespeare: {e}; or allow downloads ({TINYSHAKESPEARE_URL})") from None
         path = cache_dir() / "tinyshakespeare" / "input.txt"
         _download(TINYSHAKESPEARE_URL, path)
     read = _hash_split(lambda: file_texts(path), val_fraction, test_fraction)
@@ -392,8 +397,8 @@ def local_files(source: str, data_dir: str | Path | None = None) -> dict[str, Pa
     downloading anything: empty when it would download (or stream) them, partial when it would download some."""
     dirs = data_dirs(data_dir)
     if source == "tinyshakespeare":
-        found = [d / "tinyshakespeare" / "input.txt" for d in dirs if (d / "tinyshakespeare" / "input.txt").exists()]
-        return {"input.txt": found[0]} if found else {}
+        found = first_data_file("tinyshakespeare/input.txt", dirs)
+        return {"input.txt": found} if found is not None else {}
     if source == "fineweb-edu":
         for folder in (d / "fineweb-edu" for d in dirs):
             files = sorted(p for p in folder.glob("*") if p.is_file() and base_suffix(p) in (".parquet", ".jsonl"))

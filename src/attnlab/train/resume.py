@@ -169,7 +169,7 @@ def found_files_change(checkpoint, files: dict, source: str, where: str, since: 
     then = recorded_identities(source, saved["source_files"]) if saved is not None else []
     for role, path in files.items() if then else ():
         sha = file_sha256(path)
-        if identity(source, sha, role) not in then:
+        if identity(source, sha, role, path) not in then:
             return (f"{where}: the data {source} changed since {since} ({Path(path).name}'s sha256 is now "
                     f"{str(sha)[:12]}..., not that of a file the checkpoint was trained on); {how}")  # fmt: skip
     return None
