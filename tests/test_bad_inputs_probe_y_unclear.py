@@ -323,6 +323,9 @@ def test_a_label_of_html_characters_is_escaped_in_report_md_and_shown_as_written
     assert main(["report", str(folder)]) == 0
     capsys.readouterr()
     markdown, page = (folder / "report.md").read_text(), (folder / "report.html").read_text()
+    record_line = markdown.splitlines()[-1]  # (the sums of what report wrote, an HTML comment: report's own)
+    assert record_line.startswith("<!-- attnlab report sha256: ") and record_line.endswith(" -->")
+    markdown = markdown[: -len(record_line) - 1]
     shown, other_shown = "\\<script\\>alert(1)\\</script\\>", "a\\&b\\|c\\\\d"
     assert "<" not in markdown.replace("\\<", "") and "&" not in markdown.replace("\\&", ""), markdown
     assert markdown.startswith("# Evaluation report: b\\<\\&\\>\n")
