@@ -217,3 +217,21 @@ def test_u8_a_run_folder_linked_elsewhere_is_refused_naming_the_link(tmp_path, c
     line = fails(capsys, argv, said)
     assert fails(capsys, [*argv, "--dry-run"], said) == line
     assert "'..'" not in line and list((tmp_path / "real" / "seed0").iterdir()) == []
+
+
+def test_an_out_that_is_a_link_loop_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """The cache check resolved --out first: Path.resolve() of a link loop raised RuntimeError (a traceback)."""
+    from attnlab.paths import cache_folder_problem
+    from attnlab.run_checks import out_folder_problem
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert cache_folder_problem(loop) is None and out_folder_problem(loop) is None  # named by the checks after them
+    monkeypatch.chdir(tmp_path)
+    manifest = tmp_path / "m.yml"
+    manifest.write_text(
+        "name: m\nseeds: [0]\ndefaults:\n  model: {d_model: 32, n_layers: 1, n_heads: 4, max_seq_len: 64}\n"
+        "  data: {source: tinyshakespeare, tokenizer: char}\n"
+        "  train: {steps: 2, batch_size: 2, seq_len: 32}\ntargets:\n  base: {}\n"
+    )
+    fails(capsys, ["run", str(manifest), "--out", "loop", "--dry-run"], "--out loop: a symbolic link loop")

@@ -228,7 +228,10 @@ def cache_folder_problem(path: str | Path, flag: str = "--out") -> str | None:
     """The line refusing `path` (given as `flag`: a folder or file a command makes) inside attnlab's own cache
     (cache_dir(): prepared data, downloads, compiled kernels), which one clears to free space or start afresh,
     deleting what was written there with it; else None. The default memory store (cache_dir()/memory) is a store's."""
-    resolved, cache = Path(path).resolve(), cache_dir().resolve()
+    try:
+        resolved, cache = Path(path).resolve(), cache_dir().resolve()
+    except (OSError, RuntimeError):  # a link loop (RuntimeError before Python 3.13): named by the checks after this
+        return None
     store = flag in ("--store", "$ATTNLAB_MEMORY", "the store")
     if not resolved.is_relative_to(cache) or (store and resolved.is_relative_to(cache / "memory")):
         return None

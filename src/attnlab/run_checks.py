@@ -178,7 +178,10 @@ def out_folder_problem(out_root: str | Path) -> str | None:
     problem = cache_folder_problem(out_root)
     if problem:
         return problem
-    resolved = Path(out_root).resolve()
+    try:
+        resolved = Path(out_root).resolve()
+    except (OSError, RuntimeError):  # a link loop (RuntimeError before Python 3.13): the run's own checks name it
+        return None
     for folder in (resolved, *resolved.parents):
         weights = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
         if weights and (folder / "config.json").is_file():
