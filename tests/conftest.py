@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -114,3 +115,16 @@ def file_size_limit():
     yield limit
     resource.setrlimit(resource.RLIMIT_FSIZE, previous)
     signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """tmp_path/ro, an existing folder nothing can be made in (chattr +i for root, whom chmod does not stop)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    root = os.geteuid() == 0
+    if root and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    folder.chmod(0o555) if not root else None
+    yield folder
+    subprocess.run(["chattr", "-i", str(folder)], capture_output=True) if root else folder.chmod(0o755)

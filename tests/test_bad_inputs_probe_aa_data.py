@@ -10,7 +10,6 @@ import json
 import lzma
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -178,19 +177,6 @@ def test_aa2_a_data_folder_moved_with_the_same_file_still_resumes(copies, tmp_pa
 
 
 # ----------------------------------------------------------------------------- AA3, U2: --out
-
-
-@pytest.fixture
-def unwritable(tmp_path):
-    """tmp_path/ro, an existing folder nothing can be made in (chattr +i for root, whom chmod does not stop)."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    root = os.geteuid() == 0
-    if root and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
-        pytest.skip("chattr +i is not available here")
-    folder.chmod(0o555) if not root else None
-    yield folder
-    subprocess.run(["chattr", "-i", str(folder)], capture_output=True) if root else folder.chmod(0o755)
 
 
 def test_aa3_the_dry_run_refuses_an_out_it_cannot_write_with_the_runs_line(copies, unwritable, capsys):

@@ -79,12 +79,12 @@ def record_outputs(stage: Path, out_dir: Path) -> None:
 def warn_unknown_benchmarks(records_path: Path, records: list[dict], known) -> None:
     """One AttnlabWarning line naming records_path's lines whose benchmark attnlab does not know (a hand edit, or a
     newer attnlab's record): the report draws nothing of them, and says so rather than dropping them silently."""
-    unknown = [r["benchmark"] for r in records if r["benchmark"] not in known]
+    unknown = [(i, r["benchmark"]) for i, r in enumerate(records) if r["benchmark"] not in known]
     if not unknown:
         return
     text = records_path.read_text(encoding="utf-8-sig").splitlines()
     lines = [number for number, line in enumerate(text, 1) if line.strip()]  # (records are its non-blank lines)
-    at = [(lines[i], r["benchmark"]) for i, r in enumerate(records) if r["benchmark"] not in known]
+    at = [(lines[i], benchmark) for i, benchmark in unknown]
     shown = ", ".join(f"line {n} ({b if b.isprintable() and b.strip() else repr(b)})" for n, b in at[:3])
     more = f" and {len(at) - 3} more" if len(at) > 3 else ""
     said = (f"{records_path}: {shown}{more}: not a benchmark attnlab knows (a hand edit, or a newer attnlab's "
