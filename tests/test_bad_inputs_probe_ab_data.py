@@ -46,7 +46,7 @@ def no_hang():
     signal.signal(signal.SIGALRM, previous)
 
 
-def refused_alike(capsys, argv: list[str], *fragments: str) -> str:
+def both_refused(capsys, argv: list[str], *fragments: str) -> str:
     """The run is refused with one line holding every fragment, and its dry run with the same line."""
     line = fails(capsys, argv, *fragments)
     assert fails(capsys, [*argv, "--dry-run"], *fragments) == line
@@ -63,7 +63,7 @@ def test_ab3_a_fifo_at_input_txt_is_named_not_waited_on(tmp_path, capsys, no_han
     os.mkfifo(tmp_path / "dd" / "tinyshakespeare" / "input.txt")
     argv = ["run", str(manifest(tmp_path, "tinyshakespeare")), "--out", str(tmp_path / "o"), "--no-progress",
             "--data-dir", str(tmp_path / "dd")]  # fmt: skip
-    line = refused_alike(capsys, argv, "is a FIFO, not a regular file")
+    line = both_refused(capsys, argv, "is a FIFO, not a regular file")
     assert line.startswith(f"attnlab run: error: {tmp_path / 'dd' / 'tinyshakespeare' / 'input.txt'}: is a FIFO")
 
 
@@ -76,7 +76,7 @@ def test_ab3_a_fifo_at_a_wikitext_file_is_named_not_waited_on(tmp_path, capsys, 
         )
     argv = ["run", str(manifest(tmp_path, "wikitext2")), "--out", str(tmp_path / "o"), "--no-progress",
             "--data-dir", str(tmp_path / "dd")]  # fmt: skip
-    line = refused_alike(capsys, argv, f"{tmp_path / 'dd' / 'wikitext-2' / 'wiki.valid.tokens.xz'}: is a FIFO")
+    line = both_refused(capsys, argv, f"{tmp_path / 'dd' / 'wikitext-2' / 'wiki.valid.tokens.xz'}: is a FIFO")
     assert "is a FIFO, not a regular file" in line and line.startswith("attnlab run: error: ")
 
 
@@ -87,7 +87,7 @@ def test_u1_a_dangling_link_at_input_txt_is_named_not_skipped(tmp_path, capsys, 
     (tmp_path / "dd" / "tinyshakespeare" / "input.txt").symlink_to("/nonexistent/input.txt")
     argv = ["run", str(manifest(tmp_path, "tinyshakespeare")), "--out", str(tmp_path / "o"), "--no-progress",
             "--data-dir", str(tmp_path / "dd")]  # fmt: skip
-    line = refused_alike(capsys, argv, f"{tmp_path / 'dd' / 'tinyshakespeare' / 'input.txt'}: a link to "
+    line = both_refused(capsys, argv, f"{tmp_path / 'dd' / 'tinyshakespeare' / 'input.txt'}: a link to "
                          "/nonexistent/input.txt, which does not exist")  # fmt: skip
     assert str(data_dir) not in line  # (not the next data folder's file)
 
@@ -106,7 +106,7 @@ def test_u1_a_folder_or_file_in_wikitexts_place_is_named_not_skipped(tmp_path, c
         said = f"{dd / 'wikitext-2'}: a file, not a folder, where the folder of the data file"
     argv = ["run", str(manifest(tmp_path, "wikitext2")), "--out", str(tmp_path / "o"), "--no-progress",
             "--data-dir", str(dd)]  # fmt: skip
-    refused_alike(capsys, argv, said)
+    both_refused(capsys, argv, said)
 
 
 # ----------------------------------------------------------------------------- AB1: a sum matched to the name's form

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from conftest import smollm_file
 from helpers import TINY, tiny_model, train_tiny_run
 from safetensors import safe_open
 
@@ -302,16 +303,12 @@ def test_export_a_trained_run(tmp_path):
 
 # ----------------------------------------------------------------------------- a real model
 
-SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 @pytest.mark.slow
 def test_smollm_gguf_exports_to_transformers(tmp_path, data_dir):
     """SmolLM2-135M (GGUF, dequantized to fp32) -> a sharded Llama folder: transformers' logits equal attnlab's
     within 1e-4, its AutoTokenizer encodes prompts and chat turns to attnlab's ids."""
-    gguf = data_dir / SMOLLM
-    if not gguf.exists():
-        pytest.skip(f"{gguf} not found")
+    gguf = smollm_file()
     exported = export_hf(gguf, tmp_path / "smollm", max_shard_bytes=300 * 2**20)
     assert exported.architecture == "LlamaForCausalLM"
     assert len([f for f in exported.files if f.startswith("model-")]) == 2

@@ -9,6 +9,7 @@ import lzma
 import numpy as np
 import pytest
 import torch
+from conftest import smollm_file
 
 import attnlab
 from attnlab.interop import open_gguf, tokenizer_from_gguf
@@ -45,7 +46,6 @@ def gguf_parsed_once():
         yield
 
 
-SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 Q = gguf.GGMLQuantizationType
 
 
@@ -276,11 +276,8 @@ def test_bad_gguf_files_are_refused(tmp_path):
 
 
 @pytest.fixture
-def smollm(data_dir):
-    path = data_dir / SMOLLM
-    if not path.exists():
-        pytest.skip(f"{path} not found")
-    return path
+def smollm():
+    return smollm_file()
 
 
 @pytest.mark.slow

@@ -2,12 +2,9 @@
 other formats dequantized; the model equals the one whose weights were all dequantized, on tiny files written here
 and on the real SmolLM2-135M file (slow)."""
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import SIBLING_DATA
+from conftest import smollm_file
 from helpers import gguf_name, tiny_model
 
 import attnlab
@@ -22,7 +19,6 @@ from gguf_files import add_tensors, finish  # noqa: E402  (needs gguf)
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENS = ["<|endoftext|>"] + [chr(c) for c in range(33, 127)] + ["ab", "cd"]  # 97: the tiny model's vocabulary
 
 
@@ -121,9 +117,7 @@ def test_weights_other_than_fp32_and_native_and_native_for_other_references(tmp_
 @pytest.fixture(scope="module")
 def smollm_pair():
     """(native model, dequantized model, tokenizer) of the SmolLM2 file, loaded once for this module's tests."""
-    path = Path(os.environ.get("ATTNLAB_DATA", SIBLING_DATA)) / SMOLLM
-    if not path.is_file():
-        pytest.skip(f"{path} not found (set ATTNLAB_DATA)")
+    path = smollm_file()
     _, native, tokenizer = attnlab.load_model(path, weights="native")
     _, dequantized, _ = attnlab.load_model(path)
     return native, dequantized, tokenizer

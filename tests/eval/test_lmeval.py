@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import smollm_file
 from helpers import tiny_model
 
 from attnlab.data.tokenizers import ByteTokenizer
@@ -29,7 +30,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TASKS = Path(__file__).resolve().parents[2] / "configs" / "lm_eval"
 ARC = "eval/arc_easy/ARC-Easy-validation.json"
-GGUF = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(autouse=True)
@@ -237,9 +237,7 @@ def test_mistakes_are_typed_errors(byte_model, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_smollm2_gguf_agrees_with_attnlab_multiple_choice(data_dir):
     """ARC-Easy and PIQA (configs/lm_eval: lm-eval's own task definitions over the local files) item by item."""
-    path = data_dir / GGUF
-    if not path.is_file():
-        pytest.skip(f"{path} not found")
+    path = smollm_file()
     model = load_for_eval(path)
     for task, local in (("arc_easy", "arc_easy_local"), ("piqa", "piqa_local")):  # 5 items of each
         rows, summary = run_multiple_choice(model, task, limit=5, data_dir=data_dir)
