@@ -102,3 +102,20 @@ def test_the_frontier_has_a_panel_per_pair_of_figures_some_model_has():
                                               ("KV bytes per token (measured)", "arc_easy accuracy")]  # fmt: skip
     assert panels[0][2] == {"a": (50.0, rows[0]["ppl"])} and panels[1][2] == {"a": (50.0, 0.6)}  # b has no bytes
     assert pareto_panels(rows[:2]) == []  # no efficiency figure: no frontier
+
+
+@pytest.mark.parametrize("spread, log", [(1.5, False), (40.0, True)])
+def test_the_frontier_draws_perplexity_on_a_log_axis_where_it_spans_more_than_10x(tmp_path, monkeypatch, spread, log):
+    """A conversion that failed (perplexity 40x the others) would flatten the rest on a linear axis."""
+    import matplotlib.axes
+
+    from attnlab.eval.report import pareto_plot
+
+    scales = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_yscale", lambda ax, value, **k: scales.append(value))
+    rows = [{"benchmark": "perplexity", "model": m, "ppl": ppl, "loss": float(np.log(ppl))}
+            for m, ppl in (("a", 12.0), ("b", 12.0 * spread))]  # fmt: skip
+    rows += [{"benchmark": "memory", "model": m, "kind": "mha", "length": 10, "kv_bytes": b, "status": "ok"}
+             for m, b in (("a", 500.0), ("b", 250.0))]  # fmt: skip
+    assert pareto_plot(rows, tmp_path / "p.png").is_file()
+    assert scales == (["log"] if log else [])

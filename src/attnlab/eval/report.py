@@ -305,7 +305,7 @@ def pareto_panels(records: list[dict]) -> list[tuple[str, str, dict[str, tuple[f
 
 
 def pareto_plot(records: list[dict], path: Path) -> Path | None:
-    """pareto_panels side by side (KV bytes on a log axis)."""
+    """pareto_panels side by side (KV bytes on a log axis; perplexity too where it spans more than 10x)."""
     panels = pareto_panels(records)
     if not panels:
         return None
@@ -320,6 +320,9 @@ def pareto_plot(records: list[dict], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
         if xlabel.startswith("KV bytes"):
             ax.set_xscale("log")
+        ys = [y for _, y in points.values() if _finite(y) and y > 0]
+        if ylabel.endswith("perplexity") and ys and max(ys) > 10 * min(ys):  # one arm 10x off leaves the rest readable
+            ax.set_yscale("log")
     fig.suptitle("Quality against efficiency")
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata=PNG_METADATA)
