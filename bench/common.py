@@ -153,7 +153,7 @@ def print_table(headers: list[str], rows: list[list], floatfmt: str = ".3g") -> 
         return str(value)
 
     cells = [[cell(v) for v in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in cells:

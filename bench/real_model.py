@@ -218,8 +218,8 @@ def llama_cpp_problem(path: Path) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--contexts", default="128,4096,8192", help="decode after this many tokens of context")
-    parser.add_argument("--prefill", default="512,4096", help="prefill lengths")
+    parser.add_argument("--contexts", default="128,4096,8192", help="decode at these contexts ('': none)")
+    parser.add_argument("--prefill", default="512,4096", help="prefill lengths ('': none)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per round")
     parser.add_argument("--impls", default="attnlab,transformers,llama.cpp")
     parser.add_argument(
@@ -246,7 +246,7 @@ def main() -> None:
     elif "llama.cpp" in impls and (problem := llama_cpp_problem(path)):
         print(f"llama-cpp-python cannot run here: its rows are skipped ({problem})")
         impls.discard("llama.cpp")
-    contexts, lengths = [int(c) for c in args.contexts.split(",")], [int(x) for x in args.prefill.split(",")]
+    contexts, lengths = [int(c) for c in args.contexts.split(",") if c], [int(x) for x in args.prefill.split(",") if x]
     n = args.new_tokens
     tokenizer = attnlab.load_model(path)[2]  # the GGUF's own
     text = torch.from_numpy(
