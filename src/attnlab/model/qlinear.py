@@ -288,8 +288,14 @@ def quantize_weights(model: nn.Module, fmt: str) -> nn.Module:
     the model (in eval mode: quantized weights are not trained).
 
     A layer whose in_features is not a multiple of 32 cannot be split into blocks: it stays in float, and an
-    AttnlabWarning names every such layer (fp16 takes any width)."""
+    AttnlabWarning names every such layer (fp16 takes any width).
+
+    Layers quantized already (an earlier call, or load_model(..., weights="native")) are not quantized again: in
+    `fmt` they stay as they are (float layers still get quantized), and in another format the call is refused
+    (InputError naming them; requantizing would round their rounded values, not the float weights: load the model
+    again in float and quantize that)."""
     check_format(fmt, quant.BLOCK)
+    refuse_other_formats(model, fmt)
     embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
     kept = []
     if isinstance(embed, nn.Embedding):
@@ -312,6 +318,22 @@ def quantize_weights(model: nn.Module, fmt: str) -> nn.Module:
         warnings.warn(f"quantize_weights({fmt!r}): kept in float, in_features not a multiple of {quant.BLOCK}: "
                       f"{', '.join(kept)}", AttnlabWarning, stacklevel=3)  # fmt: skip
     return model.eval()
+
+
+def refuse_other_formats(model: nn.Module, fmt: str) -> None:
+    """InputError when `model` holds layers quantized to another format than `fmt` (quantize_weights)."""
+    held: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and module.fmt != fmt:
+            held.setdefault(module.fmt, []).append(name or "the model")
+    if not held:
+        return
+    what = "; ".join(f"{f} ({len(names)} layer{'s' if len(names) > 1 else ''}, e.g. {names[0]})"
+                     for f, names in held.items())  # fmt: skip
+    raise InputError(f"quantize_weights(model, {fmt!r}): the model's layers are already {what}, quantized by an "
+                     "earlier quantize_weights or loaded with weights='native'; quantizing them again would round "
+                     "those values, not the float weights: load the model again in float (attnlab.load_model(ref)) "
+                     f"and quantize that to {fmt}")  # fmt: skip
 
 
 def set_activations(model: nn.Module, activations: str) -> nn.Module:
