@@ -47,7 +47,7 @@ from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.interop.gguf_table import read_gguf_table
 from attnlab.interop.hf import WeightFiller, fillable_model
 from attnlab.interop.tokenizer import PretrainedTokenizer, tokenizer_from_gguf
-from attnlab.model.qlinear import QuantizedEmbedding, QuantizedLinear, dequantize_blocks, row_bytes
+from attnlab.model.qlinear import FORMATS, QuantizedEmbedding, QuantizedLinear, dequantize_blocks, row_bytes
 from attnlab.model.transformer import Transformer
 from attnlab.paths import brief
 
@@ -429,7 +429,9 @@ def check_weights(weights: str) -> str:
     """InputError unless `weights` is one of WEIGHTS."""
     if weights not in WEIGHTS:
         choices = "; ".join(f"{name!r}: {what}" for name, what in WEIGHTS.items())
-        raise InputError(f"weights={weights!r} is not a choice ({choices})")
+        how = (f": to get {weights} weights, quantize the loaded model, attnlab.quantize_weights(model, {weights!r}) "
+               f"(what the CLI's --weights {weights} does)") if weights in FORMATS else ""  # fmt: skip
+        raise InputError(f"weights={weights!r} is not a choice ({choices}){how}")
     return weights
 
 
