@@ -72,10 +72,13 @@ def load_model(
 ) -> tuple[ModelConfig, Transformer, Tokenizer | None]:  # fmt: skip
     """(config, model in eval mode, tokenizer) of the model `ref` names (see the module docstring).
 
-    dtype: the weights' dtype (quantized GGUF weights are dequantized to it). tag: which checkpoint of an
-    attnlab run (best, else last). weights="native" keeps a GGUF file's F16/Q8_0/Q4_0/Q4_1 matrices as they are
+    dtype: the weights' dtype, torch.float32 (None too), float16, bfloat16 or float64 (quantized GGUF weights are
+    dequantized to it; another value, or a name such as "float16", is an InputError). tag: which checkpoint of an
+    attnlab run, "best" (else its last) or "last" (InputError for another: give one checkpoint's folder as `ref`
+    instead). weights="native" keeps a GGUF file's F16/Q8_0/Q4_0/Q4_1 matrices as they are
     stored, multiplied as they are (attnlab.interop.gguf; other tensors are dequantized); for other references it
-    is refused (InputError: their weights load in `dtype`; attnlab.quantize_weights quantizes a loaded model).
+    is refused (InputError: their weights load in `dtype`; attnlab.quantize_weights quantizes a loaded model, also
+    what weights="q8_0" and the other formats are refused pointing to).
     The tokenizer is None only for an attnlab checkpoint saved without one.
     """
     loaded = load_reference(ref, dtype, data_dir, tag=tag, weights=weights)
@@ -88,7 +91,9 @@ def load_reference(
 ) -> LoadedModel:  # fmt: skip
     """`load_model` with the reference's run config and label (attnlab.eval.load_for_eval builds on it)."""
     check_weights(weights)
+    dtype = check_dtype(dtype)
     kind, where = resolve(ref, data_dir)
+    check_tag(tag, where if kind == "run" else None)
     if weights == "native" and kind != "gguf":
         what = {"run": "an attnlab run or checkpoint", "hf": "a Hugging Face folder", "hub": "a Hub model"}[kind]
         raise InputError(f"weights='native' keeps a GGUF file's quantized matrices, but {ref} is {what}, whose "
@@ -106,6 +111,35 @@ def load_reference(
         check_token_ids(tokenizer, cfg.vocab_size, where / "tokenizer.json")
         label = str(ref)[len(HUB_PREFIX) :] if kind == "hub" else where.name
     return LoadedModel(cfg, model, tokenizer, {"model": cfg.to_dict(), "source": str(ref)}, label)
+
+
+# The dtypes load_model takes, and names of them a dtype given as a string is told to give as the torch dtype.
+FLOAT_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+                 "fp64": "float64", "double": "float64"}  # fmt: skip
+
+
+def check_dtype(dtype) -> torch.dtype:
+    """`dtype` (None: float32) when it is one of FLOAT_DTYPES; InputError otherwise (a name says which to give)."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in FLOAT_DTYPES.values():
+        return dtype
+    takes = "load_model takes torch.float32, torch.float16, torch.bfloat16 or torch.float64 (float32 is the default)"
+    name = dtype.lower().removeprefix("torch.") if isinstance(dtype, str) else None
+    name = DTYPE_ALIASES.get(name, name)
+    if name in FLOAT_DTYPES:
+        raise InputError(f"dtype={dtype!r} is not a torch dtype: give dtype=torch.{name} ({takes})")
+    raise InputError(f"dtype={dtype!r} is not a floating dtype {takes}")
+
+
+def check_tag(tag, run: Path | None = None) -> None:
+    """InputError unless `tag` is best or last; for a run's folder `run`, naming a checkpoint folder to give instead."""
+    if isinstance(tag, str) and tag in ("best", "last"):
+        return
+    steps = step_folders(run / "checkpoints") if run is not None else []
+    one = f": to load one checkpoint, give its folder, e.g. {steps[-1]}" if steps else ""
+    raise InputError(f"tag={tag!r} is not 'best' or 'last' (which checkpoint of an attnlab run to load){one}")
 
 
 def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, Path]:
