@@ -125,12 +125,12 @@ def check_dtype(dtype) -> torch.dtype:
         return torch.float32
     if isinstance(dtype, torch.dtype) and dtype in FLOAT_DTYPES.values():
         return dtype
-    takes = "load_model takes torch.float32, torch.float16, torch.bfloat16 or torch.float64 (float32 is the default)"
+    takes = "torch.float32, torch.float16, torch.bfloat16 or torch.float64 (float32 is the default)"
     name = dtype.lower().removeprefix("torch.") if isinstance(dtype, str) else None
     name = DTYPE_ALIASES.get(name, name)
     if name in FLOAT_DTYPES:
-        raise InputError(f"dtype={dtype!r} is not a torch dtype: give dtype=torch.{name} ({takes})")
-    raise InputError(f"dtype={dtype!r} is not a floating dtype {takes}")
+        raise InputError(f"dtype={dtype!r} is not a torch dtype: give dtype=torch.{name} (load_model takes {takes})")
+    raise InputError(f"dtype={dtype!r} is not a dtype load_model takes: give {takes}")
 
 
 def check_tag(tag, run: Path | None = None) -> None:
