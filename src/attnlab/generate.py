@@ -298,6 +298,47 @@ def room_problem(cfg, length: int, max_new_tokens: int, held: int = 0) -> str | 
     return None
 
 
+IDS = "give token ids (an integer tensor or a list of ints)"
+
+
+def prompt_ids(prompt, device) -> torch.Tensor:
+    """generate's prompt as an int64 tensor on `device`. InputError (one line) for values that are no token ids
+    (floats, bools, text: never truncated or read as 0/1) and for a batch of rows of different lengths. An empty
+    prompt has no values to be of the wrong type (torch.tensor([]), an empty text's ids, is float32)."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.numel() and (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool):
+            raise InputError(f"prompt is a {prompt.dtype} tensor: {IDS}")
+        return prompt.to(device=device, dtype=torch.long)
+    text = "; text goes through the model's tokenizer first (tokenizer.encode(text))"
+    if isinstance(prompt, (str, bytes)):
+        raise InputError(f"prompt is a {type(prompt).__name__}: {IDS}{text}")
+    try:
+        tokens = torch.as_tensor(prompt)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        rows = list(prompt) if isinstance(prompt, Sequence) else []
+        nested = [isinstance(row, Sequence) and not isinstance(row, (str, bytes)) for row in rows]
+        values = [x for row, n in zip(rows, nested, strict=True) for x in (row if n else [row])]
+        words = [x for x in values if isinstance(x, (str, bytes))]
+        if words:
+            raise InputError(f"prompt holds a {type(words[0]).__name__} ({words[0]!r}): {IDS}{text}") from None
+        if rows and all(nested):
+            lengths = [len(row) for row in rows]
+            shown = ", ".join(map(str, lengths[:-1])) + f" and {lengths[-1]}" if len(lengths) > 1 else str(lengths)
+            raise InputError(f"prompt rows have lengths {shown}: a batch needs rows of one length (generate them one "
+                             "at a time, or pad)") from None  # fmt: skip
+        if any(nested):
+            raise InputError(f"prompt mixes ids and lists: {IDS}, or a list of rows of ids") from None
+        raise InputError(f"prompt cannot be read as token ids ({' '.join(str(e).split())[:200]}): {IDS}") from None
+    if tokens.numel() and (tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool):
+        values = tokens.flatten()
+        odd = values[values != values.round()] if tokens.is_floating_point() else values
+        kind = "bool" if tokens.dtype == torch.bool else "float" if tokens.is_floating_point() else "complex"
+        example = (odd if odd.numel() else values)[0].item()
+        example = f"{example:.6g}" if isinstance(example, float) else repr(example)
+        raise InputError(f"prompt holds {kind} values (e.g. {example}): {IDS}")
+    return tokens.to(device=device, dtype=torch.long)
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -365,10 +406,7 @@ def generate(
     seed = None if seed is None else operator.index(seed)
     cfg = model.cfg
     device = next(model.parameters()).device
-    # An empty tensor has no values to be of the wrong type (torch.tensor([]), an empty text's ids, is float32).
-    if isinstance(prompt, torch.Tensor) and prompt.numel() and (prompt.is_floating_point() or prompt.is_complex()):
-        raise InputError(f"prompt is a {prompt.dtype} tensor: give token ids (an integer tensor or a list of ints)")
-    tokens = torch.as_tensor(prompt, dtype=torch.long, device=device)
+    tokens = prompt_ids(prompt, device)
     single = tokens.dim() == 1
     tokens = tokens[None] if single else tokens
     if tokens.dim() != 2:
