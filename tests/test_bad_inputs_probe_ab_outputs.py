@@ -104,6 +104,24 @@ def test_ab5_a_compare_md_whose_record_was_removed_and_a_note_added_is_kept(fini
     assert snapshot(out) == before
 
 
+def test_a_run_to_resume_refuses_a_compare_md_without_its_record_before_it_trains(stopped, finished, tmp_path, capsys):
+    """Was: the run (and its dry run) accepted it, trained, and only the comparison at its end refused it (exit 2
+    after the training; seen on a 1-hour SmolLM2 arm whose compare.md an older attnlab had written)."""
+    import shutil
+
+    manifest, out = stopped
+    shutil.copytree(out, tmp_path / "out", symlinks=True)
+    text = (finished[1] / "m" / "compare.md").read_text().rsplit("<!-- attnlab compare", 1)[0]
+    (tmp_path / "out" / "m" / "compare.md").write_text(text)  # the finished run's table, its record line removed
+    before = snapshot(tmp_path / "out")
+    argv = ["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"]
+    said = "compare.md: holds no record of what attnlab compare wrote (its last line, removed, or an older attnlab's)"
+    line = fails(capsys, argv, said)
+    printed = main([*argv, "--dry-run"]), capsys.readouterr()
+    assert printed[0] == 2 and printed[1].err.strip() == line, printed
+    assert snapshot(tmp_path / "out") == before  # nothing trained
+
+
 # --------------------------------------------------------------------- U7: SIGTERM ends a command in one line, 143
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -273,6 +273,19 @@ def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: s
     return {"rows": rows, "text": markdown, **paths}
 
 
+def markdown_now(runs_dir: Path) -> str | None:
+    """compare.md's text as compare would write it from runs_dir's runs now (`attnlab run` checks, before it trains,
+    a compare.md with no record against it); None where compare has nothing to say yet or would refuse a run (it
+    names that itself when it runs); "" where no run has finished (no table yet)."""
+    if runs_dir.is_dir() and not any(runs_dir.rglob("summary.json")):
+        return ""
+    try:
+        runs = collect_runs(runs_dir)
+        return to_markdown(compare_table(runs), group_runs(runs)[1])
+    except (DataError, InputError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def check_not_in_run(runs_dir: str | Path, out_dir: str | Path | None) -> None:
     """Refuses (InputError, one line) writing compare's files into a run's folder or a folder inside one (the
     default out_dir when runs_dir is one run's folder): that folder holds what training wrote, and is kept as

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from attnlab.compare import OWN_START, check_outputs, check_run_file
+from attnlab.compare import OWN_START, check_outputs, check_run_file, markdown_now
 from attnlab.config import names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import broken_link, lock_file_problem, read_json_object
@@ -426,7 +426,11 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
     runs = select_runs(manifest, targets, seeds)
     downloads = check_runs(manifest, runs, out_root, data_dir)
     if not convert_only:  # `attnlab run` compares the runs once they are done: the user's own compare.md said now
-        check_outputs(root / name for name in OWN_START)
+        # a compare.md with no record is refused now, not after the training, when it is not what compare would
+        # write from the runs there now (compare refuses it at the end with the same line)
+        check_outputs(
+            (root / name for name in OWN_START), markdown_now(root) if (root / "compare.md").is_file() else None
+        )
     if dry_run:
         for plan in downloads:
             log(f"data: {plan} first")
