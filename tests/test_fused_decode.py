@@ -191,7 +191,7 @@ def refused_cases():
         "sliding window": (lambda: quantized_tiny({"kind": "sliding", "window": 8}, "q4_1"), {}, "attention.kind"),
         "decoupled": (lambda: quantized_tiny({"kind": "decoupled", "d_sem": 32, "d_geo": 32}, "q8_0"), {}, "kind"),
         "gelu": (lambda: quantized_tiny(mha, "q4_1", mlp="gelu"), {}, "SwiGLU"),
-        "quantized cache": (lambda: quantized_tiny(mha, "q4_1"), {"policy": "k=q8_0,v=q8_0"}, "QuantizedCache"),
+        "kivi cache": (lambda: quantized_tiny(mha, "q4_1"), {"policy": "k=kivi4,v=q8_0,group=4"}, "groups of tokens"),
         "fp16 cache": (lambda: quantized_tiny(mha, "q4_1"), {"dtype": torch.float16}, "not float32 k and v"),
         "batch 2": (lambda: quantized_tiny(mha, "q4_1"), {"batch": 2}, "batch 1"),
     }
