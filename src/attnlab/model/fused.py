@@ -7,15 +7,18 @@
 It covers a Llama-shaped Transformer at batch 1: attention kind mha (GQA or MHA, no window, no null key, any RoPE
 table, half-split or interleaved), RMSNorm, a SwiGLU MLP, no memory; every linear layer, the LM head included, a
 QuantizedLinear with 8-bit activations over packed rows (attnlab.set_activations(model, "q8") on a CPU that packs
-them); the embedding a QuantizedEmbedding or a float32 one; the cache the plain dense float32 one, its slots filled
-from 0 up to `seen`, or a QuantizedCache (attnlab.cache.quantized) whose K and V are stored per token in a format of
-the C kernels (fp16, bf16, q8_0, q4_0, nf4, fp32), with any residual window and flush: the step reads the stored rows
-as the cache's own C step does and writes them with its quantizer (the same bytes). Everything else (KIVI formats,
-ring caches, memories) decodes as before (generate's eager or compiled step).
+them), a float32 nn.Linear (attnlab.load_model's default weights) or an fp16 QuantizedLinear (both with float32
+activations, as their forward: each weight read once by fused.c's matvec_float); the embedding a QuantizedEmbedding
+or a float32 one; the cache the plain dense float32 one, its slots filled from 0 up to `seen`, or a QuantizedCache
+(attnlab.cache.quantized) whose K and V are stored per token in a format of the C kernels (fp16, bf16, q8_0, q4_0,
+nf4, fp32), with any residual window and flush: the step reads the stored rows as the cache's own C step does and
+writes them with its quantizer (the same bytes). Everything else (KIVI formats, ring caches, memories) decodes as
+before (generate's eager or compiled step).
 
-Its logits are the eager step's up to float32 rounding: the matmuls are qmatmul.c's functions on the same inputs
-(same integer sums, same float order), while RMSNorm, the softmax and SiLU sum or round in another order, so an
-8-bit code of a layer's input may round the other way where the input lies within rounding of a half step.
+Its logits are the eager step's up to float32 rounding: the 8-bit matmuls are qmatmul.c's functions on the same
+inputs (same integer sums, same float order), while RMSNorm, the softmax, SiLU and the float32 / fp16 matmuls sum or
+round in another order, so an 8-bit code of a layer's input may round the other way where the input lies within
+rounding of a half step (with float32 activations nothing amplifies the rounding).
 """
 
 from __future__ import annotations
@@ -40,18 +43,41 @@ from attnlab.ops.mlp import SwiGLU
 from attnlab.ops.norm import RMSNorm
 
 PACKED_FORMATS = ("q4_0", "q4_1", "q8_0")  # what qmatmul.pack_q8 packs
+F32 = 0  # fused.c's format of float32 rows (ggml's type id)
 
 
 def _linear_problem(name: str, layer) -> str | None:
+    """Why fused.c cannot multiply by `layer` (one line), or None: a float32 nn.Linear or an fp16 QuantizedLinear
+    (float32 activations), or a QuantizedLinear of packed rows with 8-bit activations."""
+    if type(layer) is nn.Linear:
+        tensors = [layer.weight] + ([] if layer.bias is None else [layer.bias])
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or not layer.weight.is_contiguous():
+            return f"{name} is an nn.Linear of {layer.weight.dtype} on {layer.weight.device} (contiguous float32, CPU)"
+        return None
     if not isinstance(layer, QuantizedLinear):
-        return f"{name} is a {type(layer).__name__}, not a QuantizedLinear"
+        return f"{name} is a {type(layer).__name__}, not an nn.Linear or a QuantizedLinear"
+    if layer.fmt == "fp16" and layer.blocks.device.type == "cpu":  # float32 activations, as its forward
+        return _bias_problem(name, layer)
     if layer.activations != "q8" or layer.packed is None:
         return f"{name} has no packed rows for 8-bit activations (attnlab.set_activations(model, 'q8') packs them)"
     if layer.fmt not in PACKED_FORMATS:
         return f"{name} holds {layer.fmt} weights (packed: {', '.join(PACKED_FORMATS)})"
+    return _bias_problem(name, layer)
+
+
+def _bias_problem(name: str, layer) -> str | None:
     if layer.bias is not None and (layer.bias.dtype != torch.float32 or layer.bias.device.type != "cpu"):
         return f"{name} has a {layer.bias.dtype} bias on {layer.bias.device} (float32 on the CPU)"
     return None
+
+
+def _linear_values(layer) -> list[int]:
+    """fused.c's (format, weights, bias) of a layer _linear_problem accepts: float32 rows (ggml's F32, 0), fp16 rows
+    (F16) or packed rows."""
+    if type(layer) is nn.Linear:
+        return [F32, layer.weight.data_ptr(), _pointer(layer.bias)]
+    weights = layer.blocks if layer.fmt == "fp16" else layer.packed
+    return [qmatmul.FORMAT_CODES[layer.fmt], weights.data_ptr(), _pointer(layer.bias)]
 
 
 def _norm_problem(name: str, norm, eps: float) -> str | None:
@@ -212,20 +238,17 @@ class FusedDecode:
             len(model.blocks), cfg.d_model, first.n_heads, first.n_kv_heads, first.head_dim, hidden,
             cache.layers[0].max_len, rope_len, int(first.rotary.interleaved), self.vocab_rows, self.vocab_size,
             embed_fmt, table.data_ptr(), table.shape[0], model.norm.weight.data_ptr(),
-            qmatmul.FORMAT_CODES[head.fmt], head.packed.data_ptr(), _pointer(head.bias),
+            *_linear_values(head),
             quant._NF4_BELOW.data_ptr(), quant._NF4_INSIDE.data_ptr(),
         ]  # fmt: skip
         assert len(header) == kernel.PLAN_HEADER
-        rows, self._held = [header], [table, model.norm.weight, head.packed, head.bias]
+        rows, self._held = [header], [table, model.norm.weight, head]
         self._held += [quant._NF4_BELOW, quant._NF4_INSIDE]
         for block, layer in zip(model.blocks, cache.layers, strict=True):
             attn, mlp = block.attn, block.mlp
             row = [block.attn_norm.weight.data_ptr()]
-            for linear in (attn.qkv, attn.out):
-                row += [qmatmul.FORMAT_CODES[linear.fmt], linear.packed.data_ptr(), _pointer(linear.bias)]
-            row.append(block.mlp_norm.weight.data_ptr())
-            for linear in (mlp.gate_up, mlp.down):
-                row += [qmatmul.FORMAT_CODES[linear.fmt], linear.packed.data_ptr(), _pointer(linear.bias)]
+            row += _linear_values(attn.qkv) + _linear_values(attn.out) + [block.mlp_norm.weight.data_ptr()]
+            row += _linear_values(mlp.gate_up) + _linear_values(mlp.down)
             cos, sin = attn.rotary.cos, attn.rotary.sin
             if type(layer) is QuantizedCache:
                 row += _quantized_row(layer, cos, sin)

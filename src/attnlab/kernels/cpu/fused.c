@@ -8,9 +8,9 @@
  *                    x += out(y);  x += down(silu(gate) * up), gate | up = gate_up(rms_norm(x) mlp_norm)
  *   logits = lm_head(rms_norm(x) norm), and their argmax over the first vocab_size
  *
- * Every linear layer is a QuantizedLinear with 8-bit activations over packed rows (qmatmul.c's attnlab_qmatmul_q8p):
+ * A linear layer is a QuantizedLinear with 8-bit activations over packed rows (qmatmul.c's attnlab_qmatmul_q8p):
  * its input quantized by quantize_row_q8 and each group of 16 rows multiplied by group_q8, the same functions, so
- * a layer given the same input gives the same bits. The rest (RMSNorm, RoPE, softmax, SiLU) is float32 arithmetic
+ * a layer given the same input gives the same bits; or float32 / fp16 rows with float32 activations (matvec_float). The rest (RMSNorm, RoPE, softmax, SiLU) is float32 arithmetic
  * as attnlab's PyTorch ops do it, summed in another order (RoPE: the same products and differences, rounded alike:
  * this file is built with -ffp-contract=off).
  *
@@ -49,10 +49,65 @@ typedef struct {
     int32_t *xs;
 } codes_t;
 
+#define F32 0 /* ggml's type id of float32 rows (qmatmul.c numbers F16 and the block formats) */
+
+/* y (n) = x (k) W^T + bias for W float32 rows (fmt F32, an nn.Linear's weight) or fp16 rows (F16, a QuantizedLinear's
+ * blocks), x float32 as it is (no 8-bit codes): each weight read once, 4 rows at a time (4 independent FMA chains,
+ * one horizontal sum per 4 rows), groups of rows shared among threads. Float32 in another order than F.linear. */
+static void matvec_float(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, float *y,
+                         const float *bias) {
+    const int64_t groups = (n + 3) / 4;
+#pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = g * 4, rows = n - r0 < 4 ? n - r0 : 4;
+        float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        if (rows == 4) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            if (fmt == F32) {
+                const float *w0 = (const float *)w + r0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+                for (; c + 8 <= k; c += 8) {
+                    const __m256 xv = _mm256_loadu_ps(x + c);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + c), xv, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + c), xv, a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + c), xv, a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + c), xv, a3);
+                }
+            } else {
+                const uint16_t *w0 = (const uint16_t *)w + r0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+#define HALVES(row) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((row) + c)))
+                for (; c + 8 <= k; c += 8) {
+                    const __m256 xv = _mm256_loadu_ps(x + c);
+                    a0 = _mm256_fmadd_ps(HALVES(w0), xv, a0), a1 = _mm256_fmadd_ps(HALVES(w1), xv, a1);
+                    a2 = _mm256_fmadd_ps(HALVES(w2), xv, a2), a3 = _mm256_fmadd_ps(HALVES(w3), xv, a3);
+                }
+#undef HALVES
+            }
+            const __m256 sum = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* rows 0..3, twice */
+            _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1)));
+        }
+#endif
+        for (int64_t r = 0; r < rows; r++) {
+            float total = sums[r];
+            for (int64_t i = rows == 4 ? c : 0; i < k; i++) {
+                const float weight = fmt == F32 ? ((const float *)w)[(r0 + r) * k + i]
+                                                : half_to_float(((const uint16_t *)w)[(r0 + r) * k + i]);
+                total += weight * x[i];
+            }
+            y[r0 + r] = bias ? total + bias[r0 + r] : total;
+        }
+    }
+}
+
 /* y (n) = x (k) W^T + bias, W packed by attnlab_pack_q8 (fmt Q4_0, Q4_1 or Q8_0): attnlab_qmatmul_q8p for one row,
- * with the codes in `c` rather than freshly allocated. */
+ * with the codes in `c` rather than freshly allocated; or float rows (F32, F16: matvec_float). */
 static void matvec(int fmt, const uint8_t *w, int64_t n, int64_t k, const float *x, codes_t c, float *y,
                    const float *bias) {
+    if (fmt == F32 || fmt == F16) {
+        matvec_float(fmt, w, n, k, x, y, bias);
+        return;
+    }
     quantize_row_q8(x, k, c.xq, c.xd, c.xs);
     const int64_t nb = k / 32, group_bytes = PACK * nb * block_bytes(fmt), groups = n / PACK;
 #pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)

@@ -1,6 +1,7 @@
 """One decode step of a whole Llama-style block stack in one C call (fused.c): batch 1, one new token, every linear
-layer 8-bit activations over packed rows (qmatmul.c's functions, #included), a dense float32 KV cache or a quantized
-one of per-token rows (qattn.c's decoders and quantizer, #included).
+layer 8-bit activations over packed rows (qmatmul.c's functions, #included) or float32 activations over float32 or
+fp16 rows, a dense float32 KV cache or a quantized one of per-token rows (qattn.c's decoders and quantizer,
+#included).
 
     status = decode(plan, eps, scale, token, pos, logits)    # -> the argmax of the logits
 
