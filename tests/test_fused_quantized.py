@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SIBLING_DATA
+from helpers import tiny_model
 from test_fused_decode import (
     FLIP_BOUND,
     SMOLLM,
@@ -47,6 +48,7 @@ MODELS = {  # KV rows of 32 (2 heads of 16), 64 (2 of 32, 3 query heads each) an
     "gqa": ({"kind": "mha", "n_kv_heads": 2}, "q4_1", {}),
     "gqa3-head-dim-32": ({"kind": "mha", "n_kv_heads": 2, "head_dim": 32}, "q4_1", {"n_heads": 6}),
     "mqa4-head-dim-64": ({"kind": "mha", "n_kv_heads": 1, "head_dim": 64}, "q8_0", {}),
+    "gqa-fp32-weights": ({"kind": "mha", "n_kv_heads": 2}, "fp32", {}),  # float32 activations: no 8-bit codes
 }
 # The prompt is 11 tokens: resid=16 stores nothing before the 6th step, then one token a step; flush=8 stores 8
 # tokens at a time, flush=4 with resid 0 the new token with the 3 before it.
@@ -59,7 +61,15 @@ POLICIES = {
     "q4_0-k-q8_0-v-resid-4-flush-8": ("gqa3-head-dim-32", "k=q4_0,v=q8_0,resid=4,flush=8"),
     "q8_0-k-fp16-v-flush-4": ("mqa4-head-dim-64", "k=q8_0,v=fp16,flush=4"),
     "nf4-k-bf16-v-resid-3": ("gqa", "k=nf4,v=bf16,resid=3"),
+    "fp32-weights-q8_0-k-q4_0-v-resid-4": ("gqa-fp32-weights", "k=q8_0,v=q4_0,resid=4"),
 }
+
+
+def build(name):
+    attention, fmt, config = MODELS[name]
+    if fmt == "fp32":
+        return tiny_model(attention, seed=0, perturb=True, init_std=0.3, max_seq_len=128, **config)
+    return quantized_tiny(attention, fmt, **config)
 
 
 def two_caches(model, prompt, max_len, policy):
@@ -140,8 +150,7 @@ def lockstep(model, prompt, steps, policy, same_argmax=True):
 @pytest.mark.parametrize("case", POLICIES)
 def test_fused_steps_over_a_quantized_cache_give_the_eager_steps_logits_and_stored_bytes(case):
     name, policy = POLICIES[case]
-    attention, fmt, config = MODELS[name]
-    model = quantized_tiny(attention, fmt, **config)
+    model = build(name)
     prompt = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(1))
     errors = lockstep(model, prompt, steps=40, policy=policy)
     for i, (logits, rows, same, tie, _) in enumerate(errors):
@@ -151,11 +160,12 @@ def test_fused_steps_over_a_quantized_cache_give_the_eager_steps_logits_and_stor
     assert sum(e[2] for e in errors) >= 30, errors  # and the same bytes stored
 
 
-@pytest.mark.parametrize("case", ["q8_0-resid-8", "q4_0", "q4_0-k-q8_0-v-resid-4-flush-8"])
+@pytest.mark.parametrize(
+    "case", ["q8_0-resid-8", "q4_0", "q4_0-k-q8_0-v-resid-4-flush-8", "fp32-weights-q8_0-k-q4_0-v-resid-4"]
+)
 def test_generate_takes_the_fused_step_over_a_quantized_cache_and_gives_the_eager_tokens(case, monkeypatch):
     name, policy = POLICIES[case]
-    attention, fmt, config = MODELS[name]
-    model = quantized_tiny(attention, fmt, **config)
+    model = build(name)
     prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(4)).tolist()
     made = []
     monkeypatch.setattr(generate_module, "FusedDecode", lambda *a: made.append(FusedDecode(*a)) or made[-1])
@@ -167,7 +177,7 @@ def test_generate_takes_the_fused_step_over_a_quantized_cache_and_gives_the_eage
 
 
 def test_kivi_and_batched_quantized_caches_keep_the_old_path():
-    model = quantized_tiny(*MODELS["gqa"][:2])
+    model = build("gqa")
     for policy, reason in (("k=kivi4,v=q8_0", "k=kivi4 over groups of tokens"), ("v=kivi4", "v=kivi4 (the fused")):
         assert reason in fused_problem(model, model.new_cache(1, 32, policy=policy))
     assert "batch 1" in fused_problem(model, model.new_cache(2, 32, policy="k=q8_0,v=q8_0"))
