@@ -10,7 +10,7 @@ q4_0 KV caches, at 1 and 2 threads.
 
 decode   after an untimed prefill of C - N - 1 tokens of WikiText-2 raw test, N single-token steps, the last at
          C tokens of context (attnlab: `generate`'s own loop, its fused step where it applies (native+q8 with an
-         fp32 cache: attnlab.model.fused), else its compiled step, timed token by token
+         fp32, fp16, q8_0 or q4_0 cache: attnlab.model.fused), else its compiled step, timed token by token
          through its callback after a warm-up run; transformers: its forward with past_key_values; llama.cpp:
          `Llama.eval([token])`), tok/s
          = N / seconds, median of rounds. Bytes per token: the weights read (every matrix once; the embedding's one

@@ -51,6 +51,7 @@ TINY_BOUND = 1e-5
 FLIP_BOUND = 3e-2
 TIE = 1e-4  # code steps: float32 differences of a few ulps move x / d by up to ~127 * 2^-23 * ulps
 SMOLLM_BOUND = 0.1
+FLOAT_ROWS_BOUND = 1e-4  # SmolLM2's new K and V rows with float32 activations (30 layers of float32 rounding)
 SMOLLM_TIE = 0.01  # two best logits this close (of the largest), float order may choose either
 SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -182,16 +183,59 @@ def test_generate_takes_the_fused_step_and_gives_the_eager_tokens(monkeypatch):
                                        compile=False).tolist()  # fmt: skip
 
 
+def unpacked_q8(model):
+    """8-bit activations over q8_0 rows that are not packed (as on a CPU without AVX2 or VNNI)."""
+    model = set_activations(quantize_weights(model, "q8_0"), "q8")
+    for layer in model.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.packed = None
+    return model
+
+
+FLOAT_CASES = {  # fp32 activations: the tiny models above with float32 (nn.Linear) or fp16 weights (QuantizedLinear)
+    "fp32-gqa": ("q4_1-gqa", "fp32"),
+    "fp32-qkv-bias-3-layers": ("q4_1-qkv-bias-3-layers", "fp32"),
+    "fp16-mqa4-head-dim-64": ("q8_0-mqa4-head-dim-64", "fp16"),
+    "fp16-mqa-interleaved-untied": ("q4_0-mqa-interleaved-untied", "fp16"),
+}
+
+
+def float_tiny(case):
+    attention, _, config = TINY_CASES[FLOAT_CASES[case][0]]
+    model = tiny_model(attention, seed=0, perturb=True, init_std=0.3, max_seq_len=128, **config)
+    if attention.get("qkv_bias"):
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.qkv.bias.normal_(0, 0.3)
+    return model if FLOAT_CASES[case][1] == "fp32" else quantize_weights(model, "fp16")
+
+
+@pytest.mark.parametrize("case", FLOAT_CASES)
+def test_fused_steps_with_float_weights_give_the_eager_steps_logits_and_tokens(case, monkeypatch):
+    """fp32 and fp16 weights with float32 activations (fused.c's matvec_float against F.linear and qmatmul.c's fp16
+    kernel): no 8-bit codes to round otherwise, so every step within float32 rounding, and 64 equal greedy tokens."""
+    model = float_tiny(case)
+    prompt = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(1))
+    errors = lockstep(model, prompt, steps=40)
+    assert max(max(e[:2]) for e in errors) <= TINY_BOUND, errors
+    made = []
+    monkeypatch.setattr(generate_module, "FusedDecode", lambda *a: made.append(FusedDecode(*a)) or made[-1])
+    tokens = prompt[0].tolist()
+    fused = attnlab.generate(model, tokens, max_new_tokens=64).tolist()
+    assert len(made) == 1 and made[0].steps == 63
+    assert fused == attnlab.generate(model, tokens, max_new_tokens=64, fused=False, compile=False).tolist()
+
+
 def refused_cases():
     mha = {"kind": "mha", "n_kv_heads": 2}
     return {
         "fp32 activations": (lambda: quantize_weights(tiny_model(mha, seed=0), "q4_1"), {}, "packed rows"),
-        "fp16 weights": (lambda: quantize_weights(tiny_model(mha, seed=0), "fp16"), {}, "packed rows"),
-        "float weights": (lambda: tiny_model(mha, seed=0), {}, "not a QuantizedLinear"),
+        "bf16 weights": (lambda: tiny_model(mha, seed=0).to(torch.bfloat16), {}, "float32"),
+        "q8_0 rows without packing": (lambda: unpacked_q8(tiny_model(mha, seed=0)), {}, "packed rows"),
         "sliding window": (lambda: quantized_tiny({"kind": "sliding", "window": 8}, "q4_1"), {}, "attention.kind"),
         "decoupled": (lambda: quantized_tiny({"kind": "decoupled", "d_sem": 32, "d_geo": 32}, "q8_0"), {}, "kind"),
         "gelu": (lambda: quantized_tiny(mha, "q4_1", mlp="gelu"), {}, "SwiGLU"),
-        "quantized cache": (lambda: quantized_tiny(mha, "q4_1"), {"policy": "k=q8_0,v=q8_0"}, "QuantizedCache"),
+        "kivi cache": (lambda: quantized_tiny(mha, "q4_1"), {"policy": "k=kivi4,v=q8_0,group=4"}, "groups of tokens"),
         "fp16 cache": (lambda: quantized_tiny(mha, "q4_1"), {"dtype": torch.float16}, "not float32 k and v"),
         "batch 2": (lambda: quantized_tiny(mha, "q4_1"), {"batch": 2}, "batch 1"),
     }
@@ -312,3 +356,21 @@ def test_smollm_fused_greedy_tokens_leave_the_eager_steps_only_at_near_ties(smol
         )
         assert attnlab.generate(model, prompt, max_new_tokens=len(fused)).tolist() == fused
         assert len(made) == 1 and made[0].steps == len(fused) - 1
+
+
+@pytest.mark.slow
+def test_smollm_fp32_fused_steps_and_greedy_tokens_equal_the_eager_ones():
+    """attnlab.load_model's default fp32 weights decode through the fused step (float32 rows read once): logits within
+    float32 rounding of the eager step's (no 8-bit codes: 2e-6 of the largest when written), the new K and V rows
+    within FLOAT_ROWS_BOUND (1.2e-5 when written: 30 layers), and 64 equal greedy tokens per prompt."""
+    path = Path(os.environ.get("ATTNLAB_DATA", SIBLING_DATA)) / SMOLLM
+    if not path.is_file():
+        pytest.skip(f"{path} not found (set ATTNLAB_DATA)")
+    _, model, tokenizer = attnlab.load_model(path)
+    assert fused_model.model_problem(model) is None
+    prompt = torch.tensor([tokenizer.encode("The capital of France is Paris, and the capital of Italy is")])
+    errors = lockstep(model, prompt, steps=40)
+    assert max(e[0] for e in errors) <= TINY_BOUND and max(e[1] for e in errors) <= FLOAT_ROWS_BOUND, errors
+    for text in ["Write a short story about a robot who learns to paint.", "def fibonacci(n):"]:
+        eager, fused, _ = free_running(model, torch.tensor([tokenizer.encode(text)]), steps=64)
+        assert fused == eager

@@ -154,9 +154,9 @@ def test_compiled_decode_matches_eager_and_full_recompute(name):
     model = small_model(COMPILED_CASES[name])
     prompt = torch.randint(0, 50, (13,), generator=torch.Generator().manual_seed(2)).tolist()
     # prefill_chunk 5: the 13-token prompt goes in as 5 + 5 + 3, then 20 single-token steps.
-    compiled = attnlab.generate(model, prompt, max_new_tokens=20, prefill_chunk=5, compile=True).tolist()
+    compiled = attnlab.generate(model, prompt, max_new_tokens=20, prefill_chunk=5, compile=True, fused=False).tolist()
     assert model in generate_module._COMPILED  # the compiled step ran (fullgraph: no silent eager parts)
-    eager = attnlab.generate(model, prompt, max_new_tokens=20, prefill_chunk=5, compile=False).tolist()
+    eager = attnlab.generate(model, prompt, max_new_tokens=20, prefill_chunk=5, compile=False, fused=False).tolist()
     assert compiled == eager == greedy_reference(model, prompt, 20)
     assert len(set(compiled)) > 3, "degenerate test model: every step picks the same few tokens"
 
@@ -180,9 +180,9 @@ def test_compiled_decode_matches_eager_and_full_recompute(name):
 def test_sliding_window_falls_back_to_eager_decode():
     model = small_model({"kind": "sliding", "window": 6})  # a ring cache: no static mode
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]  # 8 + 12 tokens: the ring wraps
-    out = attnlab.generate(model, prompt, max_new_tokens=12, compile=True).tolist()
+    out = attnlab.generate(model, prompt, max_new_tokens=12, compile=True, fused=False).tolist()
     assert model not in generate_module._COMPILED
-    assert out == attnlab.generate(model, prompt, max_new_tokens=12, compile=False).tolist()
+    assert out == attnlab.generate(model, prompt, max_new_tokens=12, compile=False, fused=False).tolist()
     assert out == greedy_reference(model, prompt, 12)
 
 
@@ -190,11 +190,11 @@ def test_recompile_limit_falls_back_to_eager_decode(monkeypatch):
     monkeypatch.setattr(generate_module, "RECOMPILE_LIMIT", 1)  # one compiled shape for this model
     model = small_model({"kind": "mha"})
     prompts = torch.tensor([[1, 2, 3, 4], [9, 8, 7, 6]])
-    first = attnlab.generate(model, prompts[0], max_new_tokens=6, compile=True)  # compiles batch 1
+    first = attnlab.generate(model, prompts[0], max_new_tokens=6, compile=True, fused=False)  # compiles batch 1
     with pytest.warns(UserWarning, match="decoding eagerly"):
-        batch = attnlab.generate(model, prompts, max_new_tokens=6, compile=True)  # batch 2: a new shape
+        batch = attnlab.generate(model, prompts, max_new_tokens=6, compile=True, fused=False)  # batch 2: a new shape
     assert batch[0].tolist() == first.tolist()
-    assert batch.tolist() == attnlab.generate(model, prompts, max_new_tokens=6, compile=False).tolist()
+    assert batch.tolist() == attnlab.generate(model, prompts, max_new_tokens=6, compile=False, fused=False).tolist()
 
 
 @pytest.mark.slow
@@ -209,13 +209,19 @@ def test_one_compiled_region_serves_every_layer_and_every_length(kv_policy):
         pytest.skip("no C compiler: a quantized cache has no static mode")
     model = tiny_model({"kind": "mha"}, init_std=0.3, n_layers=3, **SIZES)  # K and V rows of 32 values
     torch._dynamo.utils.counters.clear()
-    first = attnlab.generate(model, [1, 2, 3, 4, 5], max_new_tokens=8, compile=True, kv_policy=kv_policy).tolist()
+    first = attnlab.generate(
+        model, [1, 2, 3, 4, 5], max_new_tokens=8, compile=True, fused=False, kv_policy=kv_policy
+    ).tolist()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one region compiled, not one per layer
-    second = attnlab.generate(model, list(range(1, 20)), max_new_tokens=20, compile=True, kv_policy=kv_policy)
+    second = attnlab.generate(
+        model, list(range(1, 20)), max_new_tokens=20, compile=True, fused=False, kv_policy=kv_policy
+    )
     second = second.tolist()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # other lengths: nothing compiled again
     for prompt, n, got in [([1, 2, 3, 4, 5], 8, first), (list(range(1, 20)), 20, second)]:
-        eager = attnlab.generate(model, prompt, max_new_tokens=n, compile=False, kv_policy=kv_policy).tolist()
+        eager = attnlab.generate(
+            model, prompt, max_new_tokens=n, compile=False, fused=False, kv_policy=kv_policy
+        ).tolist()
         assert got == eager
         if kv_policy is None:
             assert got == greedy_reference(model, prompt, n)
@@ -226,20 +232,20 @@ def test_auto_compile_waits_until_the_tokens_left_pay_for_it(monkeypatch):
     prompt = [3, 1, 4, 1, 5]
     # A compile that never pays: a short generation stays eager and compiles nothing.
     monkeypatch.setattr(generate_module, "COMPILE_SECONDS", 1e9)
-    eager = attnlab.generate(model, prompt, max_new_tokens=30).tolist()
+    eager = attnlab.generate(model, prompt, max_new_tokens=30, fused=False).tolist()
     assert model not in generate_module._COMPILED
     assert eager == greedy_reference(model, prompt, 30)
     # One that always pays: generate times EAGER_STEPS_TIMED + 1 eager steps, then switches to the compiled step
     # in the middle of the generation, with the same tokens.
     monkeypatch.setattr(generate_module, "COMPILE_SECONDS", 0.0)
-    assert attnlab.generate(model, prompt, max_new_tokens=30).tolist() == eager
+    assert attnlab.generate(model, prompt, max_new_tokens=30, fused=False).tolist() == eager
     step = generate_module._COMPILED[model]
     assert step.compiled and not step.eager
     # Compiled already: auto uses the step from the first decode step on, whatever the cost.
     monkeypatch.setattr(generate_module, "COMPILE_SECONDS", 1e9)
     calls = []
     monkeypatch.setattr(step, "run_block", lambda *a, real=step.run_block: calls.append(1) or real(*a))
-    assert attnlab.generate(model, prompt, max_new_tokens=6).tolist() == eager[:6]
+    assert attnlab.generate(model, prompt, max_new_tokens=6, fused=False).tolist() == eager[:6]
     assert len(calls) == 5 * model.cfg.n_layers  # every decode step through the compiled region
 
 

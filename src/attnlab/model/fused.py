@@ -7,12 +7,18 @@
 It covers a Llama-shaped Transformer at batch 1: attention kind mha (GQA or MHA, no window, no null key, any RoPE
 table, half-split or interleaved), RMSNorm, a SwiGLU MLP, no memory; every linear layer, the LM head included, a
 QuantizedLinear with 8-bit activations over packed rows (attnlab.set_activations(model, "q8") on a CPU that packs
-them); the embedding a QuantizedEmbedding or a float32 one; the cache the plain dense float32 one, its slots filled
-from 0 up to `seen`. Everything else decodes as before (generate's eager or compiled step).
+them), a float32 nn.Linear (attnlab.load_model's default weights) or an fp16 QuantizedLinear (both with float32
+activations, as their forward: each weight read once by fused.c's matvec_float); the embedding a QuantizedEmbedding
+or a float32 one; the cache the plain dense float32 one, its slots filled from 0 up to `seen`, or a QuantizedCache
+(attnlab.cache.quantized) whose K and V are stored per token in a format of the C kernels (fp16, bf16, q8_0, q4_0,
+nf4, fp32), with any residual window and flush: the step reads the stored rows as the cache's own C step does and
+writes them with its quantizer (the same bytes). Everything else (KIVI formats, ring caches, memories) decodes as
+before (generate's eager or compiled step).
 
-Its logits are the eager step's up to float32 rounding: the matmuls are qmatmul.c's functions on the same inputs
-(same integer sums, same float order), while RMSNorm, the softmax and SiLU sum or round in another order, so an
-8-bit code of a layer's input may round the other way where the input lies within rounding of a half step.
+Its logits are the eager step's up to float32 rounding: the 8-bit matmuls are qmatmul.c's functions on the same
+inputs (same integer sums, same float order), while RMSNorm, the softmax, SiLU and the float32 / fp16 matmuls sum or
+round in another order, so an 8-bit code of a layer's input may round the other way where the input lies within
+rounding of a half step (with float32 activations nothing amplifies the rounding).
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ import math
 import torch
 from torch import nn
 
+from attnlab import quant
 from attnlab.attention.mha import MHA
 from attnlab.cache.base import ModelCache
+from attnlab.cache.codecs import KIVI_FORMATS
 from attnlab.cache.dense import DenseCache
+from attnlab.cache.quantized import QuantizedCache
 from attnlab.errors import InputError
+from attnlab.kernels import cpu as cpu_kernels
 from attnlab.kernels.cpu import fused as kernel
 from attnlab.kernels.cpu import qmatmul
 from attnlab.model.qlinear import QuantizedEmbedding, QuantizedLinear
@@ -33,18 +43,41 @@ from attnlab.ops.mlp import SwiGLU
 from attnlab.ops.norm import RMSNorm
 
 PACKED_FORMATS = ("q4_0", "q4_1", "q8_0")  # what qmatmul.pack_q8 packs
+F32 = 0  # fused.c's format of float32 rows (ggml's type id)
 
 
 def _linear_problem(name: str, layer) -> str | None:
+    """Why fused.c cannot multiply by `layer` (one line), or None: a float32 nn.Linear or an fp16 QuantizedLinear
+    (float32 activations), or a QuantizedLinear of packed rows with 8-bit activations."""
+    if type(layer) is nn.Linear:
+        tensors = [layer.weight] + ([] if layer.bias is None else [layer.bias])
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or not layer.weight.is_contiguous():
+            return f"{name} is an nn.Linear of {layer.weight.dtype} on {layer.weight.device} (contiguous float32, CPU)"
+        return None
     if not isinstance(layer, QuantizedLinear):
-        return f"{name} is a {type(layer).__name__}, not a QuantizedLinear"
+        return f"{name} is a {type(layer).__name__}, not an nn.Linear or a QuantizedLinear"
+    if layer.fmt == "fp16" and layer.blocks.device.type == "cpu":  # float32 activations, as its forward
+        return _bias_problem(name, layer)
     if layer.activations != "q8" or layer.packed is None:
         return f"{name} has no packed rows for 8-bit activations (attnlab.set_activations(model, 'q8') packs them)"
     if layer.fmt not in PACKED_FORMATS:
         return f"{name} holds {layer.fmt} weights (packed: {', '.join(PACKED_FORMATS)})"
+    return _bias_problem(name, layer)
+
+
+def _bias_problem(name: str, layer) -> str | None:
     if layer.bias is not None and (layer.bias.dtype != torch.float32 or layer.bias.device.type != "cpu"):
         return f"{name} has a {layer.bias.dtype} bias on {layer.bias.device} (float32 on the CPU)"
     return None
+
+
+def _linear_values(layer) -> list[int]:
+    """fused.c's (format, weights, bias) of a layer _linear_problem accepts: float32 rows (ggml's F32, 0), fp16 rows
+    (F16) or packed rows."""
+    if type(layer) is nn.Linear:
+        return [F32, layer.weight.data_ptr(), _pointer(layer.bias)]
+    weights = layer.blocks if layer.fmt == "fp16" else layer.packed
+    return [qmatmul.FORMAT_CODES[layer.fmt], weights.data_ptr(), _pointer(layer.bias)]
 
 
 def _norm_problem(name: str, norm, eps: float) -> str | None:
@@ -98,14 +131,47 @@ def model_problem(model) -> str | None:
     return next((p for p in problems if p), None)
 
 
+def _quantized_problem(i: int, layer: QuantizedCache, block, seen: int) -> str | None:
+    """Why a QuantizedCache cannot take fused.c's steps (one line), or None: per-token K and V rows in formats of the
+    C kernels (its KernelPlan), float32 at batch 1 on the CPU, holding `seen` tokens."""
+    formats = {p.name: p.codec.fmt for p in layer.parts}
+    if layer.plan is None:
+        grouped = ", ".join(f"{name}={fmt}" for name, fmt in formats.items() if fmt in KIVI_FORMATS)
+        return f"layer {i}'s cache stores {grouped} over groups of tokens (the fused step reads per-token formats)"
+    other = [f"{name}={fmt}" for name, fmt in formats.items() if fmt not in cpu_kernels.FORMAT_CODES]
+    if other:
+        codes = ", ".join(cpu_kernels.FORMAT_CODES)
+        return f"layer {i}'s cache stores {', '.join(other)} (the fused step reads {codes})"
+    d = block.attn.head_dim
+    whole = [(p.name, p.buffer, p.lo, p.hi) for p in layer.parts] == [("k", "k", 0, d), ("v", "v", 0, d)]
+    if not (whole and layer.kernel_reads and layer.plan.value_width == d):
+        return f"layer {i}'s cache does not hold one K and one V row per token (the fused step reads mha's)"
+    arrays = [a for arrays in layer.store.values() for a in arrays] + list(layer.recent.values())
+    on_cpu = all(a.is_contiguous() and a.device.type == "cpu" for a in arrays)
+    if layer.batch != 1 or layer.dtype != torch.float32 or not on_cpu:
+        return f"layer {i}'s quantized cache is not float32 rows of batch 1 on the CPU"
+    held = int(layer.counters[0]) if layer.static else layer.seen
+    if held != seen:
+        return f"layer {i}'s cache holds {held} tokens, the model cache says {seen}"
+    return None
+
+
 def cache_problem(model, cache) -> str | None:
-    """Why `cache` cannot take fused.c's steps for `model` (one line), or None: a ModelCache of plain dense float32
-    layer caches for one sequence, their slots 0..seen-1 filled in order (as generate's own prefill leaves them)."""
+    """Why `cache` cannot take fused.c's steps for `model` (one line), or None: a ModelCache for one sequence of plain
+    dense float32 layer caches, their slots 0..seen-1 filled in order (as generate's own prefill leaves them), or of
+    QuantizedCaches of per-token formats (see _quantized_problem)."""
     if not isinstance(cache, ModelCache) or len(cache.layers) != len(model.blocks):
         return "the cache is not a ModelCache of one layer cache per block"
+    quantized = [type(layer) is QuantizedCache for layer in cache.layers]
     for i, (layer, block) in enumerate(zip(cache.layers, model.blocks, strict=True)):
+        if quantized[i]:
+            problem = _quantized_problem(i, layer, block, cache.seen)
+            if problem:
+                return problem
+            continue
         if type(layer) is not DenseCache:
-            return f"layer {i}'s cache is a {type(layer).__name__} (the fused step writes the plain dense cache)"
+            return (f"layer {i}'s cache is a {type(layer).__name__} (the fused step writes the plain dense cache or a "
+                    "QuantizedCache)")  # fmt: skip
         k, v = layer.buffers.get("k"), layer.buffers.get("v")
         shape = (1, block.attn.n_kv_heads, layer.max_len, block.attn.head_dim)
         if set(layer.buffers) != {"k", "v"} or any(
@@ -113,9 +179,12 @@ def cache_problem(model, cache) -> str | None:
             for t in (k, v)
         ):
             return f"layer {i}'s cache is not float32 k and v of shape {shape} on the CPU (batch 1)"
-    filled = cache.layers[0].slot_positions
-    expected = torch.cat([torch.arange(cache.seen), filled.new_full((filled.shape[0] - cache.seen,), -1)])
-    if cache.seen > filled.shape[0] or any(not torch.equal(layer.slot_positions, expected) for layer in cache.layers):
+    dense = [layer for layer, q in zip(cache.layers, quantized, strict=True) if not q]
+    if not dense:
+        return None
+    filled = dense[0].slot_positions
+    expected = torch.cat([torch.arange(cache.seen), filled.new_full((max(filled.shape[0] - cache.seen, 0),), -1)])
+    if cache.seen > filled.shape[0] or any(not torch.equal(layer.slot_positions, expected) for layer in dense):
         return f"the cache's slots are not positions 0..{cache.seen - 1} in order"
     return None
 
@@ -131,6 +200,18 @@ def fused_problem(model, cache) -> str | None:
 
 def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _quantized_row(layer: QuantizedCache, cos: torch.Tensor, sin: torch.Tensor) -> list[int]:
+    """fused.c's L_K .. L_STORE_SLOTS values of a QuantizedCache (in static mode its counters are what it advances)."""
+    store = {name: arrays + [None] * (2 - len(arrays)) for name, arrays in layer.store.items()}  # [quants, scales]
+    fmt = {p.name: cpu_kernels.FORMAT_CODES[p.codec.fmt] for p in layer.parts}
+    return [
+        store["k"][0].data_ptr(), store["v"][0].data_ptr(), layer.counters.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        1, fmt["k"], _pointer(store["k"][1]), layer.recent["k"].data_ptr(),
+        fmt["v"], _pointer(store["v"][1]), layer.recent["v"].data_ptr(),
+        layer.plan.ring_slots, layer.plan.resid, layer.plan.flush, layer.store_slots,
+    ]  # fmt: skip
 
 
 class FusedDecode:
@@ -157,24 +238,28 @@ class FusedDecode:
             len(model.blocks), cfg.d_model, first.n_heads, first.n_kv_heads, first.head_dim, hidden,
             cache.layers[0].max_len, rope_len, int(first.rotary.interleaved), self.vocab_rows, self.vocab_size,
             embed_fmt, table.data_ptr(), table.shape[0], model.norm.weight.data_ptr(),
-            qmatmul.FORMAT_CODES[head.fmt], head.packed.data_ptr(), _pointer(head.bias),
+            *_linear_values(head),
+            quant._NF4_BELOW.data_ptr(), quant._NF4_INSIDE.data_ptr(),
         ]  # fmt: skip
         assert len(header) == kernel.PLAN_HEADER
-        rows, self._held = [header], [table, model.norm.weight, head.packed, head.bias]
+        rows, self._held = [header], [table, model.norm.weight, head]
+        self._held += [quant._NF4_BELOW, quant._NF4_INSIDE]
         for block, layer in zip(model.blocks, cache.layers, strict=True):
             attn, mlp = block.attn, block.mlp
             row = [block.attn_norm.weight.data_ptr()]
-            for linear in (attn.qkv, attn.out):
-                row += [qmatmul.FORMAT_CODES[linear.fmt], linear.packed.data_ptr(), _pointer(linear.bias)]
-            row.append(block.mlp_norm.weight.data_ptr())
-            for linear in (mlp.gate_up, mlp.down):
-                row += [qmatmul.FORMAT_CODES[linear.fmt], linear.packed.data_ptr(), _pointer(linear.bias)]
+            row += _linear_values(attn.qkv) + _linear_values(attn.out) + [block.mlp_norm.weight.data_ptr()]
+            row += _linear_values(mlp.gate_up) + _linear_values(mlp.down)
             cos, sin = attn.rotary.cos, attn.rotary.sin
-            row += [layer.buffers["k"].data_ptr(), layer.buffers["v"].data_ptr(), layer.slot_positions.data_ptr()]
-            row += [cos.data_ptr(), sin.data_ptr()]
+            if type(layer) is QuantizedCache:
+                row += _quantized_row(layer, cos, sin)
+                self._held += [layer.store, layer.recent, layer.counters]
+            else:
+                row += [layer.buffers["k"].data_ptr(), layer.buffers["v"].data_ptr(), layer.slot_positions.data_ptr()]
+                row += [cos.data_ptr(), sin.data_ptr()] + [0] * 11  # L_QUANTIZED 0: the rest unused
+                self._held += [layer.buffers, layer.slot_positions]
             assert len(row) == kernel.PLAN_LAYER
             rows.append(row)
-            self._held += [block, layer.buffers, layer.slot_positions, cos, sin]
+            self._held += [block, cos, sin]
         plan = torch.tensor([value for row in rows for value in row], dtype=torch.int64)
         self.decoder = kernel.Decoder(plan, model.norm.eps, 1 / math.sqrt(first.head_dim))
         cache.set_static(True)

@@ -1,5 +1,7 @@
 """One decode step of a whole Llama-style block stack in one C call (fused.c): batch 1, one new token, every linear
-layer 8-bit activations over packed rows (qmatmul.c's functions, #included), a dense float32 KV cache.
+layer 8-bit activations over packed rows (qmatmul.c's functions, #included) or float32 activations over float32 or
+fp16 rows, a dense float32 KV cache or a quantized one of per-token rows (qattn.c's decoders and quantizer,
+#included).
 
     status = decode(plan, eps, scale, token, pos, logits)    # -> the argmax of the logits
 
@@ -20,15 +22,15 @@ from attnlab.kernels import cpu
 from attnlab.kernels.cpu import qmatmul
 
 SOURCE = Path(__file__).with_name("fused.c")
-PLAN_HEADER = 18  # fused.c's P_* values, in its order
-PLAN_LAYER = 19  # fused.c's L_* values per block, in its order
+PLAN_HEADER = 20  # fused.c's P_* values, in its order
+PLAN_LAYER = 30  # fused.c's L_* values per block, in its order
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def build(directory: Path | None = None) -> Path:
-    """fused.c built (attnlab.kernels.cpu.build), its cache key including qmatmul.c, which it #includes."""
-    return cpu.build(directory, source=SOURCE, includes=(qmatmul.SOURCE,))
+    """fused.c built (attnlab.kernels.cpu.build), its cache key including qmatmul.c and qattn.c, which it #includes."""
+    return cpu.build(directory, source=SOURCE, includes=(qmatmul.SOURCE, cpu.SOURCE))
 
 
 @functools.cache
@@ -65,12 +67,19 @@ class Decoder:
 
     def step(self, token: int, pos: int, logits: torch.Tensor) -> int:
         """token at position pos through the plan's blocks; logits (vocab rows,) float32 written; returns the argmax
-        over the first vocab_size. ValueError for a position or token outside the plan; MemoryError."""
+        over the first vocab_size. ValueError for a position or token outside the plan or a value a quantized cache
+        cannot store; MemoryError."""
         status = self._function(self.plan.data_ptr(), self.eps, self.scale, token, pos, logits.data_ptr(),
                                 self._argmax_pointer)  # fmt: skip
         if status == -1:
             raise ValueError(
-                f"fused decode: position {pos} or token {token} outside the cache, RoPE table or vocabulary"
+                f"fused decode: position {pos} or token {token} outside the cache, RoPE table or vocabulary (or a "
+                "quantized cache's counters not at that position)"
+            )
+        if status == -3:
+            raise ValueError(
+                "fused decode: a K or V value that is not finite, or too large for the fp16 scale of its blocks, "
+                "cannot be stored in the quantized cache (the model produced it: check its inputs)"
             )
         if status:
             raise MemoryError("fused decode: out of memory for its row buffers")
