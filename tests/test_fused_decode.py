@@ -25,12 +25,10 @@ step.
 
 import contextlib
 import importlib
-import os
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import SIBLING_DATA
+from conftest import smollm_file
 from helpers import tiny_model
 
 import attnlab
@@ -53,7 +51,6 @@ TIE = 1e-4  # code steps: float32 differences of a few ulps move x / d by up to 
 SMOLLM_BOUND = 0.1
 FLOAT_ROWS_BOUND = 1e-4  # SmolLM2's new K and V rows with float32 activations (30 layers of float32 rounding)
 SMOLLM_TIE = 0.01  # two best logits this close (of the largest), float order may choose either
-SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Llama-shaped tiny models: d_model 64, 4 heads of 16, hidden 192; every width a multiple of 32 and every matrix's
 # rows of 16 (what the packed rows need).
@@ -294,9 +291,7 @@ def test_a_cache_filled_out_of_order_or_full_is_refused():
 
 @pytest.fixture(scope="module")
 def smollm():
-    path = Path(os.environ.get("ATTNLAB_DATA", SIBLING_DATA)) / SMOLLM
-    if not path.is_file():
-        pytest.skip(f"{path} not found (set ATTNLAB_DATA)")
+    path = smollm_file()
     _, model, tokenizer = attnlab.load_model(path, weights="native")
     return set_activations(model, "q8"), tokenizer
 
@@ -363,9 +358,7 @@ def test_smollm_fp32_fused_steps_and_greedy_tokens_equal_the_eager_ones():
     """attnlab.load_model's default fp32 weights decode through the fused step (float32 rows read once): logits within
     float32 rounding of the eager step's (no 8-bit codes: 2e-6 of the largest when written), the new K and V rows
     within FLOAT_ROWS_BOUND (1.2e-5 when written: 30 layers), and 64 equal greedy tokens per prompt."""
-    path = Path(os.environ.get("ATTNLAB_DATA", SIBLING_DATA)) / SMOLLM
-    if not path.is_file():
-        pytest.skip(f"{path} not found (set ATTNLAB_DATA)")
+    path = smollm_file()
     _, model, tokenizer = attnlab.load_model(path)
     assert fused_model.model_problem(model) is None
     prompt = torch.tensor([tokenizer.encode("The capital of France is Paris, and the capital of Italy is")])

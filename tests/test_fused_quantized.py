@@ -11,16 +11,13 @@ step (STORE_BOUND of the row's largest value), and exactly at most steps.
 """
 
 import importlib
-import os
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import SIBLING_DATA
+from conftest import smollm_file
 from helpers import tiny_model
 from test_fused_decode import (
     FLIP_BOUND,
-    SMOLLM,
     SMOLLM_BOUND,
     SMOLLM_TIE,
     TIE,
@@ -185,9 +182,7 @@ def test_kivi_and_batched_quantized_caches_keep_the_old_path():
 
 @pytest.fixture(scope="module")
 def smollm():
-    path = Path(os.environ.get("ATTNLAB_DATA", SIBLING_DATA)) / SMOLLM
-    if not path.is_file():
-        pytest.skip(f"{path} not found (set ATTNLAB_DATA)")
+    path = smollm_file()
     _, model, tokenizer = attnlab.load_model(path, weights="native")
     return set_activations(model, "q8"), tokenizer
 
