@@ -67,7 +67,7 @@ from attnlab.config_checks import MAX_INT
 from attnlab.config_io import load_config, other_config
 from attnlab.data.files import link_loop, special_file
 from attnlab.entry import Terminated, interrupted
-from attnlab.envcheck import thread_env_problem
+from attnlab.envcheck import kernels_env_problem, thread_env_problem
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, benchmark_names, load_plan, parameters, run_plan
@@ -544,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if thread_env_problem():  # (libgomp read it already, at torch's import above: its own line came first)
                 raise InputError(thread_env_problem())
+            if kernels_env_problem():  # (read at a command's first kernel: a dry run, which builds none, would not)
+                raise InputError(kernels_env_problem())
             for dest in PATH_OPTIONS:  # an empty path ('' from an unset shell variable) names no file or folder
                 if getattr(args, dest, None) == "":
                     raise InputError(f"--{dest.replace('_', '-')} is empty: give a path")

@@ -30,6 +30,7 @@ import torch
 
 from attnlab import quant
 from attnlab.data.files import atomic_write_text
+from attnlab.envcheck import KERNELS_OFF, KERNELS_ON, kernels_env_problem
 from attnlab.errors import AttnlabWarning, ConfigError
 from attnlab.paths import cache_dir
 
@@ -179,16 +180,16 @@ def compiled(source: Path, load: Callable[[Path], object], builder: Callable[...
         return None
 
 
-OFF, ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+OFF, ON = KERNELS_OFF, KERNELS_ON
 
 
 def turned_off() -> bool:
     """Whether ATTNLAB_CPU_KERNELS turns the kernels off (0, false, no, off; unset, empty or 1, true, yes, on: on).
     ConfigError for any other value (a typo would otherwise silently mean "on")."""
+    problem = kernels_env_problem()
+    if problem:
+        raise ConfigError(problem)
     value = os.environ.get("ATTNLAB_CPU_KERNELS", "").strip().lower()
-    if value and value not in OFF + ON:
-        raise ConfigError(f"$ATTNLAB_CPU_KERNELS={os.environ['ATTNLAB_CPU_KERNELS']!r} is not one of "
-                          f"{', '.join(OFF)} (kernels off) or {', '.join(ON)} (on, the default)")  # fmt: skip
     return value in OFF
 
 
