@@ -1,12 +1,17 @@
 """Probe AC's command-line findings (/work/probe_ac/REPORT.md): a dry run said "would train" with a bad
-$ATTNLAB_CPU_KERNELS that the run refused at its first step (AC6), ..."""
+$ATTNLAB_CPU_KERNELS that the run refused at its first step (AC6); report --paired printed nan rows from a record whose
+window_loss held NaN (AC5); ..."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
+import math
 
+import numpy as np
 import pytest
 from helpers import fails, hat_text, probe_manifest
+
+from attnlab.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -30,3 +35,42 @@ def test_ac6_a_bad_cpu_kernels_value_is_refused_by_the_dry_run_and_before_the_ru
     line = fails(capsys, argv, said)
     assert fails(capsys, [*argv, "--dry-run"], said) == line
     assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------- AC5: report --paired, NaN windows
+
+
+def ppl_record(model: str, seed: int) -> dict:
+    from attnlab.eval.perplexity import summarize_losses
+
+    rng = np.random.default_rng(seed)
+    windows = [(float(16 * rng.uniform(2.0, 5.0)), 16) for _ in range(8)]
+    return {"benchmark": "perplexity", "model": model, "kind": "mha", "split": "val", "dataset": "tinyshakespeare",
+            "seq_len": 16, "stride": 16, "max_tokens": 128, "tokenizer": "char", "tokens_in_split": 46026,
+            **summarize_losses(windows)}  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_ac5_a_non_finite_window_loss_beside_a_finite_loss_is_refused_naming_record_and_field(tmp_path, capsys, bad):
+    """Was: report --paired printed a row of nan (rc 0) while the perplexity table showed the record's finite loss."""
+    damaged = ppl_record("b", 1)
+    damaged["window_loss"][3] = bad
+    folder = tmp_path / "r"
+    folder.mkdir()
+    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (ppl_record("a", 0), damaged)))
+    shown = "NaN" if math.isnan(bad) else "Infinity"
+    line = fails(capsys, ["report", str(folder), "--paired", "a:b"], "records.jsonl: record 2 (perplexity, b)",
+                 f"field 'window_loss' holds {shown} at window 3", "'loss'")  # fmt: skip
+    assert not (folder / "report.md").exists()
+    assert line == fails(capsys, ["report", str(folder)], "window_loss")  # (not only when paired)
+
+
+def test_ac5_a_diverged_records_windows_are_still_shown(tmp_path):
+    """A loss of NaN (a diverged model) with NaN windows contradicts nothing: shown as such, as before."""
+    diverged = ppl_record("b", 1)
+    diverged["window_loss"][0] = math.nan
+    diverged.update(loss=math.nan, ppl=math.nan, loss_ci=[math.nan, math.nan], ppl_ci=[math.nan, math.nan])
+    folder = tmp_path / "r"
+    folder.mkdir()
+    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (ppl_record("a", 0), diverged)))
+    assert main(["report", str(folder)]) == 0
