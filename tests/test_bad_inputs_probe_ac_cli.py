@@ -1,6 +1,6 @@
 """Probe AC's command-line findings (/work/probe_ac/REPORT.md): a dry run said "would train" with a bad
 $ATTNLAB_CPU_KERNELS that the run refused at its first step (AC6); report --paired printed nan rows from a record whose
-window_loss held NaN (AC5); ..."""
+window_loss held NaN (AC5); --weights native on a run was refused in the Python API's words (U1); ..."""
 
 from __future__ import annotations
 
@@ -74,3 +74,16 @@ def test_ac5_a_diverged_records_windows_are_still_shown(tmp_path):
     folder.mkdir()
     (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (ppl_record("a", 0), diverged)))
     assert main(["report", str(folder)]) == 0
+
+
+# ----------------------------------------------------------------------------- U1: --weights native on a run
+
+
+@pytest.mark.parametrize("command", ["generate", "kv-eval"])
+def test_u1_weights_native_on_a_run_is_refused_in_the_flags_words(tiny_run, capsys, command):
+    """Was: "weights='native' ... (leave weights='fp32'; attnlab.quantize_weights(model, 'q8_0') ...)"."""
+    rest = ["the"] if command == "generate" else ["--policies", "k=q8_0,v=q8_0"]
+    line = fails(capsys, [command, str(tiny_run), *rest, "--weights", "native"],
+                 "--weights native keeps a GGUF file's own quantized matrices", f"{tiny_run} is an attnlab run",
+                 "give --weights fp16, q8_0, q4_0 or q4_1", "or leave --weights out")  # fmt: skip
+    assert "weights='" not in line and "quantize_weights" not in line
