@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,3 +88,33 @@ def test_u1_weights_native_on_a_run_is_refused_in_the_flags_words(tiny_run, caps
                  "--weights native keeps a GGUF file's own quantized matrices", f"{tiny_run} is an attnlab run",
                  "give --weights fp16, q8_0, q4_0 or q4_1", "or leave --weights out")  # fmt: skip
     assert "weights='" not in line and "quantize_weights" not in line
+
+
+# ----------------------------------------------------------------------------- U3: init_from, what it likely meant
+
+
+def init_manifest(root: Path, init_from: str) -> Path:
+    path = root / "rfu.yml"
+    path.write_text(f"name: rfu\nseeds: [0]\ndefaults:\n  data: {{source: {hat_text(root)}, tokenizer: char}}\n"
+                    f"  train: {TRAIN}\ntargets:\n  a: {{init_from: {init_from!r}}}\n")  # fmt: skip
+    return path
+
+
+def test_u3_init_from_with_a_trailing_space_says_so_without_a_false_model_problem(tmp_path, capsys, monkeypatch):
+    """Was: "... must name an earlier target (none) or a model (...); rfu.yml: targets.a: model must be a mapping"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "g.gguf").write_bytes(b"GGUF")
+    argv = ["run", str(init_manifest(tmp_path, "g.gguf ")), "--out", str(tmp_path / "o"), "--dry-run"]
+    line = fails(capsys, argv, "targets.a.init_from='g.gguf ' must name an earlier target", "(it ends in a space: "
+                 "write 'g.gguf')")  # fmt: skip
+    assert "must be a mapping" not in line
+
+
+def test_u3_init_from_naming_a_folder_that_holds_a_gguf_says_to_name_the_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ggdir").mkdir()
+    (tmp_path / "ggdir" / "g.gguf").write_bytes(b"GGUF")
+    argv = ["run", str(init_manifest(tmp_path, "ggdir")), "--out", str(tmp_path / "o"), "--dry-run"]
+    line = fails(capsys, argv, "targets.a.init_from='ggdir'", "(ggdir is a folder holding g.gguf: name the file, "
+                 "ggdir/g.gguf)")  # fmt: skip
+    assert "must be a mapping" not in line
