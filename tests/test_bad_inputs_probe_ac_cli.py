@@ -118,3 +118,20 @@ def test_u3_init_from_naming_a_folder_that_holds_a_gguf_says_to_name_the_file(tm
     line = fails(capsys, argv, "targets.a.init_from='ggdir'", "(ggdir is a folder holding g.gguf: name the file, "
                  "ggdir/g.gguf)")  # fmt: skip
     assert "must be a mapping" not in line
+
+
+# ----------------------------------------------------------------------------- U7: info on a manifest
+
+
+MANIFESTS = [("a run manifest", "name: m\nseeds: [0]\ntargets:\n  base: {}\n"),
+             ("a benchmark manifest", "name: b\ncheckpoints: [x]\nbenchmarks: {}\n")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "text"), MANIFESTS)
+def test_u7_info_on_a_manifest_says_what_it_is_and_what_info_takes(tmp_path, capsys, kind, text):
+    """Was: "tiny.yml: unknown key 'seeds' (did you mean 'n_heads'?); ..." (read as a model config)."""
+    path = tmp_path / "tiny.yml"
+    path.write_text(text)
+    line = fails(capsys, ["info", str(path)], f"{path}: is {kind}", "info takes a model config or a model reference",
+                 f"attnlab validate {path}")  # fmt: skip
+    assert "n_heads" not in line

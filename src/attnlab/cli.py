@@ -89,7 +89,7 @@ from attnlab.generate import generate, room_problem
 from attnlab.interop.convert import PAIR_RULES
 from attnlab.interop.references import checked_model_config
 from attnlab.interop.tokenizer import warn_unknown
-from attnlab.manifest import load_manifest
+from attnlab.manifest import file_kind, load_manifest
 from attnlab.model.qlinear import ACTIVATIONS
 from attnlab.paths import check_data_dirs
 from attnlab.runner import run_manifest
@@ -150,6 +150,12 @@ def cmd_info(args) -> int:
         raise ConfigError(LINK_LOOP, source=str(args.config))
     # A model config file, as `validate` reads one: YAML, or JSON (which YAML reads too); else a model reference.
     is_config = Path(args.config).suffix.lower() in CONFIG_SUFFIXES and not Path(args.config).is_dir()
+    kind = file_kind(args.config) if is_config and Path(args.config).is_file() else "model"
+    if kind != "model":  # (read as a model config, its keys were said to be unknown ones: `seeds`, n_heads?)
+        what = {"manifest": "a run manifest (it has targets:)", "bench": "a benchmark manifest (it has benchmarks:)",
+                "probes": "a probe suite (it has cases:)"}[kind]  # fmt: skip
+        raise InputError(f"{args.config}: is {what}: info takes a model config or a model reference (e.g. a run's "
+                         f"folder, a .gguf file); to check a manifest: attnlab validate {args.config}")  # fmt: skip
     cfg = config_file(args.config) if is_config else checked_model_config(args.config, args.data_dir)
     if args.memory is not None:
         cfg = with_memory_option(cfg, args.memory)
