@@ -135,3 +135,19 @@ def test_u7_info_on_a_manifest_says_what_it_is_and_what_info_takes(tmp_path, cap
     line = fails(capsys, ["info", str(path)], f"{path}: is {kind}", "info takes a model config or a model reference",
                  f"attnlab validate {path}")  # fmt: skip
     assert "n_heads" not in line
+
+
+# ----------------------------------------------------------------------------- U10: '..' out of a run's folder
+
+
+def test_u10_a_path_that_leaves_a_runs_folder_through_dotdot_is_not_inside_it(tiny_run, capsys, tmp_path):
+    """Was: convert --out RUN/../seed1 refused as "inside RUN" (the lexical parents of the unresolved path)."""
+    from attnlab.paths import run_folder_problem
+
+    beside = tiny_run / ".." / "seed1"
+    assert run_folder_problem(beside, "why") is None
+    assert run_folder_problem(tiny_run.parent / "seed1", "why") is None  # the same place, written plainly
+    assert "is inside" in run_folder_problem(tiny_run / "x" / ".." / "y", "why")  # (still inside it)
+    (tmp_path / "x").mkdir()
+    assert main(["export", str(tiny_run), "--hf", str(tmp_path / "x" / ".." / "hf1")]) == 0
+    assert (tmp_path / "hf1" / "config.json").is_file()

@@ -239,6 +239,16 @@ def cache_folder_problem(path: str | Path, flag: str = "--out") -> str | None:
             "which clearing the cache deletes: give a folder of your own")  # fmt: skip
 
 
+def as_reached(path: str | Path) -> Path:
+    """`path` made absolute, and with its '..' parts taken as the system takes them (RUN/../seed1 is not inside
+    RUN): resolved when it holds any, else as given (a link's own place, not its target's)."""
+    absolute = Path(path).absolute()
+    try:
+        return absolute.resolve() if ".." in absolute.parts else absolute
+    except (OSError, RuntimeError):  # a link loop (RuntimeError before Python 3.13): named by the checks after
+        return absolute
+
+
 def run_folder_problem(path: str | Path, why: str, flag: str = "--out") -> str | None:
     """The line refusing `path` (given as `flag`) when it is inside attnlab's cache (cache_folder_problem), or a
     run's folder or inside one, where another command's output would be mixed with the run's own files (`why` says
@@ -247,7 +257,7 @@ def run_folder_problem(path: str | Path, why: str, flag: str = "--out") -> str |
     problem = cache_folder_problem(path, flag)
     if problem:
         return problem
-    absolute = Path(path).absolute()
+    absolute = as_reached(path)
     for folder in (absolute, *absolute.parents):
         if is_run_folder(folder):
             shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder
