@@ -151,3 +151,22 @@ def test_u10_a_path_that_leaves_a_runs_folder_through_dotdot_is_not_inside_it(ti
     (tmp_path / "x").mkdir()
     assert main(["export", str(tiny_run), "--hf", str(tmp_path / "x" / ".." / "hf1")]) == 0
     assert (tmp_path / "hf1" / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- U4: bench, a split the dataset lacks
+
+
+@pytest.mark.parametrize("split", ["", ", split: test"])
+def test_u4_bench_names_the_split_setting_and_the_splits_a_dataset_has(tiny_run, tmp_path, capsys, split):
+    """Was: "tinyshakespeare has no 'test' split here (check the split's name, or the data directory)" after
+    loading, though the user wrote no split; validate said ok."""
+    path = tmp_path / "bm.yml"
+    path.write_text(f"name: bm\ncheckpoints: [{tiny_run}]\nbenchmarks:\n  perplexity: {{seq_len: 16, max_tokens: 64, "
+                    f"dataset: tinyshakespeare{split}}}\n")  # fmt: skip
+    said = "benchmarks.perplexity.split=test" + ("" if split else " (the default)")
+    fragments = (said, "tinyshakespeare has no 'test' split", "into train and val", "set perplexity.split: val")
+    line = fails(capsys, ["bench", str(path), "--out", str(tmp_path / "o")], *fragments)
+    assert main(["validate", str(path)]) != 0  # (said ok)
+    said = capsys.readouterr()
+    assert all(fragment in said.out + said.err for fragment in fragments), said
+    assert not (tmp_path / "o").exists() and "split here" not in line
