@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -170,3 +171,61 @@ def test_u4_bench_names_the_split_setting_and_the_splits_a_dataset_has(tiny_run,
     said = capsys.readouterr()
     assert all(fragment in said.out + said.err for fragment in fragments), said
     assert not (tmp_path / "o").exists() and "split here" not in line
+
+
+# ----------------------------------------------------------------------------- U5: the kernel cache's advice
+
+
+def fake_builds(folder_of_cache: Path, built: list):
+    """A builder as cpu.build's: the library's path in the cache (None) or the folder given, "built" (written)."""
+
+    def builder(folder):
+        folder = folder or folder_of_cache
+        folder.mkdir(parents=True, exist_ok=True)
+        built.append(folder)
+        library = folder / "ops.so"
+        if not library.exists() or folder != folder_of_cache or len(built) > 1:
+            library.write_text("good")
+        return library
+
+    return builder
+
+
+def load_good(path: Path) -> str:
+    if path.read_text() != "good":
+        raise OSError(f"{path}: invalid ELF header")
+    return "loaded"
+
+
+def test_u5_a_cached_library_that_does_not_load_is_built_again_in_place(tmp_path, monkeypatch):
+    """Was: built in a temporary folder on every run, with "cannot use the cache ... (make it writable ...)"."""
+    from attnlab.errors import AttnlabWarning
+    from attnlab.kernels import cpu
+
+    monkeypatch.delenv("ATTNLAB_CPU_KERNELS", raising=False)
+    cache = tmp_path / "kernels"
+    cache.mkdir()
+    (cache / "ops.so").write_text("garbage whose checksum was rewritten with it")
+    built: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cpu.compiled(cpu.SOURCE, load_good, fake_builds(cache, built)) == "loaded"
+    assert built == [cache, cache] and (cache / "ops.so").read_text() == "good"
+    assert not [w for w in caught if issubclass(w.category, AttnlabWarning)]
+
+
+def test_u5_a_file_where_the_kernels_folder_goes_is_named_with_its_fix(tmp_path, monkeypatch):
+    """Was: "cannot use the cache .../kernels (File exists): built for this run only (make it writable, ...)"."""
+    from attnlab.errors import AttnlabWarning
+    from attnlab.kernels import cpu
+
+    monkeypatch.delenv("ATTNLAB_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (tmp_path / "attnlab").mkdir()
+    cpu.kernel_dir().write_text("a file")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cpu.compiled(cpu.SOURCE, load_good, fake_builds(cpu.kernel_dir(), [])) == "loaded"
+    [warning] = [str(w.message) for w in caught if issubclass(w.category, AttnlabWarning)]
+    assert f"{cpu.kernel_dir()} is a file, where the kernels folder goes: delete it" in warning, warning
+    assert "make it writable" not in warning
