@@ -229,3 +229,17 @@ def test_u5_a_file_where_the_kernels_folder_goes_is_named_with_its_fix(tmp_path,
     [warning] = [str(w.message) for w in caught if issubclass(w.category, AttnlabWarning)]
     assert f"{cpu.kernel_dir()} is a file, where the kernels folder goes: delete it" in warning, warning
     assert "make it writable" not in warning
+
+
+# ----------------------------------------------------------------------------- U8: $XDG_CACHE_HOME a dangling link
+
+
+def test_u8_a_dangling_link_at_xdg_cache_home_is_named_as_such(tmp_path, capsys, monkeypatch):
+    """Was: ".../xdg_dang/attnlab/prepared/<name>: a file stands where the prepared data's folder goes"."""
+    (tmp_path / "xdg_dang").symlink_to("/nonexistent/c")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg_dang"))
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN)
+    argv = ["run", str(manifest), "--out", str(tmp_path / "o"), "--no-progress"]
+    said = f"$XDG_CACHE_HOME {tmp_path / 'xdg_dang'} is a link to /nonexistent/c, which does not exist (mount it"
+    line = fails(capsys, argv, said, "or set XDG_CACHE_HOME to another folder")
+    assert fails(capsys, [*argv, "--dry-run"], said) == line and "a file stands" not in line
