@@ -243,3 +243,17 @@ def test_u8_a_dangling_link_at_xdg_cache_home_is_named_as_such(tmp_path, capsys,
     said = f"$XDG_CACHE_HOME {tmp_path / 'xdg_dang'} is a link to /nonexistent/c, which does not exist (mount it"
     line = fails(capsys, argv, said, "or set XDG_CACHE_HOME to another folder")
     assert fails(capsys, [*argv, "--dry-run"], said) == line and "a file stands" not in line
+
+
+# ----------------------------------------------------------------------------- U9: values with spaces at their ends
+
+
+def test_u9_a_data_folder_with_a_stray_space_is_shown_quoted(tmp_path, capsys, monkeypatch, data_dir):
+    """Was: "$ATTNLAB_DATA= /work/shared/data: no such folder" (the space easy to miss)."""
+    monkeypatch.setenv("ATTNLAB_DATA", f" {data_dir}")
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN)
+    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run"],
+          f"$ATTNLAB_DATA=' {data_dir}' (it starts with a space): no such folder")  # fmt: skip
+    monkeypatch.delenv("ATTNLAB_DATA")
+    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run", "--data-dir", f"{data_dir} "],
+          f"--data-dir '{data_dir} ' (it ends with a space): no such folder")  # fmt: skip
