@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -257,3 +258,40 @@ def test_u9_a_data_folder_with_a_stray_space_is_shown_quoted(tmp_path, capsys, m
     monkeypatch.delenv("ATTNLAB_DATA")
     fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run", "--data-dir", f"{data_dir} "],
           f"--data-dir '{data_dir} ' (it ends with a space): no such folder")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- U6: names of 230-255 bytes
+
+
+@pytest.mark.parametrize("length", [240, 255])
+def test_u6_export_takes_a_folder_name_the_file_system_allows(tiny_run, tmp_path, length):
+    """Was: "xeee…: file name too long: the whole path is 257 bytes, more than the system allows (4096 ...)": the
+    temporary folder beside it (about 26 bytes longer) passed 255 bytes."""
+    out = tmp_path / ("e" * length)
+    assert main(["export", str(tiny_run), "--hf", str(out)]) == 0
+    assert (out / "config.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
+def test_u6_a_name_over_255_bytes_is_refused_naming_the_part_not_the_whole_path(tiny_run, tmp_path, capsys):
+    out = tmp_path / ("e" * 256)
+    line = fails(capsys, ["export", str(tiny_run), "--hf", str(out)], "file name too long: a part of it is 256 bytes, "
+                 "more than the file system allows (255 bytes a part")  # fmt: skip
+    assert "whole path" not in line
+
+
+def test_u6_the_temporary_of_a_long_name_is_short_enough_and_its_own(tmp_path):
+    from attnlab.data.files import TEMPORARY, temp_path_beside, temporary_stem
+
+    for name in ("a" * 226, "a" * 255, "é" * 127, "a" * 240 + "x", "a" * 240 + "y"):
+        tmp = temp_path_beside(tmp_path / name)
+        assert len(os.fsencode(tmp.name)) <= 255 and TEMPORARY.fullmatch(tmp.name)["name"] == temporary_stem(name)
+    assert temporary_stem("a" * 226) == "a" * 226
+    assert temporary_stem("a" * 240 + "x") != temporary_stem("a" * 240 + "y")
+
+
+def test_u6_convert_takes_a_250_byte_out_name(tiny_run, tmp_path):
+    """Was: "could not write ceee…: its folder: File name too long; nothing was written" (after loading the model)."""
+    out = tmp_path / ("c" * 250)
+    argv = ["convert", str(tiny_run), "--attention", "kind=sliding,window=8", "--eval-tokens", "0", "--out", str(out)]
+    assert main(argv) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
