@@ -1,6 +1,10 @@
 """Probe AC's command-line findings (/work/probe_ac/REPORT.md): a dry run said "would train" with a bad
 $ATTNLAB_CPU_KERNELS that the run refused at its first step (AC6); report --paired printed nan rows from a record whose
-window_loss held NaN (AC5); --weights native on a run was refused in the Python API's words (U1); ..."""
+window_loss held NaN (AC5); and the UNCLEAR items: --weights native refused in the Python API's words (U1), a false
+"model must be a mapping" after a refused init_from (U3), bench's "no 'test' split here" (U4), the kernel cache's
+"make it writable" (U5), names of 227-255 bytes refused (U6), info reading a manifest as a model config (U7), a
+dangling $XDG_CACHE_HOME called "a file" (U8), values with stray spaces unquoted (U9), RUN/../seed1 "inside RUN"
+(U10)."""
 
 from __future__ import annotations
 
