@@ -511,9 +511,9 @@ def test_kernels_whose_cache_cannot_be_written_are_built_for_the_run_said_in_one
     finally:
         cpu.library.cache_clear()
     assert code == 0 and out.startswith("the cat")
-    assert err == (f"attnlab generate: warning: attnlab CPU kernels: cannot use the cache {tmp_path}/attnlab/kernels "
-                   "(Not a directory): built for this run only (make it writable, or set XDG_CACHE_HOME, to keep "
-                   "them)\n")  # fmt: skip
+    assert err == (f"attnlab generate: warning: attnlab CPU kernels: {tmp_path}/attnlab is a file, where a folder of "
+                   f"the kernels cache {tmp_path}/attnlab/kernels goes: delete it (or set XDG_CACHE_HOME to another "
+                   "cache); built for this run only\n")  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attnlab"]
 
 

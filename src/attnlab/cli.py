@@ -67,7 +67,7 @@ from attnlab.config_checks import MAX_INT
 from attnlab.config_io import load_config, other_config
 from attnlab.data.files import link_loop, special_file
 from attnlab.entry import Terminated, interrupted
-from attnlab.envcheck import thread_env_problem
+from attnlab.envcheck import kernels_env_problem, thread_env_problem
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval
 from attnlab.eval.harness import BENCHMARKS, benchmark_names, load_plan, parameters, run_plan
@@ -89,7 +89,7 @@ from attnlab.generate import generate, room_problem
 from attnlab.interop.convert import PAIR_RULES
 from attnlab.interop.references import checked_model_config
 from attnlab.interop.tokenizer import warn_unknown
-from attnlab.manifest import load_manifest
+from attnlab.manifest import file_kind, load_manifest
 from attnlab.model.qlinear import ACTIVATIONS
 from attnlab.paths import check_data_dirs
 from attnlab.runner import run_manifest
@@ -150,6 +150,12 @@ def cmd_info(args) -> int:
         raise ConfigError(LINK_LOOP, source=str(args.config))
     # A model config file, as `validate` reads one: YAML, or JSON (which YAML reads too); else a model reference.
     is_config = Path(args.config).suffix.lower() in CONFIG_SUFFIXES and not Path(args.config).is_dir()
+    kind = file_kind(args.config) if is_config and Path(args.config).is_file() else "model"
+    if kind != "model":  # (read as a model config, its keys were said to be unknown ones: `seeds`, n_heads?)
+        what = {"manifest": "a run manifest (it has targets:)", "bench": "a benchmark manifest (it has benchmarks:)",
+                "probes": "a probe suite (it has cases:)"}[kind]  # fmt: skip
+        raise InputError(f"{args.config}: is {what}: info takes a model config or a model reference (e.g. a run's "
+                         f"folder, a .gguf file); to check a manifest: attnlab validate {args.config}")  # fmt: skip
     cfg = config_file(args.config) if is_config else checked_model_config(args.config, args.data_dir)
     if args.memory is not None:
         cfg = with_memory_option(cfg, args.memory)
@@ -544,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if thread_env_problem():  # (libgomp read it already, at torch's import above: its own line came first)
                 raise InputError(thread_env_problem())
+            if kernels_env_problem():  # (read at a command's first kernel: a dry run, which builds none, would not)
+                raise InputError(kernels_env_problem())
             for dest in PATH_OPTIONS:  # an empty path ('' from an unset shell variable) names no file or folder
                 if getattr(args, dest, None) == "":
                     raise InputError(f"--{dest.replace('_', '-')} is empty: give a path")

@@ -181,6 +181,26 @@ def _shortened(path: Path, keep: int = 60) -> str:
     return text if len(text) <= 2 * keep else f"{text[:keep]}…{text[-keep:]}"
 
 
+def _name_limit(path: Path) -> str:
+    """Which limit `path` passes, with the file system's own figures (NAME_MAX bytes a part, PATH_MAX a path)."""
+    folder = next((p for p in Path(os.path.abspath(path)).parents if os.path.isdir(p)), Path("/"))
+    limits = []
+    for name, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", 4096)):
+        try:
+            limits.append(os.pathconf(folder, name))
+        except (OSError, ValueError):
+            limits.append(default)
+    longest = max(len(os.fsencode(part)) for part in path.parts)
+    whole = len(os.fsencode(os.path.abspath(path)))
+    if longest > limits[0]:
+        return (f"a part of it is {longest} bytes, more than the file system allows ({limits[0]} bytes a part); "
+                "give a shorter path")  # fmt: skip
+    if whole >= limits[1]:
+        return f"the whole path is {whole} bytes, more than the system allows ({limits[1]}); give a shorter path"
+    return (f"a name made there is too long for its file system (the path is {whole} bytes, its longest part "
+            f"{longest}); give a shorter name")  # fmt: skip
+
+
 def os_error_line(e: OSError, args) -> str | None:
     """One line for an error of the operating system the user can act on (see ANY_PATH, GIVEN_PATH), naming
     the path and what to do; None for any other (a bug: it keeps its traceback)."""
@@ -222,14 +242,7 @@ def os_error_line(e: OSError, args) -> str | None:
                     f"folder{hint})")  # fmt: skip
         return f"{path}: no such file or folder (check the path)"
     if code == errno.ENAMETOOLONG:
-        longest = max(len(os.fsencode(part)) for part in path.parts)
-        if longest > 255:  # NAME_MAX on common file systems
-            what = f"a part of it is {longest} bytes, more than the file system allows (usually 255 bytes a part"
-        else:  # PATH_MAX, counted from the working folder
-            what = (
-                f"the whole path is {len(os.fsencode(os.path.abspath(path)))} bytes, more than the system allows (4096"
-            )
-        return f"{_shortened(path)}: file name too long: {what}; give a shorter path)"
+        return f"{_shortened(path)}: file name too long: {_name_limit(path)}"
     if code == errno.ENOTDIR:
         return f"{path}: a part of this path is a file, not a folder (check the path)"
     if code == errno.EISDIR:

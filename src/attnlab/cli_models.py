@@ -18,7 +18,13 @@ from attnlab.cache.codecs import FORMATS, KVPolicy
 from attnlab.cli_errors import one_line
 from attnlab.config import DTYPE_BYTES, source_problem
 from attnlab.config_io import parse_yaml
-from attnlab.data.files import TEMPORARY, broken_link, read_only_file_system, remove_stale_temporaries
+from attnlab.data.files import (
+    TEMPORARY,
+    broken_link,
+    read_only_file_system,
+    remove_stale_temporaries,
+    temporary_stem,
+)
 from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, DataError, InputError
 from attnlab.eval import append_records, load_for_eval, make_record
@@ -334,7 +340,7 @@ def remove_killed_temporaries(out: Path, what: str) -> None:
     folder, whose process cannot be seen from here, is left alone)."""
     folder = out.parent  # where temp_path_beside(out) puts them
     try:
-        removed = remove_stale_temporaries(folder, names=re.escape(out.name), idle_seconds=0)
+        removed = remove_stale_temporaries(folder, names=re.escape(temporary_stem(out.name)), idle_seconds=0)
         removed += remove_stale_temporaries(folder)
     except PermissionError:  # a folder this user may write to but not list: nothing of theirs to clean
         return

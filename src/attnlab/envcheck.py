@@ -26,3 +26,18 @@ def thread_env_problem(environ: dict[str, str] | None = None) -> str | None:
         return None
     return (f"$OMP_NUM_THREADS={value!r} is not a number of threads: set it to a whole number >= 1 (e.g. "
             "OMP_NUM_THREADS=4), or unset it to use every core")  # fmt: skip
+
+
+KERNELS_OFF, KERNELS_ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
+def kernels_env_problem(environ: dict[str, str] | None = None) -> str | None:
+    """What is wrong with $ATTNLAB_CPU_KERNELS (None when it is unset, empty or one of KERNELS_OFF / KERNELS_ON, in
+    any case and with spaces around): one line naming the variable, its value and the values it takes. Every command
+    checks it at its start, so that a dry run refuses what its run would (the run reads it at the first kernel)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("ATTNLAB_CPU_KERNELS", "")
+    if not value.strip() or value.strip().lower() in KERNELS_OFF + KERNELS_ON:
+        return None
+    return (f"$ATTNLAB_CPU_KERNELS={value!r} is not one of {', '.join(KERNELS_OFF)} (kernels off) or "
+            f"{', '.join(KERNELS_ON)} (on, the default)")  # fmt: skip

@@ -80,6 +80,7 @@ from attnlab.errors import ConfigError
 from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import (
     conversion_options_problem,
+    init_from_hint,
     missing_model_problems,
     plain_name_problem,
     pretrained_model_problems,
@@ -451,7 +452,7 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data
                 f"{where}.phases must be a non-empty list (or leave it out: one phase), got {brief(phases)}"
             )
             continue
-        start_from, source = target.get("init_from"), None
+        start_from, source, refused = target.get("init_from"), None, False
         if isinstance(start_from, dict) or (isinstance(start_from, str) and start_from not in targets
                                             and (names_model(start_from) or start_from.startswith("."))):  # fmt: skip
             source, start_from = pretrained_source(start_from, f"{where}.init_from", problems), None
@@ -470,9 +471,9 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data
             earlier = ", ".join(map(str, order[: order.index(name_)])) or "none"
             problems.append(
                 f"{where}.init_from={start_from!r} must name an earlier target ({earlier}) or a model (a .gguf "
-                "file, a path with a /, hf:ORG/NAME)"
+                f"file, a path with a /, hf:ORG/NAME){init_from_hint(start_from, targets, data_dir)}"
             )
-            start_from = None
+            start_from, refused = None, True  # (its model section is then not said to be missing: it meant one)
         inherited = None  # the attention a continued conversion fixed, when this target does not repeat it
         if start_from is not None and sources.get(start_from) is not None:  # continues a pretrained model's target:
             source = sources[start_from]  # its `model` holds changes to that model's config too
@@ -529,6 +530,7 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data
             _resolve_sections(merged, phase_where if len(phases) > 1 else where, found, spec, source is not None,
                               (name_, from_defaults))  # fmt: skip
             undefined = undefined_keys(merged, variables)  # each said once (undefined variable), not again
+            found = [p for p in found if not (refused and p.endswith(": model must be a mapping"))]
             problems += [p for p in found if not any(f" {key}=" in p or f".{key}=" in p for key in undefined)
                          and p not in problems]  # fmt: skip
             if len(spec) == 3:

@@ -164,3 +164,19 @@ def missing_model_problems(problems: list[str], sources: dict, targets, data_dir
 
     kept = [problem for problem in problems if not presumes(problem)]
     return [*missing.values(), *kept]
+
+
+def init_from_hint(value: str, targets, data_dir) -> str:
+    """What a refused `init_from: value` (neither an earlier target nor a model reference) likely meant, as a
+    parenthesis for its line, or '': a target or model with a stray space around it, or a folder holding .gguf
+    files (a GGUF model is its file, not its folder)."""
+    stripped = value.strip()
+    if stripped and stripped != value and (stripped in targets or names_model(stripped)):
+        where = "ends" if value.lstrip() == value else "starts" if value.rstrip() == value else "starts and ends"
+        return f" (it {where} in a space: write {stripped!r})"
+    try:
+        folder = in_data_dirs(value, data_dir)
+        files = sorted(p.name for p in folder.glob("*.gguf")) if value and folder.is_dir() else []
+    except (DataError, OSError):
+        return ""
+    return f" ({value} is a folder holding {', '.join(files)}: name the file, {value}/{files[0]})" if files else ""

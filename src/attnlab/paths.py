@@ -45,13 +45,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnlab"
 
 
+def shown_value(value: str) -> str:
+    """`value` as a line shows it: as it is, or quoted (repr) when spaces at its ends or control characters would
+    hide in the line, saying where the spaces are ($ATTNLAB_DATA=' /data' (it starts with a space))."""
+    if value == value.strip() and value.isprintable() and value:
+        return value
+    ends = " and ".join(end for end, space in (("starts", value[:1].isspace()), ("ends", value[-1:].isspace()))
+                        if space)  # fmt: skip
+    return f"{value!r} (it {ends} with a space)" if ends else repr(value)
+
+
 def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
     """Candidate data directories, in lookup order: `data_dir` (--data-dir), $ATTNLAB_DATA, the user cache, each
     folder once (--data-dir the same as $ATTNLAB_DATA is searched, and listed in a refusal, once). DataError when one
     of the first two names a file."""
-    given = [(Path(data_dir), f"--data-dir {data_dir}")] if data_dir else []
+    given = [(Path(data_dir), f"--data-dir {shown_value(str(data_dir))}")] if data_dir else []
     if os.environ.get("ATTNLAB_DATA"):
-        given.append((Path(os.environ["ATTNLAB_DATA"]), f"$ATTNLAB_DATA={os.environ['ATTNLAB_DATA']}"))
+        given.append((Path(os.environ["ATTNLAB_DATA"]), f"$ATTNLAB_DATA={shown_value(os.environ['ATTNLAB_DATA'])}"))
     for path, what in given:
         if path.exists() and not path.is_dir():
             raise DataError(f"{what}: a file, not a folder (name the folder that holds the data files)")
@@ -66,11 +76,12 @@ def check_data_dirs(data_dir: str | Path | None = None) -> None:
     fall back to the user cache (or a download) without a word."""
     data_dirs(data_dir)
     if data_dir and not Path(data_dir).exists():
-        raise DataError(f"--data-dir {data_dir}: no such folder (name the folder that holds the data files)")
+        raise DataError(f"--data-dir {shown_value(str(data_dir))}: no such folder (name the folder that holds the data "
+                        "files)")  # fmt: skip
     env = os.environ.get("ATTNLAB_DATA")
     if env and not Path(env).exists():
-        raise DataError(f"$ATTNLAB_DATA={env}: no such folder (name the folder that holds the data files, or unset "
-                        "ATTNLAB_DATA)")  # fmt: skip
+        raise DataError(f"$ATTNLAB_DATA={shown_value(env)}: no such folder (name the folder that holds the data "
+                        "files, or unset ATTNLAB_DATA)")  # fmt: skip
 
 
 def in_data_dirs(path: str | Path, data_dir: str | Path | None = None) -> Path:
@@ -239,6 +250,16 @@ def cache_folder_problem(path: str | Path, flag: str = "--out") -> str | None:
             "which clearing the cache deletes: give a folder of your own")  # fmt: skip
 
 
+def as_reached(path: str | Path) -> Path:
+    """`path` made absolute, and with its '..' parts taken as the system takes them (RUN/../seed1 is not inside
+    RUN): resolved when it holds any, else as given (a link's own place, not its target's)."""
+    absolute = Path(path).absolute()
+    try:
+        return absolute.resolve() if ".." in absolute.parts else absolute
+    except (OSError, RuntimeError):  # a link loop (RuntimeError before Python 3.13): named by the checks after
+        return absolute
+
+
 def run_folder_problem(path: str | Path, why: str, flag: str = "--out") -> str | None:
     """The line refusing `path` (given as `flag`) when it is inside attnlab's cache (cache_folder_problem), or a
     run's folder or inside one, where another command's output would be mixed with the run's own files (`why` says
@@ -247,7 +268,7 @@ def run_folder_problem(path: str | Path, why: str, flag: str = "--out") -> str |
     problem = cache_folder_problem(path, flag)
     if problem:
         return problem
-    absolute = Path(path).absolute()
+    absolute = as_reached(path)
     for folder in (absolute, *absolute.parents):
         if is_run_folder(folder):
             shown = folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder

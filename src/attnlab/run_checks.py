@@ -27,7 +27,7 @@ from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.interop.convert import LOW_RANK
 from attnlab.jsonio import loads_json
 from attnlab.manifest import Manifest, RunSpec
-from attnlab.paths import cache_folder_problem, inside
+from attnlab.paths import as_reached, cache_folder_problem, inside
 from attnlab.retrofit import changes, check_pretrained, first_phases
 from attnlab.train.distributed import dist_env
 from attnlab.train.loop import check_training_data, vocab_problem
@@ -200,7 +200,7 @@ def manifest_folder_problem(out_root: str | Path) -> str | None:
     """The line refusing an --out that is (or is inside) the folder of a manifest's runs, OUT/<manifest> (it holds
     the manifest.json `attnlab run` writes there), before anything is written: the runs would go into a second
     manifest folder nested inside the first, and `compare` of it would show both."""
-    absolute = Path(out_root).absolute()
+    absolute = as_reached(out_root)
     for folder in (absolute, *absolute.parents):
         name = _manifest_named(folder)
         if name is None:

@@ -32,7 +32,21 @@ def temp_path_beside(path: Path) -> Path:
     the file gets the usual permissions when written. Unique per process and call: concurrent writers of
     the same file never share a temporary."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    return path.parent / f".{temporary_stem(path.name)}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+
+
+NAME_ROOM = 255 - 29  # NAME_MAX less a temporary's own bytes: ".", ".<pid, up to 10 digits>.<12 hex>.tmp"
+
+
+def temporary_stem(name: str) -> str:
+    """`name` as its temporaries (temp_path_beside) carry it: as it is, or, when a temporary's name would pass the
+    255 bytes a file system takes in one name (a name the user may give: 227 to 255 bytes), its first bytes, `~` and
+    a hash of the whole name (the same for every temporary of one name, and its own)."""
+    raw = os.fsencode(name)
+    if len(raw) <= NAME_ROOM:
+        return name
+    head = raw[: NAME_ROOM - 13].decode("utf-8", "ignore")  # (a character cut in two is left out)
+    return f"{head}~{hashlib.sha256(raw).hexdigest()[:12]}"
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -489,7 +490,14 @@ def folder_problem(folder: Path) -> str | None:
     parents goes (XDG_CACHE_HOME naming a file, say), checked before anything is prepared (run --dry-run too)."""
     for path in (folder, *folder.parents):
         if path.exists() or path.is_symlink():
-            return None if path.is_dir() else FILE_IN_THE_WAY.format(folder=folder)
+            if path.is_dir():
+                return None
+            if not path.is_symlink() or path.exists():
+                return FILE_IN_THE_WAY.format(folder=folder)
+            given = os.environ.get("XDG_CACHE_HOME")  # a dangling link: named itself, not the folder three down
+            named = f"$XDG_CACHE_HOME {path}" if given and Path(given).absolute() == path.absolute() else str(path)
+            return (f"{named} is a link to {os.readlink(path)}, which does not exist (mount it, or set "
+                    "XDG_CACHE_HOME to another folder)")  # fmt: skip
     return None
 
 

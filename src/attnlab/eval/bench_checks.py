@@ -14,10 +14,12 @@ from typing import Any
 
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import FLOAT_FORMATS
+from attnlab.eval.kvquant import split_problem
 from attnlab.paths import brief
 from attnlab.train.budget import _size, machine_memory
 
 MIN_PERPLEXITY_TOKENS = 2  # a bootstrap interval over windows needs two windows at least
+DEFAULT_SPLITS = {"perplexity": "test", "kv_quant": "test"}  # benchmarks scoring a `dataset`'s split, by default
 
 
 def parameter_problems(name: str, params: dict, where: str = "benchmarks") -> list[str]:
@@ -50,6 +52,12 @@ def parameter_problems(name: str, params: dict, where: str = "benchmarks") -> li
             problems.append(f"{where}.perplexity.max_tokens={max_tokens} is too few for an interval: the bootstrap "
                             f"over windows needs two windows, {MIN_PERPLEXITY_TOKENS} tokens at the least (give more, "
                             "or leave max_tokens out for the whole split)")  # fmt: skip
+    split = params.get("split", DEFAULT_SPLITS.get(name))
+    if name in DEFAULT_SPLITS and isinstance(params.get("dataset"), str) and isinstance(split, str):
+        problem = split_problem(params["dataset"], split)  # (said after loading the model, without the setting)
+        if problem:
+            default = "" if "split" in params else " (the default)"
+            problems.append(f"{where}.{name}.split={split}{default}: {problem}: set {name}.split: val (or train)")
     return problems
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from attnlab.config import ModelConfig
 from attnlab.errors import InputError
-from attnlab.interop.references import load_reference
+from attnlab.interop.references import load_reference, resolve
 from attnlab.model.qlinear import FORMATS, quantize_weights, set_activations
 
 # What `weights` may be: fp32 (every format dequantized, the default), native (a GGUF file's own formats kept), or a
@@ -47,6 +47,13 @@ def load_for_eval(path: str | Path, data_dir: str | None = None, tag: str = "bes
     and embedding quantized after loading). activations: fp32, or q8 (attnlab.set_activations: llama.cpp's 8-bit
     activations for the quantized layers; not exact)."""
     check_weights_choice(weights)
+    if weights == "native":  # (said in the command's flags: load_reference says it in the Python API's words)
+        kind = resolve(path, data_dir)[0]
+        if kind != "gguf":
+            what = {"run": "an attnlab run or checkpoint", "hf": "a Hugging Face folder", "hub": "a Hub model"}[kind]
+            raise InputError(f"--weights native keeps a GGUF file's own quantized matrices; {path} is {what}: give "
+                             f"--weights {', '.join(FORMATS[:-1])} or {FORMATS[-1]} to quantize it after loading, "
+                             "or leave --weights out")  # fmt: skip
     loaded = load_reference(path, data_dir=data_dir, tag=tag, weights="native" if weights == "native" else "fp32")
     model = loaded.model if device is None else loaded.model.to(device)
     if weights in FORMATS:

@@ -577,6 +577,12 @@ def record_problem(record: dict) -> str | None:
     if isinstance(losses, list) and isinstance(counts, list) and (len(losses) != len(counts) or not losses):
         return (f"field 'window_loss' has {len(losses)} entries and 'window_tokens' {len(counts)}: one of each per "
                 "window, at least one")  # fmt: skip
+    if isinstance(losses, list) and _finite(record.get("loss")):  # (the loss is the windows' mean: NaN with NaN)
+        window = next((i for i, v in enumerate(losses) if _number(v) and not math.isfinite(v)), None)
+        if window is not None:
+            return (f"field 'window_loss' holds {_shown(losses[window])} at window {window}, which is impossible "
+                    f"beside 'loss' {_shown(record['loss'])} (the loss is the windows' mean: a finite loss has "
+                    "finite windows)")  # fmt: skip
     if record["benchmark"] == "stream_loss" and record.get("bucket_loss") and ok:
         lengths = {f: len(record.get(f) or []) for f in ("positions", "bucket_loss", "bucket_ci")}
         if len(set(lengths.values())) > 1 or not _number(record.get("bucket")):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import hashlib
 import os
@@ -30,6 +31,7 @@ import torch
 
 from attnlab import quant
 from attnlab.data.files import atomic_write_text
+from attnlab.envcheck import KERNELS_OFF, KERNELS_ON, kernels_env_problem
 from attnlab.errors import AttnlabWarning, ConfigError
 from attnlab.paths import cache_dir
 
@@ -156,6 +158,37 @@ def _intact(library: Path, checksum: Path) -> bool:
         return False
 
 
+def _loaded_from_cache(builder: Callable[..., Path], load: Callable[[Path], object]):
+    """The cache's library, loaded; one that does not load though its checksum matches (rewritten with it: a cache
+    restored from elsewhere) is deleted and built again in place, once, as one with a wrong checksum is."""
+    library = builder(None)
+    try:
+        return load(library)
+    except OSError:
+        if not library.is_file():
+            raise
+    for stale in (library, library.with_name(library.name + ".sha256")):
+        stale.unlink(missing_ok=True)
+    return load(builder(None))
+
+
+def _cache_problem(err: OSError) -> str:
+    """The warning's line when the cache folder could not be used (the kernels were built for this run only): what
+    stands in the way, and what to do about it."""
+    folder = kernel_dir()
+    blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:  # (a dangling link too: exists() follows it, is_symlink() does not)
+        what = "the kernels folder" if blocked == folder else f"a folder of the kernels cache {folder}"
+        return (f"{blocked} is a file, where {what} goes: delete it (or set XDG_CACHE_HOME to another cache); built "
+                "for this run only")  # fmt: skip
+    where = f"{err.filename}: " if err.filename and Path(err.filename) != folder else ""  # a path in it
+    if isinstance(err, PermissionError) or err.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+        fix = "make it writable, or set XDG_CACHE_HOME, to keep them"
+    else:  # (a library that did not load even when built again)
+        fix = f"delete {err.filename or folder} to build it again, or set XDG_CACHE_HOME to another cache"
+    return f"cannot use the cache {folder} ({where}{err.strerror or err}): built for this run only ({fix})"
+
+
 def compiled(source: Path, load: Callable[[Path], object], builder: Callable[..., Path] | None = None):
     """`source` built (by `builder(folder or None)`, default `build`) and loaded by `load` (which declares its
     functions), or None: turned off, no compiler, or the build failed (warned). When the cache folder cannot be
@@ -165,30 +198,27 @@ def compiled(source: Path, load: Callable[[Path], object], builder: Callable[...
     builder = builder or functools.partial(build, source=source)
     try:
         try:
-            return load(builder(None))
+            return _loaded_from_cache(builder, load)
         except OSError as err:
             with tempfile.TemporaryDirectory(prefix="attnlab-kernels-") as folder:
                 lib = load(builder(Path(folder)))  # the loaded library outlives its file
-            where = f"{err.filename}: " if err.filename and Path(err.filename) != kernel_dir() else ""  # in it
-            warnings.warn(f"attnlab CPU kernels: cannot use the cache {kernel_dir()} ({where}{err.strerror or err}): "
-                          "built for this run only (make it writable, or set XDG_CACHE_HOME, to keep them)",
-                          AttnlabWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(f"attnlab CPU kernels: {_cache_problem(err)}", AttnlabWarning, stacklevel=3)
             return lib
     except (OSError, RuntimeError) as err:
         warnings.warn(f"attnlab CPU kernels unavailable, using the PyTorch path: {err}", AttnlabWarning, stacklevel=3)
         return None
 
 
-OFF, ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+OFF, ON = KERNELS_OFF, KERNELS_ON
 
 
 def turned_off() -> bool:
     """Whether ATTNLAB_CPU_KERNELS turns the kernels off (0, false, no, off; unset, empty or 1, true, yes, on: on).
     ConfigError for any other value (a typo would otherwise silently mean "on")."""
+    problem = kernels_env_problem()
+    if problem:
+        raise ConfigError(problem)
     value = os.environ.get("ATTNLAB_CPU_KERNELS", "").strip().lower()
-    if value and value not in OFF + ON:
-        raise ConfigError(f"$ATTNLAB_CPU_KERNELS={os.environ['ATTNLAB_CPU_KERNELS']!r} is not one of "
-                          f"{', '.join(OFF)} (kernels off) or {', '.join(ON)} (on, the default)")  # fmt: skip
     return value in OFF
 
 
