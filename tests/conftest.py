@@ -17,16 +17,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # The shared data directory beside the checkout (as on the project's machines and CI), unless
 # ATTNLAB_DATA points elsewhere. Tests that need a data file skip when it is nowhere.
 SIBLING_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"  # the real pretrained model in the data directory
-
-
-def smollm_file() -> Path:
-    """The SmolLM2-135M GGUF in the data directory (ATTNLAB_DATA or the sibling shared/data); skips the test when it
-    is not there."""
-    path = Path(os.environ.get("ATTNLAB_DATA", SIBLING_DATA)) / SMOLLM
-    if not path.is_file():
-        pytest.skip(f"{path} not found (set ATTNLAB_DATA)")
-    return path
 
 
 @pytest.fixture

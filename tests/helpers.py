@@ -1,6 +1,7 @@
 """Helpers shared by test modules (import as `from helpers import ...`; tests/ is on sys.path)."""
 
 import contextlib
+import os
 import random
 import signal
 from pathlib import Path
@@ -296,3 +297,16 @@ def edit_trainer(folder: Path, edit) -> None:
     data = (folder / "trainer.json").read_bytes()
     checksums["files"]["trainer.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (folder / "checksums.json").write_text(json.dumps(checksums, indent=1))
+
+
+SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"  # the real pretrained model in the data directory
+
+
+def smollm_file() -> Path:
+    """The SmolLM2-135M GGUF in the data directory (ATTNLAB_DATA, else shared/data beside the checkout, as
+    conftest.SIBLING_DATA); skips the test when it is not there. (Here, not in conftest: tests/data has a conftest
+    of its own, and `from conftest import` may get that one.)"""
+    path = Path(os.environ.get("ATTNLAB_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")) / SMOLLM
+    if not path.is_file():
+        pytest.skip(f"{path} not found (set ATTNLAB_DATA)")
+    return path

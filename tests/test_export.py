@@ -9,8 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import smollm_file
-from helpers import TINY, tiny_model, train_tiny_run
+from helpers import TINY, smollm_file, tiny_model, train_tiny_run
 from safetensors import safe_open
 
 import attnlab

@@ -28,8 +28,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import smollm_file
-from helpers import tiny_model
+from helpers import smollm_file, tiny_model
 
 import attnlab
 from attnlab.errors import InputError

@@ -14,8 +14,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import smollm_file
-from helpers import tiny_model
+from helpers import smollm_file, tiny_model
 from test_fused_decode import (
     FLIP_BOUND,
     SMOLLM_BOUND,

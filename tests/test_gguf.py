@@ -9,7 +9,7 @@ import lzma
 import numpy as np
 import pytest
 import torch
-from conftest import smollm_file
+from helpers import smollm_file
 
 import attnlab
 from attnlab.interop import open_gguf, tokenizer_from_gguf

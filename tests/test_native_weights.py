@@ -4,8 +4,7 @@ and on the real SmolLM2-135M file (slow)."""
 
 import pytest
 import torch
-from conftest import smollm_file
-from helpers import gguf_name, tiny_model
+from helpers import gguf_name, smollm_file, tiny_model
 
 import attnlab
 from attnlab.errors import InputError

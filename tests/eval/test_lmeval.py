@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import smollm_file
-from helpers import tiny_model
+from helpers import smollm_file, tiny_model
 
 from attnlab.data.tokenizers import ByteTokenizer
 from attnlab.errors import ConfigError, DataError, InputError
