@@ -28,6 +28,17 @@ def data_dir():
 
 
 @pytest.fixture(scope="module")
+def smollm_q8():
+    """(SmolLM2-135M with its own weights and 8-bit activations, its tokenizer), once per module that asks; skips
+    where the file is not (the fused decode tests)."""
+    import attnlab
+    from attnlab.model.qlinear import set_activations
+
+    _, model, tokenizer = attnlab.load_model(smollm_file(), weights="native")
+    return set_activations(model, "q8"), tokenizer
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): a tiny model's
     matmuls gain nothing from extra threads and, on a busy machine, make a file up to 5x slower."""
@@ -39,7 +50,7 @@ def one_thread():
 
 # The probes' shared fixtures (tests/test_bad_inputs_probe_*.py): a module opts in with
 # `pytestmark = pytest.mark.usefixtures("one_thread", "offline")` or ("one_thread", "own_cache").
-from helpers import PROBE_MODEL  # noqa: E402  (the probes' tiny model, for the fixtures below)
+from helpers import PROBE_MODEL, smollm_file  # noqa: E402  (the probes' tiny model, the real model's path)
 
 PROCESS_VARIABLES = (
     "WORLD_SIZE",

@@ -82,7 +82,7 @@ def test_ac1_layers_of_several_formats_are_counted_per_format():
 def test_ac2_a_tag_other_than_best_or_last_is_refused_naming_the_checkpoint_folders(tiny_run, tag):
     """Was: every one loaded the run's last checkpoint, without a word."""
     step = sorted((tiny_run / "checkpoints").glob("step-*"))[-1]
-    refused(lambda: attnlab.load_model(tiny_run, tag=tag), f"tag={tag!r} is not 'best' or 'last'",
+    assert refused(lambda: attnlab.load_model(tiny_run, tag=tag), f"tag={tag!r} is not 'best' or 'last'",
             f"give its folder, e.g. {step}")  # fmt: skip
 
 
@@ -93,7 +93,7 @@ def test_ac2_best_last_and_a_step_folder_still_load(tiny_run):
 
 
 def test_ac2_a_tag_that_is_no_string_is_refused(tiny_run):
-    refused(lambda: attnlab.load_model(tiny_run, tag=4), "tag=4 is not 'best' or 'last'")
+    assert refused(lambda: attnlab.load_model(tiny_run, tag=4), "tag=4 is not 'best' or 'last'")
 
 
 # ----------------------------------------------------------------------- AC3: generate's prompt values
@@ -111,7 +111,7 @@ def model():
 )  # fmt: skip
 def test_ac3_a_prompt_of_floats_or_bools_is_refused_as_a_float_tensor_is(model, prompt, shown):
     """Was: the list's floats truncated to ids (1.7 -> 1), and bools read as ids 1 and 0."""
-    refused(lambda: attnlab.generate(model, prompt, 3), "prompt", shown,
+    assert refused(lambda: attnlab.generate(model, prompt, 3), "prompt", shown,
             "give token ids (an integer tensor or a list of ints)")  # fmt: skip
 
 
@@ -136,7 +136,7 @@ def test_ac3_integer_prompts_still_go_through(model):
 )  # fmt: skip
 def test_ac4_a_dtype_that_is_no_floating_torch_dtype_is_one_input_error(tiny_run, dtype, fragments):
     """Was: RuntimeError "Invalid device string: 'float16'" and nn.Module.to's TypeError for torch.int8."""
-    refused(lambda: attnlab.load_model(tiny_run, dtype=dtype), *fragments)
+    assert refused(lambda: attnlab.load_model(tiny_run, dtype=dtype), *fragments)
 
 
 def test_ac4_floating_dtypes_still_load(tiny_run):
@@ -162,5 +162,5 @@ def test_ac4_a_ragged_batch_or_text_prompt_is_one_input_error(model, prompt, fra
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "fp16"])
 def test_u2_a_quantized_format_as_weights_says_how_to_get_it(tiny_run, fmt):
-    refused(lambda: attnlab.load_model(tiny_run, weights=fmt), f"weights={fmt!r} is not a choice",
+    assert refused(lambda: attnlab.load_model(tiny_run, weights=fmt), f"weights={fmt!r} is not a choice",
             f"attnlab.quantize_weights(model, {fmt!r})")  # fmt: skip

@@ -257,11 +257,11 @@ def test_u9_a_data_folder_with_a_stray_space_is_shown_quoted(tmp_path, capsys, m
     """Was: "$ATTNLAB_DATA= /work/shared/data: no such folder" (the space easy to miss)."""
     monkeypatch.setenv("ATTNLAB_DATA", f" {data_dir}")
     manifest = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN)
-    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run"],
-          f"$ATTNLAB_DATA=' {data_dir}' (it starts with a space): no such folder")  # fmt: skip
+    assert fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run"],
+                 f"$ATTNLAB_DATA=' {data_dir}' (it starts with a space): no such folder")  # fmt: skip
     monkeypatch.delenv("ATTNLAB_DATA")
-    fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run", "--data-dir", f"{data_dir} "],
-          f"--data-dir '{data_dir} ' (it ends with a space): no such folder")  # fmt: skip
+    assert fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run", "--data-dir",
+                  f"{data_dir} "], f"--data-dir '{data_dir} ' (it ends with a space): no such folder")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- U6: names of 230-255 bytes

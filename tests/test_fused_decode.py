@@ -31,6 +31,7 @@ import torch
 from helpers import smollm_file, tiny_model
 
 import attnlab
+from attnlab.cache.quantized import QuantizedCache
 from attnlab.errors import InputError
 from attnlab.generate import prefill_last, static_decode_step
 from attnlab.kernels import cpu
@@ -78,9 +79,11 @@ def quantized_tiny(attention, fmt, **config):
     return set_activations(quantize_weights(model, fmt), "q8")
 
 
-def two_caches(model, prompt, max_len):
-    """Two fresh caches holding `prompt`, prefilled as generate does; the prompt's last logits."""
-    caches = [model.new_cache(1, max_len) for _ in range(2)]
+def two_caches(model, prompt, max_len, policy=None):
+    """Two fresh caches holding `prompt` (with KV `policy`: quantized caches, checked), prefilled as generate does;
+    the prompt's last logits."""
+    caches = [model.new_cache(1, max_len, **({"policy": policy} if policy else {})) for _ in range(2)]
+    assert policy is None or all(type(layer) is QuantizedCache for cache in caches for layer in cache.layers)
     with torch.no_grad():
         logits = [prefill_last(model, prompt, cache) for cache in caches]
     assert torch.equal(*logits)
@@ -288,16 +291,9 @@ def test_a_cache_filled_out_of_order_or_full_is_refused():
             step(token)
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    path = smollm_file()
-    _, model, tokenizer = attnlab.load_model(path, weights="native")
-    return set_activations(model, "q8"), tokenizer
-
-
 @pytest.mark.slow
-def test_smollm_fused_steps_give_the_eager_steps_logits_and_cache_rows_within_the_q8_bound(smollm):
-    model, tokenizer = smollm
+def test_smollm_fused_steps_give_the_eager_steps_logits_and_cache_rows_within_the_q8_bound(smollm_q8):
+    model, tokenizer = smollm_q8
     assert fused_model.model_problem(model) is None
     prompt = torch.tensor([tokenizer.encode("The capital of France is Paris, and the capital of Italy is")])
     errors = lockstep(model, prompt, steps=40, same_argmax=False)
@@ -307,11 +303,11 @@ def test_smollm_fused_steps_give_the_eager_steps_logits_and_cache_rows_within_th
     assert sum(max(e[:2]) <= TINY_BOUND for e in errors) >= 3, errors
 
 
-def free_running(model, prompt, steps):
-    """Greedy decoding from `prompt` (1, T) by the eager static step and by the fused step, each on its own tokens
-    and cache, up to `steps` tokens or the first step where they choose differently: (eager tokens, fused tokens,
-    that step's eager logits (1, V) or None)."""
-    (eager, mine), logits = two_caches(model, prompt, prompt.shape[1] + steps)
+def free_running(model, prompt, steps, policy=None):
+    """Greedy decoding from `prompt` (1, T) by the eager static step and by the fused step (over caches of KV
+    `policy`), each on its own tokens and cache, up to `steps` tokens or the first step where they choose
+    differently: (eager tokens, fused tokens, that step's eager logits (1, V) or None)."""
+    (eager, mine), logits = two_caches(model, prompt, prompt.shape[1] + steps, policy)
     eager.set_static(True)
     step = FusedDecode(model, mine)
     want = got = logits.argmax(-1, keepdim=True)
@@ -320,6 +316,7 @@ def free_running(model, prompt, steps):
         for _ in range(steps - 1):
             logits, want = static_decode_step(model, want, positions, eager.layers)
             positions += 1
+            eager.seen += 1
             _, got = step(got)
             tokens[0].append(want.item()), tokens[1].append(got.item())
             if want.item() != got.item():
@@ -328,13 +325,13 @@ def free_running(model, prompt, steps):
 
 
 @pytest.mark.slow
-def test_smollm_fused_greedy_tokens_leave_the_eager_steps_only_at_near_ties(smollm, monkeypatch):
+def test_smollm_fused_greedy_tokens_leave_the_eager_steps_only_at_near_ties(smollm_q8, monkeypatch):
     """64 greedy tokens per prompt. With 8-bit activations this model meets a near tie (its two best logits within
     1% of the largest) every 10-60 tokens, where any change of float order may choose the other token: the compiled
     step left the eager step's tokens after 34-55 tokens on these prompts, the fused step after 3-57, each time at a
     tie closer than 0.6% (measured when this was written), though its logits differ by up to 3% elsewhere. So: the
     same tokens up to the first such tie, and generate's fused tokens are the fused step's."""
-    model, tokenizer = smollm
+    model, tokenizer = smollm_q8
     texts = ["Write a short story about a robot who learns to paint.", "List three uses of a paperclip:",
              "def fibonacci(n):"]  # fmt: skip
     for text in texts:

@@ -14,24 +14,24 @@ import importlib
 
 import pytest
 import torch
-from helpers import smollm_file, tiny_model
+from helpers import tiny_model
 from test_fused_decode import (
     FLIP_BOUND,
     SMOLLM_BOUND,
     SMOLLM_TIE,
     TIE,
     TINY_BOUND,
+    free_running,
     quantized_tiny,
     relative_error,
     ties_watched,
+    two_caches,
 )
 
 import attnlab
-from attnlab.cache.quantized import QuantizedCache
-from attnlab.generate import prefill_last, static_decode_step
+from attnlab.generate import static_decode_step
 from attnlab.kernels.cpu import fused as fused_kernel
 from attnlab.model.fused import FusedDecode, fused_problem
-from attnlab.model.qlinear import set_activations
 
 generate_module = importlib.import_module("attnlab.generate")
 pytestmark = [
@@ -66,15 +66,6 @@ def build(name):
     if fmt == "fp32":
         return tiny_model(attention, seed=0, perturb=True, init_std=0.3, max_seq_len=128, **config)
     return quantized_tiny(attention, fmt, **config)
-
-
-def two_caches(model, prompt, max_len, policy):
-    caches = [model.new_cache(1, max_len, policy=policy) for _ in range(2)]
-    assert all(type(layer) is QuantizedCache for cache in caches for layer in cache.layers)
-    with torch.no_grad():
-        logits = [prefill_last(model, prompt, cache) for cache in caches]
-    assert torch.equal(*logits)
-    return caches, logits[0]
 
 
 def copy_state(source, dest):
@@ -179,20 +170,13 @@ def test_kivi_and_batched_quantized_caches_keep_the_old_path():
     assert "batch 1" in fused_problem(model, model.new_cache(2, 32, policy="k=q8_0,v=q8_0"))
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    path = smollm_file()
-    _, model, tokenizer = attnlab.load_model(path, weights="native")
-    return set_activations(model, "q8"), tokenizer
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["k=q8_0,v=q8_0,resid=16", "k=q4_0,v=q4_0"])
-def test_smollm_fused_steps_over_a_quantized_cache_within_the_q8_bound(smollm, policy):
+def test_smollm_fused_steps_over_a_quantized_cache_within_the_q8_bound(smollm_q8, policy):
     """SmolLM2's own weights, 64 steps each from the eager step's state: the stored bytes of the tokens leaving the
     window equal (compare_state), the logits within SMOLLM_BOUND, and the fused step's argmax the eager step's or
     within SMOLLM_TIE of it."""
-    model, tokenizer = smollm
+    model, tokenizer = smollm_q8
     prompt = torch.tensor([tokenizer.encode("The capital of France is Paris, and the capital of Italy is")])
     errors = lockstep(model, prompt, steps=64, policy=policy, same_argmax=False)
     worst = max(e[0] for e in errors)
@@ -201,33 +185,12 @@ def test_smollm_fused_steps_over_a_quantized_cache_within_the_q8_bound(smollm, p
     assert max(e[4] for e in errors) <= SMOLLM_TIE, errors
 
 
-def free_running(model, prompt, steps, policy):
-    """Greedy decoding from `prompt` (1, T) by the eager static step and by the fused step over quantized caches, each
-    on its own tokens and cache, up to `steps` tokens or the first step where they choose differently: (eager
-    tokens, fused tokens, that step's eager logits (1, V) or None)."""
-    (eager, mine), logits = two_caches(model, prompt, prompt.shape[1] + steps, policy)
-    eager.set_static(True)
-    step = FusedDecode(model, mine)
-    want = got = logits.argmax(-1, keepdim=True)
-    positions, tokens = torch.tensor([eager.seen]), ([want.item()], [got.item()])
-    with torch.no_grad():
-        for _ in range(steps - 1):
-            logits, want = static_decode_step(model, want, positions, eager.layers)
-            positions += 1
-            eager.seen += 1
-            _, got = step(got)
-            tokens[0].append(want.item()), tokens[1].append(got.item())
-            if want.item() != got.item():
-                return *tokens, logits
-    return *tokens, None
-
-
 @pytest.mark.slow
-def test_smollm_fused_greedy_tokens_over_a_quantized_cache_leave_the_eager_ones_only_at_near_ties(smollm):
+def test_smollm_fused_greedy_tokens_over_a_quantized_cache_leave_the_eager_ones_only_at_near_ties(smollm_q8):
     """72 greedy tokens per prompt over a q8_0 K / q4_0 V cache (every token stored at once): the same tokens up to
     the first step where the eager step's two best logits lie within SMOLLM_TIE (where either may be chosen, as
     test_fused_decode says), and generate's fused tokens are the fused step's."""
-    model, tokenizer = smollm
+    model, tokenizer = smollm_q8
     policy = "k=q8_0,v=q4_0"
     texts = ["Write a short story about a robot who learns to paint.", "List three uses of a paperclip:",
              "def fibonacci(n):"]  # fmt: skip
