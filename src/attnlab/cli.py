@@ -106,12 +106,14 @@ def cmd_list(args) -> int:
 
 def cmd_run(args) -> int:
     manifest = load_manifest(args.manifest, args.set, args.data_dir)
+    table = Path(args.out) / manifest.name / "compare.md"
+    kept = table.read_bytes() if table.is_file() else None  # with no record: accepted by run_manifest, or refused
     run_manifest(
         manifest, args.out, targets=args.target, seeds=args.seed, data_dir=args.data_dir, dry_run=args.dry_run,
         resume=not args.no_resume, progress=not args.no_progress, convert_only=args.convert_only,
     )  # fmt: skip
     if not args.dry_run and not args.convert_only and os.environ.get("RANK", "0") == "0":  # rank 0 reports
-        result = compare(Path(args.out) / manifest.name)
+        result = compare(Path(args.out) / manifest.name, kept=kept)
         print("\n" + result["text"])
         print(f"table: {result['markdown']}  csv: {result['csv']}  plot: {result['plot']}")
     return 0

@@ -247,9 +247,12 @@ def to_csv(rows: list[dict]) -> str:
     return out.getvalue()
 
 
-def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: str | None = None) -> dict:
+def compare(
+    runs_dir: str | Path, out_dir: str | Path | None = None, baseline: str | None = None, kept: bytes | None = None
+) -> dict:
     """Writes compare.md, compare.csv and val_loss.png into out_dir (default runs_dir), all three or none; returns
-    paths + text. A run's folder (or a folder inside one) is refused as out_dir: the run's files are training's."""
+    paths + text. A run's folder (or a folder inside one) is refused as out_dir: the run's files are training's.
+    kept: a compare.md with no record that `attnlab run` accepted before it trained (check_outputs)."""
 
     runs = collect_runs(runs_dir)
     rows = compare_table(runs, baseline)
@@ -259,7 +262,7 @@ def compare(runs_dir: str | Path, out_dir: str | Path | None = None, baseline: s
     out_dir = Path(out_dir or runs_dir)
     paths = {"markdown": out_dir / "compare.md", "csv": out_dir / "compare.csv", "plot": out_dir / "val_loss.png"}
     markdown = to_markdown(rows, notes)
-    check_outputs(paths.values(), markdown)  # nothing written while one of them is the user's own
+    check_outputs(paths.values(), markdown, kept)  # nothing written while one of them is the user's own
     with outputs_together(out_dir, "compare") as stage:  # the three written, then renamed: together or not at all
         atomic_write_text(stage / "compare.csv", to_csv(rows))
         try:
@@ -314,11 +317,12 @@ OWN_START = {"compare.md": b"| target | seeds | params |", "compare.csv": b"targ
              "val_loss.png": b"\x89PNG"}  # fmt: skip
 
 
-def check_outputs(paths, new_markdown: str | None = None) -> None:
+def check_outputs(paths, new_markdown: str | None = None, kept: bytes | None = None) -> None:
     """Refuses (InputError, naming it) a folder or other non-file where compare writes a file, a file there that
     compare did not write (the user's own compare.md is never replaced), and one of compare's own changed since it
     wrote it (a note added to compare.md: its last line records what it wrote, output_record); a compare.md without
-    that line only when it is not `new_markdown` (None: not known yet, accepted)."""
+    that line only when it is not `new_markdown` (None: not known yet, accepted) nor `kept` (the bytes of one that
+    `attnlab run` accepted before it trained, as what compare would write then: the run's result replaces it)."""
     paths = list(paths)
     for path in paths:
         if path.exists() and not path.is_file():
@@ -332,6 +336,6 @@ def check_outputs(paths, new_markdown: str | None = None) -> None:
                 raise InputError(f"{path}: not a file attnlab compare wrote (it would be replaced): move it away, "
                                  "or give another --out")  # fmt: skip
     for folder in dict.fromkeys(path.parent for path in paths):
-        line = changed_output(folder, "compare", "compare.md", ("compare.csv", "val_loss.png"), new_markdown)
+        line = changed_output(folder, "compare", "compare.md", ("compare.csv", "val_loss.png"), new_markdown, kept=kept)
         if line:
             raise InputError(line)

@@ -51,12 +51,14 @@ def changed_output(
     names,
     new_markdown: str | None,
     fix: str = "move it away, or give another --out",
+    kept: bytes | None = None,
 ) -> str | None:
     """The one line saying which of the command's own files in `folder` changed since it wrote them (None when
     none did): `markdown_name` by its record's sum of its text, each of `names` (the files it writes now, relative to
     `folder`) by the record's sum of it. A `markdown_name` with no record (the user removed the line, or an attnlab
     from before the record wrote it) is replaced only when it is `new_markdown` byte for byte (nothing would be lost);
-    `new_markdown` None (not known yet) accepts it: the command, which knows it, decides. `fix` ends the line."""
+    `new_markdown` None (not known yet) accepts it: the command, which knows it, decides; so does `kept`, byte for byte
+    (what `attnlab run` accepted before it trained, compare's own text then). `fix` ends the line."""
     path = folder / markdown_name
     if not path.is_file():
         return None
@@ -66,7 +68,7 @@ def changed_output(
         return (f"{path}: changed since attnlab {command} wrote it (it would be replaced, and the change lost): "
                 f"{fix}")  # fmt: skip
     if not sums:
-        if new_markdown is None or data == new_markdown.encode("utf-8"):
+        if new_markdown is None or data == new_markdown.encode("utf-8") or data == kept:
             return None
         return (f"{path}: holds no record of what attnlab {command} wrote (its last line, removed, or an older "
                 f"attnlab's) and differs from what it would write now (it would be replaced, and any change lost): "
