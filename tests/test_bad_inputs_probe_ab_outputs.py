@@ -252,27 +252,9 @@ def test_u6_a_set_value_takes_the_manifests_variables(tmp_path, capsys):
           f"{path}: --set train.lr: undefined variable ${{lrr}} (did you mean ${{lr}}?)")  # fmt: skip
 
 
-def test_a_run_keeps_a_compare_md_without_its_record_that_it_accepted_before_it_trained(tmp_path, capsys):
-    """Was: accepted at the start (what compare would write then), refused at the end once the run added its result
-    (exit 2 after the training); the file is compare's own text, so the run's comparison replaces it."""
-    from helpers import hat_text, probe_manifest
-    from test_bad_inputs_probe_v_runs import TRAIN
-
-    manifest = probe_manifest(tmp_path, hat_text(tmp_path), TRAIN, head="seeds: [0, 1]")
-    argv = ["run", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"]
-    assert main([*argv, "--seed", "0"]) == 0
-    table = tmp_path / "out" / "m" / "compare.md"
-    text = table.read_text().rsplit("<!-- attnlab compare", 1)[0]
-    table.write_text(text)  # seed 0's table, its record line removed (as an older attnlab wrote it)
-    capsys.readouterr()
-    assert main(argv) == 0, capsys.readouterr().err
-    assert "| 2 |" in table.read_text() and "<!-- attnlab compare" in table.read_text()  # both seeds, its record
-
-
-def test_a_compare_md_without_its_record_changed_during_the_run_is_still_refused_at_its_end(tmp_path, capsys,
-                                                                                            monkeypatch):  # fmt: skip
-    """What the run accepted at its start is kept only as it was: a note added while it trained is refused."""
-    import attnlab.cli
+def seed0_table_without_record(tmp_path: Path) -> tuple[list[str], Path, str]:
+    """(argv running seeds 0 and 1, compare.md, its text): seed 0 trained, its compare.md's record line removed (as an
+    older attnlab wrote it)."""
     from helpers import hat_text, probe_manifest
     from test_bad_inputs_probe_v_runs import TRAIN
 
@@ -282,6 +264,24 @@ def test_a_compare_md_without_its_record_changed_during_the_run_is_still_refused
     table = tmp_path / "out" / "m" / "compare.md"
     text = table.read_text().rsplit("<!-- attnlab compare", 1)[0]
     table.write_text(text)
+    return argv, table, text
+
+
+def test_a_run_keeps_a_compare_md_without_its_record_that_it_accepted_before_it_trained(tmp_path, capsys):
+    """Was: accepted at the start (what compare would write then), refused at the end once the run added its result
+    (exit 2 after the training); the file is compare's own text, so the run's comparison replaces it."""
+    argv, table, _ = seed0_table_without_record(tmp_path)
+    capsys.readouterr()
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "| 2 |" in table.read_text() and "<!-- attnlab compare" in table.read_text()  # both seeds, its record
+
+
+def test_a_compare_md_without_its_record_changed_during_the_run_is_still_refused_at_its_end(tmp_path, capsys,
+                                                                                            monkeypatch):  # fmt: skip
+    """What the run accepted at its start is kept only as it was: a note added while it trained is refused."""
+    import attnlab.cli
+
+    argv, table, text = seed0_table_without_record(tmp_path)
     run_manifest = attnlab.cli.run_manifest
 
     def run_then_note(*args, **kwargs):
