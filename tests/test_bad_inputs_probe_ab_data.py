@@ -67,6 +67,16 @@ def test_ab3_a_fifo_at_input_txt_is_named_not_waited_on(tmp_path, capsys, no_han
     assert line.startswith(f"attnlab run: error: {tmp_path / 'dd' / 'tinyshakespeare' / 'input.txt'}: is a FIFO")
 
 
+def test_ab3_kv_eval_names_a_fifo_at_its_dataset_file_not_waits_on_it(tiny_run, tmp_path, capsys, no_hang):
+    """Was: kv-eval --dataset tinyshakespeare waited for a writer forever, printing nothing."""
+    (tmp_path / "dd" / "tinyshakespeare").mkdir(parents=True)
+    os.mkfifo(tmp_path / "dd" / "tinyshakespeare" / "input.txt")
+    argv = ["kv-eval", str(tiny_run), "--policies", "k=q8_0", "--dataset", "tinyshakespeare", "--seq-len", "16",
+            "--tokens", "32", "--split", "val", "--data-dir", str(tmp_path / "dd")]  # fmt: skip
+    line = fails(capsys, argv, "is a FIFO, not a regular file")
+    assert line.startswith(f"attnlab kv-eval: error: {tmp_path / 'dd' / 'tinyshakespeare' / 'input.txt'}: is a FIFO")
+
+
 def test_ab3_a_fifo_at_a_wikitext_file_is_named_not_waited_on(tmp_path, capsys, no_hang, data_dir):
     (tmp_path / "dd" / "wikitext-2").mkdir(parents=True)
     os.mkfifo(tmp_path / "dd" / "wikitext-2" / "wiki.valid.tokens.xz")
