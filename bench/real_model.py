@@ -41,11 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OtherLoad, environment, finish, median, print_table, row  # noqa: E402
 
 import attnlab  # noqa: E402
-from attnlab.eval.loading import load_for_eval  # noqa: E402
+from attnlab.errors import AttnlabError  # noqa: E402
+from attnlab.eval.loading import WEIGHTS, load_for_eval  # noqa: E402
 from attnlab.eval.perplexity import dataset_tokens  # noqa: E402
 from attnlab.generate import generate, prefill_last  # noqa: E402
-from attnlab.paths import find_data_file  # noqa: E402
+from attnlab.interop.references import model_config_of  # noqa: E402
+from attnlab.paths import check_data_dirs, find_data_file, shown_value  # noqa: E402
 
+IMPLS = ("attnlab", "transformers", "llama.cpp")
 SMOLLM2 = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 KV_POLICIES = {"fp32": None, "fp16": "k=fp16,v=fp16", "q8_0": "k=q8_0,v=q8_0", "q4_0": "k=q4_0,v=q4_0"}
 LLAMA_KV = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids (GGML_TYPE_F16, _Q8_0, _Q4_0)
@@ -215,8 +218,64 @@ def llama_cpp_problem(path: Path) -> str | None:
     return f"a test evaluation failed: {last}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, refusing a bad option in one line `real_model.py: error: ...` (exit code 2), no usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _numbers(parser: Parser, flag: str, value: str, least: float, what: str) -> list[int]:
+    """The whole numbers of a comma list (empty items skipped), each at least `least`, else the one-line refusal."""
+    numbers = []
+    for item in filter(None, (x.strip() for x in value.split(","))):
+        try:
+            numbers.append(int(item))
+        except ValueError:
+            parser.error(f"{flag} {shown_value(value)}: {item!r} is not a whole number ({what})")
+        if numbers[-1] < least:
+            parser.error(f"{flag} {shown_value(value)}: {item} is not a {what}")
+    return numbers
+
+
+def _names(parser: Parser, flag: str, value: str, known, what: str) -> list[str]:
+    """The names of a comma list, at least one, each one of `known`, else the one-line refusal."""
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    choices = ", ".join(known)
+    for name in names:
+        if name not in known:
+            parser.error(f"{flag} {shown_value(value)}: {name!r} is not one of {what} ({choices})")
+    if not names:
+        parser.error(f"{flag} {shown_value(value)} names nothing: give one or more of {what} ({choices})")
+    return list(dict.fromkeys(names))
+
+
+def _weights(parser: Parser, value: str) -> list[str]:
+    """--weights: WEIGHTS choices, each optionally +q8 (8-bit activations, for the block-quantized ones)."""
+    blocks = [w for w in WEIGHTS if w not in ("fp32", "fp16")]
+    choices = f"{', '.join(WEIGHTS)}; +q8 after {', '.join(blocks)} (8-bit activations), e.g. native+q8"
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    if not names:
+        parser.error(f"--weights {shown_value(value)} names nothing: give one or more attnlab weights ({choices})")
+    for name in names:
+        held, plus, activations = name.partition("+")
+        if held not in WEIGHTS:
+            parser.error(f"--weights {shown_value(value)}: {held!r} is not one of attnlab's weights ({choices})")
+        if plus and activations != "q8":
+            parser.error(
+                f"--weights {shown_value(value)}: {name!r}: after '+' only q8 is known (8-bit "
+                "activations, e.g. native+q8)"
+            )
+        if plus and held not in blocks:
+            parser.error(f"--weights {shown_value(value)}: {name!r}: q8 activations need block-quantized weights "
+                         f"(+q8 after {', '.join(blocks)})")  # fmt: skip
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Parser, argparse.Namespace]:
+    """The options, every one checked (AD8/AD9/U10 of probe AD: nothing slow runs before a bad one is refused);
+    the comma lists as lists. The lengths against the model's context: check_lengths, after reading its header."""
+    parser = Parser(prog="real_model.py", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--contexts", default="128,4096,8192", help="decode at these contexts ('': none)")
     parser.add_argument("--prefill", default="512,4096", help="prefill lengths ('': none)")
@@ -234,9 +293,74 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--no-record", action="store_true", help="print only (do not append to bench/results)")
-    args = parser.parse_args()
-    path = find_data_file(SMOLLM2, args.data_dir)
-    impls = set(args.impls.split(","))
+    args = parser.parse_args(argv)
+    for flag, number in (("--new-tokens", args.new_tokens), ("--repeats", args.repeats)):
+        if number < 1:
+            parser.error(f"{flag} {number}: must be at least 1")
+    n = args.new_tokens
+    given = args.threads
+    args.threads = _numbers(parser, "--threads", given, 1, "positive number of threads")
+    if not args.threads:
+        parser.error(f"--threads {shown_value(given)} names nothing: give positive numbers of threads, e.g. 1,2")
+    args.contexts_given, args.prefill_given = args.contexts, args.prefill
+    args.contexts = _numbers(parser, "--contexts", args.contexts, float("-inf"), "context length")  # least: below
+    for context in args.contexts:
+        if context < n + 2:  # the prompt before the N timed steps is C - N - 1 tokens: at least one
+            parser.error(f"--contexts {shown_value(args.contexts_given)}: {context} leaves no prompt before the "
+                         f"{n} timed new tokens (--new-tokens {n}): give contexts of at least {n + 2} "
+                         "(--new-tokens + 2)")  # fmt: skip
+    args.prefill = _numbers(parser, "--prefill", args.prefill, 1, "positive prefill length")
+    if not args.contexts and not args.prefill:
+        parser.error(f"--contexts {shown_value(args.contexts_given)} and --prefill {shown_value(args.prefill_given)}: "
+                     "nothing to measure (give decode contexts, prefill lengths, or both)")  # fmt: skip
+    args.impls = _names(parser, "--impls", args.impls, IMPLS, "the implementations")
+    args.weights = _weights(parser, args.weights)
+    args.kv = _names(parser, "--kv", args.kv, list(KV_POLICIES), "attnlab's KV caches here")
+    args.llama_kv = _names(parser, "--llama-kv", args.llama_kv, list(LLAMA_KV), "llama.cpp's KV caches here")
+    args.models = [x.strip() for x in args.models.split(",") if x.strip()]
+    try:
+        check_data_dirs(args.data_dir)
+    except AttnlabError as e:
+        parser.error(str(e))
+    return parser, args
+
+
+def check_lengths(parser: Parser, args: argparse.Namespace, path: Path) -> None:
+    """The contexts and prefill lengths against the context of the model at `path` and of every --models one, and
+    those models' vocabulary against its (the prompts are its tokens): from their headers and configs alone."""
+    try:
+        cfg = model_config_of(path)
+    except AttnlabError as e:
+        parser.error(str(e))
+    for flag, lengths, given in (("--contexts", args.contexts, args.contexts_given),
+                                 ("--prefill", args.prefill, args.prefill_given)):  # fmt: skip
+        if max(lengths, default=0) > cfg.max_seq_len:
+            parser.error(f"{flag} {shown_value(given)}: {max(lengths)} is past {path.stem}'s max_seq_len "
+                         f"{cfg.max_seq_len} (its context): give lengths up to {cfg.max_seq_len}")  # fmt: skip
+    longest = max(args.contexts + args.prefill)
+    for ref in args.models:
+        try:
+            other = model_config_of(ref, args.data_dir)
+        except AttnlabError as e:
+            parser.error(f"--models {shown_value(ref)}: {e}")
+        if other.vocab_size < cfg.vocab_size:  # (a larger one, e.g. padded by a conversion, reads the ids)
+            parser.error(
+                f"--models {shown_value(ref)}: its vocab_size {other.vocab_size} is below {path.stem}'s "
+                f"{cfg.vocab_size}: the prompts are {path.stem}'s tokens (give models converted from it)"
+            )
+        if other.max_seq_len < longest:
+            parser.error(f"--models {shown_value(ref)}: its max_seq_len {other.max_seq_len} is below the longest "
+                         f"length asked, {longest} (give shorter --contexts / --prefill)")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser, args = parse_args(argv)
+    try:
+        path = find_data_file(SMOLLM2, args.data_dir)
+    except AttnlabError as e:
+        parser.error(str(e))
+    check_lengths(parser, args, path)
+    impls = set(args.impls)
     if "llama.cpp" in impls and importlib.util.find_spec("llama_cpp") is None:
         print(
             "llama-cpp-python is not installed: its rows are skipped (pip install "
@@ -246,26 +370,38 @@ def main() -> None:
     elif "llama.cpp" in impls and (problem := llama_cpp_problem(path)):
         print(f"llama-cpp-python cannot run here: its rows are skipped ({problem})")
         impls.discard("llama.cpp")
-    contexts, lengths = [int(c) for c in args.contexts.split(",") if c], [int(x) for x in args.prefill.split(",") if x]
+    if not impls:
+        parser.error("--impls llama.cpp: llama-cpp-python cannot run here (see above), and nothing else is asked: "
+                     "nothing to measure (add attnlab or transformers)")  # fmt: skip
+    try:
+        measure(args, path, impls)
+    except AttnlabError as e:  # what the checks above cannot see: one line, as attnlab's CLI says it
+        print(f"real_model.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+
+
+def measure(args: argparse.Namespace, path: Path, impls: set[str]) -> None:
+    """Runs the measurements of the checked options and prints (and records) them."""
+    contexts, lengths = args.contexts, args.prefill
     n = args.new_tokens
     tokenizer = attnlab.load_model(path)[2]  # the GGUF's own
     text = torch.from_numpy(
         dataset_tokens(tokenizer, "wikitext2-raw", "test", args.data_dir)[: max(contexts + lengths) + 1].astype("int64")
     )[None]
     other, records, decode_rows, prefill_rows = OtherLoad(), [], [], []
-    for threads in [int(t) for t in args.threads.split(",")]:
+    for threads in args.threads:
         torch.set_num_threads(threads)
         env = environment()
         bandwidth = read_bandwidth()
         print(f"\n{threads} thread(s): read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
         runners = []
         if "llama.cpp" in impls:
-            runners += [LlamaCpp(path, kv, threads, max(contexts + lengths) + n + 8) for kv in args.llama_kv.split(",")]
+            runners += [LlamaCpp(path, kv, threads, max(contexts + lengths) + n + 8) for kv in args.llama_kv]
         if "attnlab" in impls:
-            runners += [Attnlab(str(path), w, kv, args.data_dir) for w in args.weights.split(",")
-                        for kv in args.kv.split(",")]  # fmt: skip
-            runners += [Attnlab(ref, "fp32", kv, args.data_dir) for ref in filter(None, args.models.split(","))
-                        for kv in args.kv.split(",")]  # fmt: skip
+            runners += [Attnlab(str(path), w, kv, args.data_dir) for w in args.weights
+                        for kv in args.kv]  # fmt: skip
+            runners += [Attnlab(ref, "fp32", kv, args.data_dir) for ref in args.models
+                        for kv in args.kv]  # fmt: skip
         if "transformers" in impls:
             runners.append(Transformers(path))
         for context in contexts:
