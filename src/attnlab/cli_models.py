@@ -32,6 +32,7 @@ from attnlab.eval.kvquant import (
     MIN_SEQ_LEN,
     SEQ_LEN_NEED,
     chunk_problem,
+    formatless_problem,
     held_out_windows,
     run_kv_eval,
     split_problem,
@@ -210,6 +211,8 @@ def check_kv_arguments(args) -> Path | None:
             raise InputError(f"--policies: {policy!r} is an empty policy (give e.g. 'k=q8_0,v=q4_0,resid=128', "
                              f"or 'none' for the full-precision cache)")  # fmt: skip
         KVPolicy.parse(policy)  # a typo is said before the model is loaded
+        if formatless_problem(policy):
+            raise InputError(f"--policies: {policy.strip()!r} {formatless_problem(policy)}")
     policies = getattr(args, "policies", None)  # (kv-tune: None, it measures policies of its own)
     named = [",".join(sorted(str(KVPolicy.parse(p)).split(","))) for p in policies or ()]  # (k=..,v=.. as v=..,k=..)
     twice = first_repeat(named)
