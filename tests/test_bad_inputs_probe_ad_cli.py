@@ -6,6 +6,9 @@ $ATTNLAB_MEMORY naming a file (U7), lm-eval --kv-policy checked after the slow l
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 from helpers import fails
 
@@ -87,3 +90,64 @@ def test_u5_set_policies_to_one_policy_says_how_to_write_the_list(tmp_path, tiny
           "benchmarks.kv_quant.policies='k=q4_0' must be a non-empty list",
           """--set 'kv_quant.policies=["k=q4_0"]'""")  # fmt: skip
     assert main(["validate", str(manifest), "--set", 'kv_quant.policies=["k=q4_0"]']) == 0
+
+
+# ----------------------------------------------------------------------------- AD2, AD7: report on damaged records
+
+
+@pytest.fixture(scope="module")
+def bench_folder(tmp_path_factory, tiny_run, own_cache, one_thread):
+    """A bench folder of tiny_run's memory (lengths 16, 32) and kv_quant records."""
+    root = tmp_path_factory.mktemp("bench")
+    manifest = root / "bm.yml"
+    kv_quant = KVQ % "['k=q8_0,v=q8_0']"
+    manifest.write_text(f"name: bm\ncheckpoints: [{tiny_run}]\nbenchmarks:\n  memory: {{lengths: [16, 32]}}\n"
+                        f"  kv_quant: {kv_quant}\n")  # fmt: skip
+    assert main(["bench", str(manifest), "--out", str(root / "b")]) == 0
+    return root / "b"
+
+
+def damaged(tmp_path, folder, benchmark: str, **fields) -> tuple:
+    """A copy of `folder` whose first `benchmark` record (numbered as report numbers them) holds `fields`."""
+    copy = tmp_path / "r"
+    shutil.copytree(folder, copy)
+    records = [json.loads(line) for line in (copy / "records.jsonl").read_text().splitlines()]
+    number = next(i for i, r in enumerate(records, 1) if r["benchmark"] == benchmark)
+    records[number - 1].update(fields)
+    (copy / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return copy, f"record {number} ({benchmark}, "
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_ad2_ad7_a_memory_record_of_length_0_is_refused_naming_record_and_field(tmp_path, bench_folder, capsys, which):
+    """Was: ZeroDivisionError when it is the model's largest length (AD2); shown as "0 tokens, 2,048 bytes" when not
+    (AD7)."""
+    copy = tmp_path / "r"
+    shutil.copytree(bench_folder, copy)
+    records = [json.loads(line) for line in (copy / "records.jsonl").read_text().splitlines()]
+    numbers = [i for i, r in enumerate(records, 1) if r["benchmark"] == "memory"]
+    number = sorted(numbers, key=lambda i: records[i - 1]["length"])[which]  # the smallest, then the largest
+    records[number - 1]["length"] = 0
+    (copy / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    fails(capsys, ["report", str(copy)], f"record {number} (memory, ", "field 'length' is 0, which is impossible",
+          "(a cache of 0 tokens is not measured) (the file was changed); repair or remove that line")  # fmt: skip
+    assert not (copy / "report.md").exists()
+
+
+@pytest.mark.parametrize(("benchmark", "fields", "said"), [
+    ("memory", {"kv_bytes": 0}, "field 'kv_matches_analytic' is true, which is impossible beside 'kv_bytes' 0 and"),
+    ("memory", {"kv_matches_analytic": False}, "field 'kv_matches_analytic' is false, which is impossible beside"),
+    ("kv_quant", {"kl": -0.5}, "field 'kl' is -0.5, which is impossible (a KL divergence is >= 0)"),
+    ("kv_quant", {"bytes_per_token": 0, "vs_full": 0}, "field 'bytes_per_token' is 0, which is impossible"),
+    ("kv_quant", {"vs_full": 0}, "field 'vs_full' is 0, which is impossible (a policy stores every token in some"),
+])  # fmt: skip
+def test_ad7_self_contradicting_memory_and_kv_quant_records_are_refused(tmp_path, bench_folder, capsys, benchmark,
+                                                                         fields, said):  # fmt: skip
+    """Was: drawn (rc 0): "| 64 | ok | 0 | 2,048 | yes |", a KL of -0.500000, a 0-byte policy."""
+    copy, which = damaged(tmp_path, bench_folder, benchmark, **fields)
+    fails(capsys, ["report", str(copy)], which, said, "(the file was changed)")
+
+
+def test_ad7_the_undamaged_records_still_report(tmp_path, bench_folder):
+    shutil.copytree(bench_folder, tmp_path / "r")
+    assert main(["report", str(tmp_path / "r")]) == 0
