@@ -151,3 +151,34 @@ def test_ad7_self_contradicting_memory_and_kv_quant_records_are_refused(tmp_path
 def test_ad7_the_undamaged_records_still_report(tmp_path, bench_folder):
     shutil.copytree(bench_folder, tmp_path / "r")
     assert main(["report", str(tmp_path / "r")]) == 0
+
+
+# ----------------------------------------------------------------------------- U7: $ATTNLAB_MEMORY naming a file
+
+
+def test_u7_attnlab_memory_naming_a_file_is_named_as_the_variable(tmp_path, capsys, monkeypatch):
+    """Was: "…/tiny.yml: a file, not a memory store folder (give --store a folder)", no --store given."""
+    (tmp_path / "tiny.yml").write_text("name: x\n")
+    monkeypatch.setenv("ATTNLAB_MEMORY", str(tmp_path / "tiny.yml"))
+    line = fails(capsys, ["memory", "ls"], f"$ATTNLAB_MEMORY={tmp_path / 'tiny.yml'}: a file, not a memory store",
+                 "(point it at a folder)")  # fmt: skip
+    assert "--store" not in line
+
+
+# ----------------------------------------------------------------------------- U6: a relative $XDG_CACHE_HOME
+
+
+def test_u6_a_relative_xdg_cache_home_is_ignored_as_the_spec_says_in_one_warning_line(tmp_path, capsys, monkeypatch):
+    """Was: taken from the working directory (a cache of each folder's own, every kernel built again), no line."""
+    from attnlab.paths import cache_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relcache_u6")
+    monkeypatch.delenv("ATTNLAB_MEMORY", raising=False)
+    assert main(["memory", "ls"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnlab memory ls: warning: $XDG_CACHE_HOME=relcache_u6 is a"), err
+    assert f"ignored, the cache is {tmp_path / 'home' / '.cache' / 'attnlab'}" in err[0]
+    assert cache_dir() == tmp_path / "home" / ".cache" / "attnlab" and not (tmp_path / "relcache_u6").exists()
+    assert main(["memory", "ls"]) == 0 and "relcache_u6" not in capsys.readouterr().err  # (said once a process)
