@@ -182,3 +182,27 @@ def test_u6_a_relative_xdg_cache_home_is_ignored_as_the_spec_says_in_one_warning
     assert f"ignored, the cache is {tmp_path / 'home' / '.cache' / 'attnlab'}" in err[0]
     assert cache_dir() == tmp_path / "home" / ".cache" / "attnlab" and not (tmp_path / "relcache_u6").exists()
     assert main(["memory", "ls"]) == 0 and "relcache_u6" not in capsys.readouterr().err  # (said once a process)
+
+
+# ----------------------------------------------------------------------------- U2: what keeps a policy idle
+
+
+def test_u2_a_kivi_group_not_filled_is_named_as_the_cause(tiny_run, capsys):
+    """Was: "... its residual window keeps all 8 tokens ... (give a smaller resid or flush ...)", a policy with no
+    resid or flush."""
+    assert main(["generate", str(tiny_run), "the", "--max-new-tokens", "6", "--kv-policy", "k=kivi2,v=q8_0"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "warning: kv_policy k=kivi2,v=q8_0 quantizes nothing in this generation: KIVI stores " \
+        "keys in groups of 32 tokens (group=32), and its 8 tokens are too few for one" in err[0], err  # fmt: skip
+    assert "(give a smaller group, or leave the policy out)" in err[0] and "resid" not in err[0]
+
+
+def test_u2_info_names_flush_when_resid_is_already_0(tmp_path, capsys):
+    """Was: "... window (resid=0, flush=100000) keeps every token in fp16 ...: give a longer --seq-len, or a smaller
+    resid"."""
+    config = tmp_path / "m.yaml"
+    config.write_text("vocab_size: 97\nd_model: 64\nn_layers: 2\nn_heads: 2\nmax_seq_len: 1024\n")
+    assert main(["info", str(config), "--kv-policy", "k=q4_0,v=q4_0,flush=100000", "--seq-len", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing is quantized at seq_len 512: flush=100000 quantizes tokens 100000 at a time, and its 512 tokens " \
+        "are too few for one" in out and "give a longer --seq-len, or a smaller flush" in out  # fmt: skip

@@ -327,12 +327,10 @@ def unquantized_note(cfg, report: dict, policy: str | None) -> str | None:
     plain = kv_report(cfg, report["dtype"], report["seq_len"])
     if report["kv_bytes"] != plain["kv_bytes"] or report["kv_bytes_per_token"] == plain["kv_bytes_per_token"]:
         return None
-    parsed = KVPolicy.parse(policy)
-    flush = f", flush={parsed.flush}" if parsed.flush > 1 else ""
-    return (f"nothing is quantized at seq_len {report['seq_len']}: the residual window (resid={parsed.resid}{flush}) "
-            f"keeps every token in {report['dtype']}, so the total is the plain cache's; the "
-            f"{format(report['kv_bytes_per_token'], ',')} bytes per token are what tokens past the window take: give a "
-            "longer --seq-len, or a smaller resid")  # fmt: skip
+    cause, fix = KVPolicy.parse(policy).idle_cause(report["seq_len"])  # (the window, a KIVI group or a flush)
+    return (f"nothing is quantized at seq_len {report['seq_len']}: {cause}, so the total is the plain "
+            f"{report['dtype']} cache's; the {format(report['kv_bytes_per_token'], ',')} bytes per token are "
+            f"what tokens past the window take: give a longer --seq-len, or {fix}")  # fmt: skip
 
 
 def remove_killed_temporaries(out: Path, what: str) -> None:
