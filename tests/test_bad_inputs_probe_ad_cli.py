@@ -10,7 +10,7 @@ import json
 import shutil
 
 import pytest
-from helpers import fails
+from helpers import fails, hat_text
 
 from attnlab.cli import main
 
@@ -206,3 +206,30 @@ def test_u2_info_names_flush_when_resid_is_already_0(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "nothing is quantized at seq_len 512: flush=100000 quantizes tokens 100000 at a time, and its 512 tokens " \
         "are too few for one" in out and "give a longer --seq-len, or a smaller flush" in out  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- U4: init_from a later target, a cycle
+
+
+def later_manifest(root, a: str, b: str):
+    path = root / "rfl.yml"
+    path.write_text(f"name: rfl\nseeds: [0]\ndefaults:\n  data: {{source: {hat_text(root)}, tokenizer: char}}\n"
+                    f"  train: {{seq_len: 16, batch_size: 2, steps: 4}}\ntargets:\n  a: {a}\n  b: {b}\n")  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize(("b", "said"), [
+    ("{init_from: g.gguf}", "targets.a.init_from='b' names a target defined after a: list b before a"),
+    ("{init_from: a}", "targets.a.init_from='b' makes a cycle (a -> b -> a): let one of them start from a model or"),
+    ("{init_from: {model: g.gguf}}", "targets.a.init_from='b' names a target defined after a: list b before a"),
+])  # fmt: skip
+def test_u4_init_from_a_later_target_or_a_cycle_says_so_without_false_follow_ons(tmp_path, capsys, monkeypatch, b,
+                                                                                 said):  # fmt: skip
+    """Was: "... must name an earlier target (none) ...; targets.a.model: missing key 'd_model'; ... 'n_layers';
+    ...; targets.b: model must be a mapping"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "g.gguf").write_bytes(b"GGUF")
+    manifest = later_manifest(tmp_path, "{init_from: b, model: {attention: {kind: sliding, window: 8}}}", b)
+    line = fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run"], said)
+    assert "missing key" not in line and "must be a mapping" not in line and "(none)" not in line
+    assert line.count("; ") == 0, line
