@@ -233,3 +233,23 @@ def test_u4_init_from_a_later_target_or_a_cycle_says_so_without_false_follow_ons
     line = fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run"], said)
     assert "missing key" not in line and "must be a mapping" not in line and "(none)" not in line
     assert line.count("; ") == 0, line
+
+
+# ----------------------------------------------------------------------------- U9: lm-eval --kv-policy, before tasks
+
+
+@pytest.mark.parametrize(("policy", "said"), [
+    ("k=kivi2,group=5", "KIVI group=5 must be a positive integer with group * bits a multiple of 8"),
+    ("ksem=q8_0", "kv policy names 'ksem', which this model does not cache (use k, v)"),
+])  # fmt: skip
+def test_u9_lm_eval_checks_its_kv_policy_against_the_model_before_reading_the_tasks(tiny_run, capsys, monkeypatch,
+                                                                                    policy, said):  # fmt: skip
+    """Was: checked only once the tasks were read and the model loaded (86 s, and then the Hub dataset's error)."""
+    pytest.importorskip("lm_eval")
+    import attnlab.eval.lmeval as lmeval
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the tasks were read before the policy was checked")
+
+    monkeypatch.setattr(lmeval, "task_manager", too_late)
+    fails(capsys, ["lm-eval", str(tiny_run), "--tasks", "arc_easy", "--kv-policy", policy, "--limit", "2"], said)
