@@ -4,12 +4,17 @@ a table would show them side by side, contradicting each other. A record like th
 from __future__ import annotations
 
 import json
+import math
 
 KL_SLACK = 1e-6  # a KL divergence is >= 0; float sums over near-identical distributions may leave it a hair below
 
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(*values) -> bool:  # (NaN: a figure shown as such, whatever stands beside it)
+    return all(_number(v) and math.isfinite(v) for v in values)
 
 
 def _shown(value) -> str:
@@ -24,7 +29,7 @@ def figures_problem(record: dict) -> str | None:
         if record.get("length") == 0:
             return "field 'length' is 0, which is impossible (a cache of 0 tokens is not measured)"
         measured, analytic, equal = (record.get(f) for f in ("kv_bytes", "kv_bytes_analytic", "kv_matches_analytic"))
-        if _number(measured) and _number(analytic) and isinstance(equal, bool) and equal != (measured == analytic):
+        if _finite(measured, analytic) and isinstance(equal, bool) and equal != (measured == analytic):
             return (f"field 'kv_matches_analytic' is {_shown(equal)}, which is impossible beside 'kv_bytes' "
                     f"{_shown(measured)} and 'kv_bytes_analytic' {_shown(analytic)} (it says whether they are "
                     "equal)")  # fmt: skip
