@@ -390,8 +390,9 @@ def test_info_says_when_a_policy_quantizes_nothing_at_seq_len(tmp_path, capsys):
     config.write_text("vocab_size: 97\nd_model: 64\nn_layers: 2\nn_heads: 2\nmax_seq_len: 256\n")
     assert main(["info", str(config), "--kv-policy", "k=q4_0,v=q4_0,resid=128", "--seq-len", "128"]) == 0
     out = capsys.readouterr().out
-    assert "nothing is quantized at seq_len 128: the residual window (resid=128) keeps every token in fp16" in out
-    assert "the total is the plain cache's" in out and "give a longer --seq-len, or a smaller resid" in out
+    assert ("nothing is quantized at seq_len 128: its residual window (resid=128) keeps all 128 tokens at full "
+            "precision, so the total is the plain fp16 cache's") in out  # fmt: skip
+    assert "give a longer --seq-len, or a smaller resid" in out
     for seq_len in ("129", "256"):  # a token past the window is quantized: the figures agree, nothing to say
         assert main(["info", str(config), "--kv-policy", "k=q4_0,v=q4_0,resid=128", "--seq-len", seq_len]) == 0
         assert "nothing is quantized" not in capsys.readouterr().out

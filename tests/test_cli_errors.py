@@ -154,9 +154,9 @@ def test_a_huge_flush_generates_like_a_full_precision_cache(capsys, run):
     policy = "k=q4_0,v=q4_0,flush=1000000000"
     code, got, err = cli_run(capsys, ["generate", str(run), "the cat", "--max-new-tokens", "8", "--kv-policy", policy])
     assert (code, got) == (0, out)  # and it says that such a flush quantizes nothing:
-    assert err == (f"attnlab generate: warning: kv_policy {policy} quantizes nothing here: its residual window keeps "
-                   "all 14 tokens of this generation in full precision, so the cache is the plain one (give a smaller "
-                   "resid or flush, or leave the policy out)\n")  # fmt: skip
+    assert err == (f"attnlab generate: warning: kv_policy {policy} quantizes nothing in this generation: "
+                   "flush=1000000000 quantizes tokens 1000000000 at a time, and its 14 tokens are too few for one, so "
+                   "the cache is the plain one (give a smaller flush, or leave the policy out)\n")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- request length

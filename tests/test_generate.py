@@ -93,8 +93,9 @@ def test_a_kv_policy_that_quantizes_nothing_in_this_generation_says_so(model):
     """Probe K's k30: a residual window as long as the whole generation keeps every token in full precision, and
     generate ran the plain cache without a word (info and kv-eval said so for the same policy)."""
     prompt = list(range(1, 9))
-    with pytest.warns(AttnlabWarning, match=r"kv_policy k=q4_0,v=q4_0,resid=1000 quantizes nothing here: its "
-                                            r"residual window keeps all 12 tokens of this generation"):  # fmt: skip
+    with pytest.warns(AttnlabWarning, match=r"kv_policy k=q4_0,v=q4_0,resid=1000 quantizes nothing in this "
+                                            r"generation: its residual window \(resid=1000\) keeps all 12 tokens "
+                                            r"at full precision"):  # fmt: skip
         out = attnlab.generate(model, prompt, max_new_tokens=5, kv_policy="k=q4_0,v=q4_0,resid=1000")
     assert out.tolist() == attnlab.generate(model, prompt, max_new_tokens=5).tolist()
     with warnings.catch_warnings():

@@ -91,7 +91,7 @@ from attnlab.interop.references import checked_model_config
 from attnlab.interop.tokenizer import warn_unknown
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.model.qlinear import ACTIVATIONS
-from attnlab.paths import check_data_dirs
+from attnlab.paths import cache_dir, check_data_dirs
 from attnlab.runner import run_manifest
 
 
@@ -554,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise InputError(thread_env_problem())
             if kernels_env_problem():  # (read at a command's first kernel: a dry run, which builds none, would not)
                 raise InputError(kernels_env_problem())
+            cache_dir()  # (a relative $XDG_CACHE_HOME: said to be ignored at the start, once)
             for dest in PATH_OPTIONS:  # an empty path ('' from an unset shell variable) names no file or folder
                 if getattr(args, dest, None) == "":
                     raise InputError(f"--{dest.replace('_', '-')} is empty: give a path")

@@ -32,6 +32,7 @@ from attnlab.eval.kvquant import (
     MIN_SEQ_LEN,
     SEQ_LEN_NEED,
     chunk_problem,
+    formatless_problem,
     held_out_windows,
     run_kv_eval,
     split_problem,
@@ -210,6 +211,8 @@ def check_kv_arguments(args) -> Path | None:
             raise InputError(f"--policies: {policy!r} is an empty policy (give e.g. 'k=q8_0,v=q4_0,resid=128', "
                              f"or 'none' for the full-precision cache)")  # fmt: skip
         KVPolicy.parse(policy)  # a typo is said before the model is loaded
+        if formatless_problem(policy):
+            raise InputError(f"--policies: {policy.strip()!r} {formatless_problem(policy)}")
     policies = getattr(args, "policies", None)  # (kv-tune: None, it measures policies of its own)
     named = [",".join(sorted(str(KVPolicy.parse(p)).split(","))) for p in policies or ()]  # (k=..,v=.. as v=..,k=..)
     twice = first_repeat(named)
@@ -324,12 +327,10 @@ def unquantized_note(cfg, report: dict, policy: str | None) -> str | None:
     plain = kv_report(cfg, report["dtype"], report["seq_len"])
     if report["kv_bytes"] != plain["kv_bytes"] or report["kv_bytes_per_token"] == plain["kv_bytes_per_token"]:
         return None
-    parsed = KVPolicy.parse(policy)
-    flush = f", flush={parsed.flush}" if parsed.flush > 1 else ""
-    return (f"nothing is quantized at seq_len {report['seq_len']}: the residual window (resid={parsed.resid}{flush}) "
-            f"keeps every token in {report['dtype']}, so the total is the plain cache's; the "
-            f"{format(report['kv_bytes_per_token'], ',')} bytes per token are what tokens past the window take: give a "
-            "longer --seq-len, or a smaller resid")  # fmt: skip
+    cause, fix = KVPolicy.parse(policy).idle_cause(report["seq_len"])  # (the window, a KIVI group or a flush)
+    return (f"nothing is quantized at seq_len {report['seq_len']}: {cause}, so the total is the plain "
+            f"{report['dtype']} cache's; the {format(report['kv_bytes_per_token'], ',')} bytes per token are "
+            f"what tokens past the window take: give a longer --seq-len, or {fix}")  # fmt: skip
 
 
 def remove_killed_temporaries(out: Path, what: str) -> None:

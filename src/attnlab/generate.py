@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from attnlab.cache.base import ModelCache
+from attnlab.cache.codecs import KVPolicy, as_policy
 from attnlab.config_memory import PRESSES
 from attnlab.errors import AttnlabWarning, InputError, LengthWarning, UnquantizedWarning
 from attnlab.model.fused import FusedDecode, fused_problem
@@ -459,10 +460,11 @@ def generate(
             policy = {} if kv_policy is None else {"policy": kv_policy}  # models of other kinds need not take one
             cache = model.new_cache(tokens.shape[0], tokens.shape[1] + max_new_tokens, **policy)
             if kv_policy is not None and all(getattr(layer, "store_slots", None) == 0 for layer in cache.layers):
-                held = _count(tokens.shape[1] + max(max_new_tokens - 1, 0), "token")  # the last is never fed
-                warnings.warn(f"kv_policy {kv_policy} quantizes nothing here: its residual window keeps all {held} of "
-                              "this generation in full precision, so the cache is the plain one (give a smaller "
-                              "resid or flush, or leave the policy out)", UnquantizedWarning, stacklevel=3)  # fmt: skip
+                held = tokens.shape[1] + max(max_new_tokens - 1, 0)  # the last is never fed
+                cause, fix = (as_policy(kv_policy) or KVPolicy()).idle_cause(held)  # (or a KIVI group, a flush)
+                warnings.warn(f"kv_policy {kv_policy} quantizes nothing in this generation: {cause}, so the cache "
+                              f"is the plain one (give {fix}, or leave the policy out)", UnquantizedWarning,
+                              stacklevel=3)  # fmt: skip
         fused_step = None
         if fused and not own:
             raise InputError("fused=True decodes through generate's own new cache: leave out `cache` (or fused)")

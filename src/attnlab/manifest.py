@@ -433,6 +433,7 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data
     runs = []
     sources: dict[str, dict | None] = {}  # each target's pretrained source (RunSpec.source)
     attentions: dict[str, dict | None] = {}  # the attention changes of a pretrained target's first phase
+    refused_targets: set[str] = set()  # targets whose init_from is refused: their model problems would follow from it
     for name_, target in targets.items():
         problem = name_problem(name_, "target name")
         if problem is None and name_ in RESERVED_NAMES:
@@ -469,11 +470,25 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data
             start_from = None
         elif start_from is not None and (start_from not in targets or order.index(start_from) >= order.index(name_)):
             earlier = ", ".join(map(str, order[: order.index(name_)])) or "none"
-            problems.append(
-                f"{where}.init_from={start_from!r} must name an earlier target ({earlier}) or a model (a .gguf "
-                f"file, a path with a /, hf:ORG/NAME){init_from_hint(start_from, targets, data_dir)}"
-            )
+            chain = [name_, start_from]  # a later target: the targets it starts from in turn (a cycle ends at name_)
+            while chain[-1] != name_ and len(chain) <= len(order) and isinstance(chain[-1], str) and \
+                    isinstance(targets.get(chain[-1]), dict):  # fmt: skip
+                chain.append(targets[chain[-1]].get("init_from"))
+            if start_from in targets and chain[-1] == name_ and start_from != name_:
+                problems.append(f"{where}.init_from={start_from!r} makes a cycle ({' -> '.join(chain)}): let one of "
+                                "them start from a model or from scratch (leave its init_from out)")  # fmt: skip
+            elif start_from in targets and start_from != name_:
+                problems.append(f"{where}.init_from={start_from!r} names a target defined after {name_}: list "
+                                f"{start_from} before {name_} (a target starts from an earlier one)")  # fmt: skip
+            else:
+                problems.append(
+                    f"{where}.init_from={start_from!r} must name an earlier target ({earlier}) or a model (a .gguf "
+                    f"file, a path with a /, hf:ORG/NAME){init_from_hint(start_from, targets, data_dir)}"
+                )
             start_from, refused = None, True  # (its model section is then not said to be missing: it meant one)
+            refused_targets.add(name_)
+        elif start_from in refused_targets:  # (starts from a refused target: its model, too, is not said missing)
+            refused = True
         inherited = None  # the attention a continued conversion fixed, when this target does not repeat it
         if start_from is not None and sources.get(start_from) is not None:  # continues a pretrained model's target:
             source = sources[start_from]  # its `model` holds changes to that model's config too
@@ -530,7 +545,8 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data
             _resolve_sections(merged, phase_where if len(phases) > 1 else where, found, spec, source is not None,
                               (name_, from_defaults))  # fmt: skip
             undefined = undefined_keys(merged, variables)  # each said once (undefined variable), not again
-            found = [p for p in found if not (refused and p.endswith(": model must be a mapping"))]
+            found = [p for p in found if not (refused and (p.endswith(": model must be a mapping")
+                                                           or ".model: missing key" in p))]  # fmt: skip
             problems += [p for p in found if not any(f" {key}=" in p or f".{key}=" in p for key in undefined)
                          and p not in problems]  # fmt: skip
             if len(spec) == 3:

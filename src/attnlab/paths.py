@@ -8,9 +8,10 @@ import os
 import reprlib
 import stat
 import unicodedata
+import warnings
 from pathlib import Path
 
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.jsonio import loads_json
 
 MAX_NAME_LENGTH = 100
@@ -39,10 +40,22 @@ def first_repeat(values):
     return None
 
 
+IGNORED_CACHE_HOMES: set[str] = set()  # relative $XDG_CACHE_HOME values said to be ignored (once each, a process)
+
+
 def cache_dir() -> Path:
     """The user cache, `$XDG_CACHE_HOME/attnlab` (else ~/.cache/attnlab): prepared data, downloads, kernels. An
-    empty XDG_CACHE_HOME is unset, as the XDG Base Directory spec says (not the working directory)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnlab"
+    empty XDG_CACHE_HOME is unset, and a relative one ignored (said in a warning, once), as the XDG Base Directory
+    spec says (not a cache of each working directory's own)."""
+    given = os.environ.get("XDG_CACHE_HOME")
+    if given and not os.path.isabs(given):
+        if given not in IGNORED_CACHE_HOMES:
+            IGNORED_CACHE_HOMES.add(given)
+            warnings.warn(f"$XDG_CACHE_HOME={shown_value(given)} is a relative path, which the XDG Base Directory spec "
+                          f"says to ignore: ignored, the cache is {Path.home() / '.cache' / 'attnlab'} (set it to an "
+                          "absolute path to use another)", AttnlabWarning, stacklevel=2)  # fmt: skip
+        given = None
+    return Path(given or Path.home() / ".cache") / "attnlab"
 
 
 def shown_value(value: str) -> str:

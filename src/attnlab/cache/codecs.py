@@ -107,6 +107,20 @@ class KVPolicy:
     def group_size(self) -> int:
         return self.group or 32
 
+    def idle_cause(self, tokens: int) -> tuple[str, str]:
+        """(why a cache of `tokens` tokens under this policy stores none of them quantized, what to give instead):
+        its residual window holds them all, or the tokens past it fill no KIVI key group or flush."""
+        if self.resid >= tokens:
+            return f"its residual window (resid={self.resid}) keeps all {tokens} tokens at full precision", \
+                "a smaller resid"  # fmt: skip
+        grouped = any(name.startswith("k") and fmt in KIVI_FORMATS for name, fmt in self.formats)
+        causes = ([f"KIVI stores keys in groups of {self.group_size} tokens (group={self.group_size})"] * grouped +
+                  [f"flush={self.flush} quantizes tokens {self.flush} at a time"] * (self.flush > 1))  # fmt: skip
+        past = f"the {tokens - self.resid} tokens past its residual window (resid={self.resid})" if self.resid else \
+            f"its {tokens} tokens"  # fmt: skip
+        fix = " or ".join(["a smaller group"] * grouped + ["a smaller flush"] * (self.flush > 1)) or "a smaller resid"
+        return f"{' and '.join(causes) or 'its window'}, and {past} are too few for one", fix
+
     def format_of(self, tensor: str, default: str) -> str:
         """The format of cached tensor `tensor` (`k` covers k_sem and k_geo, or k1 and k2, unless they are named)."""
         named = dict(self.formats)

@@ -34,6 +34,7 @@ from attnlab.eval.records import make_record
 from attnlab.eval.stats import bootstrap_ci
 from attnlab.generate import generate
 from attnlab.interop.tokenizer import warn_unknown_tokens
+from attnlab.paths import brief
 
 OWN_SPLITS = (*WIKITEXT, "wikitext2-nounk")  # datasets with train/val/test files of their own (others: split by hash)
 
@@ -383,6 +384,47 @@ def chunk_problem(seq_len: int, chunk: int) -> str | None:
     return (f"--chunk {chunk} >= --seq-len {seq_len}: each window goes in as one chunk, whose queries read its own "
             "keys and values at full precision, so no policy's quantized cache is ever read (every row would show "
             f"dNLL 0, KL 0): give --chunk below {seq_len} (1, the default, decodes token by token)")  # fmt: skip
+
+
+def formatless_problem(text: str) -> str | None:
+    """Why a policy text that names no format (e.g. 'resid=64': nothing quantized, so its row would silently measure
+    the full-precision cache) is refused; None for one that names a format, or 'none'/'fp' (the full-precision row)."""
+    if text.strip() in ("", "none", "fp") or KVPolicy.parse(text).formats:
+        return None
+    return ("names no format, so it quantizes nothing and its row would measure the full-precision "
+            f"cache: name one, e.g. 'k=q8_0,{text.strip()}' (or 'none' for the full-precision row)")  # fmt: skip
+
+
+def policy_problem(key: str, value) -> str | None:
+    """A bench KV policy parameter (kv_policy, or kv_quant's policies) that does not parse, checked before any
+    benchmark runs (a run whose lengths all fit no cache would otherwise never read it); policies that are not
+    strings, name no format, or name one policy twice."""
+    if key == "policies" and isinstance(value, list):
+        seen: dict[tuple, str] = {}
+        for i, policy in enumerate(value):
+            if not isinstance(policy, str):  # (YAML reads `- k: q8_0` as a mapping, `[[...]]` as a list)
+                return (f"holds {brief(policy)} at [{i}], which is not a policy string: give each as a string such "
+                        "as 'k=q8_0,v=q4_0' (quote it in YAML)")  # fmt: skip
+            try:
+                parsed = KVPolicy.parse(policy)
+            except ConfigError as e:
+                return f"holds {brief(policy)}, which is not a KV policy: {e}"
+            if formatless_problem(policy):
+                return (f"holds {brief(policy)}, which {formatless_problem(policy)}; YAML splits an unquoted "
+                        "[k=q8_0,resid=64] at its comma into two policies: quote each policy, e.g. policies: "
+                        "['k=q8_0,resid=64']")  # fmt: skip
+            same = (tuple(sorted(parsed.formats)), parsed.resid, parsed.group, parsed.flush)
+            if same in seen:
+                return f"names one policy twice ({brief(seen[same])} and {brief(policy)}): give each once"
+            seen[same] = policy
+        return None
+    if key != "kv_policy" or not isinstance(value, str):
+        return None
+    try:
+        KVPolicy.parse(value)
+    except ConfigError as e:
+        return f"is not a KV policy: {e}"
+    return None if value.strip() else "is empty (leave kv_policy out for the full-precision cache)"
 
 
 def warn_unquantized(policies: list[KVPolicy | str], seq_len: int, cfg=None, chunk: int = 1,

@@ -43,10 +43,11 @@ from pathlib import Path
 
 import torch
 
+from attnlab.accounting import kv_report
 from attnlab.cache.codecs import as_policy
 from attnlab.data.files import atomic_write_text, downloads_allowed, folder_lock
 from attnlab.data.pretrained import PretrainedTokenizer
-from attnlab.errors import ConfigError, DataError, InputError
+from attnlab.errors import AttnlabError, ConfigError, DataError, InputError
 from attnlab.eval.lmeval_task_files import check_duplicate_tasks, check_task_files
 from attnlab.eval.lmeval_tasks import (
     attach,
@@ -60,7 +61,7 @@ from attnlab.eval.lmeval_tasks import (
 from attnlab.eval.loading import EvalModel, check_weights_choice, load_for_eval
 from attnlab.eval.records import records_in_run_problem
 from attnlab.generate import check_sampling, decode_step, prefill, sample
-from attnlab.interop.references import HUB_PREFIX, parse_hub_ref, resolve
+from attnlab.interop.references import HUB_PREFIX, model_config_of, parse_hub_ref, resolve
 
 try:
     import lm_eval
@@ -495,6 +496,8 @@ def run_lm_eval(
         parse_hub_ref(ref)
     elif not isinstance(ref, EvalModel):  # a reference that names nothing (the model loads after the tasks)
         resolve(ref, data_dir)
+    if kv_policy is not None and not (isinstance(ref, str) and ref.startswith(HUB_PREFIX)):
+        check_policy_fits(ref, kv_policy, data_dir)
     broken = check_task_files([str(p) for p in paths])  # before lm-eval reads them (and imports !function code)
     check_duplicate_tasks([str(p) for p in paths], list(tasks))  # before lm-eval picks one of them by file order
     manager = attach(task_manager([str(p) for p in paths], list(tasks), broken), data_dir)
@@ -543,6 +546,17 @@ def run_lm_eval(
         if bars:
             datasets.enable_progress_bars()
     return results
+
+
+def check_policy_fits(ref, kv_policy, data_dir) -> None:
+    """A KV policy this model's cache cannot take (a KIVI group, a tensor it does not cache), said before the tasks
+    are read (a minute or more) rather than once the model has loaded. A config that cannot be read is left to the
+    model's loading to say."""
+    try:
+        cfg = ref.model.cfg if isinstance(ref, EvalModel) else model_config_of(ref, data_dir)
+    except AttnlabError:
+        return
+    kv_report(cfg, "fp16", cfg.max_seq_len, kv_policy)
 
 
 RESULTS_LOCK = ".lm_eval.lock"  # in an --out folder: held (flock) while an evaluation will write its results there

@@ -32,6 +32,7 @@ from attnlab.data.files import (
     remove_stale_temporaries,
 )
 from attnlab.errors import AttnlabWarning, DataError, InputError
+from attnlab.eval.record_sense import figures_problem
 from attnlab.paths import run_folder_problem
 
 
@@ -570,7 +571,7 @@ def record_problem(record: dict) -> str | None:
         problem = range_problem(field, value)
         if problem:
             return problem
-    problem = _contradiction(record)
+    problem = _contradiction(record) or figures_problem(record)
     if problem:
         return problem
     losses, counts = record.get("window_loss"), record.get("window_tokens")

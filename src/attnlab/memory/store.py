@@ -100,9 +100,11 @@ class MemoryStore:
             where = (f"--store {self.root}" if store else f"$ATTNLAB_MEMORY {self.root}"
                      if os.environ.get("ATTNLAB_MEMORY") else f"the memory store {self.root}")  # fmt: skip
             raise StoreError(f"{where}: {link}: remove the link, or give another --store")
-        if self.root.exists() and not self.root.is_dir():
-            raise StoreError(f"{self.root}: a file, not a memory store folder (give --store a folder)")
         given = "--store" if store else "$ATTNLAB_MEMORY" if os.environ.get("ATTNLAB_MEMORY") else None
+        if self.root.exists() and not self.root.is_dir():  # (named as given: the variable, when it was)
+            how = "point it at a folder" if given == "$ATTNLAB_MEMORY" else "give --store a folder"
+            raise StoreError(f"{given + '=' if given == '$ATTNLAB_MEMORY' else ''}{self.root}: a file, not a memory "
+                             f"store folder ({how})")  # fmt: skip
         if not create and given and not self.root.exists():  # (a typo would list "no memories": as if all were lost)
             raise StoreError(f"{given} {self.root}: no such memory store (no folder there; check the path, or make "
                              f"the store with `attnlab memory ingest MODEL DOCUMENTS --name NAME --store "
