@@ -45,20 +45,24 @@ MODELS = {
         "fp32",
         {"n_heads": 6},
     ),
-    # odd per-head widths (3 + 5 key values, V 9 wide), no RoPE; MQA with odd widths and RoPE on 6 of 9
+    # odd per-head widths (3 + 5 key values, V 9 wide), no RoPE; MQA with odd widths and interleaved RoPE on 6 of 9
     "dec-odd-no-rope": (
         {"kind": "decoupled", "d_sem": 12, "d_geo": 20, "d_v": 36, "n_kv_heads": 2, "gate": True, "rope": False},
         "fp32",
         {},
     ),
-    "dec-mqa-odd-fp16": ({"kind": "decoupled", "d_sem": 12, "d_geo": 24, "d_v": 20, "n_kv_heads": 1}, "fp16", {}),
+    "dec-mqa-odd-fp16-interleaved": (
+        {"kind": "decoupled", "d_sem": 12, "d_geo": 24, "d_v": 20, "n_kv_heads": 1},
+        "fp16",
+        {"rope_interleaved": True},
+    ),
     "dec-gqa-q8": ({"kind": "decoupled", "d_sem": 64, "d_geo": 64, "d_v": 128, "n_kv_heads": 2}, "q8_0", {}),
     "dec-tied-q4_1": ({"kind": "decoupled", "d_sem": 32, "d_geo": 64, "gate": True, "tie_qk": True}, "q4_1", {}),
     "mla": ({"kind": "mla", "d_latent": 32}, "fp32", {}),  # latent_norm (RMSNorm on the latent), head_dim 16
-    "mla-no-norm-odd": (
+    "mla-no-norm-odd-interleaved": (
         {"kind": "mla", "d_latent": 24, "d_rope": 6, "head_dim": 14, "v_head_dim": 20, "latent_norm": False},
         "fp32",
-        {},
+        {"rope_interleaved": True},
     ),
     "mla-arm-like-fp16": (
         {"kind": "mla", "d_latent": 56, "d_rope": 8, "head_dim": 24, "v_head_dim": 16, "latent_norm": False},
@@ -77,7 +81,7 @@ CASES = {name: (name, None) for name in MODELS} | {
     "dec-gqa-q8-k-q8_0-v-nf4-resid-8": ("dec-gqa-q8", "k=q8_0,v=nf4,resid=8"),
     "mla-latent-q8_0-krope-fp16-resid-4": ("mla", "latent=q8_0,krope=fp16,resid=4"),
     "mla-latent-q4_0": ("mla", "latent=q4_0"),  # k_rope at float32 (the cache's dtype)
-    "mla-odd-fp16-resid-1": ("mla-no-norm-odd", "latent=fp16,krope=bf16,resid=1"),
+    "mla-odd-fp16-resid-1": ("mla-no-norm-odd-interleaved", "latent=fp16,krope=bf16,resid=1"),
     "mla-q8-latent-q8_0-flush-8": ("mla-q8", "latent=q8_0,krope=fp16,resid=2,flush=8"),
     "mla-arm-like-latent-bf16": ("mla-arm-like-fp16", "latent=bf16,krope=fp16,resid=5"),  # a latent of 56
 }

@@ -145,10 +145,11 @@ def _attention_problem(i: int, attn, eps: float) -> list[str | None]:
         layers = {"q_proj": attn.q_proj, "kv_down": attn.kv_down, "out": attn.out}
     else:
         return [f"{where} is a {type(attn).__name__}"]
-    rotary = _rotary(attn)
+    rotary, rotated = _rotary(attn), attention_shape(attn)[7]
     tables = () if rotary is None else (rotary.cos, rotary.sin)
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tables):
-        problems.append(f"block {i}'s RoPE does not rotate from float32 tables")
+    not_float = any(t.dtype != torch.float32 or not t.is_contiguous() for t in tables)
+    if not_float or (rotary is not None and rotary.dim != rotated):
+        problems.append(f"block {i}'s RoPE does not rotate its {rotated} key values from float32 tables")
     return problems + [_linear_problem(f"block {i}'s attn.{n}", layer) for n, layer in layers.items()]
 
 
