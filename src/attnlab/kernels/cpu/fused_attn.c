@@ -109,11 +109,13 @@ static inline __attribute__((always_inline)) void scores_by4(const int group, co
         for (int g = 0; g < group; g++) s[g * n + t] = dot(q + g * kd, keys + t * ks, kd) * scale;
 }
 
-/* y (group, vd) = sum over t < n of p[g n + t] V[t] (rows `vs` floats apart), 32 values of each row at a time, the
- * group's 4 x group sums in registers (each row's 32 values are one pass's); vd % 32 == 0, group <= 4. */
+/* y (group, vd) = sum over t < n of p[g n + t] V[t] (rows `vs` floats apart), 32 values of each row at a time (then
+ * 8 at a time for the rest), the group's sums in registers (each row's 32 values are one pass's); vd % 8 == 0,
+ * group <= 4. */
 static inline __attribute__((always_inline)) void wsum_by32(const int group, const float *p, const float *values,
                                                              int64_t vd, int64_t vs, int64_t n, float *y) {
-    for (int64_t c = 0; c < vd; c += 32) {
+    int64_t c = 0;
+    for (; c + 32 <= vd; c += 32) {
         __m256 acc[4][4];
         for (int g = 0; g < group; g++)
             for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
@@ -129,6 +131,15 @@ static inline __attribute__((always_inline)) void wsum_by32(const int group, con
         }
         for (int g = 0; g < group; g++)
             for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + g * vd + c + 8 * j, acc[g][j]);
+    }
+    for (; c < vd; c += 8) { /* MLA's latent, e.g. 168 = 5 x 32 + 8 */
+        __m256 acc[4];
+        for (int g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 v = _mm256_loadu_ps(values + t * vs + c);
+            for (int g = 0; g < group; g++) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * n + t), v, acc[g]);
+        }
+        for (int g = 0; g < group; g++) _mm256_storeu_ps(y + g * vd + c, acc[g]);
     }
 }
 #endif
@@ -154,7 +165,7 @@ static inline __attribute__((always_inline)) void attend_kv(const int group, con
             for (int g = 0; g < group; g++) s[g * n + t] = dot(q + g * kd, keys + t * c.k_row, kd) * scale;
     for (int g = 0; g < group; g++) softmax_row(s + g * n, n);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (group <= 4 && vd % 32 == 0) {
+    if (group <= 4 && vd % 8 == 0) {
         wsum_by32(group, s, values, vd, c.v_row, n, y);
         return;
     }
@@ -165,21 +176,22 @@ static inline __attribute__((always_inline)) void attend_kv(const int group, con
 }
 
 /* y (heads, vd) = softmax(scale q K^T) V over rows 0..n-1 of a dense layer's K and V, query head h (kd values of q)
- * reading KV head h / group; scores: heads x n floats of workspace. The G query heads of a KV head read its rows
- * together (attend_kv, compiled for G = 1..4 apart: their sums stay in registers). */
+ * reading KV head h / group; scores: heads x n floats of workspace. The query heads of a KV head read its rows
+ * together, up to 4 at a time (attend_kv, compiled for 1..4 apart: their sums stay in registers; MLA's 9 heads of one
+ * KV "head": 4 + 4 + 1). */
 static void attend(const float *q, dense_t c, int64_t heads, int64_t kv_heads, int64_t kd, int64_t vd, int64_t n,
                    float scale, float *scores, float *y) {
-    const int64_t group = heads / kv_heads;
+    const int64_t group = heads / kv_heads, parts = (group + 3) / 4; /* sub-groups of up to 4 query heads */
 #pragma omp parallel for schedule(static) if (n * heads >= 4096)
-    for (int64_t j = 0; j < kv_heads; j++) {
-        const float *qk = q + j * group * kd, *keys = c.k + j * c.k_head, *values = c.v + j * c.v_head;
-        float *s = scores + j * group * n, *out = y + j * group * vd;
-        switch (group) {
+    for (int64_t i = 0; i < kv_heads * parts; i++) {
+        const int64_t j = i / parts, first = j * group + (i % parts) * 4, rest = (j + 1) * group - first;
+        const float *qk = q + first * kd, *keys = c.k + j * c.k_head, *values = c.v + j * c.v_head;
+        float *s = scores + first * n, *out = y + first * vd;
+        switch (rest < 4 ? rest : 4) {
         case 1: attend_kv(1, qk, keys, values, c, kd, vd, n, scale, s, out); break;
         case 2: attend_kv(2, qk, keys, values, c, kd, vd, n, scale, s, out); break;
         case 3: attend_kv(3, qk, keys, values, c, kd, vd, n, scale, s, out); break;
-        case 4: attend_kv(4, qk, keys, values, c, kd, vd, n, scale, s, out); break;
-        default: attend_kv((int)group, qk, keys, values, c, kd, vd, n, scale, s, out);
+        default: attend_kv(4, qk, keys, values, c, kd, vd, n, scale, s, out);
         }
     }
 }
