@@ -232,7 +232,7 @@ def refused_cases():
         "bf16 weights": (lambda: tiny_model(mha, seed=0).to(torch.bfloat16), {}, "float32"),
         "q8_0 rows without packing": (lambda: unpacked_q8(tiny_model(mha, seed=0)), {}, "packed rows"),
         "sliding window": (lambda: quantized_tiny({"kind": "sliding", "window": 8}, "q4_1"), {}, "attention.kind"),
-        "decoupled": (lambda: quantized_tiny({"kind": "decoupled", "d_sem": 32, "d_geo": 32}, "q8_0"), {}, "kind"),
+        "diff": (lambda: quantized_tiny({"kind": "diff"}, "q8_0"), {}, "attention.kind=diff"),
         "gelu": (lambda: quantized_tiny(mha, "q4_1", mlp="gelu"), {}, "SwiGLU"),
         "kivi cache": (lambda: quantized_tiny(mha, "q4_1"), {"policy": "k=kivi4,v=q8_0,group=4"}, "groups of tokens"),
         "fp16 cache": (lambda: quantized_tiny(mha, "q4_1"), {"dtype": torch.float16}, "not float32 k and v"),

@@ -389,14 +389,15 @@ def generate(
     sliding window's ring buffer, bounded memories, quantized caches the C kernels cannot read, e.g. KIVI)
     and a given `cache` decode eagerly either way; a quantized cache's attention is one opaque op inside the
     compiled region.
-    fused: decode each token in one C call through the whole model (attnlab.model.fused: batch 1, mha attention,
-    SwiGLU, RMSNorm, every linear layer packed for 8-bit activations or float32 / fp16 weights, a new dense float32
-    cache or a quantized one of per-token formats: fp16, q8_0, q4_0, ...): faster than the compiled step and nothing
-    to compile. Its logits are the eager step's up to float32 rounding, which the 8-bit activations' rounding
-    amplifies as it does any change of summation order (the compiled step's too): greedy tokens may then differ
-    where the two best logits nearly tie (tests/test_fused_decode.py). None (auto) uses it where it applies
-    (`fused_problem`; ATTNLAB_CPU_KERNELS=0 turns it off), `compile` then changes nothing; True requires it
-    (InputError naming why it does not apply); False never uses it.
+    fused: decode each token in one C call through the whole model (attnlab.model.fused: batch 1, attention mha,
+    decoupled (not rope_semantic or null_attn) or MLA (absorbed), SwiGLU, RMSNorm, every linear layer packed for
+    8-bit activations or float32 / fp16 weights, a new dense float32 cache or a quantized one of per-token formats:
+    fp16, q8_0, q4_0, ...): faster than the compiled step and nothing to compile. Its logits are the eager step's up
+    to float32 rounding, which the 8-bit activations' rounding amplifies as it does any change of summation order
+    (the compiled step's too): greedy tokens may then differ where the two best logits nearly tie
+    (tests/test_fused_decode.py, test_fused_variants.py). None (auto) uses it where it applies (`fused_problem`;
+    ATTNLAB_CPU_KERNELS=0 turns it off), `compile` then changes nothing; True requires it (InputError naming why it
+    does not apply); False never uses it.
     callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)

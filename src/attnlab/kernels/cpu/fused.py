@@ -1,7 +1,7 @@
-"""One decode step of a whole Llama-style block stack in one C call (fused.c): batch 1, one new token, every linear
-layer 8-bit activations over packed rows (qmatmul.c's functions, #included) or float32 activations over float32 or
-fp16 rows, a dense float32 KV cache or a quantized one of per-token rows (qattn.c's decoders and quantizer,
-#included).
+"""One decode step of a whole Llama-style block stack in one C call (fused.c): batch 1, one new token, attention
+mha, decoupled or MLA (absorbed), every linear layer 8-bit activations over packed rows (qmatmul.c's functions,
+#included) or float32 activations over float32 or fp16 rows, a dense float32 KV cache or a quantized one of
+per-token rows (qattn.c's decoders and quantizer, #included; the attention in fused_attn.c, #included).
 
     status = decode(plan, eps, scale, token, pos, logits)    # -> the argmax of the logits
 
@@ -22,15 +22,19 @@ from attnlab.kernels import cpu
 from attnlab.kernels.cpu import qmatmul
 
 SOURCE = Path(__file__).with_name("fused.c")
-PLAN_HEADER = 20  # fused.c's P_* values, in its order
-PLAN_LAYER = 30  # fused.c's L_* values per block, in its order
+ATTENTION = Path(__file__).with_name("fused_attn.c")  # #included by fused.c
+PLAN_HEADER = 26  # fused.c's P_* values, in its order
+PLAN_LAYER = 46  # fused.c's L_* values per block, in its order
+PART_VALUES = 5  # fused.c's PART_* values of a quantized cache's part (3 per block)
+KINDS = {"mha": 0, "decoupled": 1, "mla": 2}  # fused.c's P_KIND codes
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def build(directory: Path | None = None) -> Path:
-    """fused.c built (attnlab.kernels.cpu.build), its cache key including qmatmul.c and qattn.c, which it #includes."""
-    return cpu.build(directory, source=SOURCE, includes=(qmatmul.SOURCE, cpu.SOURCE))
+    """fused.c built (attnlab.kernels.cpu.build), its cache key including qmatmul.c, qattn.c and fused_attn.c, which it
+    #includes."""
+    return cpu.build(directory, source=SOURCE, includes=(qmatmul.SOURCE, cpu.SOURCE, ATTENTION))
 
 
 @functools.cache
