@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlab import quant
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, InputError
 from attnlab.kernels import cpu as cpu_kernels
 
 FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -31,6 +31,16 @@ ALIASES = {"ksem": "k_sem", "kgeo": "k_geo", "krope": "k_rope"}  # short policy 
 SHORT = {name: short for short, name in ALIASES.items()}
 # Every tensor name a variant's cache layout declares (attention/*.py); a policy key outside them is a typo.
 TENSOR_NAMES = ("k", "v", *KEY_PARTS, "k_rope", "latent")
+
+
+def default_format(dtype: torch.dtype, policy) -> str:
+    """The format a KV policy leaves a cache's unnamed tensors in (its residual window's dtype too): the cache dtype's.
+    InputError for a dtype no format stores (float64)."""
+    if dtype not in FORMAT_OF_DTYPE:
+        dtypes = ", ".join(str(d).removeprefix("torch.") for d in FORMAT_OF_DTYPE)
+        raise InputError(f"kv policy {policy} needs a cache of {dtypes} values, not {dtype} (a {dtype} model: load it "
+                         "with dtype=torch.float32, or leave the policy out)")  # fmt: skip
+    return FORMAT_OF_DTYPE[dtype]
 
 
 @dataclass(frozen=True)

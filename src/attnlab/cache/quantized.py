@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlab.cache.base import LayerCache
-from attnlab.cache.codecs import FORMAT_OF_DTYPE, Codec, KVPolicy
+from attnlab.cache.codecs import Codec, KVPolicy, default_format
 from attnlab.cache.layout import CacheLayout, Read
 from attnlab.cache.quantized_kernel import KernelPlan, PlanPart, attend_static
 from attnlab.errors import ConfigError, InputError
@@ -59,7 +59,7 @@ class QuantizedCache(LayerCache):
                  dtype: torch.dtype, device=None):  # fmt: skip
         super().__init__(layout)
         self.policy, self.dtype, self.max_len, self.batch = policy, dtype, max_len, batch
-        default = FORMAT_OF_DTYPE[dtype]
+        default = default_format(dtype, policy)
         policy.check([f.name for f in layout.fields])
         self.parts: list[Part] = []
         for field, (buffer, lo, hi) in layout.slices.items():
