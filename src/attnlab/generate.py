@@ -388,7 +388,10 @@ def generate(
     Greedy when temperature is 0 (top_k, top_p and seed then change nothing: given, they are refused, InputError;
     see `greedy_ignores`). Stops once every sequence has produced a stop token (the stop token
     is included) or after max_new_tokens. `seed` makes sampling reproducible. `kv_policy` (a KVPolicy or
-    a string such as "k=q8_0,v=q4_0,resid=128") stores the KV cache quantized. Bad arguments raise
+    a string such as "k=q8_0,v=q4_0,resid=128") stores the KV cache quantized; a K or V value its block format
+    cannot store (not finite, or beyond its fp16 scale) raises InputError (attnlab.cache.codecs.KVValueError) naming
+    the layer and the policy, from the fused step as from the eager one. The layers before that one have then stored
+    the token: generate's own cache is dropped with the error, and a given `cache` is left unusable. Bad arguments raise
     InputError (see `check_sampling`): temperature finite and >= 0, top_k >= 1, top_p in (0, 1],
     max_new_tokens >= 0 (0 returns no tokens), seed 0 .. 2**64 - 1.
 

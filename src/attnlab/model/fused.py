@@ -36,7 +36,7 @@ from attnlab.attention.decoupled import Decoupled
 from attnlab.attention.mha import MHA
 from attnlab.attention.mla import MLA
 from attnlab.cache.base import ModelCache
-from attnlab.cache.codecs import KIVI_FORMATS
+from attnlab.cache.codecs import KIVI_FORMATS, KVValueError
 from attnlab.cache.dense import DenseCache
 from attnlab.cache.quantized import QuantizedCache
 from attnlab.errors import InputError
@@ -386,12 +386,47 @@ class FusedDecode:
         self.decoder = kernel.Decoder(plan, model.norm.eps, _scale(first))
         cache.set_static(True)
         self.steps = 0  # steps taken (tests check that the fused path ran)
+        self.refused = False  # a step was refused: the cache is partly written
+
+    def _unstorable(self) -> KVValueError:
+        """The refusal of a step fused.c could not store (status -3): the layer is the first quantized one whose
+        counters did not advance; the tensor and its values are named where the refused token came from the residual
+        ring (the eager step's words then), else every block-format tensor of the layer may hold it."""
+        pos = self.cache.seen
+        for i, layer in enumerate(self.cache.layers):
+            if type(layer) is not QuantizedCache or int(layer.counters[0]) != pos:
+                continue
+            parts = [p for p in layer.parts if p.codec.fmt in quant.FORMATS]
+            stored, plan = int(layer.counters[1]), layer.plan
+            leave = stored + max(0, (pos + 1 - plan.resid - stored) // plan.flush) * plan.flush
+            slots = torch.arange(stored, min(leave, pos)) % plan.ring_slots  # ring rows that were leaving
+            for p in parts:
+                rows, limit = layer.recent[p.name][:, slots], quant._MAX_ABS[p.codec.fmt]
+                bad = int((~torch.isfinite(rows)).sum())
+                peak = rows.abs().max().item() if rows.numel() and not bad else 0.0
+                if bad or peak > limit:
+                    return KVValueError([(p.name, p.codec.fmt, limit)], bad, peak, i, layer.policy)
+            return KVValueError([(p.name, p.codec.fmt, quant._MAX_ABS[p.codec.fmt]) for p in parts], layer=i,
+                                policy=layer.policy)  # fmt: skip
+        return KVValueError([], layer=None)  # not reached: fused.c stops at the layer that could not store
 
     def __call__(self, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """token (1, 1) int64 at position cache.seen -> (logits (1, vocab_size), their argmax (1, 1)); the token's
-        K and V are written into the cache and cache.seen advances by one."""
+        K and V are written into the cache and cache.seen advances by one.
+
+        A K or V value a quantized cache's block format cannot store (not finite, or beyond its fp16 block scale)
+        raises attnlab.cache.codecs.KVValueError (an InputError), as the eager step does, naming the layer and the
+        policy. fused.c has by then written the token into the layers before that one: the cache is left partly
+        written and unusable (this step then refuses every further call; start a new cache)."""
+        if self.refused:
+            raise InputError("this fused decode refused a step (a K or V value its cache could not store): its cache "
+                             "holds that token in some layers only; start a new cache")  # fmt: skip
         logits = torch.empty(1, self.vocab_rows)
-        best = self.decoder.step(int(token), self.cache.seen, logits[0])
+        try:
+            best = self.decoder.step(int(token), self.cache.seen, logits[0])
+        except kernel.Unstorable:
+            self.refused = True
+            raise self._unstorable() from None
         self.cache.seen += 1
         self.steps += 1
         return logits[:, : self.vocab_size], torch.tensor([[best]])

@@ -12,6 +12,7 @@ from torch import nn
 from attnlab.attention.registry import REGISTRY
 from attnlab.cache.banks import MemoryWrite
 from attnlab.cache.base import ModelCache
+from attnlab.cache.codecs import KVValueError
 from attnlab.config import ModelConfig
 from attnlab.errors import InputError
 from attnlab.ops.mlp import build_mlp
@@ -148,12 +149,15 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # (B, T, d_model)
         for i, block in enumerate(self.blocks):
             cache = None if layer_caches is None else layer_caches[i]
-            if run_block is not None:
-                x = run_block(block, x, positions, cache)
-            elif self.checkpoint_blocks and cache is None and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, positions, None, use_reentrant=False)[0]
-            else:
-                x = block(x, positions, cache)[0]
+            try:
+                if run_block is not None:
+                    x = run_block(block, x, positions, cache)
+                elif self.checkpoint_blocks and cache is None and torch.is_grad_enabled():
+                    x = torch.utils.checkpoint.checkpoint(block, x, positions, None, use_reentrant=False)[0]
+                else:
+                    x = block(x, positions, cache)[0]
+            except KVValueError as e:  # a K or V its cache's format cannot store: say which layer and policy
+                raise e.at(i, getattr(cache, "policy", None)) from None
         if last_only:
             x = x[:, -1:]  # (B, 1, d_model)
         logits = self.lm_head(self.norm(x))  # (B, T, padded_vocab_size)
