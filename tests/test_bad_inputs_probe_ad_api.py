@@ -74,6 +74,16 @@ def test_ad3_the_eager_refusal_names_the_tensor_and_its_largest_value():
     assert "reach |" in message, message
 
 
+@pytest.mark.slow
+def test_ad3_the_compiled_step_refuses_in_the_same_words():
+    """Inside a compiled step the static op's error came wrapped in a RuntimeError (fused=False, compile=True)."""
+    if not generate_module.can_compile_on_cpu():
+        pytest.skip("no C++ compiler for torch.compile")
+    message = refused(lambda: attnlab.generate(loud_model(), [5], 8, kv_policy=POLICY, fused=False, compile=True),
+                      f"kv policy {POLICY}: layer 1's", "check the checkpoint")  # fmt: skip
+    assert message == str(pytest.raises(InputError, attnlab.generate, loud_model(), [5], 8, kv_policy=POLICY).value)
+
+
 @needs_fused
 def test_ad3_a_refused_fused_step_leaves_a_cache_that_refuses_further_steps():
     """fused.c has written the token into the layers before the refusing one: the step says so and takes no more."""

@@ -389,26 +389,12 @@ class FusedDecode:
         self.refused = False  # a step was refused: the cache is partly written
 
     def _unstorable(self) -> KVValueError:
-        """The refusal of a step fused.c could not store (status -3): the layer is the first quantized one whose
-        counters did not advance; the tensor and its values are named where the refused token came from the residual
-        ring (the eager step's words then), else every block-format tensor of the layer may hold it."""
-        pos = self.cache.seen
+        """The refusal of a step fused.c could not store (status -3), from the first quantized layer whose counters
+        did not advance (QuantizedCache.unstorable)."""
         for i, layer in enumerate(self.cache.layers):
-            if type(layer) is not QuantizedCache or int(layer.counters[0]) != pos:
-                continue
-            parts = [p for p in layer.parts if p.codec.fmt in quant.FORMATS]
-            stored, plan = int(layer.counters[1]), layer.plan
-            leave = stored + max(0, (pos + 1 - plan.resid - stored) // plan.flush) * plan.flush
-            slots = torch.arange(stored, min(leave, pos)) % plan.ring_slots  # ring rows that were leaving
-            for p in parts:
-                rows, limit = layer.recent[p.name][:, slots], quant._MAX_ABS[p.codec.fmt]
-                bad = int((~torch.isfinite(rows)).sum())
-                peak = rows.abs().max().item() if rows.numel() and not bad else 0.0
-                if bad or peak > limit:
-                    return KVValueError([(p.name, p.codec.fmt, limit)], bad, peak, i, layer.policy)
-            return KVValueError([(p.name, p.codec.fmt, quant._MAX_ABS[p.codec.fmt]) for p in parts], layer=i,
-                                policy=layer.policy)  # fmt: skip
-        return KVValueError([], layer=None)  # not reached: fused.c stops at the layer that could not store
+            if type(layer) is QuantizedCache and int(layer.counters[0]) == self.cache.seen:
+                return layer.unstorable(i)
+        return KVValueError([])  # not reached: fused.c stops at the layer that could not store
 
     def __call__(self, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """token (1, 1) int64 at position cache.seen -> (logits (1, vocab_size), their argmax (1, 1)); the token's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import torch
 import torch.utils.checkpoint
@@ -158,10 +159,19 @@ class Transformer(nn.Module):
                     x = block(x, positions, cache)[0]
             except KVValueError as e:  # a K or V its cache's format cannot store: say which layer and policy
                 raise e.at(i, getattr(cache, "policy", None)) from None
+            except RuntimeError as e:  # the same inside a compiled step, where the op's error comes wrapped
+                if hasattr(cache, "unstorable") and cache.static and UNSTORABLE.search(str(e)):
+                    raise cache.unstorable(i) from None
+                raise
         if last_only:
             x = x[:, -1:]  # (B, 1, d_model)
         logits = self.lm_head(self.norm(x))  # (B, T, padded_vocab_size)
         return logits[..., : self.cfg.vocab_size]
+
+
+# A quantized cache's static op that could not store a K or V value: the Python op's KVValueError, wrapped by a compiled
+# graph, or ops.cpp's own words
+UNSTORABLE = re.compile(r"KVValueError|KV cache part \w+: a value that is not finite")
 
 
 def build_model(cfg: ModelConfig, device=None, dtype=None, init: bool = True) -> Transformer:
