@@ -10,7 +10,7 @@ import tempfile
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -302,6 +302,29 @@ def room_problem(cfg, length: int, max_new_tokens: int, held: int = 0) -> str | 
 IDS = "give token ids (an integer tensor or a list of ints)"
 
 
+def check_options(kv_policy=None, stop_tokens=(), fused=None) -> list[int]:
+    """Raises InputError naming every one of generate's kv_policy (None, a policy string or a KVPolicy), stop_tokens
+    (token ids: a list, tuple or 1-D tensor of whole numbers) and fused (True, False or None: a string such as
+    'false' or a 0 would read as another choice) that cannot be used; returns the stop token ids."""
+    problems, stop = [], []
+    if kv_policy is not None and not isinstance(kv_policy, (str, KVPolicy)):
+        problems.append(f"kv_policy={kv_policy!r} must be a policy string such as 'k=q8_0,v=q4_0' (formats per cached "
+                        "tensor, resid=...) or an attnlab.cache.codecs.KVPolicy")  # fmt: skip
+    values = None
+    if isinstance(stop_tokens, torch.Tensor) and stop_tokens.dim() <= 1:
+        values = stop_tokens.reshape(-1).tolist()
+    elif isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes, dict)):
+        values = list(stop_tokens)
+    stop = [] if values is None else [_whole(v) for v in values]
+    if values is None or any(v is None for v in stop):
+        problems.append(f"stop_tokens={stop_tokens!r} must be a list of token ids (whole numbers, e.g. [2])")
+    if fused is not None and not isinstance(fused, bool):
+        problems.append(f"fused={fused!r} must be True, False or None (auto: the fused step where it applies)")
+    if problems:
+        raise InputError("; ".join(problems))
+    return stop
+
+
 def prompt_ids(prompt, device) -> torch.Tensor:
     """generate's prompt as an int64 tensor on `device`. InputError (one line) for values that are no token ids
     (floats, bools, text: never truncated or read as 0/1) and for a batch of rows of different lengths. An empty
@@ -335,8 +358,11 @@ def prompt_ids(prompt, device) -> torch.Tensor:
         odd = values[values != values.round()] if tokens.is_floating_point() else values
         kind = "bool" if tokens.dtype == torch.bool else "float" if tokens.is_floating_point() else "complex"
         example = (odd if odd.numel() else values)[0].item()
-        example = f"{example:.6g}" if isinstance(example, float) else repr(example)
-        raise InputError(f"prompt holds {kind} values (e.g. {example}): {IDS}")
+        example = repr(float(f"{example:.6g}")) if isinstance(example, float) else repr(example)  # 1.0, not 1
+        given = getattr(prompt, "dtype", None)  # a numpy array's (a list's values have none)
+        given = f", dtype {given}" if given is not None else ""
+        raise InputError(f"prompt holds {kind} values (e.g. {example}{given}): token ids are integers, e.g. [1, 2]: "
+                         f"{IDS}")  # fmt: skip
     return tokens.to(device=device, dtype=torch.long)
 
 
@@ -362,7 +388,10 @@ def generate(
     Greedy when temperature is 0 (top_k, top_p and seed then change nothing: given, they are refused, InputError;
     see `greedy_ignores`). Stops once every sequence has produced a stop token (the stop token
     is included) or after max_new_tokens. `seed` makes sampling reproducible. `kv_policy` (a KVPolicy or
-    a string such as "k=q8_0,v=q4_0,resid=128") stores the KV cache quantized. Bad arguments raise
+    a string such as "k=q8_0,v=q4_0,resid=128") stores the KV cache quantized; a K or V value its block format
+    cannot store (not finite, or beyond its fp16 scale) raises InputError (attnlab.cache.codecs.KVValueError) naming
+    the layer and the policy, from the fused step as from the eager one. The layers before that one have then stored
+    the token: generate's own cache is dropped with the error, and a given `cache` is left unusable. Bad arguments raise
     InputError (see `check_sampling`): temperature finite and >= 0, top_k >= 1, top_p in (0, 1],
     max_new_tokens >= 0 (0 returns no tokens), seed 0 .. 2**64 - 1.
 
@@ -401,6 +430,7 @@ def generate(
     callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
+    stop_ids = check_options(kv_policy, stop_tokens, fused)
     problem = greedy_problem(temperature, top_k, top_p, seed)
     if problem:
         raise InputError(problem)
@@ -489,7 +519,7 @@ def generate(
                 raise InputError(f"fused=True: the fused decode step does not apply: {fused_problem(model, cache)}")
             logits = prefill(model, tokens, cache, prefill_chunk)
         positions = torch.tensor([cache.seen], device=device)
-        stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
+        stop = torch.tensor(stop_ids, dtype=torch.long, device=device)
         done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
         out, greedy = [], None  # greedy: the static step's argmax of `logits`
         for i in range(max_new_tokens):

@@ -361,17 +361,28 @@ def _unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
         out[..., i * width : (i + 1) * width].copy_(packed >> (i * bits) & mask if per_byte > 1 else packed)
 
 
-def _bad_values(x: torch.Tensor, what: str, limit: float) -> InputError:
+class UnstorableError(InputError):
+    """x holds `bad` values that are not finite, or (bad 0) values up to |x| = `peak`, beyond `limit`, what a format's
+    fp16 scale can represent (a KV cache turns it into attnlab.cache.codecs.KVValueError, which names its layer)."""
+
+    def __init__(self, message: str, bad: int, peak: float, limit: float):
+        super().__init__(message)
+        self.bad, self.peak, self.limit = bad, peak, limit
+
+
+def _bad_values(x: torch.Tensor, what: str, limit: float) -> UnstorableError:
     bad = int((~torch.isfinite(x)).sum())
     if bad:
-        return InputError(
+        return UnstorableError(
             f"x has {bad} non-finite values (NaN or inf) out of {x.numel()}; quantization needs finite input "
-            f"(replace or mask them first)"
-        )
-    return InputError(
-        f"x has values up to |x|={x.abs().max().item():.6g}, beyond what {what} can represent "
-        f"(|x| <= {limit:.6g}); rescale x first"
-    )
+            f"(replace or mask them first)",
+            bad, float("nan"), limit,
+        )  # fmt: skip
+    peak = x.abs().max().item()
+    return UnstorableError(
+        f"x has values up to |x|={peak:.6g}, beyond what {what} can represent (|x| <= {limit:.6g}); rescale x first",
+        0, peak, limit,
+    )  # fmt: skip
 
 
 def _check_format(fmt: str) -> str:

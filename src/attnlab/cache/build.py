@@ -8,7 +8,7 @@ import torch
 
 from attnlab.cache.banks import BoundedCache
 from attnlab.cache.base import LayerCache
-from attnlab.cache.codecs import KVPolicy, as_policy
+from attnlab.cache.codecs import KVPolicy, as_policy, default_format
 from attnlab.cache.dense import DenseCache
 from attnlab.cache.layout import CacheLayout
 from attnlab.cache.memories import H2OCache, StreamingCache, WindowCache
@@ -54,6 +54,8 @@ def build_cache(
     a stream of any length), else a cache for up to max_len tokens (a ring of the layout's window for a
     sliding-window variant); each field stored in the format `policy` names (None: in `dtype`)."""
     policy = as_policy(policy)
+    if policy is not None:
+        default_format(dtype, policy)  # InputError for a float64 cache, before any kind of cache is built
     if memory is not None and memory.kind != "none":
         if layout.window is not None:  # ModelConfig refuses this; a hand-built layout gets the same line
             raise ConfigError(f"a sliding-window attention (window {layout.window}) takes no memory: its own window "

@@ -10,6 +10,7 @@ A Codec encodes a tensor's rows (a token's values over all its KV heads) into st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlab import quant
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, InputError
 from attnlab.kernels import cpu as cpu_kernels
 
 FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -31,6 +32,62 @@ ALIASES = {"ksem": "k_sem", "kgeo": "k_geo", "krope": "k_rope"}  # short policy 
 SHORT = {name: short for short, name in ALIASES.items()}
 # Every tensor name a variant's cache layout declares (attention/*.py); a policy key outside them is a typo.
 TENSOR_NAMES = ("k", "v", *KEY_PARTS, "k_rope", "latent")
+
+
+def default_format(dtype: torch.dtype, policy) -> str:
+    """The format a KV policy leaves a cache's unnamed tensors in (its residual window's dtype too): the cache dtype's.
+    InputError for a dtype no format stores (float64)."""
+    if dtype not in FORMAT_OF_DTYPE:
+        dtypes = ", ".join(str(d).removeprefix("torch.") for d in FORMAT_OF_DTYPE)
+        raise InputError(f"kv policy {policy} needs a cache of {dtypes} values, not {dtype} (a {dtype} model: load it "
+                         "with dtype=torch.float32, or leave the policy out)")  # fmt: skip
+    return FORMAT_OF_DTYPE[dtype]
+
+
+def _noun(name: str) -> str:
+    noun = "latent keys and values" if name == "latent" else "values" if name == "v" else "keys"
+    return f"{noun} ({SHORT.get(name, name)})"
+
+
+class KVValueError(InputError):
+    """A K or V value a KV cache's block format cannot store: not finite, or beyond what its fp16 block scale holds.
+    One line, for a CLI user too: the policy and the layer (once known: `at`), the cached tensor (`fields`: (name,
+    format, limit) of each it may be in, one where known), `bad` values not finite or the largest |value| `peak` (where
+    known), and what to do. Raised by the eager step (Codec.encode) and by the fused one (attnlab.model.fused)."""
+
+    def __init__(self, fields, bad: int = 0, peak: float | None = None, layer: int | None = None, policy=None):
+        self.fields, self.bad, self.peak, self.layer, self.policy = list(fields), bad, peak, layer, policy
+        head = "kv policy: " if policy is None else f"kv policy {policy}: "
+        where = "the model's" if layer is None else f"layer {layer}'s"
+        formats = " or ".join(dict.fromkeys(fmt for _, fmt, _ in self.fields))
+        scales = " or ".join(dict.fromkeys(f"{fmt}'s fp16 block scale holds (|x| <= {limit:.3g})"
+                                           for _, fmt, limit in self.fields))  # fmt: skip
+        names = ", ".join(SHORT.get(name, name) for name, _, _ in self.fields)
+        example = ",".join(f"{SHORT.get(name, name)}=bf16" for name, _, _ in self.fields)
+        if isinstance(policy, KVPolicy):  # the policy with bf16 for the tensors named
+            failing = {name for name, _, _ in self.fields}
+            failing |= {"k"} if failing & set(KEY_PARTS) else set()
+            example = str(dataclasses.replace(policy, formats=tuple(
+                (name, "bf16" if name in failing else fmt) for name, fmt in policy.formats)))  # fmt: skip
+        fix = (f"store them in a format with more range (bf16 or fp32, e.g. {example}; fp16 stops at 65504), leave "
+               "the KV policy out (--kv-policy, kv_policy), or check the checkpoint (its activations are out of "
+               "range)")  # fmt: skip
+        if bad:
+            text = (f"{where} {_noun(self.fields[0][0])} hold {bad} values that are not finite (NaN or inf), which "
+                    f"{formats} cannot store: check the checkpoint (a diverged model computes NaN or inf) and its "
+                    "input")  # fmt: skip
+        elif peak is not None:
+            name = SHORT.get(self.fields[0][0], self.fields[0][0])
+            text = (f"{where} {_noun(self.fields[0][0])} reach |{name}|={peak:.3g}, beyond what {scales}: "
+                    f"{fix}")  # fmt: skip
+        else:
+            text = (f"{where} keys or values ({names}) hold a value that is not finite (NaN or inf), or beyond what "
+                    f"{scales}: {fix}")  # fmt: skip
+        super().__init__(head + text)
+
+    def at(self, layer: int, policy) -> KVValueError:
+        """The same refusal naming the layer and the policy (the model's forward knows them, the codec does not)."""
+        return KVValueError(self.fields, self.bad, self.peak, layer, policy)
 
 
 @dataclass(frozen=True)
@@ -192,7 +249,13 @@ class Codec:
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: (B, n, width) float, n a multiple of tokens_per_block -> storage arrays for n / tokens_per_block
-        blocks (see `allocate`)."""
+        blocks (see `allocate`). KVValueError for a value the format cannot store."""
+        try:
+            return self._encode(x)
+        except quant.UnstorableError as e:
+            raise KVValueError([(self.name, self.fmt, e.limit)], e.bad, None if e.bad else e.peak) from None
+
+    def _encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.fmt in FLOAT_FORMATS:
             return [x.to(FLOAT_FORMATS[self.fmt]).contiguous().view(torch.uint8)]
         if self.fmt in BLOCK_FORMATS:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab import quant
 from attnlab.cache.base import LayerCache
-from attnlab.cache.codecs import FORMAT_OF_DTYPE, Codec, KVPolicy
+from attnlab.cache.codecs import Codec, KVPolicy, KVValueError, default_format
 from attnlab.cache.layout import CacheLayout, Read
 from attnlab.cache.quantized_kernel import KernelPlan, PlanPart, attend_static
 from attnlab.errors import ConfigError, InputError
@@ -59,7 +60,7 @@ class QuantizedCache(LayerCache):
                  dtype: torch.dtype, device=None):  # fmt: skip
         super().__init__(layout)
         self.policy, self.dtype, self.max_len, self.batch = policy, dtype, max_len, batch
-        default = FORMAT_OF_DTYPE[dtype]
+        default = default_format(dtype, policy)
         policy.check([f.name for f in layout.fields])
         self.parts: list[Part] = []
         for field, (buffer, lo, hi) in layout.slices.items():
@@ -220,6 +221,24 @@ class QuantizedCache(LayerCache):
         self.stored = self.plan.write(rows, store, recent, self.seen, self.stored)
         self.seen += 1
         return out
+
+    def unstorable(self, index: int) -> KVValueError:
+        """The refusal of a static or fused step (the C quantizer's status) that could not store a token at position
+        counters[0] (this layer's counters not advanced), as layer `index`: the tensor and its values are named where
+        the refused rows were the residual ring's (the eager step's words then), else every block-format tensor may
+        hold them (the new token's rows are not kept)."""
+        pos, stored, plan = int(self.counters[0]), int(self.counters[1]), self.plan
+        parts = [p for p in self.parts if p.codec.fmt in quant.FORMATS]
+        leave = stored + max(0, (pos + 1 - plan.resid - stored) // plan.flush) * plan.flush
+        slots = torch.arange(stored, min(leave, pos)) % plan.ring_slots  # the ring rows that were leaving
+        for p in parts:
+            rows, limit = self.recent[p.name][:, slots], quant._MAX_ABS[p.codec.fmt]
+            bad = int((~torch.isfinite(rows)).sum())
+            peak = rows.abs().max().item() if rows.numel() and not bad else 0.0
+            if bad or peak > limit:
+                return KVValueError([(p.name, p.codec.fmt, limit)], bad, peak, index, self.policy)
+        return KVValueError([(p.name, p.codec.fmt, quant._MAX_ABS[p.codec.fmt]) for p in parts], layer=index,
+                            policy=self.policy)  # fmt: skip
 
     def check_room(self, count: int) -> None:
         if self.seen + count > self.max_len:

@@ -36,7 +36,7 @@ from attnlab.attention.decoupled import Decoupled
 from attnlab.attention.mha import MHA
 from attnlab.attention.mla import MLA
 from attnlab.cache.base import ModelCache
-from attnlab.cache.codecs import KIVI_FORMATS
+from attnlab.cache.codecs import KIVI_FORMATS, KVValueError
 from attnlab.cache.dense import DenseCache
 from attnlab.cache.quantized import QuantizedCache
 from attnlab.errors import InputError
@@ -386,12 +386,33 @@ class FusedDecode:
         self.decoder = kernel.Decoder(plan, model.norm.eps, _scale(first))
         cache.set_static(True)
         self.steps = 0  # steps taken (tests check that the fused path ran)
+        self.refused = False  # a step was refused: the cache is partly written
+
+    def _unstorable(self) -> KVValueError:
+        """The refusal of a step fused.c could not store (status -3), from the first quantized layer whose counters
+        did not advance (QuantizedCache.unstorable)."""
+        for i, layer in enumerate(self.cache.layers):
+            if type(layer) is QuantizedCache and int(layer.counters[0]) == self.cache.seen:
+                return layer.unstorable(i)
+        return KVValueError([])  # not reached: fused.c stops at the layer that could not store
 
     def __call__(self, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """token (1, 1) int64 at position cache.seen -> (logits (1, vocab_size), their argmax (1, 1)); the token's
-        K and V are written into the cache and cache.seen advances by one."""
+        K and V are written into the cache and cache.seen advances by one.
+
+        A K or V value a quantized cache's block format cannot store (not finite, or beyond its fp16 block scale)
+        raises attnlab.cache.codecs.KVValueError (an InputError), as the eager step does, naming the layer and the
+        policy. fused.c has by then written the token into the layers before that one: the cache is left partly
+        written and unusable (this step then refuses every further call; start a new cache)."""
+        if self.refused:
+            raise InputError("this fused decode refused a step (a K or V value its cache could not store): its cache "
+                             "holds that token in some layers only; start a new cache")  # fmt: skip
         logits = torch.empty(1, self.vocab_rows)
-        best = self.decoder.step(int(token), self.cache.seen, logits[0])
+        try:
+            best = self.decoder.step(int(token), self.cache.seen, logits[0])
+        except kernel.Unstorable:
+            self.refused = True
+            raise self._unstorable() from None
         self.cache.seen += 1
         self.steps += 1
         return logits[:, : self.vocab_size], torch.tensor([[best]])

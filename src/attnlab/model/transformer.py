@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import torch
 import torch.utils.checkpoint
@@ -12,6 +13,7 @@ from torch import nn
 from attnlab.attention.registry import REGISTRY
 from attnlab.cache.banks import MemoryWrite
 from attnlab.cache.base import ModelCache
+from attnlab.cache.codecs import KVValueError
 from attnlab.config import ModelConfig
 from attnlab.errors import InputError
 from attnlab.ops.mlp import build_mlp
@@ -148,16 +150,28 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # (B, T, d_model)
         for i, block in enumerate(self.blocks):
             cache = None if layer_caches is None else layer_caches[i]
-            if run_block is not None:
-                x = run_block(block, x, positions, cache)
-            elif self.checkpoint_blocks and cache is None and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, positions, None, use_reentrant=False)[0]
-            else:
-                x = block(x, positions, cache)[0]
+            try:
+                if run_block is not None:
+                    x = run_block(block, x, positions, cache)
+                elif self.checkpoint_blocks and cache is None and torch.is_grad_enabled():
+                    x = torch.utils.checkpoint.checkpoint(block, x, positions, None, use_reentrant=False)[0]
+                else:
+                    x = block(x, positions, cache)[0]
+            except KVValueError as e:  # a K or V its cache's format cannot store: say which layer and policy
+                raise e.at(i, getattr(cache, "policy", None)) from None
+            except RuntimeError as e:  # the same inside a compiled step, where the op's error comes wrapped
+                if hasattr(cache, "unstorable") and cache.static and UNSTORABLE.search(str(e)):
+                    raise cache.unstorable(i) from None
+                raise
         if last_only:
             x = x[:, -1:]  # (B, 1, d_model)
         logits = self.lm_head(self.norm(x))  # (B, T, padded_vocab_size)
         return logits[..., : self.cfg.vocab_size]
+
+
+# A quantized cache's static op that could not store a K or V value: the Python op's KVValueError, wrapped by a compiled
+# graph, or ops.cpp's own words
+UNSTORABLE = re.compile(r"KVValueError|KV cache part \w+: a value that is not finite")
 
 
 def build_model(cfg: ModelConfig, device=None, dtype=None, init: bool = True) -> Transformer:

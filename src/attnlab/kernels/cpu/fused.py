@@ -57,6 +57,10 @@ def available() -> bool:
     return not cpu.switched_off() and qmatmul.packed_fast() and library() is not None
 
 
+class Unstorable(ValueError):
+    """fused.c's status -3: a block format could not store a K or V value (attnlab.model.fused names the layer)."""
+
+
 class Decoder:
     """The C function bound to one plan: `step(token, pos, logits)` -> the argmax (see fused.c). The plan's
     pointers stay valid while the caller holds the tensors they point into."""
@@ -81,7 +85,7 @@ class Decoder:
                 "quantized cache's counters not at that position)"
             )
         if status == -3:
-            raise ValueError(
+            raise Unstorable(
                 "fused decode: a K or V value that is not finite, or too large for the fp16 scale of its blocks, "
                 "cannot be stored in the quantized cache (the model produced it: check its inputs)"
             )
