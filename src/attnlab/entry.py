@@ -10,7 +10,9 @@ Some libraries do not let a KeyboardInterrupt through: torch imports numpy from 
 that import fails (leaving a half-imported numpy: `module 'numpy' has no attribute 'intp'` later); numpy's C code
 turns one into an ImportError; mpmath (imported by sympy, which torch imports on first use of some operations)
 imports gmpy under a bare `except:`. So main() notes every SIGINT itself: once one came, the next import raises
-KeyboardInterrupt again, and a command that still ends (or fails in its own words) ends as interrupted.
+KeyboardInterrupt again, and a command that still ends (or fails in its own words) ends as interrupted. During the
+imports of attnlab.cli (torch's) a SIGINT is only noted, and raised once they are done: torch's import runs Python
+from C++, and a KeyboardInterrupt raised there ended the process in C++'s `terminate called ...` (rc -6).
 
 What it cannot cover: a SIGINT while the interpreter starts, before the console script has called main() (Python's
 own start-up and the script's first two imports, a few milliseconds), which ends in Python's own traceback.
@@ -78,8 +80,13 @@ def main() -> int:
     try:
         with _noting_interrupts() as seen:
             try:
-                from attnlab.cli import main as run_command
-
+                seen.defer = True  # torch's import runs Python from C++: an exception raised there can abort
+                try:
+                    from attnlab.cli import main as run_command
+                finally:
+                    seen.defer = False
+                if seen:
+                    raise _stop(seen)  # a Ctrl-C during the imports, raised once they are done
                 code = run_command()  # (a Ctrl-C it meets is its own one line, and code 130; SIGTERM's 143)
             except Exception:
                 if not seen:
@@ -101,14 +108,22 @@ def _stop(seen: list[float]) -> KeyboardInterrupt:
     return Terminated() if seen[-1] < 0 else KeyboardInterrupt()
 
 
+class _Noted(list):
+    """The times of the signals noted (a SIGTERM's negative); while `defer`, a signal is only noted: the code that
+    set it raises once it is done (torch's import calls Python from C++, where a KeyboardInterrupt raised by the
+    handler can end the process in C++'s `terminate called after throwing ...`, rc -6, seen under load)."""
+
+    defer = False
+
+
 @contextlib.contextmanager
-def _noting_interrupts() -> Iterator[list[float]]:
+def _noting_interrupts() -> Iterator[_Noted]:
     """Within the block a SIGINT raises KeyboardInterrupt, as Python's own handler does, and is noted (its time) in
     the list yielded; once one came, every import raises KeyboardInterrupt again (_StopImports). Further SIGINTs in
     the GRACE_SECONDS after one are ignored, as train.signals ignores them during a run (whose handler then stands
     aside: this one is installed). A handler someone else installed (or SIGINT ignored) is left alone. A SIGTERM
     (its default action kept so far) is handled alike, raising Terminated; its time is noted negative."""
-    seen: list[float] = []
+    seen = _Noted()
     if threading.current_thread() is not threading.main_thread():
         yield seen
         return
@@ -122,7 +137,8 @@ def _noting_interrupts() -> Iterator[list[float]]:
         if seen and time.monotonic() - abs(seen[-1]) < GRACE_SECONDS:
             return  # a second Ctrl-C (or SIGTERM) while the first is being handled
         seen.append(-time.monotonic() if signum == signal.SIGTERM else time.monotonic())
-        raise _stop(seen)
+        if not seen.defer:
+            raise _stop(seen)
 
     stop = _StopImports(seen)
     sys.meta_path.insert(0, stop)
@@ -145,7 +161,7 @@ class _StopImports:
         self.seen = seen
 
     def find_spec(self, name, path, target=None):
-        if self.seen and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        if self.seen and not self.seen.defer and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
             raise _stop(self.seen)
         return None  # (the other finders find the module)
 
