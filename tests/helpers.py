@@ -12,6 +12,7 @@ import torch
 import attnlab
 from attnlab.cache.layout import CacheLayout, Field, Read
 from attnlab.config import DataConfig, ModelConfig, TrainConfig
+from attnlab.errors import InputError
 from attnlab.train.loop import train
 
 # The tiny model most tests want: vocab 97 (not a multiple of 64, so the padded embedding rows are exercised),
@@ -310,3 +311,14 @@ def smollm_file() -> Path:
     if not path.is_file():
         pytest.skip(f"{path} not found (set ATTNLAB_DATA)")
     return path
+
+
+def refused(call, *fragments) -> str:
+    """call() raises InputError (no other exception) whose one-line message holds every fragment; the message."""
+    with pytest.raises(InputError) as caught:
+        call()
+    message = str(caught.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message

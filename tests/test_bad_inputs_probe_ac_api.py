@@ -10,10 +10,9 @@ import re
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import refused, tiny_model
 
 import attnlab
-from attnlab.errors import InputError
 from attnlab.model.qlinear import QuantizedEmbedding, QuantizedLinear
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
@@ -21,17 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 def formats(model) -> set[str]:
     return {m.fmt for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
-
-
-def refused(call, *fragments) -> str:
-    """call() raises InputError (no other exception) whose one-line message holds every fragment; the message."""
-    with pytest.raises(InputError) as caught:
-        call()
-    message = str(caught.value)
-    assert "\n" not in message, message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
 
 
 # ----------------------------------------------------------------------- AC1: quantize_weights over quantized layers

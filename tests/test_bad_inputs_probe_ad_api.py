@@ -12,7 +12,7 @@ import importlib
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import refused, tiny_model
 
 import attnlab
 from attnlab.errors import InputError
@@ -23,17 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 generate_module = importlib.import_module("attnlab.generate")
 needs_fused = pytest.mark.skipif(not fused_kernel.available(), reason="no compiler for fused.c, or no AVX2 / VNNI")
 POLICY = "k=q8_0,v=q8_0,resid=3"
-
-
-def refused(call, *fragments) -> str:
-    """call() raises InputError (no other exception) whose one-line message holds every fragment; the message."""
-    with pytest.raises(InputError) as caught:
-        call()
-    message = str(caught.value)
-    assert "\n" not in message, message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
 
 
 def loud_model(scale: float = 1e7, layer: int = 1):
