@@ -134,7 +134,7 @@ moment, sys.argv = sys.argv[1], ["attnlab", *sys.argv[2:]]
 
 def term():
     os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(30)
+    time.sleep(2)  # (raised here; during the imports only noted, and raised once they are done)
 
 class Term(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):

@@ -28,7 +28,7 @@ moment, sys.argv = sys.argv[1], ["attnlab", *sys.argv[2:]]
 
 def ctrl_c():
     os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(30)  # (the KeyboardInterrupt is raised here, or, if it was swallowed, the command goes on)
+    time.sleep(2)  # (raised here; during the imports noted, raised once they are done)
 
 class CtrlC(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
