@@ -53,7 +53,7 @@ def test_ad3_a_kv_value_that_is_not_finite_is_one_input_error(fused):
     if fused is None and not fused_kernel.available():
         pytest.skip("no fused step here")
     model = loud_model(float("inf"), layer=0)
-    refused(lambda: attnlab.generate(model, [5], 8, kv_policy=POLICY, fused=fused), "layer 0", "not finite",
+    assert refused(lambda: attnlab.generate(model, [5], 8, kv_policy=POLICY, fused=fused), "layer 0", "not finite",
             "check the checkpoint")  # fmt: skip
 
 
@@ -83,7 +83,7 @@ def test_ad3_a_refused_fused_step_leaves_a_cache_that_refuses_further_steps():
     with pytest.raises(InputError):
         for token in range(1, 10):
             step(torch.tensor([[token]]))
-    refused(lambda: step(torch.tensor([[1]])), "refused", "new cache")
+    assert refused(lambda: step(torch.tensor([[1]])), "refused", "new cache")
 
 
 @needs_fused
@@ -95,7 +95,7 @@ def test_ad3_a_new_token_the_fused_step_cannot_store_is_refused_naming_the_layer
         model.embed.weight[7] = float("inf")  # its keys and values NaN after the norm
     cache = model.new_cache(1, 16, policy="k=q8_0,v=q4_0")
     generate_module.prefill_last(model, torch.tensor([[5]]), cache)
-    refused(lambda: FusedDecode(model, cache)(torch.tensor([[7]])), "kv policy k=q8_0,v=q4_0: layer 0's keys or "
+    assert refused(lambda: FusedDecode(model, cache)(torch.tensor([[7]])), "kv policy k=q8_0,v=q4_0: layer 0's keys or "
             "values (k, v)", "not finite", "q8_0's fp16 block scale", "q4_0's", "check the checkpoint")  # fmt: skip
 
 
@@ -111,7 +111,7 @@ def test_ad3_the_cli_refuses_in_one_line_on_either_path(tmp_path, capsys, kernel
     path = write_gguf(tmp_path / "loud.gguf", poison=("attn_k", 1e8))  # layer 0's first key row 1e8 times too large
     argv = ["generate", str(path), "ab cd", "--max-new-tokens", "6", "--kv-policy", "k=q8_0,v=q8_0,resid=2"]
     with contextlib.nullcontext() if kernels else cpu.disabled():
-        fails(capsys, argv, "kv policy k=q8_0,v=q8_0,resid=2: layer 0's keys (k) reach", "k=bf16,v=q8_0,resid=2",
+        assert fails(capsys, argv, "kv policy k=q8_0,v=q8_0,resid=2: layer 0's keys (k) reach", "k=bf16,v=q8_0,resid=2",
               "--kv-policy", "check the checkpoint")  # fmt: skip
 
 
@@ -123,7 +123,7 @@ def test_ad4_a_float64_model_with_a_kv_policy_is_refused_naming_the_dtype_and_wh
     model = tiny_model(dtype=torch.float64)
     for call in (lambda: attnlab.generate(model, [1, 2, 3], 5, kv_policy="k=q8_0"),
                  lambda: model.new_cache(1, 8, policy="k=q8_0")):  # fmt: skip
-        refused(call, "torch.float64", "float32", "k=q8_0")
+        assert refused(call, "torch.float64", "float32", "k=q8_0")
     assert attnlab.generate(model, [1, 2, 3], 2).shape == (2,)  # without a policy it generates
 
 
@@ -133,14 +133,14 @@ def test_ad4_a_float64_model_with_a_kv_policy_is_refused_naming_the_dtype_and_wh
 @pytest.mark.parametrize("policy", [{"k": "q8_0"}, 8, ["k=q8_0"]], ids=["dict", "int", "list"])
 def test_ad5_a_kv_policy_of_another_type_is_refused_saying_what_is_accepted(policy):
     """Was: AttributeError: 'dict' object has no attribute 'strip'."""
-    refused(lambda: attnlab.generate(tiny_model(), [1, 2, 3], 5, kv_policy=policy), f"kv_policy={policy!r}",
+    assert refused(lambda: attnlab.generate(tiny_model(), [1, 2, 3], 5, kv_policy=policy), f"kv_policy={policy!r}",
             "'k=q8_0,v=q4_0'", "KVPolicy")  # fmt: skip
 
 
 @pytest.mark.parametrize("stop", ["2", 2, [1.5], [True], [None]], ids=["str", "int", "float", "bool", "none"])
 def test_ad5_stop_tokens_other_than_a_list_of_ids_are_refused(stop):
     """Was: ValueError: too many dimensions 'str'."""
-    refused(lambda: attnlab.generate(tiny_model(), [1, 2, 3], 5, stop_tokens=stop), f"stop_tokens={stop!r}",
+    assert refused(lambda: attnlab.generate(tiny_model(), [1, 2, 3], 5, stop_tokens=stop), f"stop_tokens={stop!r}",
             "list of token ids")  # fmt: skip
 
 
@@ -157,7 +157,7 @@ def test_ad5_stop_tokens_as_a_tuple_or_a_tensor_still_stop():
 @pytest.mark.parametrize("fused", ["false", 0, 1, "no", np.bool_(False)])
 def test_ad6_fused_other_than_true_false_or_none_is_refused(fused):
     """Was: 'false' required the fused step, 0 meant auto."""
-    refused(lambda: attnlab.generate(tiny_model(), [1, 2, 3], 4, fused=fused), f"fused={fused!r}",
+    assert refused(lambda: attnlab.generate(tiny_model(), [1, 2, 3], 4, fused=fused), f"fused={fused!r}",
             "True, False or None")  # fmt: skip
 
 
@@ -169,4 +169,4 @@ def test_u8_a_numpy_float_prompt_is_refused_naming_its_dtype_and_showing_a_float
     message = refused(lambda: attnlab.generate(tiny_model(), np.array([1.0, 2.0, 3.0]), 5), "float64", "1.0",
                       "token ids are integers")  # fmt: skip
     assert "e.g. 1)" not in message and "e.g. 1:" not in message
-    refused(lambda: attnlab.generate(tiny_model(), [1.0, 2.5], 5), "2.5", "token ids are integers")
+    assert refused(lambda: attnlab.generate(tiny_model(), [1.0, 2.5], 5), "2.5", "token ids are integers")

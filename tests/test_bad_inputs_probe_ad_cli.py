@@ -61,7 +61,7 @@ def test_u3_an_unquoted_policy_list_split_by_yaml_is_refused_saying_how_to_quote
     said = ("holds 'resid=64', which names no format, so it quantizes nothing", "e.g. 'k=q8_0,resid=64'",
             "YAML splits an unquoted [k=q8_0,resid=64] at its comma", "policies: ['k=q8_0,resid=64']")  # fmt: skip
     validate_refuses(capsys, [str(manifest)], *said)
-    fails(capsys, ["bench", str(manifest), "--out", str(tmp_path / "o")], *said)
+    assert fails(capsys, ["bench", str(manifest), "--out", str(tmp_path / "o")], *said)
     assert main(["validate", str(kv_manifest(tmp_path, tiny_run, KVQ % "['k=q8_0,resid=4', none]"))]) == 0
 
 
@@ -69,7 +69,8 @@ def test_u3_an_unquoted_policy_list_split_by_yaml_is_refused_saying_how_to_quote
 def test_u3_kv_eval_refuses_a_policy_that_names_no_format(tiny_run, capsys, policy):
     """Was: kv-eval --policies resid=4: rc 0, a row of the full-precision cache, no line."""
     argv = ["kv-eval", str(tiny_run), "--split", "val", "--tokens", "64", "--seq-len", "16", "--policies", "k=q8_0"]
-    fails(capsys, [*argv, policy], f"--policies: {policy!r} names no format", "'none' for the full-precision row")
+    said = f"--policies: {policy!r} names no format"
+    assert fails(capsys, [*argv, policy], said, "'none' for the full-precision row")
 
 
 # ----------------------------------------------------------------------------- U5: kv_quant keys a kv-eval user tries
@@ -129,7 +130,7 @@ def test_ad2_ad7_a_memory_record_of_length_0_is_refused_naming_record_and_field(
     number = sorted(numbers, key=lambda i: records[i - 1]["length"])[which]  # the smallest, then the largest
     records[number - 1]["length"] = 0
     (copy / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    fails(capsys, ["report", str(copy)], f"record {number} (memory, ", "field 'length' is 0, which is impossible",
+    assert fails(capsys, ["report", str(copy)], f"record {number} (memory, ", "field 'length' is 0, which is impossible",  # noqa: E501
           "(a cache of 0 tokens is not measured) (the file was changed); repair or remove that line")  # fmt: skip
     assert not (copy / "report.md").exists()
 
@@ -145,7 +146,7 @@ def test_ad7_self_contradicting_memory_and_kv_quant_records_are_refused(tmp_path
                                                                          fields, said):  # fmt: skip
     """Was: drawn (rc 0): "| 64 | ok | 0 | 2,048 | yes |", a KL of -0.500000, a 0-byte policy."""
     copy, which = damaged(tmp_path, bench_folder, benchmark, **fields)
-    fails(capsys, ["report", str(copy)], which, said, "(the file was changed)")
+    assert fails(capsys, ["report", str(copy)], which, said, "(the file was changed)")
 
 
 def test_ad7_the_undamaged_records_still_report(tmp_path, bench_folder):
@@ -252,4 +253,4 @@ def test_u9_lm_eval_checks_its_kv_policy_against_the_model_before_reading_the_ta
         raise AssertionError("the tasks were read before the policy was checked")
 
     monkeypatch.setattr(lmeval, "task_manager", too_late)
-    fails(capsys, ["lm-eval", str(tiny_run), "--tasks", "arc_easy", "--kv-policy", policy, "--limit", "2"], said)
+    assert fails(capsys, ["lm-eval", str(tiny_run), "--tasks", "arc_easy", "--kv-policy", policy, "--limit", "2"], said)

@@ -116,11 +116,11 @@ BAD = {
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))
 def test_a_bad_option_is_refused_in_one_line_before_anything_is_measured(no_work, tiny_data, capsys, case):
     options, *fragments = BAD[case]
-    refused(no_work, capsys, argv(tiny_data, **options), *fragments)
+    assert refused(no_work, capsys, argv(tiny_data, **options), *fragments)
 
 
 def test_a_missing_data_dir_is_refused(no_work, tmp_path, capsys):
-    refused(no_work, capsys, argv(tmp_path / "nowhere"), f"--data-dir {tmp_path / 'nowhere'}", "no such folder")
+    assert refused(no_work, capsys, argv(tmp_path / "nowhere"), f"--data-dir {tmp_path / 'nowhere'}", "no such folder")
 
 
 @pytest.mark.parametrize(
@@ -129,24 +129,24 @@ def test_a_missing_data_dir_is_refused(no_work, tmp_path, capsys):
      ({"contexts": "", "prefill": "8,9000"}, ("--prefill 8,9000", "9000", "max_seq_len 64"))],
 )  # fmt: skip
 def test_a_length_past_the_models_context_is_refused_from_its_header(no_work, tiny_data, capsys, options, fragments):
-    refused(no_work, capsys, argv(tiny_data, **options), *fragments)
+    assert refused(no_work, capsys, argv(tiny_data, **options), *fragments)
 
 
 def test_smollm2s_context_is_read_from_its_gguf(no_work, data_dir, capsys):
     if not (data_dir / SMOLLM2).is_file():
         pytest.skip(f"no {SMOLLM2} in {data_dir}")
-    refused(no_work, capsys, argv(data_dir, contexts="", prefill="9000"), "--prefill 9000", "max_seq_len 8192")
+    assert refused(no_work, capsys, argv(data_dir, contexts="", prefill="9000"), "--prefill 9000", "max_seq_len 8192")
 
 
 def test_a_model_of_another_vocabulary_is_refused(no_work, tiny_data, tiny_run, capsys):
     """--models takes conversions of SmolLM2: the prompts are its tokens (a run of vocab 40 would fail mid-run)."""
     ref = str(tiny_run)
-    refused(no_work, capsys, argv(tiny_data, models=ref), f"--models {ref}", "vocab", "40", "97")
+    assert refused(no_work, capsys, argv(tiny_data, models=ref), f"--models {ref}", "vocab", "40", "97")
 
 
 def test_only_llama_cpp_asked_and_it_cannot_run_is_refused(no_work, tiny_data, monkeypatch, capsys):
     monkeypatch.setattr(no_work, "llama_cpp_problem", lambda path: "a test evaluation failed: no")
-    refused(no_work, capsys, argv(tiny_data, impls="llama.cpp"), "--impls llama.cpp", "nothing to measure")
+    assert refused(no_work, capsys, argv(tiny_data, impls="llama.cpp"), "--impls llama.cpp", "nothing to measure")
 
 
 @pytest.mark.parametrize(
@@ -170,4 +170,4 @@ def test_an_attnlab_error_while_measuring_is_one_line(no_work, tiny_data, monkey
         raise DataError("x.gguf: not a readable GGUF file (truncated);\n is it truncated?")
 
     monkeypatch.setattr(no_work, "measure", fail)
-    refused(no_work, capsys, argv(tiny_data), "x.gguf: not a readable GGUF file (truncated); is it truncated?")
+    assert refused(no_work, capsys, argv(tiny_data), "x.gguf: not a readable GGUF file (truncated); is it truncated?")
