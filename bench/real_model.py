@@ -69,6 +69,12 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def model_weights(weights: list[str]) -> list[str]:
+    """The --weights values a --models reference takes: each but the GGUF's own (native, native+q8), which a converted
+    model does not have (its weights are fp32); fp32 when only those were given."""
+    return [w for w in weights if not w.startswith("native")] or ["fp32"]
+
+
 def weight_bytes(model) -> int:
     """Bytes of every distinct tensor of the model read per token: parameters and buffers once each (a tied
     embedding and LM head are one table, read whole by the head), less an untied embedding (one row read) and the
@@ -101,8 +107,10 @@ class Attnlab:
 
     def __init__(self, ref: str, weights: str, kv: str, data_dir):
         held, _, activations = weights.partition("+")  # native+q8: the file's weights, 8-bit activations
-        self.model = load_for_eval(ref, data_dir=data_dir, weights=held, activations=activations or "fp32").model
-        self.label, self.weights, self.kv, self.policy = Path(ref).stem, weights, kv, KV_POLICIES[kv]
+        loaded = load_for_eval(ref, data_dir=data_dir, weights=held, activations=activations or "fp32")
+        self.model = loaded.model  # labelled by the file's stem, a run by <target>/seed<S>
+        label = Path(ref).stem if Path(ref).is_file() else loaded.name
+        self.label, self.weights, self.kv, self.policy = label, weights, kv, KV_POLICIES[kv]
         self.weight_bytes = weight_bytes(self.model)
 
     def kv_bytes_per_token(self, context: int) -> float:
@@ -289,7 +297,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Parser, argparse.Namespac
     )
     parser.add_argument("--kv", default="fp32,q8_0,q4_0", help="attnlab KV caches (fp32, fp16, q8_0, q4_0)")
     parser.add_argument("--llama-kv", default="f16,q8_0,q4_0", help="llama.cpp KV caches")
-    parser.add_argument("--models", default="", help="other attnlab references, comma-separated (fp32 weights)")
+    parser.add_argument(
+        "--models",
+        default="",
+        help="other attnlab references, comma-separated (with each --weights "
+        "value but native ones; fp32 when only those)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--no-record", action="store_true", help="print only (do not append to bench/results)")
@@ -400,7 +413,7 @@ def measure(args: argparse.Namespace, path: Path, impls: set[str]) -> None:
         if "attnlab" in impls:
             runners += [Attnlab(str(path), w, kv, args.data_dir) for w in args.weights
                         for kv in args.kv]  # fmt: skip
-            runners += [Attnlab(ref, "fp32", kv, args.data_dir) for ref in args.models
+            runners += [Attnlab(ref, w, kv, args.data_dir) for ref in args.models for w in model_weights(args.weights)
                         for kv in args.kv]  # fmt: skip
         if "transformers" in impls:
             runners.append(Transformers(path))

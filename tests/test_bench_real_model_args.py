@@ -171,3 +171,20 @@ def test_an_attnlab_error_while_measuring_is_one_line(no_work, tiny_data, monkey
 
     monkeypatch.setattr(no_work, "measure", fail)
     assert refused(no_work, capsys, argv(tiny_data), "x.gguf: not a readable GGUF file (truncated); is it truncated?")
+
+
+def test_models_take_every_weights_value_but_the_ggufs_own(bench):
+    """--models (converted run folders, fp32) are measured with each --weights value they can have: not native (a
+    GGUF's own blocks), fp32 when only native ones were asked for."""
+    assert bench.model_weights(["native+q8", "fp32", "q8_0", "q4_0+q8", "native"]) == ["fp32", "q8_0", "q4_0+q8"]
+    assert bench.model_weights(["native", "native+q8"]) == ["fp32"]
+
+
+def test_a_run_folder_is_labelled_by_its_target_not_seed0(bench, tmp_path):
+    """Was: Path(ref).stem, 'seed0' for every --models run folder: their rows collapsed into one in the table and
+    could not be told apart in the records."""
+    from helpers import train_tiny_run
+
+    run = train_tiny_run(tmp_path, {"vocab_size": 40, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": 64},
+                         steps=2)  # fmt: skip
+    assert bench.Attnlab(str(run), "fp32", "fp32", None).label == "tiny/seed0"

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from attnlab.accounting import kv_report
-from attnlab.cache.codecs import FORMATS, KVPolicy
+from attnlab.cache.codecs import FORMATS, KVPolicy, KVValueError
 from attnlab.cli_errors import one_line
 from attnlab.config import DTYPE_BYTES, source_problem
 from attnlab.config_io import parse_yaml
@@ -257,8 +257,20 @@ def cmd_kv_eval(args) -> int:
     records = check_kv_arguments(args)
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     check_kv_model(args, model)
-    rows = run_kv_eval(model, args.policies, split=args.split, seq_len=args.seq_len, max_tokens=args.tokens,
-                       chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir, dataset=args.dataset)  # fmt: skip
+    try:
+        rows = run_kv_eval(
+            model,
+            args.policies,
+            split=args.split,
+            seq_len=args.seq_len,
+            max_tokens=args.tokens,
+            chunk=args.chunk,
+            dtype=args.dtype,
+            data_dir=args.data_dir,
+            dataset=args.dataset,
+        )
+    except KVValueError as e:  # its way out in this command's words
+        raise e.instead("leave the policy out of --policies") from None
     print(f"{model.name}: KV policies on {rows[0]['tokens']:,} held-out tokens ({rows[0]['dataset']}:{args.split}), "
           f"seq_len {args.seq_len}, "
           f"fed {args.chunk} token(s) at a time; NLL with the full cache {rows[0]['nll_full']:.4f}")  # fmt: skip
@@ -302,8 +314,11 @@ def cmd_kv_tune(args) -> int:
         raise InputError(f"--resids {args.resids}: a model with a memory (memory.kind={memory}) stores every slot, "
                          "the recent window's too, in the policy's formats: it takes --resids 0")  # fmt: skip
     windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir, args.dataset)
-    result = tune(model.model, windows, args.budget, args.max_dnll, formats=formats, resids=resids, chunk=args.chunk,
-                  dtype=args.dtype)  # fmt: skip
+    try:
+        result = tune(model.model, windows, args.budget, args.max_dnll, formats=formats, resids=resids,
+                      chunk=args.chunk, dtype=args.dtype)  # fmt: skip
+    except KVValueError as e:
+        raise e.instead("leave the format out of --formats") from None
     print(table(result["verified"], at_seq_len=True))
     best = result["best"]
     verdict = "meets" if result["meets_max_dnll"] else "EXCEEDS"

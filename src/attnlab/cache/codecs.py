@@ -49,19 +49,29 @@ def _noun(name: str) -> str:
     return f"{noun} ({SHORT.get(name, name)})"
 
 
+def _holds(fmt: str, limit: float) -> str:
+    return (
+        f"{fmt} holds (|x| <= {limit:.3g})" if fmt == "fp16" else f"{fmt}'s fp16 block scale holds (|x| <= {limit:.3g})"
+    )
+
+
 class KVValueError(InputError):
-    """A K or V value a KV cache's block format cannot store: not finite, or beyond what its fp16 block scale holds.
+    """A K or V value a KV cache's format cannot store: not finite, or beyond what its fp16 block scale holds (a
+    block format), or beyond fp16's range (an fp16 cache: a finite value that would become inf).
     One line, for a CLI user too: the policy and the layer (once known: `at`), the cached tensor (`fields`: (name,
     format, limit) of each it may be in, one where known), `bad` values not finite or the largest |value| `peak` (where
     known), and what to do. Raised by the eager step (Codec.encode) and by the fused one (attnlab.model.fused)."""
 
-    def __init__(self, fields, bad: int = 0, peak: float | None = None, layer: int | None = None, policy=None):
+    LEAVE = "leave the KV policy out (--kv-policy, kv_policy)"
+
+    def __init__(self, fields, bad: int = 0, peak: float | None = None, layer: int | None = None, policy=None,
+                 leave: str = LEAVE):  # fmt: skip
         self.fields, self.bad, self.peak, self.layer, self.policy = list(fields), bad, peak, layer, policy
+        self.leave = leave  # the way out that drops the policy, in the caller's words
         head = "kv policy: " if policy is None else f"kv policy {policy}: "
         where = "the model's" if layer is None else f"layer {layer}'s"
         formats = " or ".join(dict.fromkeys(fmt for _, fmt, _ in self.fields))
-        scales = " or ".join(dict.fromkeys(f"{fmt}'s fp16 block scale holds (|x| <= {limit:.3g})"
-                                           for _, fmt, limit in self.fields))  # fmt: skip
+        scales = " or ".join(dict.fromkeys(_holds(fmt, limit) for _, fmt, limit in self.fields))
         names = ", ".join(SHORT.get(name, name) for name, _, _ in self.fields)
         example = ",".join(f"{SHORT.get(name, name)}=bf16" for name, _, _ in self.fields)
         if isinstance(policy, KVPolicy):  # the policy with bf16 for the tensors named
@@ -69,9 +79,8 @@ class KVValueError(InputError):
             failing |= {"k"} if failing & set(KEY_PARTS) else set()
             example = str(dataclasses.replace(policy, formats=tuple(
                 (name, "bf16" if name in failing else fmt) for name, fmt in policy.formats)))  # fmt: skip
-        fix = (f"store them in a format with more range (bf16 or fp32, e.g. {example}; fp16 stops at 65504), leave "
-               "the KV policy out (--kv-policy, kv_policy), or check the checkpoint (its activations are out of "
-               "range)")  # fmt: skip
+        fix = (f"store them in a format with more range (bf16 or fp32, e.g. {example}; fp16 stops at 65504), {leave}, "
+               "or check the checkpoint (its activations are out of range)")  # fmt: skip
         if bad:
             text = (f"{where} {_noun(self.fields[0][0])} hold {bad} values that are not finite (NaN or inf), which "
                     f"{formats} cannot store: check the checkpoint (a diverged model computes NaN or inf) and its "
@@ -80,6 +89,8 @@ class KVValueError(InputError):
             name = SHORT.get(self.fields[0][0], self.fields[0][0])
             text = (f"{where} {_noun(self.fields[0][0])} reach |{name}|={peak:.3g}, beyond what {scales}: "
                     f"{fix}")  # fmt: skip
+        elif {fmt for _, fmt, _ in self.fields} == {"fp16"}:  # fp16 stores NaN and inf: only a finite value beyond
+            text = f"{where} keys or values ({names}) hold a value beyond what {scales}: {fix}"  # its range is refused
         else:
             text = (f"{where} keys or values ({names}) hold a value that is not finite (NaN or inf), or beyond what "
                     f"{scales}: {fix}")  # fmt: skip
@@ -87,7 +98,11 @@ class KVValueError(InputError):
 
     def at(self, layer: int, policy) -> KVValueError:
         """The same refusal naming the layer and the policy (the model's forward knows them, the codec does not)."""
-        return KVValueError(self.fields, self.bad, self.peak, layer, policy)
+        return KVValueError(self.fields, self.bad, self.peak, layer, policy, self.leave)
+
+    def instead(self, leave: str) -> KVValueError:
+        """The same refusal with another way out (e.g. kv-eval's "leave it out of --policies")."""
+        return KVValueError(self.fields, self.bad, self.peak, self.layer, self.policy, leave)
 
 
 @dataclass(frozen=True)
@@ -257,7 +272,14 @@ class Codec:
 
     def _encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.fmt in FLOAT_FORMATS:
-            return [x.to(FLOAT_FORMATS[self.fmt]).contiguous().view(torch.uint8)]
+            y = x.to(FLOAT_FORMATS[self.fmt])
+            if self.fmt == "fp16" and x.dtype != torch.float16 and torch.isinf(y).any():  # finite x beyond 65504?
+                overflow = torch.isinf(y) & torch.isfinite(x)
+                if overflow.any():
+                    peak = x[overflow].abs().max().item()
+                    raise quant.UnstorableError(f"x has values up to |x|={peak:.6g}, beyond fp16's range", 0, peak,
+                                                quant.FP16_MAX)  # fmt: skip
+            return [y.contiguous().view(torch.uint8)]
         if self.fmt in BLOCK_FORMATS:
             arrays = cpu_kernels.quantize(self.fmt, x) if self.kernel_quantizes(x) else None  # the same bytes,
             if arrays is not None:  # without ~20 small torch ops

@@ -129,6 +129,7 @@ class PressCache(LayerCache):
                  max_len: int | None = None, policy: KVPolicy | None = None):  # fmt: skip
         super().__init__(layout)
         self.memory, self.max_len, self.dtype, self.seen = memory, max_len, dtype, 0
+        self.policy = policy  # (named by a refusal: attnlab.cache.codecs.KVValueError)
         heads = layout.heads
         self.buffers = {name: torch.zeros(batch, heads, 0, layout.buffer_width(name), dtype=dtype, device=device)
                         for name, _ in layout.buffers}  # fmt: skip

@@ -228,16 +228,19 @@ class QuantizedCache(LayerCache):
         the refused rows were the residual ring's (the eager step's words then), else every block-format tensor may
         hold them (the new token's rows are not kept)."""
         pos, stored, plan = int(self.counters[0]), int(self.counters[1]), self.plan
-        parts = [p for p in self.parts if p.codec.fmt in quant.FORMATS]
+        limits = {**quant._MAX_ABS, "fp16": quant.FP16_MAX}  # fp16: a finite value beyond it becomes inf
+        parts = [p for p in self.parts if p.codec.fmt in limits]
         leave = stored + max(0, (pos + 1 - plan.resid - stored) // plan.flush) * plan.flush
         slots = torch.arange(stored, min(leave, pos)) % plan.ring_slots  # the ring rows that were leaving
         for p in parts:
-            rows, limit = self.recent[p.name][:, slots], quant._MAX_ABS[p.codec.fmt]
-            bad = int((~torch.isfinite(rows)).sum())
-            peak = rows.abs().max().item() if rows.numel() and not bad else 0.0
-            if bad or peak > limit:
+            rows, limit = self.recent[p.name][:, slots], limits[p.codec.fmt]
+            finite = torch.isfinite(rows)
+            bad = 0 if p.codec.fmt == "fp16" else int((~finite).sum())  # fp16 stores NaN and inf as they are
+            peak = rows[finite].abs().max().item() if finite.any() and not bad else 0.0
+            beyond = peak >= 65520.0 if p.codec.fmt == "fp16" else peak > limit  # fp16 rounds up to 65519 to 65504
+            if bad or beyond:
                 return KVValueError([(p.name, p.codec.fmt, limit)], bad, peak, index, self.policy)
-        return KVValueError([(p.name, p.codec.fmt, quant._MAX_ABS[p.codec.fmt]) for p in parts], layer=index,
+        return KVValueError([(p.name, p.codec.fmt, limits[p.codec.fmt]) for p in parts], layer=index,
                             policy=self.policy)  # fmt: skip
 
     def check_room(self, count: int) -> None:

@@ -93,6 +93,7 @@ class QuestCache(LayerCache):
                  max_len: int | None = None, policy: KVPolicy | None = None):  # fmt: skip
         super().__init__(layout)
         self.memory, self.max_len, self.length = memory, max_len, 0
+        self.policy = policy  # (named by a refusal: attnlab.cache.codecs.KVValueError)
         slots = INITIAL_SLOTS if max_len is None else min(max_len, INITIAL_SLOTS)
         self.buffers = {name: torch.zeros(shape, dtype=dtype, device=device)
                         for name, shape in layout.shapes(batch, slots).items()}  # fmt: skip

@@ -350,7 +350,8 @@ static inline uint16_t float_to_bf16(float f) {
 
 /* Row x (the part's width) stored as token t of a part, the bytes Codec.encode_into writes: qattn.c's attnlab_quantize
  * for the block formats (nf4: its tables `nf4`); fp16 / bf16 rounded to nearest even (torch's .to, fp16.h). Returns 0,
- * or -3 for a value the block formats cannot store (not finite, or a block scale beyond fp16). */
+ * or -3 for a value the format cannot store (block formats: not finite, or a block scale beyond fp16; fp16: a finite
+ * value beyond 65504). */
 static int store_row(const kv_part_t *part, int64_t t, const float *x, const void *const *nf4) {
     const int64_t width = part->width, nb = width / 32;
     if (part->fmt == 0) {
@@ -359,8 +360,12 @@ static int store_row(const kv_part_t *part, int64_t t, const float *x, const voi
     }
     if (part->fmt == 1 || part->fmt == 2) {
         uint16_t *row = (uint16_t *)(part->quants + t * width * 2);
-        for (int64_t i = 0; i < width; i++) row[i] = part->fmt == 1 ? float_to_half(x[i]) : float_to_bf16(x[i]);
-        return 0;
+        int overflow = 0; /* fp16: a finite value that became inf (beyond 65504) */
+        for (int64_t i = 0; i < width; i++) {
+            row[i] = part->fmt == 1 ? float_to_half(x[i]) : float_to_bf16(x[i]);
+            overflow |= part->fmt == 1 && (row[i] & 0x7fff) == 0x7c00 && isfinite(x[i]);
+        }
+        return overflow ? -3 : 0;
     }
     const int64_t quant_bytes = part->fmt == 3 ? 32 : 16;
     const uint8_t *below = nf4[0];

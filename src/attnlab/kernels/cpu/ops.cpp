@@ -233,6 +233,7 @@ void encode_into(const Part &part, const Tensor &x, int64_t r0, int64_t n, const
         return;
     }
     const Tensor &rows = arrays[0];  // (B, slots, width * bytes per value) uint8
+    bool overflow = false;  // fp16: a finite value that became inf (beyond 65504)
     for (int64_t b = 0; b < batch; b++)
         for (int64_t t = 0; t < n; t++) {
             const float *from = source + b * x.stride(0) + t * x.stride(1);
@@ -241,10 +242,14 @@ void encode_into(const Part &part, const Tensor &x, int64_t r0, int64_t n, const
                 std::memcpy(to, from, width * sizeof(float));
             } else {
                 uint16_t *half = reinterpret_cast<uint16_t *>(to);
-                for (int64_t j = 0; j < width; j++)
+                for (int64_t j = 0; j < width; j++) {
                     half[j] = part.code == FP16 ? float_to_half(from[j]) : float_to_bf16(from[j]);
+                    overflow |= part.code == FP16 && (half[j] & 0x7fff) == 0x7c00 && std::isfinite(from[j]);
+                }
             }
         }
+    STD_TORCH_CHECK(!overflow, "KV cache part ", part.name, ": a value that is not finite in fp16 (|x| > 65504) ",
+                    "cannot be stored (the model produced it: check its inputs)");
 }
 
 void check_rows(const Tensor &t, const char *what) {
