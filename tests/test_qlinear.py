@@ -286,8 +286,11 @@ def test_quantize_weights_replaces_every_linear_and_the_tied_table(fmt):
 
 def test_untied_embedding_and_layers_that_do_not_split_into_blocks():
     model = tiny_model(seed=0, d_model=48, n_heads=4, tie_embeddings=False)  # d_model 48: no q4_0 blocks
-    with pytest.warns(AttnlabWarning, match=r"kept in float, in_features not a multiple of 32: embed .*qkv"):
+    with pytest.warns(AttnlabWarning, match=r"kept in float, in_features not a multiple of 32: embed .*qkv") as seen:
         attnlab.quantize_weights(model, "q4_0")
+    line = str(seen[0].message)  # one entry per kind of layer, its count: not one per block (SmolLM2's MLA: 60)
+    layers = model.cfg.n_layers
+    assert f"blocks.*.attn.qkv (in_features=48) x {layers}" in line and "blocks.0." not in line, line
     assert type(model.blocks[0].attn.qkv) is torch.nn.Linear and type(model.embed) is torch.nn.Embedding
     assert isinstance(model.blocks[0].mlp.down, QuantizedLinear)  # hidden_dim 128 splits
     model = tiny_model(seed=0, tie_embeddings=False)

@@ -26,7 +26,9 @@ Elsewhere (CUDA, bf16, a gradient through x) W is dequantized to x's dtype and F
 
 from __future__ import annotations
 
+import re
 import warnings
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -314,9 +316,11 @@ def quantize_weights(model: nn.Module, fmt: str) -> nn.Module:
                 kept.append(f"{name + '.' if name else ''}{child_name} (in_features={child.in_features})")
                 continue
             setattr(module, child_name, QuantizedLinear.from_linear(child, fmt))
-    if kept:
+    if kept:  # one entry per kind of layer: blocks.*.attn.k_up (in_features=168) x 30, not 30 entries
+        kinds = Counter(re.sub(r"\.\d+\.", ".*.", name) for name in kept)
+        shown = ", ".join(kind + (f" x {count}" if count > 1 else "") for kind, count in kinds.items())
         warnings.warn(f"quantize_weights({fmt!r}): kept in float, in_features not a multiple of {quant.BLOCK}: "
-                      f"{', '.join(kept)}", AttnlabWarning, stacklevel=3)  # fmt: skip
+                      f"{shown}", AttnlabWarning, stacklevel=3)  # fmt: skip
     return model.eval()
 
 
