@@ -87,9 +87,9 @@ CASES = {name: (name, None) for name in MODELS} | {
 }
 
 
-def build(name):
+def build(name, max_seq_len=128):
     attention, weights, config = MODELS[name]
-    model = tiny_model(attention, seed=0, perturb=True, init_std=0.3, max_seq_len=128, **config)
+    model = tiny_model(attention, seed=0, perturb=True, init_std=0.3, max_seq_len=max_seq_len, **config)
     if weights == "fp32":
         return model
     model = quantize_weights(model, weights)
@@ -158,6 +158,18 @@ def test_fused_steps_give_the_eager_steps_logits_and_greedy_tokens(case, monkeyp
     if logits is not None:
         best = logits.topk(2).values[0]
         assert (best[0] - best[1]) / logits.abs().max() <= FLIP_BOUND, f"tokens part at step {len(eager) - 1}"
+
+
+@pytest.mark.parametrize("name", ["mla", "mla-arm-like-fp16", "dec-mqa-odd-fp16-interleaved", "dec-gqa"])
+def test_rows_shared_between_threads_give_the_eager_logits_over_several_blocks_of_rows(name):
+    """Few sub-groups of query heads (MLA's one latent head, MQA, 2 KV heads) over contexts of 150-170 rows (past
+    32 value columns of a latent of 56), on 2 threads as on 1, give the eager step's logits."""
+    model = build(name, max_seq_len=256)
+    prompt = torch.randint(0, 97, (1, 150), generator=torch.Generator().manual_seed(2))
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        errors = lockstep(model, prompt, steps=20)
+        assert all(error <= TINY_BOUND for error, _ in errors), (threads, errors)
 
 
 def refused_cases():
