@@ -258,17 +258,9 @@ def cmd_kv_eval(args) -> int:
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     check_kv_model(args, model)
     try:
-        rows = run_kv_eval(
-            model,
-            args.policies,
-            split=args.split,
-            seq_len=args.seq_len,
-            max_tokens=args.tokens,
-            chunk=args.chunk,
-            dtype=args.dtype,
-            data_dir=args.data_dir,
-            dataset=args.dataset,
-        )
+        rows = run_kv_eval(model, args.policies, split=args.split, seq_len=args.seq_len, max_tokens=args.tokens,
+                           chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir,
+                           dataset=args.dataset)  # fmt: skip
     except KVValueError as e:  # its way out in this command's words
         raise e.instead("leave the policy out of --policies") from None
     print(f"{model.name}: KV policies on {rows[0]['tokens']:,} held-out tokens ({rows[0]['dataset']}:{args.split}), "
