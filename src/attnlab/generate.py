@@ -325,6 +325,16 @@ def check_options(kv_policy=None, stop_tokens=(), fused=None) -> list[int]:
     return stop
 
 
+def nan_logits(model, step: int) -> str:
+    """generate's refusal of NaN logits at new token `step` (the model's activations overflow, or NaN within it)."""
+    dtype = next(model.parameters()).dtype
+    low = dtype in (torch.float16, torch.bfloat16)
+    name = str(dtype).removeprefix("torch.")
+    fix = f"a {name} model's activations overflow: load it with dtype=torch.float32" if low else "they overflow"
+    return (f"the model's logits are NaN at new token {step} ({fix}; check the checkpoint: its weights may be "
+            "far too large or diverged)")  # fmt: skip
+
+
 def prompt_ids(prompt, device) -> torch.Tensor:
     """generate's prompt as an int64 tensor on `device`. InputError (one line) for values that are no token ids
     (floats, bools, text: never truncated or read as 0/1) and for a batch of rows of different lengths. An empty
@@ -450,6 +460,10 @@ def generate(
     if low < 0 or high >= cfg.vocab_size:
         raise InputError(f"prompt token ids must be in 0 .. {cfg.vocab_size - 1} (vocab_size={cfg.vocab_size}), got "
                          f"{low if low < 0 else high}")  # fmt: skip
+    outside = [t for t in stop_ids if not 0 <= t < cfg.vocab_size]  # (would never stop the generation)
+    if outside:
+        raise InputError(f"stop_tokens {outside} are not token ids of this model (0 .. {cfg.vocab_size - 1}): give "
+                         "ids of its vocabulary")  # fmt: skip
     if cache is not None and kv_policy is not None:
         raise InputError("kv_policy chooses how a new cache is stored: it does not apply to a given cache")
     held = cache.seen if cache is not None else 0
@@ -523,6 +537,8 @@ def generate(
         done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
         out, greedy = [], None  # greedy: the static step's argmax of `logits`
         for i in range(max_new_tokens):
+            if bool(torch.isnan(logits).any()):  # argmax would read NaN as token 0, every step, without a word
+                raise InputError(nan_logits(model, i))
             if greedy is not None and temperature == 0:
                 next_token = greedy  # (B, 1)
             else:

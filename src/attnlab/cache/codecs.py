@@ -77,6 +77,8 @@ class KVValueError(InputError):
         if isinstance(policy, KVPolicy):  # the policy with bf16 for the tensors named
             failing = {name for name, _, _ in self.fields}
             failing |= {"k"} if failing & set(KEY_PARTS) else set()
+            if {fmt for _, fmt, _ in self.fields} == {"fp16"}:  # every fp16 tensor: the others may overflow next
+                failing |= {name for name, fmt in policy.formats if fmt == "fp16"}
             example = str(dataclasses.replace(policy, formats=tuple(
                 (name, "bf16" if name in failing else fmt) for name, fmt in policy.formats)))  # fmt: skip
         fix = (f"store them in a format with more range (bf16 or fp32, e.g. {example}; fp16 stops at 65504), {leave}, "
@@ -216,6 +218,9 @@ class KVPolicy:
 def as_policy(policy: KVPolicy | str | None) -> KVPolicy | None:
     if policy is None or isinstance(policy, KVPolicy):
         return policy
+    if not isinstance(policy, str):  # (a list, dict or number: parse would fail on .strip)
+        raise InputError(f"kv policy {policy!r} must be a policy string such as 'k=q8_0,v=q4_0' (formats per cached "
+                         "tensor, resid=...) or an attnlab.cache.codecs.KVPolicy")  # fmt: skip
     parsed = KVPolicy.parse(policy)
     return parsed if parsed.formats or parsed.resid else None
 

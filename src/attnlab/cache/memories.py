@@ -92,8 +92,8 @@ def memory_codecs(layout: CacheLayout, policy: KVPolicy, default: str) -> dict[s
     per_channel = [name for name, codec in codecs.items() if codec.tokens_per_block > 1]
     if per_channel:
         raise ConfigError(
-            f"kv policy: {', '.join(per_channel)} in a per-channel format quantizes {policy.group_size} tokens "
-            "together, but a memory replaces single tokens in its slots (use a per-token format: fp16, bf16, "
+            f"kv policy {policy}: {', '.join(per_channel)} in a per-channel format quantizes {policy.group_size} "
+            "tokens together, but a memory replaces single tokens in its slots (use a per-token format: fp16, bf16, "
             "q8_0, q4_0 or nf4)"
         )
     return codecs

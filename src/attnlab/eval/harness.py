@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from attnlab.cache.codecs import KVValueError
 from attnlab.config_checks import unknown_key_problem
 from attnlab.config_io import parse_yaml, read_yaml, yaml_problem
 from attnlab.data.files import folder_lock
@@ -553,7 +554,10 @@ def _run_plan(plan: BenchPlan, out_dir: Path, log) -> Path:
                 try:
                     records = BENCHMARKS[name](model, out_dir, plan.data_dir, **params)
                 except (ConfigError, InputError) as e:  # a parameter the benchmark refused once it ran: name it
-                    raise type(e)(named_parameters(name, str(e), full, model.name)) from None
+                    if isinstance(e, KVValueError):  # its way out in the manifest's words
+                        e = e.instead(f"leave the policy out of benchmarks.{name}.policies")
+                    error = ConfigError if isinstance(e, ConfigError) else InputError  # (KVValueError and the like
+                    raise error(named_parameters(name, str(e), full, model.name)) from None  # take other arguments)
                 problem = unmeasured_problem(name, records, label)
                 if problem:
                     raise InputError(problem)
