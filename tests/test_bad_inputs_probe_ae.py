@@ -104,3 +104,37 @@ def test_u6_stop_tokens_outside_the_vocabulary_are_refused(stop):
     """Was: accepted; such a stop token never stops the generation."""
     assert refused(lambda: attnlab.generate(tiny_model(), [5, 6], 4, stop_tokens=stop), "stop_tokens [",
                    "not token ids of this model (0 .. 96)")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- U4, U5: whitespace, one warning
+
+
+def test_u4_a_value_ending_in_a_newline_is_said_to_end_in_whitespace_not_a_space():
+    from attnlab.paths import shown_value
+
+    assert shown_value("/data\n") == "'/data\\n' (it ends with whitespace)"
+    assert shown_value(" /data") == "' /data' (it starts with a space)"
+
+
+def test_u5_a_cache_folder_that_cannot_be_used_is_warned_once_for_all_kernels(tmp_path, monkeypatch):
+    """Was: the same line once per kernel (qattn, qmatmul, fused: three lines)."""
+    import warnings
+
+    from attnlab.errors import AttnlabWarning
+    from attnlab.kernels import cpu
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (tmp_path / "attnlab").mkdir()
+    cpu.kernel_dir().write_text("a file")
+
+    def builds(folder=None):
+        if folder is None or folder == cpu.kernel_dir():
+            raise FileExistsError(17, "File exists", str(cpu.kernel_dir()))
+        return folder / "lib.so"
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert cpu.compiled(cpu.SOURCE, lambda path: "loaded", builds) == "loaded"
+    lines = [str(w.message) for w in caught if issubclass(w.category, AttnlabWarning)]
+    assert len(lines) == 1 and "is a file" in lines[0], lines

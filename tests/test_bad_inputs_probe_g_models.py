@@ -164,6 +164,14 @@ def test_kv_tune_on_a_memory_model_refuses_residual_windows_before_measuring(mem
     assert "measuring" not in capsys.readouterr().out
 
 
+def test_kv_tune_on_a_memory_model_refuses_kivi_formats_in_its_own_words(memory_run, capsys):
+    """Probe AE's U1: was "kv policy k=kivi2 quantizes 32 tokens together ..." (a candidate it built, no --formats)."""
+    argv = ["kv-tune", str(memory_run), "--budget", "150", "--split", "val", "--seq-len", "32", "--tokens", "64",
+            "--formats", "q8_0,kivi2"]  # fmt: skip
+    line = fails(capsys, argv, "--formats q8_0,kivi2", "memory.kind=bounded", "(kivi2) do not apply", "leave them out")
+    assert "kv policy" not in line
+
+
 def test_kv_tune_picks_a_policy_whose_shown_bytes_fit_the_budget(memory_run, capsys):
     argv = ["kv-tune", str(memory_run), "--budget", "150", "--split", "val", "--seq-len", "32", "--tokens", "64",
             "--resids", "0"]  # fmt: skip

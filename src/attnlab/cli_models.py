@@ -302,6 +302,11 @@ def cmd_kv_tune(args) -> int:
     memory = model.model.cfg.memory.kind
     if memory != "none" and args.resids is None:  # its recent window is quantized too: a residual window is moot
         resids = (0,)
+    kivi = [f for f in formats if f.startswith("kivi")]
+    if memory != "none" and kivi:  # (its candidates would be refused as policies the user never wrote)
+        raise InputError(f"--formats {args.formats}: a model with a memory (memory.kind={memory}) stores single "
+                         f"tokens, so per-channel formats ({', '.join(kivi)}) do not apply: leave them out of "
+                         "--formats")  # fmt: skip
     if memory != "none" and any(resids):  # before minutes of measuring
         raise InputError(f"--resids {args.resids}: a model with a memory (memory.kind={memory}) stores every slot, "
                          "the recent window's too, in the policy's formats: it takes --resids 0")  # fmt: skip

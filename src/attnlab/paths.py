@@ -65,7 +65,9 @@ def shown_value(value: str) -> str:
         return value
     ends = " and ".join(end for end, space in (("starts", value[:1].isspace()), ("ends", value[-1:].isspace()))
                         if space)  # fmt: skip
-    return f"{value!r} (it {ends} with a space)" if ends else repr(value)
+    blanks = {c for c in (value[:1], value[-1:]) if c.isspace()}
+    kind = "a space" if blanks <= {" "} else "whitespace"  # (a newline or a tab: repr shows \n, \t)
+    return f"{value!r} (it {ends} with {kind})" if ends else repr(value)
 
 
 def data_dirs(data_dir: str | Path | None = None) -> list[Path]:

@@ -189,6 +189,9 @@ def _cache_problem(err: OSError) -> str:
     return f"cannot use the cache {folder} ({where}{err.strerror or err}): built for this run only ({fix})"
 
 
+_CACHE_WARNED: set[str] = set()  # the cache-folder warnings given
+
+
 def compiled(source: Path, load: Callable[[Path], object], builder: Callable[..., Path] | None = None):
     """`source` built (by `builder(folder or None)`, default `build`) and loaded by `load` (which declares its
     functions), or None: turned off, no compiler, or the build failed (warned). When the cache folder cannot be
@@ -202,7 +205,10 @@ def compiled(source: Path, load: Callable[[Path], object], builder: Callable[...
         except OSError as err:
             with tempfile.TemporaryDirectory(prefix="attnlab-kernels-") as folder:
                 lib = load(builder(Path(folder)))  # the loaded library outlives its file
-            warnings.warn(f"attnlab CPU kernels: {_cache_problem(err)}", AttnlabWarning, stacklevel=3)
+            line = f"attnlab CPU kernels: {_cache_problem(err)}"
+            if line not in _CACHE_WARNED:  # once per process, not once per kernel (qattn, qmatmul, fused ...)
+                _CACHE_WARNED.add(line)
+                warnings.warn(line, AttnlabWarning, stacklevel=3)
             return lib
     except (OSError, RuntimeError) as err:
         warnings.warn(f"attnlab CPU kernels unavailable, using the PyTorch path: {err}", AttnlabWarning, stacklevel=3)
