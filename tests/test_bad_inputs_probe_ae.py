@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 from helpers import fails, refused, tiny_model
+from test_sparse import QUEST
 
 import attnlab
 from attnlab.errors import ConfigError
@@ -93,8 +94,7 @@ def test_u3_the_fp16_refusal_suggests_bf16_for_every_fp16_tensor():
 
 def test_u2_a_memory_or_quest_cache_refusing_a_per_channel_format_names_the_policy():
     """Was: "kv policy: k in a per-channel format ..." without the policy."""
-    quest = {"kind": "quest", "recent_window": 8, "page_size": 4, "pages": 2, "sink_tokens": 2}
-    model = tiny_model(None, quest, d_model=128, n_heads=4)
+    model = tiny_model(None, QUEST, d_model=128, n_heads=4)
     with pytest.raises(ConfigError, match=r"^kv policy k=kivi4,v=q8_0: k in a per-channel format"):
         model.new_cache(1, policy="k=kivi4,v=q8_0")
 

@@ -12,6 +12,8 @@ import importlib
 import pytest
 import torch
 from helpers import refused, tiny_model
+from test_bad_inputs_probe_ad_api import loud_model as ad_loud_model
+from test_sparse import QUEST
 
 import attnlab
 from attnlab.cache.codecs import Codec, KVValueError
@@ -25,11 +27,8 @@ POLICY = "k=fp16,v=fp16,resid=3"
 
 
 def loud_model(scale: float = 1e6, layer: int = 1):
-    """The tiny model whose block `layer` computes keys and values ~`scale` times too large: beyond fp16's 65504."""
-    model = tiny_model()
-    with torch.no_grad():
-        model.blocks[layer].attn.qkv.weight.mul_(scale)
-    return model
+    """Probe AD's loud model, keys and values ~1e6 times too large by default: beyond fp16's 65504."""
+    return ad_loud_model(scale, layer)
 
 
 def test_the_codec_refuses_a_finite_value_beyond_fp16_and_keeps_the_rest_bit_for_bit():
@@ -94,7 +93,6 @@ def test_a_new_token_the_fused_step_cannot_store_in_fp16_is_refused_without_sayi
 
 
 PRESS = {"kind": "knorm", "budget": 12, "press_at": "decode"}
-QUEST = {"kind": "quest", "recent_window": 8, "page_size": 4, "pages": 2, "sink_tokens": 2}
 
 
 @pytest.mark.parametrize("memory", [PRESS, QUEST], ids=["press", "quest"])

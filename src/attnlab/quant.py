@@ -37,6 +37,7 @@ WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1")  # ggml's, for weights (attnlab.model.
 BLOCK = 32
 KIVI_BITS = (2, 4, 8)
 FP16_MAX = 65504.0
+FP16_OVERFLOW = 65520.0  # the smallest |x| that float16 rounds to inf (65504 < |x| < 65520 round to 65504)
 
 _BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2, "nf4": 2 + BLOCK // 2, "q4_1": 4 + BLOCK // 2}
 # Largest |x| each format's fp16 scale can represent: d = absmax / 127 (q8_0), |max| / 8 (q4_0), absmax (nf4);

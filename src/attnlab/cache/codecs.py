@@ -73,11 +73,12 @@ class KVValueError(InputError):
         formats = " or ".join(dict.fromkeys(fmt for _, fmt, _ in self.fields))
         scales = " or ".join(dict.fromkeys(_holds(fmt, limit) for _, fmt, limit in self.fields))
         names = ", ".join(SHORT.get(name, name) for name, _, _ in self.fields)
+        only_fp16 = {fmt for _, fmt, _ in self.fields} == {"fp16"}  # (fp16 stores NaN and inf: only range is refused)
         example = ",".join(f"{SHORT.get(name, name)}=bf16" for name, _, _ in self.fields)
         if isinstance(policy, KVPolicy):  # the policy with bf16 for the tensors named
             failing = {name for name, _, _ in self.fields}
             failing |= {"k"} if failing & set(KEY_PARTS) else set()
-            if {fmt for _, fmt, _ in self.fields} == {"fp16"}:  # every fp16 tensor: the others may overflow next
+            if only_fp16:  # every fp16 tensor: the others may overflow next
                 failing |= {name for name, fmt in policy.formats if fmt == "fp16"}
             example = str(dataclasses.replace(policy, formats=tuple(
                 (name, "bf16" if name in failing else fmt) for name, fmt in policy.formats)))  # fmt: skip
@@ -91,8 +92,8 @@ class KVValueError(InputError):
             name = SHORT.get(self.fields[0][0], self.fields[0][0])
             text = (f"{where} {_noun(self.fields[0][0])} reach |{name}|={peak:.3g}, beyond what {scales}: "
                     f"{fix}")  # fmt: skip
-        elif {fmt for _, fmt, _ in self.fields} == {"fp16"}:  # fp16 stores NaN and inf: only a finite value beyond
-            text = f"{where} keys or values ({names}) hold a value beyond what {scales}: {fix}"  # its range is refused
+        elif only_fp16:
+            text = f"{where} keys or values ({names}) hold a value beyond what {scales}: {fix}"
         else:
             text = (f"{where} keys or values ({names}) hold a value that is not finite (NaN or inf), or beyond what "
                     f"{scales}: {fix}")  # fmt: skip
@@ -278,9 +279,9 @@ class Codec:
     def _encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.fmt in FLOAT_FORMATS:
             y = x.to(FLOAT_FORMATS[self.fmt])
-            if self.fmt == "fp16" and x.dtype != torch.float16 and torch.isinf(y).any():  # finite x beyond 65504?
-                overflow = torch.isinf(y) & torch.isfinite(x)
-                if overflow.any():
+            if self.fmt == "fp16" and x.dtype != torch.float16:  # a finite x beyond 65504 becomes inf
+                overflow = torch.isinf(y)
+                if overflow.any() and (overflow := overflow & torch.isfinite(x)).any():
                     peak = x[overflow].abs().max().item()
                     raise quant.UnstorableError(f"x has values up to |x|={peak:.6g}, beyond fp16's range", 0, peak,
                                                 quant.FP16_MAX)  # fmt: skip

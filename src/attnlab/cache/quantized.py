@@ -237,7 +237,7 @@ class QuantizedCache(LayerCache):
             finite = torch.isfinite(rows)
             bad = 0 if p.codec.fmt == "fp16" else int((~finite).sum())  # fp16 stores NaN and inf as they are
             peak = rows[finite].abs().max().item() if finite.any() and not bad else 0.0
-            beyond = peak >= 65520.0 if p.codec.fmt == "fp16" else peak > limit  # fp16 rounds up to 65519 to 65504
+            beyond = peak >= quant.FP16_OVERFLOW if p.codec.fmt == "fp16" else peak > limit
             if bad or beyond:
                 return KVValueError([(p.name, p.codec.fmt, limit)], bad, peak, index, self.policy)
         return KVValueError([(p.name, p.codec.fmt, limits[p.codec.fmt]) for p in parts], layer=index,
