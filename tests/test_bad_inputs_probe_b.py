@@ -224,6 +224,8 @@ def test_rope_parameters_and_rope_scaling_that_disagree_are_refused(tmp_path, ca
         (["needle.dataset=nope.txt"], "needle.dataset='nope.txt' is read only with filler=heldout"),
         (["needle.lengths=[0]"], "needle.lengths=[0] holds 0"),
         (["needle.lengths=[64, 1]"], "which must be a whole number >= 2"),
+        (["needle.gain=sometimes"], ("needle.gain='sometimes'",)),
+        (["needle.gain=1"], ("needle.gain=1",)),
     ],
 )
 def test_needle_parameters_that_would_be_ignored_or_meaningless_are_refused(tmp_path, capsys, sets, named):
@@ -232,7 +234,7 @@ def test_needle_parameters_that_would_be_ignored_or_meaningless_are_refused(tmp_
     argv = ["bench", str(bench), "--out", str(tmp_path / "o")]
     for item in sets:
         argv += ["--set", item]
-    assert fails(capsys, argv, named)
+    assert fails(capsys, argv, *([named] if isinstance(named, str) else named))
 
 
 def test_an_empty_benchmark_list_is_refused(tmp_path, capsys):

@@ -172,6 +172,24 @@ def test_a_model_that_sees_only_a_window_back_fails_at_deep_needles(tmp_path):
     assert grid[(400, 0.1)]["gain_mean"] == pytest.approx(0.0, abs=1e-6)  # it never sees the needle
 
 
+def test_retrieval_only_reads_each_prompt_once_and_finds_what_the_full_needle_finds(tmp_path):
+    model = eval_model(InductionOracle(window=150), tmp_path)
+    full = cells(run_needle(model, lengths=[400], depths=[0.1, 0.9], trials=2, intro=""))
+    calls = []
+    forward = model.model.forward
+    model.model.forward = lambda tokens, cache=None, use_cache=None: calls.append(cache) or forward(tokens, cache)
+    rows = run_needle(model, lengths=[400], depths=[0.1, 0.9], trials=2, intro="", gain=False)
+    assert all(cache is not None for cache in calls)  # generation only: no uncached scoring pass
+    quick = cells(rows)
+    for cell, row in quick.items():
+        assert row["gain"] is False and "gain_mean" not in row and full[cell]["gain"] is True
+        assert row["accuracy"] == full[cell]["accuracy"] and row["trials"] == 2
+        assert [t["output"] for t in row["results"]] == [t["output"] for t in full[cell]["results"]]
+        assert all("logp_with" not in t for t in row["results"])
+    assert quick[(400, 0.9)]["accuracy"] == 1.0 and quick[(400, 0.1)]["accuracy"] == 0.0
+    assert rows[-1]["scope"] == "overall" and rows[-1]["accuracy"] == 0.5 and "gain_mean" not in rows[-1]
+
+
 def test_a_model_that_ignores_context_gains_nothing_from_the_needle(tmp_path):
     rows = run_needle(eval_model(Unigram(), tmp_path), lengths=[200, 300], depths=[0.2, 0.8], trials=2, intro="")
     for row in cells(rows).values():

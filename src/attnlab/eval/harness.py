@@ -114,12 +114,13 @@ def attention_maps(model, out_dir, data_dir, prompt: str = DEFAULT_PROMPT, regio
 
 
 def needle(model, out_dir, data_dir, lengths: list | None = None, depths: list = (0.1, 0.3, 0.5, 0.7, 0.9),
-           trials: int = 5, seed: int = 0, filler: str = "sentences",
-           dataset: str | None = None) -> list[dict]:  # fmt: skip
+           trials: int = 5, seed: int = 0, filler: str = "sentences", dataset: str | None = None,
+           gain: bool = True) -> list[dict]:  # fmt: skip
     """Passkey retrieval at depths and lengths: strict accuracy and the likelihood gain of the needle (filler:
-    "sentences", or "heldout" text: the model's own test split, or `dataset`'s, e.g. wikitext2-raw)."""
+    "sentences", or "heldout" text: the model's own test split, or `dataset`'s, e.g. wikitext2-raw; gain: false
+    for retrieval only, a third of the compute)."""
     return run_needle(model, lengths=lengths, depths=tuple(depths), trials=trials, seed=seed, filler=filler,
-                      data_dir=data_dir, dataset=dataset)  # fmt: skip
+                      data_dir=data_dir, dataset=dataset, gain=gain)  # fmt: skip
 
 
 def context_sweep(model, out_dir, data_dir, lengths: list = (256, 512, 1024), chunk_size: int = 256,

@@ -150,8 +150,9 @@ def _starts_with_key(output: str, key: str) -> bool:
     return match is not None and match.group(1) == key
 
 
-def needle_trial(module, tokenizer, prompt: PasskeyPrompt, key: str) -> dict:
-    """Greedy retrieval and the needle's likelihood gain (nats) for one prompt."""
+def needle_trial(module, tokenizer, prompt: PasskeyPrompt, key: str, gain: bool = True) -> dict:
+    """Greedy retrieval and (gain=True) the needle's likelihood gain (nats) for one prompt: the gain reads the
+    prompt twice more, with and without the needle, so it triples the trial's cost."""
     budget = len(prompt.answer) + 2
     if module.cfg.memory.kind == "none":  # what the context leaves (the answer itself always fits: it is scored)
         budget = min(budget, module.cfg.max_seq_len - len(prompt.with_needle))
@@ -164,20 +165,24 @@ def needle_trial(module, tokenizer, prompt: PasskeyPrompt, key: str) -> dict:
         compile=False,  # a few tokens per prompt: compiling the decode step would cost more than it saves
     ).tolist()
     output = tokenizer.decode([i for i in ids if i != tokenizer.eot_id])
+    correct = _starts_with_key(output, key)
+    retrieval = {"key": key, "needle_at": len(prompt.before), "output": output, "correct": correct}
+    if not gain:
+        return retrieval
     with_needle = continuation_logprobs(module, prompt.with_needle, prompt.answer).sum().item()
     without = continuation_logprobs(module, prompt.without_needle, prompt.answer).sum().item()
-    return {
-        "key": key, "needle_at": len(prompt.before), "output": output, "correct": _starts_with_key(output, key),
-        "logp_with": with_needle, "logp_without": without, "gain": with_needle - without,
-    }  # fmt: skip
+    return {**retrieval, "logp_with": with_needle, "logp_without": without, "gain": with_needle - without}
 
 
 def _needle_summary(trials: list[dict]) -> dict:
+    retrieval = {"trials": len(trials), "correct": sum(t["correct"] for t in trials),
+                 "accuracy": float(np.mean([t["correct"] for t in trials]))}  # fmt: skip
+    if "gain" not in trials[0]:  # gain=False: retrieval only
+        return retrieval
     gains = np.array([t["gain"] for t in trials], dtype=np.float64)
     sem = float(gains.std(ddof=1) / np.sqrt(len(gains))) if len(gains) > 1 else None  # standard error of the mean
     return {
-        "trials": len(trials), "correct": sum(t["correct"] for t in trials),
-        "accuracy": float(np.mean([t["correct"] for t in trials])),
+        **retrieval,
         "gain_mean": float(gains.mean()), "gain_sem": sem,
         "gain_min": float(gains.min()), "gain_max": float(gains.max()),
         "logp_with_mean": float(np.mean([t["logp_with"] for t in trials])),
@@ -200,12 +205,14 @@ def run_needle(
     intro: str = INTRO,
     needle: str = NEEDLE,
     question: str = QUESTION,
+    gain: bool = True,
 ) -> list[dict]:
     """`needle` records: one per (length, depth) cell (scope "cell", with every trial), then one overall.
 
     lengths: total tokens of prompt + key (default max_seq_len / 4, / 2 and max_seq_len); trial t uses the
     same seeded key (and filler offset) in every cell, so cells compare paired trials. filler: "sentences"
-    (FILLER repeated) or "heldout" (text from `heldout_tokens(model, text, split, data_dir)`).
+    (FILLER repeated) or "heldout" (text from `heldout_tokens(model, text, split, data_dir)`). gain=False
+    measures retrieval only (a third of the forward passes): records then carry no gain fields.
     """
     tokenizer = model.tokenizer
     if tokenizer is None:
@@ -225,7 +232,7 @@ def run_needle(
     offsets = [rng.randrange(len(filler_ids)) if filler == "heldout" else 0 for _ in range(trials)]
     if tokenizer.decode(tokenizer.encode(" " + keys[0])).strip() != keys[0]:
         raise InputError(f"tokenizer {tokenizer.name!r} cannot spell a passkey ({keys[0]!r} does not round-trip)")
-    common = {"filler": origin, "seed": seed, "key_digits": key_digits, "max_seq_len": max_len}
+    common = {"filler": origin, "seed": seed, "key_digits": key_digits, "max_seq_len": max_len, "gain": gain}
     rows, done = [], []
     for length in lengths:
         for depth in depths:
@@ -238,7 +245,7 @@ def run_needle(
                 prompt = passkey_prompt(tokenizer, filler_ids, length, depth, key, offset, intro, needle, question)
                 if prompt is None:
                     break
-                results.append(needle_trial(model.model, tokenizer, prompt, key))
+                results.append(needle_trial(model.model, tokenizer, prompt, key, gain))
             if not results:  # the tokens its fixed parts take (intro, needle, question, answer): the least length
                 fixed = [intro and tokenizer.encode(intro), tokenizer.encode(" " + needle.format(key=keys[0])),
                          tokenizer.encode("\n" + question), tokenizer.encode(" " + keys[0])]  # fmt: skip
