@@ -379,3 +379,42 @@ def test_stream_loss_says_when_the_text_holds_fewer_streams_than_asked(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # all 8 fit: no warning
         assert run_stream_loss(model, length=48, streams=8, bucket=12, text=text)[0]["streams"] == 8
+
+
+def test_the_report_draws_the_needle_grid_of_each_model_from_its_records(tmp_path):
+    from attnlab.eval.plots import needle_grids
+    from attnlab.eval.records import append_records
+    from attnlab.eval.report import build_report
+
+    wide = run_needle(eval_model(InductionOracle(), tmp_path), lengths=[400, 600], depths=[0.1, 0.9], trials=1,
+                      intro="", gain=False)  # fmt: skip
+    narrow = run_needle(eval_model(InductionOracle(window=150), tmp_path), lengths=[400, 600], depths=[0.1, 0.9],
+                        trials=1, intro="", gain=False)  # fmt: skip
+    for row in narrow:
+        row["model"] = "windowed"
+    lengths, depths, grids = needle_grids(wide + narrow)
+    assert lengths == [400, 600] and depths == [0.1, 0.9]
+    assert np.array_equal(grids["stub"], [[1.0, np.nan], [1.0, np.nan]], equal_nan=True)  # 600 > max_seq_len 512
+    assert np.array_equal(grids["windowed"], [[0.0, np.nan], [1.0, np.nan]], equal_nan=True)
+    (tmp_path / "out").mkdir()
+    append_records(tmp_path / "out" / "records.jsonl", wide + narrow)
+    build_report(tmp_path / "out")
+    assert (tmp_path / "out" / "needle.png").exists()
+    assert "## Passkey retrieval by length and depth" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_the_report_shows_each_extrapolation_windows_length_and_draws_loss_against_it(tmp_path):
+    from attnlab.eval.records import append_records
+    from attnlab.eval.report import build_report
+
+    model = eval_model(tiny(), tmp_path, config={"train": {"seq_len": 16}})
+    rows = run_extrapolation(model, factors=(1, 2), max_tokens=64, text=np.random.default_rng(1).integers(0, 50, 300))
+    for row in rows:
+        row["benchmark"] = "rope_extrapolation"  # (the harness's name for it)
+    (tmp_path / "out").mkdir()
+    append_records(tmp_path / "out" / "records.jsonl", rows)
+    build_report(tmp_path / "out")
+    table = (tmp_path / "out" / "tables" / "rope_extrapolation.csv").read_text().splitlines()
+    assert [line.split(",")[:3] for line in table] == [["model", "factor", "tokens"], ["stub", "1", "16"],
+                                                       ["stub", "2", "32"]]  # fmt: skip
+    assert (tmp_path / "out" / "rope_extrapolation.png").exists()

@@ -247,3 +247,57 @@ def plot_val_loss(runs: list[dict], path: str | Path) -> Path:
     fig.savefig(path, dpi=120, metadata=PNG_METADATA)
     plt.close(fig)
     return Path(path)
+
+
+def needle_grids(records: list[dict]) -> tuple[list[int], list[float], dict[str, np.ndarray]]:
+    """(lengths, depths, {model: accuracy grid (depths x lengths)}) of the needle records' cells; a cell not
+    measured (too long or too short for the model) is NaN, a cell measured twice holds its newest record."""
+    cells = [r for r in records if r["benchmark"] == "needle" and r.get("scope") == "cell"]
+    lengths, depths = sorted({r["length"] for r in cells}), sorted({r["depth"] for r in cells})
+    grids = {}
+    for r in cells:
+        grid = grids.setdefault(_label(r), np.full((len(depths), len(lengths)), np.nan))
+        grid[depths.index(r["depth"]), lengths.index(r["length"])] = r.get("accuracy", np.nan)
+    return lengths, depths, grids
+
+
+def needle_grid(records: list[dict], path: str | Path) -> Path | None:
+    """Passkey retrieval as needle-in-a-haystack grids (`needle_grids`): one panel per model, its accuracy at each
+    needle depth (rows) and prompt length (columns), green 1 to red 0, blank where not measured."""
+    lengths, depths, grids = needle_grids(records)
+    if not grids:
+        return None
+    cols = min(4, len(grids))
+    rows = -(-len(grids) // cols)
+    plt = _pyplot()
+    fig, axes = plt.subplots(rows, cols, figsize=(1.2 + 0.55 * len(lengths) * cols, 0.6 + 0.4 * len(depths) * rows),
+                             squeeze=False)  # fmt: skip
+    for ax, (model, grid) in zip(axes.flat, grids.items(), strict=False):
+        ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        for (i, j), value in np.ndenumerate(grid):
+            if np.isfinite(value):
+                ax.text(j, i, f"{value:.2g}", ha="center", va="center", fontsize=6)
+        ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], fontsize=6)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=6)
+        ax.set_title(model, fontsize=7)
+    for ax in axes.flat[len(grids) :]:
+        ax.axis("off")
+    fig.supxlabel("prompt tokens", fontsize=8)
+    fig.supylabel("needle depth", fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def record_drawings(records: list[dict]) -> dict:
+    """{title: (file name, draw(path))} of the plots drawn from analysis and needle records (a report's others are
+    its own)."""
+    out = {}
+    ranks = [r for r in records if r["benchmark"] == "effective_rank"]
+    if ranks:
+        out["Effective rank of the Q/K projections"] = ("rank_spectra.png", lambda path: rank_spectra(ranks, path))
+    maps = [r for r in records if r["benchmark"] == "attention_maps"]
+    if maps:
+        out["Attention mass on marked regions"] = ("region_mass.png", lambda path: region_mass_bars(maps, path))
+    if any(r["benchmark"] == "needle" for r in records):
+        out["Passkey retrieval by length and depth"] = ("needle.png", lambda path: needle_grid(records, path))
+    return out

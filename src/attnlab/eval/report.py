@@ -23,8 +23,7 @@ from attnlab.eval.plots import (
     PNG_METADATA,
     plot_val_loss,
     quiet_missing_glyphs,
-    rank_spectra,
-    region_mass_bars,
+    record_drawings,
 )
 from attnlab.eval.records import bench_records, latest_and_distinct, pair_labels, read_records, record_problem
 from attnlab.eval.report_outputs import check_outputs, record_outputs, warn_unknown_benchmarks
@@ -230,7 +229,7 @@ def extrapolation_table(records: list[dict]) -> Table | None:
     rows = [r for r in records if r["benchmark"] == "rope_extrapolation"]
     if not rows:
         return None
-    body = [[r["model"], r.get("factor"), r.get("length"), r.get("status"), r.get("loss"), r.get("ppl")] for r in rows]
+    body = [[r["model"], r.get("factor"), r.get("seq_len"), r.get("status"), r.get("loss"), r.get("ppl")] for r in rows]
     return Table("rope_extrapolation", "Held-out loss beyond the training context",
                  ["model", "factor", "tokens", "status", "loss", "ppl"], body)  # fmt: skip
 
@@ -509,20 +508,11 @@ def _drawings(records: list[dict], out_dir: Path) -> dict:
             records, "context_sweep", "length", "decode_ms_per_token", "tokens", "decode ms/token", path)),
         "Probe accuracy by category": ("probes.png", lambda path: probe_bars(records, path)),
         "Loss by position over long streams": ("stream_loss.png", lambda path: stream_loss_plot(records, path)),
+        "Held-out loss beyond the training context": ("rope_extrapolation.png", lambda path: lines_plot(
+            records, "rope_extrapolation", "seq_len", "loss", "tokens per window", "loss (nats/token)", path)),
     }  # fmt: skip
-    drawings.update(_analysis_plots(records, out_dir))
+    drawings.update(record_drawings(records))
     return drawings
-
-
-def _analysis_plots(records: list[dict], out_dir: Path) -> dict:
-    out = {}
-    ranks = [r for r in records if r["benchmark"] == "effective_rank"]
-    if ranks:
-        out["Effective rank of the Q/K projections"] = ("rank_spectra.png", lambda path: rank_spectra(ranks, path))
-    maps = [r for r in records if r["benchmark"] == "attention_maps"]
-    if maps:
-        out["Attention mass on marked regions"] = ("region_mass.png", lambda path: region_mass_bars(maps, path))
-    return out
 
 
 def _drawn(path: Path, draw, notes: list[str], records_path: Path) -> Path | None:
