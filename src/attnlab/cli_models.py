@@ -565,7 +565,10 @@ def convert(args) -> int:
     if tokens is not None:
         warn_unknown_tokens(source.tokenizer, tokens[: args.eval_tokens + 1], f"{args.dataset} test scored")
         for name, model in (("original", source.model), ("converted, cold", conversion.model)):
-            s = summarize_losses(window_losses(model, tokens, seq_len, max_tokens=args.eval_tokens))
+            try:
+                s = summarize_losses(window_losses(model, tokens, seq_len, max_tokens=args.eval_tokens))
+            except InputError as e:  # NaN logits: a broken source (or conversion) is no model to save
+                raise InputError(f"{args.ref}: the {name.split(',')[0]} model: {e}; nothing was written") from None
             scores.append(f"  {name}: perplexity {s['ppl']:.2f} [{s['ppl_ci'][0]:.2f}, {s['ppl_ci'][1]:.2f}] on the "
                           f"first {s['tokens']:,} tokens of {args.dataset} test, context {seq_len}")  # fmt: skip
     try:

@@ -325,14 +325,21 @@ def check_options(kv_policy=None, stop_tokens=(), fused=None) -> list[int]:
     return stop
 
 
-def nan_logits(model, step: int) -> str:
-    """generate's refusal of NaN logits at new token `step` (the model's activations overflow, or NaN within it)."""
+def nan_logits(model, where: str) -> str:
+    """The refusal of NaN logits `where` (e.g. "at new token 3"): the model's activations overflow, or NaN within it."""
     dtype = next(model.parameters()).dtype
     low = dtype in (torch.float16, torch.bfloat16)
     name = str(dtype).removeprefix("torch.")
     fix = f"a {name} model's activations overflow: load it with dtype=torch.float32" if low else "they overflow"
-    return (f"the model's logits are NaN at new token {step} ({fix}; check the checkpoint: its weights may be "
+    return (f"the model's logits are NaN {where} ({fix}; check the checkpoint: its weights may be "
             "far too large or diverged)")  # fmt: skip
+
+
+def refuse_nan_logits(model, logits: torch.Tensor, where: str) -> None:
+    """InputError (`nan_logits`) when `logits` hold a NaN or +inf (either makes every score from them NaN: a loss,
+    a log-likelihood, an argmax that reads NaN as the largest). One reduction, a small part of the forward's cost."""
+    if not math.isfinite(logits.max().item()):
+        raise InputError(nan_logits(model, where))
 
 
 def prompt_ids(prompt, device) -> torch.Tensor:
@@ -539,7 +546,7 @@ def generate(
         for i in range(max_new_tokens):
             if math.isnan(logits.max().item()):  # (max keeps a NaN; ~7 us, a tenth of isnan().any()) argmax would
                 # read NaN logits as token 0, every step, without a word
-                raise InputError(nan_logits(model, i))
+                raise InputError(nan_logits(model, f"at new token {i}"))
             if greedy is not None and temperature == 0:
                 next_token = greedy  # (B, 1)
             else:

@@ -32,7 +32,7 @@ from attnlab.errors import AttnlabWarning, ConfigError, DataError, InputError, U
 from attnlab.eval.perplexity import eval_tokens
 from attnlab.eval.records import make_record
 from attnlab.eval.stats import bootstrap_ci
-from attnlab.generate import generate
+from attnlab.generate import generate, refuse_nan_logits
 from attnlab.interop.tokenizer import warn_unknown_tokens
 from attnlab.paths import brief
 
@@ -78,7 +78,9 @@ def chunked_logits(model, window: torch.Tensor, policy: KVPolicy | None, chunk: 
     """window (B, L) -> logits (B, L, V), fed through a cache (quantized by `policy`) `chunk` tokens at a time."""
     cache = model.new_cache(window.shape[0], window.shape[1], policy=policy)
     out = [model(window[:, s : s + chunk], cache=cache)[0] for s in range(0, window.shape[1], chunk)]
-    return torch.cat(out, dim=1).float()
+    logits = torch.cat(out, dim=1).float()
+    refuse_nan_logits(model, logits, f"on a held-out window of {window.shape[1]} tokens")
+    return logits
 
 
 def greedy_agreement(model, prompts: torch.Tensor, want: torch.Tensor, policy: KVPolicy) -> float:

@@ -60,7 +60,7 @@ from attnlab.eval.lmeval_tasks import (
 )
 from attnlab.eval.loading import EvalModel, check_weights_choice, load_for_eval
 from attnlab.eval.records import records_in_run_problem
-from attnlab.generate import check_sampling, decode_step, prefill, sample
+from attnlab.generate import check_sampling, decode_step, prefill, refuse_nan_logits, sample
 from attnlab.interop.references import HUB_PREFIX, model_config_of, parse_hub_ref, resolve
 
 try:
@@ -262,6 +262,7 @@ class AttnlabLM(TemplateLM):
             for row, i in enumerate(batch):  # right-padded: padding after a row never changes its logits (causal)
                 tokens[row, : len(windows[i]) - 1] = torch.tensor(windows[i][:-1])
             logits = self._logits(tokens.to(device), context_lens[batch[0]])  # (B, T, V)
+            refuse_nan_logits(self.model, logits, "on a loglikelihood request")
             for row, i in enumerate(batch):
                 n_in = len(windows[i]) - 1
                 targets = torch.tensor(windows[i][-n_cont[i] :], device=device)

@@ -42,7 +42,7 @@ from attnlab.eval.perplexity import dataset_split, press_problem, summarize_loss
 from attnlab.eval.records import make_record
 from attnlab.eval.scoring import continuation_logprobs
 from attnlab.eval.speed import dtype_name, run_guarded, synchronize, timed
-from attnlab.generate import decode_step, generate
+from attnlab.generate import decode_step, generate, refuse_nan_logits
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 INTRO = (
@@ -275,6 +275,7 @@ def sweep_one(module, tokens: torch.Tensor, chunk_size: int, decode_tokens: int)
     for start in range(0, length, chunk_size):
         (logits, _), seconds = timed(lambda s=start: module(inputs[:, s : s + chunk_size], cache=cache), device)
         chunk_ms.append(seconds * 1e3)
+    refuse_nan_logits(module, logits, f"at the last chunk of {length} held-out tokens")
     # The last chunk's logits (1, C, V) predict tokens start + 1 .. L: teacher-forced, full context before.
     last_loss = F.cross_entropy(logits[0].float(), tokens[0, start + 1 :]).item()
     token = logits[:, -1:].argmax(dim=-1)  # (1, 1)
@@ -355,6 +356,7 @@ def position_losses(module, tokens: np.ndarray, seq_len: int, windows: int) -> t
     for w in range(windows):
         window = torch.from_numpy(np.asarray(tokens[w * seq_len : (w + 1) * seq_len + 1], dtype=np.int64)).to(device)
         logits, _ = module(window[None, :-1], use_cache=False)  # (1, L, V)
+        refuse_nan_logits(module, logits, f"on the held-out window of tokens {w * seq_len}..{(w + 1) * seq_len}")
         rows.append(F.cross_entropy(logits[0].float(), window[1:], reduction="none"))  # (L,)
     return torch.stack(rows)  # (W, L)
 

@@ -61,6 +61,7 @@ from attnlab.data.files import special_file
 from attnlab.errors import ConfigError, DataError, InputError
 from attnlab.eval.loading import EvalModel
 from attnlab.eval.records import append_records_together, make_record
+from attnlab.generate import refuse_nan_logits
 from attnlab.jsonio import BoundedDecoder, loads_json
 from attnlab.paths import find_data_file
 
@@ -392,6 +393,7 @@ def loglikelihoods(model, pairs: list[tuple[list[int], list[int]]], batch_size: 
         for row, i in enumerate(chunk):
             tokens[row, : len(windows[i]) - 1] = torch.tensor(windows[i][:-1])
         logits, _ = model(tokens.to(device), use_cache=False)  # (B, T, V)
+        refuse_nan_logits(model, logits, "on a multiple-choice item's context and choice")
         for row, i in enumerate(chunk):
             n_in, n_cont = len(windows[i]) - 1, len(pairs[i][1])
             targets = torch.tensor(windows[i][-n_cont:], device=device)

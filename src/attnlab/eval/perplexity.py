@@ -22,6 +22,7 @@ from attnlab.data.sources import open_source
 from attnlab.errors import DataError, InputError
 from attnlab.eval.records import make_record
 from attnlab.eval.stats import bootstrap_ci
+from attnlab.generate import refuse_nan_logits
 
 
 def press_problem(cfg, key: str, length: int) -> str | None:
@@ -61,6 +62,7 @@ def window_losses(
         take = min(new, budget - scored_until)  # the first `take` of them, within the budget
         window = torch.from_numpy(tokens[begin : begin + length + 1].astype(np.int64)).to(device)  # (L + 1,)
         logits, _ = model(window[None, :-1], use_cache=False)  # (1, L, V), true vocabulary only
+        refuse_nan_logits(model, logits, f"on the held-out window of tokens {begin}..{begin + length}")
         losses = F.cross_entropy(logits[0].float(), window[1:], reduction="none")  # (L,)
         results.append((losses[length - new : length - new + take].sum().item(), take))
         scored_until += take

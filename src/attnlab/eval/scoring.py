@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.generate import generate
+from attnlab.generate import generate, refuse_nan_logits
 
 
 @torch.no_grad()
@@ -14,6 +14,7 @@ def token_logprobs(model, ids: list[int]) -> torch.Tensor:
     ids = ids[-(model.cfg.max_seq_len + 1) :]
     tokens = torch.tensor([ids], device=next(model.parameters()).device)  # (1, T + 1)
     logits, _ = model(tokens[:, :-1], use_cache=False)  # (1, T, V)
+    refuse_nan_logits(model, logits, f"on a text of {tokens.shape[1] - 1} tokens")
     logprobs = logits[0].float().log_softmax(dim=-1)
     return logprobs.gather(-1, tokens[0, 1:, None])[:, 0]
 
