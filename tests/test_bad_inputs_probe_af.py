@@ -6,6 +6,7 @@ Each now refuses in one line naming where the logits went NaN. Each test fails w
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -90,3 +91,61 @@ def test_convert_refuses_a_source_whose_logits_are_nan_and_writes_nothing(tmp_pa
             "wikitext2-raw", "--data-dir", str(data), "--eval-tokens", "64", "--seq-len", "16"]  # fmt: skip
     fails(capsys, argv, str(tiny_run), "the original model", "logits are NaN", "nothing was written")
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- run --no-resume, stopped early
+
+
+def test_a_run_started_over_and_stopped_before_its_first_checkpoint_leaves_the_earlier_run_to_resume(
+    tmp_path, monkeypatch, capsys
+):
+    """--no-resume truncated metrics.jsonl at once while the earlier run's checkpoints stayed until the new run's
+    first one: stopped in between, the resume it advised went on from the earlier checkpoint without its rows."""
+    from helpers import Stop, hat_text, stop_after_first_checkpoint
+    from test_bad_inputs_probe_g_runs import manifest, snapshot
+
+    from attnlab.cli import main
+    from attnlab.train import loop
+
+    path = manifest(tmp_path, hat_text(tmp_path))
+    argv = ["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]
+    stop_after_first_checkpoint(monkeypatch, argv)  # the earlier run: checkpointed at step 2 of 4
+    folder = tmp_path / "out" / "m" / "base" / "seed0"
+    earlier = snapshot(folder)
+    rows = (folder / "metrics.jsonl").read_text()
+    assert '"step": 2' in rows
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "save_checkpoint", stop)  # the run started over stops before its first checkpoint
+        with pytest.raises(Stop):
+            main([*argv, "--no-resume"])
+    assert (folder / "metrics.pending.jsonl").exists()
+    assert {k: v for k, v in snapshot(folder).items() if k != "metrics.pending.jsonl"} == earlier
+    capsys.readouterr()
+    assert main(argv) == 0  # resumes the earlier run from step 2, its rows all there
+    assert "missing" not in capsys.readouterr().err
+    assert not (folder / "metrics.pending.jsonl").exists()
+    logged = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4]
+    assert (folder / "metrics.jsonl").read_text().startswith(rows)
+
+
+def test_a_run_started_over_replaces_the_earlier_runs_metrics_at_its_first_checkpoint(tmp_path, monkeypatch):
+    from helpers import hat_text, stop_after_first_checkpoint
+    from test_bad_inputs_probe_g_runs import manifest
+
+    from attnlab.cli import main
+
+    path = manifest(tmp_path, hat_text(tmp_path))
+    argv = ["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]
+    stop_after_first_checkpoint(monkeypatch, argv)
+    folder = tmp_path / "out" / "m" / "base" / "seed0"
+    earlier = (folder / "metrics.jsonl").read_text()
+    (folder / "metrics.jsonl").write_text(earlier.replace('"step": 1,', '"step": 1, "x": 0,'))  # marked
+    assert main([*argv, "--no-resume"]) == 0
+    logged = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4] and not any("x" in r for r in logged)
+    assert not (folder / "metrics.pending.jsonl").exists()

@@ -15,18 +15,29 @@ from attnlab.data.files import atomic_write_text, file_kind
 from attnlab.errors import AttnlabWarning, DataError
 from attnlab.jsonio import loads_json
 
+PENDING = "metrics.pending.jsonl"  # a run started over (--no-resume): its rows until its first checkpoint
+
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, enabled: bool = True, resume_step: int = 0, train_cfg=None):
+    def __init__(self, run_dir: Path, enabled: bool = True, resume_step: int = 0, train_cfg=None,
+                 pending: bool = False):  # fmt: skip
         """train_cfg: the run's TrainConfig, whose steps, log_every and eval_every say which rows a resume from
-        resume_step should find (a warning names the ones missing)."""
-        self.enabled = enabled
+        resume_step should find (a warning names the ones missing). pending: the run starts over a folder whose
+        checkpoints are an earlier run's (run --no-resume): its rows go to metrics.pending.jsonl, which replaces
+        metrics.jsonl once its first checkpoint replaces theirs (commit), so a run stopped before then leaves the
+        earlier run's checkpoints and metrics as they were, to resume. A pending log left by such a stop is removed
+        by the next run."""
+        self.enabled, self.pending = enabled, pending
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tensorboard = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._truncate_after(resume_step, train_cfg)
+        (self.path.parent / PENDING).unlink(missing_ok=True)
+        if pending:
+            self.final, self.path = self.path, self.path.parent / PENDING
+        else:
+            self._truncate_after(resume_step, train_cfg)
         self.file = open(self.path, "ab", buffering=0)  # unbuffered: a failed write leaves nothing to flush later
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -57,6 +68,13 @@ class MetricsLog:
             for key, value in row.items():
                 if key not in ("step", "tokens") and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(key, value, row["step"])
+
+    def commit(self) -> None:
+        """After a checkpoint of this run is written: a pending log becomes metrics.jsonl (the earlier run's rows
+        go with its checkpoints). The open file keeps appending to it under its new name."""
+        if self.enabled and self.pending:
+            os.replace(self.path, self.final)
+            self.path, self.pending = self.final, False
 
     def _cut_back(self, length: int) -> None:
         """The log back to `length` bytes after a failed append: no row cut short is left for a resume to read (one

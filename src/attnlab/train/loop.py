@@ -244,7 +244,9 @@ def train(
     if checkpoint is not None:
         load_optimizer(optimizer, checkpoint, model)
 
-    log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"], train_cfg=train_cfg)
+    started_over = not resume and any((Path(run_dir) / "checkpoints").glob("step-*"))  # over an earlier run's
+    log = MetricsLog(run_dir, enabled=dist_info.is_main, resume_step=state["step"], train_cfg=train_cfg,
+                     pending=started_over)  # fmt: skip
     saved_tokenizer = None  # what the checkpoints record of the tokenizer saved with the run (rank 0 writes them)
     if dist_info.is_main:
         for name, text in (run_files or {}).items():
@@ -273,6 +275,7 @@ def train(
         gathered = (gathered_weights(model, dropped), gathered_optimizer(model, optimizer)) if sharded else None
         if dist_info.is_main:
             save_checkpoint(run_dir, model, optimizer, trainer, config, tags, gathered)
+            log.commit()
         barrier(dist_info)
 
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * train_cfg.seq_len
