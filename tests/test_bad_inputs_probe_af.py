@@ -149,3 +149,45 @@ def test_a_run_started_over_replaces_the_earlier_runs_metrics_at_its_first_check
     logged = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4] and not any("x" in r for r in logged)
     assert not (folder / "metrics.pending.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- KV policies
+
+
+@pytest.mark.parametrize(
+    "policy, fragments",
+    [
+        ("k=q8_0,resid=9223372036854775808", ["resid=9223372036854775808", "at most 2,147,483,647"]),
+        ("k=q8_0,flush=2147483648", ["flush=2147483648", "more tokens than any cache holds"]),
+        ("k=kivi2,group=99999999999999999999996", ["group=99999999999999999999996", "at most"]),
+        ("k=kivi2,group=7", ["group=7", "kivi2", "whole bytes", "a multiple of 4"]),
+        ("v=kivi2,k=q8_0,group=6", ["group=6", "a multiple of 4"]),
+        (5, ["kv policy 5 must be a string"]),
+    ],
+)
+def test_policy_counts_past_a_c_int_and_kivi_groups_that_split_a_byte_are_refused_when_parsed(policy, fragments):
+    from attnlab.cache.codecs import KVPolicy
+    from attnlab.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        KVPolicy.parse(policy)
+    assert "\n" not in str(caught.value) and all(f in str(caught.value) for f in fragments), str(caught.value)
+
+
+def test_a_kivi_group_that_splits_a_byte_is_refused_by_validate_as_by_bench(tmp_path, tiny_run, capsys):
+    from attnlab.cli import main
+
+    manifest = tmp_path / "b.yml"
+    manifest.write_text(
+        f"name: b\ncheckpoints: [{tiny_run}]\nbenchmarks:\n  latency: {{kv_policy: 'k=kivi2,group=7'}}\n"
+    )
+    assert main(["validate", str(manifest)]) == 2
+    said = capsys.readouterr()
+    assert "benchmarks.latency.kv_policy='k=kivi2,group=7'" in said.out + said.err
+    assert KVPolicy_ok("k=kivi4,group=6") and KVPolicy_ok("k=kivi8,group=7")  # whole bytes: accepted
+
+
+def KVPolicy_ok(text: str) -> bool:
+    from attnlab.cache.codecs import KVPolicy
+
+    return str(KVPolicy.parse(text)) == text

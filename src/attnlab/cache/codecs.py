@@ -32,6 +32,7 @@ ALIASES = {"ksem": "k_sem", "kgeo": "k_geo", "krope": "k_rope"}  # short policy 
 SHORT = {name: short for short, name in ALIASES.items()}
 # Every tensor name a variant's cache layout declares (attention/*.py); a policy key outside them is a typo.
 TENSOR_NAMES = ("k", "v", *KEY_PARTS, "k_rope", "latent")
+MAX_TOKENS = 2**31 - 1  # a policy's resid, group and flush: token counts the kernels take as C ints
 
 
 def default_format(dtype: torch.dtype, policy) -> str:
@@ -125,6 +126,8 @@ class KVPolicy:
     @classmethod
     def parse(cls, text: str) -> KVPolicy:
         """`"k=q8_0,v=q4_0,resid=128"`; tensor keys: k, v, ksem, kgeo, latent, krope (or their long names)."""
+        if not isinstance(text, str):
+            raise ConfigError(f"kv policy {text!r} must be a string such as 'k=q8_0,v=q4_0,resid=128'")
         formats, resid, group, flush, problems = [], 0, None, 1, []
         text = text.strip()
         if text in ("", "none", "fp"):
@@ -139,6 +142,9 @@ class KVPolicy:
             elif key in ("resid", "group", "flush"):
                 if not re.fullmatch(r"\d+", value):
                     problems.append(f"kv policy {key}={value!r} must be a whole number of tokens")
+                elif int(value) > MAX_TOKENS:
+                    problems.append(f"kv policy {key}={value} is more tokens than any cache holds: give at most "
+                                    f"{MAX_TOKENS:,}")  # fmt: skip
                 elif key == "resid":
                     resid = int(value)
                 elif key == "group":
@@ -161,6 +167,14 @@ class KVPolicy:
             kivi = ", ".join(KIVI_FORMATS)
             problems.append(f"kv policy group={group} is the group size of the KIVI formats ({kivi}), which no "
                             "tensor of this policy is stored in (leave group out)")  # fmt: skip
+        elif group is not None:  # each code packs whole bytes: group * bits a multiple of 8
+            for bits in sorted({KIVI_FORMATS[fmt] for _, fmt in formats if fmt in KIVI_FORMATS}):
+                if group * bits % 8:
+                    step = 8 // math.gcd(8, bits)
+                    problems.append(
+                        f"kv policy group={group}: a group of kivi{bits} codes must fill whole bytes "
+                        f"(group * {bits} a multiple of 8): give a multiple of {step}, e.g. 32 or 128"
+                    )
         if flush < 1:
             problems.append(f"kv policy flush={flush} must be >= 1")
         if problems:
