@@ -240,7 +240,7 @@ def test_u4_init_from_a_later_target_or_a_cycle_says_so_without_false_follow_ons
 
 
 @pytest.mark.parametrize(("policy", "said"), [
-    ("k=kivi2,group=5", "KIVI group=5 must be a positive integer with group * bits a multiple of 8"),
+    ("k=kivi2,group=5", "kv policy group=5: a group of kivi2 codes must fill whole bytes"),
     ("ksem=q8_0", "kv policy names 'ksem', which this model does not cache (use k, v)"),
 ])  # fmt: skip
 def test_u9_lm_eval_checks_its_kv_policy_against_the_model_before_reading_the_tasks(tiny_run, capsys, monkeypatch,
