@@ -191,3 +191,26 @@ def KVPolicy_ok(text: str) -> bool:
     from attnlab.cache.codecs import KVPolicy
 
     return str(KVPolicy.parse(text)) == text
+
+
+# ----------------------------------------------------------------------------- the model's tokens
+
+
+@pytest.mark.parametrize(
+    "tokens, fragments",
+    [
+        (torch.tensor([[5, -1]]), ["token id -1", "outside the model's vocabulary (0 .. 96)"]),
+        (torch.tensor([[5, 97]]), ["token id 97", "(0 .. 96)"]),  # the padded rows 97 .. 127 trained nothing
+        (torch.tensor([[5.0, 6.0]]), ["integer token ids", "2-D float32 tensor"]),
+        (torch.tensor([5, 6]), ["(batch, length)", "1-D int64 tensor"]),
+        (torch.tensor([[[5, 6]]]), ["3-D int64 tensor"]),
+        (torch.tensor([[True, False]]), ["2-D bool tensor"]),
+        ([[5, 6]], ["got list"]),
+    ],
+)
+def test_the_model_refuses_what_is_no_batch_of_token_ids_in_its_vocabulary(tokens, fragments):
+    model = tiny_model()
+    assert model.cfg.padded_vocab_size > 97
+    assert refused(lambda: model(tokens), *fragments)
+    assert model(torch.tensor([[5, 96]]))[0].shape == (1, 2, 97)
+    assert model(torch.tensor([[5, 96]], dtype=torch.int32))[0].shape == (1, 2, 97)

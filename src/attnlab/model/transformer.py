@@ -40,6 +40,20 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), cache
 
 
+def token_problem(tokens, vocab_size: int) -> None:
+    """InputError unless `tokens` is a (B, T) tensor of integer ids in [0, vocab_size): ids in the embedding's
+    padding rows (vocab_size .. padded_vocab_size - 1) would read rows no token trained, others an index error."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        what = f"a {tokens.dim()}-D {str(tokens.dtype).removeprefix('torch.')} tensor" if isinstance(
+            tokens, torch.Tensor) else type(tokens).__name__  # fmt: skip
+        raise InputError(f"tokens must be a (batch, length) tensor of integer token ids, got {what}")
+    if tokens.numel() and tokens.device.type != "meta":  # (the meta device holds no values: memory accounting)
+        low, high = torch.aminmax(tokens)
+        if low.item() < 0 or high.item() >= vocab_size:
+            bad = int(low) if low.item() < 0 else int(high)
+            raise InputError(f"token id {bad} is outside the model's vocabulary (0 .. {vocab_size - 1})")
+
+
 class Transformer(nn.Module):
     """tokens (B, T) -> logits (B, T, vocab_size). The embedding and LM head have padded_vocab_size rows
     (a multiple of 64, for speed); logits are cut back to the true vocab_size so no probability mass
@@ -98,6 +112,8 @@ class Transformer(nn.Module):
         bounded memory (cfg.memory) the sequence always goes through the memory, in blocks, and may run past
         max_seq_len: the memory holds its slots whatever the length, and RoPE's tables grow to the stream.
         """
+        if not torch.compiler.is_compiling():
+            token_problem(tokens, self.cfg.vocab_size)
         batch, length = tokens.shape
         if use_cache is None:
             use_cache = cache is not None or not self.training
