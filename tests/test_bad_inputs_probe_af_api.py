@@ -1,0 +1,44 @@
+"""Probe AF's findings on the library API (/work/probe_af/REPORT.md): the model's forward given a cache of another
+batch or not a cache (AF10), new_cache's sizes, device (AF11) and dtype (AF12), ... Each test fails with its fix
+backed out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import refused, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
+
+
+# ----------------------------------------------------------------------------- AF10: forward's cache
+
+
+def test_af10_forward_refuses_a_cache_of_another_batch_or_no_cache_in_one_line():
+    model = tiny_model()
+    cache = model(torch.tensor([[5, 6]]))[1]
+    refused(lambda: model(torch.tensor([[5], [6]]), cache=cache), "made for batch 1", "tokens has batch 2",
+            "model.new_cache(2)")  # fmt: skip
+    refused(lambda: model(torch.tensor([[5]]), cache="abc"), "cache must be a ModelCache", "got str")
+    assert model(torch.tensor([[7]]), cache=cache)[0].shape == (1, 1, 97)  # its own batch still reads on
+
+
+# ----------------------------------------------------------------------------- AF11, AF12: new_cache's arguments
+
+
+def test_af11_new_cache_refuses_sizes_and_devices_it_cannot_make_in_one_line():
+    model = tiny_model()  # max_seq_len 64, no memory
+    refused(lambda: model.new_cache(1, 10**9), "max_len=1000000000", "max_seq_len=64", "at most 64")
+    refused(lambda: model.new_cache(1, 16.5), "max_len=16.5", "whole number")
+    refused(lambda: model.new_cache(0, 16), "batch=0", ">= 1")
+    refused(lambda: model.new_cache(True, 16), "batch=True")
+    refused(lambda: model.new_cache(1, 16, device="tpu"), "device='tpu'", "not a torch device")
+    assert model.new_cache(2, 64).batch == 2
+
+
+def test_af12_new_cache_refuses_a_dtype_that_is_not_floating():
+    model = tiny_model()
+    refused(lambda: model.new_cache(1, 16, dtype=torch.int32), "dtype=torch.int32", "floating dtype")
+    cache = model.new_cache(1, 16, dtype=torch.float32)
+    ref = model(torch.tensor([[5, 6, 7, 8]]))[0]
+    assert torch.allclose(model(torch.tensor([[5, 6, 7, 8]]), cache=cache)[0], ref, atol=1e-5)
