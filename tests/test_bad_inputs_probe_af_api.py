@@ -8,6 +8,8 @@ import pytest
 import torch
 from helpers import refused, tiny_model
 
+import attnlab
+
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 
@@ -42,3 +44,20 @@ def test_af12_new_cache_refuses_a_dtype_that_is_not_floating():
     cache = model.new_cache(1, 16, dtype=torch.float32)
     ref = model(torch.tensor([[5, 6, 7, 8]]))[0]
     assert torch.allclose(model(torch.tensor([[5, 6, 7, 8]]), cache=cache)[0], ref, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- AF15: tokenizer encode and decode
+
+
+def test_af15_tokenizers_refuse_what_is_not_text_or_token_ids_in_one_line():
+    train = attnlab.data.train_tokenizer
+    tokenizers = [train("char", ["hello"]), train("word", ["hello"]), attnlab.data.load_tokenizer("byte")]
+    for tok in [*tokenizers, train("bpe:260", ["hello hello"])]:
+        refused(lambda: tok.encode(5), "encode takes a str", "got int 5")  # noqa: B023
+        refused(lambda: tok.encode_batch("abc"), "texts must be a list of strings", "give [text]")  # noqa: B023
+        refused(lambda: tok.decode("abc"), "decode takes a sequence of token ids", "got str 'abc'")  # noqa: B023
+        refused(lambda: tok.decode([1, 2.5]), "token ids (whole numbers)", "got float 2.5")  # noqa: B023
+        refused(lambda: tok.decode([1, -1]), "token id -1 is negative")  # noqa: B023
+        assert tok.decode(torch.tensor(tok.encode("hello"))) == "hello"  # a 1-D tensor of ids still reads
+    byte = attnlab.data.load_tokenizer("byte")
+    assert byte.decode([104, 256, 100000]) == "h<|endoftext|>\ufffd"  # past the vocabulary: not end-of-text
