@@ -61,3 +61,31 @@ def test_af15_tokenizers_refuse_what_is_not_text_or_token_ids_in_one_line():
         assert tok.decode(torch.tensor(tok.encode("hello"))) == "hello"  # a 1-D tensor of ids still reads
     byte = attnlab.data.load_tokenizer("byte")
     assert byte.decode([104, 256, 100000]) == "h<|endoftext|>\ufffd"  # past the vocabulary: not end-of-text
+
+
+# ----------------------------------------------------------------------------- AF13: the wrong kind of object
+
+
+def test_af13_api_functions_refuse_the_wrong_kind_of_object_in_one_line():
+    refused(lambda: attnlab.kv_report({"d_model": 32}, "fp16", 16), "kv_report takes a ModelConfig",
+            "got dict {'d_model': 32}", "model_config_from_dict")  # fmt: skip
+    refused(lambda: attnlab.param_counts("configs/models/tiny-mha.yaml"), "param_counts takes a ModelConfig or a model",
+            "got str 'configs/models/tiny-mha.yaml'", "attnlab.load_config(path)")  # fmt: skip
+    refused(lambda: attnlab.build_model({"d_model": 32}), "build_model takes a ModelConfig", "got dict")
+    refused(lambda: attnlab.load_model(5), "model reference must be a path or a name", "got int 5")
+    refused(lambda: attnlab.data.load_tokenizer(None), "tokenizer name must be a str", "got NoneType None")
+    refused(lambda: attnlab.generate(torch.nn.Linear(2, 2), [5, 6], 2), "model must be an attnlab model", "got Linear")
+    refused(lambda: attnlab.from_hf_llama("x"), "from_hf_llama takes a transformers model", "got str 'x'")
+    model = tiny_model()
+    assert attnlab.param_counts(model)["total"] == attnlab.param_counts(model.cfg)["total"]
+
+
+# ----------------------------------------------------------------------------- AF18: generate's compile
+
+
+def test_af18_generate_refuses_a_compile_that_is_not_true_false_or_none():
+    model = tiny_model()
+    for compile in ("no", "auto", 0, 1):
+        refused(lambda: attnlab.generate(model, [5, 6], 2, compile=compile), f"compile={compile!r}",  # noqa: B023
+                "must be True, False or None")  # fmt: skip
+    assert attnlab.generate(model, [5, 6], 2, compile=False).shape == (2,)

@@ -45,3 +45,11 @@ class UnquantizedWarning(AttnlabWarning):
 
 class DivergedError(AttnlabError, FloatingPointError):
     """Training diverged (a non-finite loss): the run's settings, not a bug, are to blame."""
+
+
+def given(value) -> str:
+    """How an error names a value of the wrong kind: its type, then its repr cut to 40 characters (e.g. "str
+    'configs/models/tiny.yaml'", "dict {'d_model': 32}")."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"{type(value).__name__} {shown}"

@@ -29,7 +29,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from attnlab.config import names_model
 from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed, sha256_file
-from attnlab.errors import ConfigError, DataError, InputError
+from attnlab.errors import ConfigError, DataError, InputError, given
 from attnlab.jsonio import loads_json
 from attnlab.paths import data_dirs
 
@@ -96,7 +96,7 @@ class Tokenizer:
 def checked_text(text) -> str:
     """`text`, after an InputError unless it is a str (encode's argument)."""
     if not isinstance(text, str):
-        raise InputError(f"encode takes a str, got {type(text).__name__} {_shown(text)} (to encode several texts, "
+        raise InputError(f"encode takes a str, got {given(text)} (to encode several texts, "
                          "use encode_batch)")  # fmt: skip
     return text
 
@@ -105,12 +105,12 @@ def checked_texts(texts) -> list[str]:
     """`texts` as a list, after an InputError unless it is a list (or other iterable) of str (a bare str would be
     read as a list of one-character texts)."""
     if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
-        raise InputError(f"texts must be a list of strings, got {type(texts).__name__} {_shown(texts)} "
+        raise InputError(f"texts must be a list of strings, got {given(texts)} "
                          "(a single text: give [text])")  # fmt: skip
     texts = list(texts)
     for i, text in enumerate(texts):
         if not isinstance(text, str):
-            raise InputError(f"texts[{i}] is {type(text).__name__} {_shown(text)}: texts must be a list of strings")
+            raise InputError(f"texts[{i}] is {given(text)}: texts must be a list of strings")
     return texts
 
 
@@ -119,13 +119,12 @@ def checked_ids(ids) -> list[int]:
     of token ids; ids past the vocabulary are left to the tokenizer, which shows them as U+FFFD, as a model whose
     vocab_size is larger than its tokenizer's may sample one)."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise InputError(f"decode takes a sequence of token ids (whole numbers), got {type(ids).__name__} "
-                         f"{_shown(ids)}")  # fmt: skip
+        raise InputError(f"decode takes a sequence of token ids (whole numbers), got {given(ids)}")  # fmt: skip
     try:
         ids = [operator.index(i) for i in ids]
     except TypeError:
         bad = next(i for i in ids if not _is_index(i))
-        raise InputError(f"decode takes token ids (whole numbers), got {type(bad).__name__} {_shown(bad)} among "
+        raise InputError(f"decode takes token ids (whole numbers), got {given(bad)} among "
                          "them") from None  # fmt: skip
     if ids and min(ids) < 0:
         raise InputError(f"token id {min(ids)} is negative: token ids are whole numbers >= 0")
@@ -138,11 +137,6 @@ def _is_index(value) -> bool:
     except TypeError:
         return False
     return True
-
-
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class ByteTokenizer(Tokenizer):
@@ -442,6 +436,8 @@ def load_tokenizer(
     (`gpt2-bpe/encoder.json` + `vocab.bpe`, or `gpt2-bpe/r50k_base.tiktoken`), else tiktoken's download
     when downloads are allowed.
     """
+    if not isinstance(name, str):
+        raise InputError(f"tokenizer name must be a str ({', '.join(KINDS)}, or a model reference), got {given(name)}")
     check_tokenizer_name(name)
     if name == "byte":
         return ByteTokenizer()

@@ -15,7 +15,7 @@ from attnlab.cache.banks import MemoryWrite
 from attnlab.cache.base import ModelCache
 from attnlab.cache.codecs import KVValueError
 from attnlab.config import ModelConfig
-from attnlab.errors import InputError
+from attnlab.errors import InputError, given
 from attnlab.ops.mlp import build_mlp
 from attnlab.ops.norm import RMSNorm
 from attnlab.ops.rope import Rotary
@@ -225,6 +225,9 @@ def build_model(cfg: ModelConfig, device=None, dtype=None, init: bool = True) ->
     allocated (torch.empty: anything), for a caller that then fills every one of them (a strict load_state_dict, or
     interop.hf.WeightFiller, which refuses a model with a parameter it will not fill): it skips the random init,
     some 10 s for a 135M model on one core."""
+    if not isinstance(cfg, ModelConfig):
+        raise InputError(f"build_model takes a ModelConfig, got {given(cfg)} (attnlab.load_config(path) reads a YAML "
+                         "file, attnlab.model_config_from_dict(data) a dict)")  # fmt: skip
     if init:
         model = Transformer(cfg)
     else:
