@@ -9,6 +9,7 @@ import torch
 from helpers import refused, tiny_model
 
 import attnlab
+import attnlab.memory
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -89,3 +90,15 @@ def test_af18_generate_refuses_a_compile_that_is_not_true_false_or_none():
         refused(lambda: attnlab.generate(model, [5, 6], 2, compile=compile), f"compile={compile!r}",  # noqa: B023
                 "must be True, False or None")  # fmt: skip
     assert attnlab.generate(model, [5, 6], 2, compile=False).shape == (2,)
+
+
+# ----------------------------------------------------------------------------- AF14: save_state to a folder
+
+
+def test_af14_save_state_refuses_a_folder_in_one_line(tmp_path):
+    model = tiny_model(memory={"kind": "bounded", "recent_window": 8, "exact_slots": 4, "summary_slots": 4})
+    cache = model(torch.tensor([[5, 6]]))[1]
+    refused(lambda: attnlab.memory.save_state(tmp_path, model, cache), f"{tmp_path} is a folder", "give a file path")
+    refused(lambda: attnlab.memory.save_state(tmp_path / "s.safetensors", model, "abc"), "cache must be a ModelCache")
+    attnlab.memory.save_state(tmp_path / "s.safetensors", model, cache)
+    assert (tmp_path / "s.safetensors").is_file()
