@@ -10,6 +10,7 @@ from helpers import refused, tiny_model
 
 import attnlab
 import attnlab.memory
+from attnlab.errors import VocabularyWarning
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -102,3 +103,15 @@ def test_af14_save_state_refuses_a_folder_in_one_line(tmp_path):
     refused(lambda: attnlab.memory.save_state(tmp_path / "s.safetensors", model, "abc"), "cache must be a ModelCache")
     attnlab.memory.save_state(tmp_path / "s.safetensors", model, cache)
     assert (tmp_path / "s.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- AF16: train_tokenizer
+
+
+def test_af16_train_tokenizer_refuses_a_bare_str_and_warns_of_a_smaller_vocabulary():
+    refused(lambda: attnlab.data.train_tokenizer("char", "hello"), "texts must be a list", "got str 'hello'",
+            "give [text]")  # fmt: skip
+    refused(lambda: attnlab.data.train_tokenizer("word", ["a b", 5]), "texts[1] is int 5")
+    with pytest.warns(VocabularyWarning, match="allowed only 258 of the 300 ids asked"):
+        assert attnlab.data.train_tokenizer("bpe:300", ["ab"]).vocab_size == 258
+    assert attnlab.data.train_tokenizer("char", iter(["ab", "c"])).vocab_size == 5  # an iterator still reads

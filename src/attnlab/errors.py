@@ -39,6 +39,10 @@ class LengthWarning(AttnlabWarning):
     `warnings.simplefilter("error", LengthWarning)` turns it into an error."""
 
 
+class VocabularyWarning(AttnlabWarning):
+    """A fitted tokenizer has fewer ids than asked: its training text allowed no more merges (or words)."""
+
+
 class UnquantizedWarning(AttnlabWarning):
     """A KV policy that quantizes nothing in this use: its full-precision residual window holds every token."""
 

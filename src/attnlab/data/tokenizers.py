@@ -19,7 +19,8 @@ import operator
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import tiktoken
@@ -29,7 +30,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from attnlab.config import names_model
 from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed, sha256_file
-from attnlab.errors import ConfigError, DataError, InputError, given
+from attnlab.errors import ConfigError, DataError, InputError, VocabularyWarning, given
 from attnlab.jsonio import loads_json
 from attnlab.paths import data_dirs
 
@@ -366,15 +367,35 @@ def needs_training(name: str) -> bool:
 
 
 def train_tokenizer(name: str, texts: Iterable[str]) -> Tokenizer:
-    """Fits a `bpe:<N>`, `word` or `char` tokenizer on `texts` (pass the training split's documents only)."""
+    """Fits a `bpe:<N>`, `word` or `char` tokenizer on `texts`, an iterable of str (pass the training split's
+    documents only). A BPE the text allows fewer than N ids warns (VocabularyWarning) and keeps what it could learn."""
+    if not isinstance(name, str):
+        raise InputError(f"tokenizer name must be a str ({', '.join(KINDS)}), got {given(name)}")
     check_tokenizer_name(name)
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
+        raise InputError(f"texts must be a list (or other iterable) of strings, got {given(texts)} (a single text: "
+                         "give [text])")  # fmt: skip
+    texts = _strings(texts)
     if name.startswith("bpe:"):
-        return BPETokenizer.fit(name, texts)
+        tokenizer = BPETokenizer.fit(name, texts)
+        if tokenizer.vocab_size < bpe_vocab_size(name):
+            warnings.warn(f"tokenizer {name}: the training text allowed only {tokenizer.vocab_size} of the "
+                          f"{bpe_vocab_size(name)} ids asked (train it on more text, or ask for fewer)",
+                          VocabularyWarning, stacklevel=2)  # fmt: skip
+        return tokenizer
     if name == "word":
         return WordTokenizer.fit(texts)
     if name == "char":
         return CharTokenizer.fit(texts)
     raise ConfigError(f"tokenizer={name!r} is fixed, not trained (use load_tokenizer)")
+
+
+def _strings(texts: Iterable) -> Iterator[str]:
+    """`texts`, read lazily (a training split may not fit in memory), with an InputError at the first that is no str."""
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise InputError(f"texts[{i}] is {given(text)}: texts must be strings")
+        yield text
 
 
 def tokenizer_record(tokenizer: Tokenizer, folder: str | Path) -> dict:
