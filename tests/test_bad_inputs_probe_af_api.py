@@ -10,7 +10,7 @@ from helpers import refused, tiny_model
 
 import attnlab
 import attnlab.memory
-from attnlab.errors import VocabularyWarning
+from attnlab.errors import ConfigError, VocabularyWarning
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -115,3 +115,20 @@ def test_af16_train_tokenizer_refuses_a_bare_str_and_warns_of_a_smaller_vocabula
     with pytest.warns(VocabularyWarning, match="allowed only 258 of the 300 ids asked"):
         assert attnlab.data.train_tokenizer("bpe:300", ["ab"]).vocab_size == 258
     assert attnlab.data.train_tokenizer("char", iter(["ab", "c"])).vocab_size == 5  # an iterator still reads
+
+
+# ----------------------------------------------------------------------------- AF17: open_source's fractions
+
+
+def test_af17_open_source_refuses_the_fractions_a_data_config_refuses(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("one\n\ntwo\n")
+    for fraction, shown in ((2.0, "val_fraction=2.0 must be in [0, 1)"), (float("nan"), "val_fraction=nan must be"),
+                            ("0.1", "val_fraction='0.1' must be a number")):  # fmt: skip
+        for source in ("tinyshakespeare", str(text)):
+            with pytest.raises(ConfigError) as caught:
+                attnlab.data.open_source(source, tmp_path, val_fraction=fraction)
+            assert shown in str(caught.value) and "\n" not in str(caught.value), caught.value
+    with pytest.raises(ConfigError, match="val_fraction \\+ test_fraction = 1.0 must be < 1"):
+        attnlab.data.open_source(str(text), val_fraction=0.5, test_fraction=0.5)
+    assert attnlab.data.open_source(str(text), val_fraction=0.1).files == [text]
