@@ -1,6 +1,8 @@
 """Probe AF's findings on the library API (/work/probe_af/REPORT.md): the model's forward given a cache of another
-batch or not a cache (AF10), new_cache's sizes, device (AF11) and dtype (AF12), ... Each test fails with its fix
-backed out."""
+batch or not a cache (AF10); new_cache's sizes, device (AF11) and dtype (AF12); tokenizers' encode and decode of what
+is not text or token ids (AF15); API functions given the wrong kind of object (AF13); generate's compile (AF18);
+memory.save_state to a folder (AF14); train_tokenizer's texts and vocabulary (AF16); open_source's fractions (AF17).
+Each test fails with its fix backed out."""
 
 from __future__ import annotations
 
