@@ -12,7 +12,7 @@ from attnlab.cache.quantized import slot_counts
 from attnlab.config import ModelConfig, dtype_bytes
 from attnlab.config_checks import MAX_INT
 from attnlab.config_memory import PRESSES
-from attnlab.errors import InputError
+from attnlab.errors import InputError, given
 from attnlab.model.transformer import build_model
 
 
@@ -25,8 +25,11 @@ def param_counts(model_or_cfg) -> dict[str, int]:
     if isinstance(model_or_cfg, ModelConfig):
         with torch.device("meta"):
             model = build_model(model_or_cfg)
-    else:
+    elif isinstance(model_or_cfg, torch.nn.Module):
         model = model_or_cfg
+    else:
+        raise InputError(f"param_counts takes a ModelConfig or a model, got {given(model_or_cfg)} (a YAML file: "
+                         "attnlab.load_config(path) reads it)")  # fmt: skip
     counts = {"embedding": 0, "attention": 0, "memory": 0, "mlp": 0, "norms": 0, "lm_head": 0}
     for name, p in model.named_parameters():  # tied weights are listed once, under the embedding
         if name.startswith("embed."):
@@ -60,6 +63,9 @@ def kv_report(cfg: ModelConfig, dtype: str = "fp16", seq_len: int | None = None,
     every token (quest's read_slots cut to seq_len). `memory` then also gives the slots, the tokens held per layer
     at seq_len and what the variant's own cache would hold there, and is None otherwise.
     """
+    if not isinstance(cfg, ModelConfig):
+        raise InputError(f"kv_report takes a ModelConfig, got {given(cfg)} (attnlab.load_config(path) reads a YAML "
+                         "file, attnlab.model_config_from_dict(data) a dict)")  # fmt: skip
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise InputError(f"seq_len={seq_len!r} must be a whole number of tokens >= 1")

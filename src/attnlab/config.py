@@ -70,6 +70,21 @@ def source_problem(source: str, key: str) -> str | None:
     return f"{key}={brief(source, 300)} is not a known dataset ({', '.join(DATA_SOURCES)}), and as a file: {problem}"
 
 
+def fraction_problems(val_fraction, test_fraction, prefix: str = "") -> list[str]:
+    """Why the split fractions of a source without splits of its own cannot be used (DataConfig's and open_source's
+    check): each a number in [0, 1) (NaN is none), their sum < 1."""
+    problems = []
+    for key, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{prefix}{key}={value!r} must be a number in [0, 1)")
+        elif not 0.0 <= value < 1.0:
+            problems.append(f"{prefix}{key}={value} must be in [0, 1)")
+    if not problems and val_fraction + test_fraction >= 1.0:
+        problems.append(f"{prefix}val_fraction + {prefix}test_fraction = {val_fraction + test_fraction} must be < 1 "
+                        "(leave documents for training)")  # fmt: skip
+    return problems
+
+
 def dtype_bytes(dtype: str) -> float:
     """Bytes per stored element for a dtype name (quantized formats register here later)."""
     if dtype not in DTYPE_BYTES:
@@ -381,14 +396,7 @@ class DataConfig:
         problems = field_problems(self, "data.")
         if problems:
             raise ConfigError(problems)
-        for key in ("val_fraction", "test_fraction"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                problems.append(f"data.{key}={getattr(self, key)} must be in [0, 1)")
-        if not problems and self.val_fraction + self.test_fraction >= 1.0:
-            problems.append(
-                f"data.val_fraction + data.test_fraction = {self.val_fraction + self.test_fraction} must be < 1 "
-                "(leave documents for training)"
-            )
+        problems += fraction_problems(self.val_fraction, self.test_fraction, "data.")
         problem = source_problem(self.source, "data.source")
         if problem:
             problems.append(problem)

@@ -39,9 +39,21 @@ class LengthWarning(AttnlabWarning):
     `warnings.simplefilter("error", LengthWarning)` turns it into an error."""
 
 
+class VocabularyWarning(AttnlabWarning):
+    """A fitted tokenizer has fewer ids than asked: its training text allowed no more merges (or words)."""
+
+
 class UnquantizedWarning(AttnlabWarning):
     """A KV policy that quantizes nothing in this use: its full-precision residual window holds every token."""
 
 
 class DivergedError(AttnlabError, FloatingPointError):
     """Training diverged (a non-finite loss): the run's settings, not a bug, are to blame."""
+
+
+def given(value) -> str:
+    """How an error names a value of the wrong kind: its type, then its repr cut to 40 characters (e.g. "str
+    'configs/models/tiny.yaml'", "dict {'d_model': 32}")."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"{type(value).__name__} {shown}"

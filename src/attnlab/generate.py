@@ -16,6 +16,7 @@ import torch
 
 from attnlab.cache.base import ModelCache
 from attnlab.cache.codecs import KVPolicy, as_policy
+from attnlab.config import ModelConfig
 from attnlab.config_memory import PRESSES
 from attnlab.errors import AttnlabWarning, InputError, LengthWarning, UnquantizedWarning
 from attnlab.model.fused import FusedDecode, fused_problem
@@ -302,10 +303,10 @@ def room_problem(cfg, length: int, max_new_tokens: int, held: int = 0) -> str | 
 IDS = "give token ids (an integer tensor or a list of ints)"
 
 
-def check_options(kv_policy=None, stop_tokens=(), fused=None) -> list[int]:
+def check_options(kv_policy=None, stop_tokens=(), fused=None, compile=None) -> list[int]:
     """Raises InputError naming every one of generate's kv_policy (None, a policy string or a KVPolicy), stop_tokens
-    (token ids: a list, tuple or 1-D tensor of whole numbers) and fused (True, False or None: a string such as
-    'false' or a 0 would read as another choice) that cannot be used; returns the stop token ids."""
+    (token ids: a list, tuple or 1-D tensor of whole numbers), fused and compile (True, False or None: a string such
+    as 'false' or a 0 would read as another choice) that cannot be used; returns the stop token ids."""
     problems, stop = [], []
     if kv_policy is not None and not isinstance(kv_policy, (str, KVPolicy)):
         problems.append(f"kv_policy={kv_policy!r} must be a policy string such as 'k=q8_0,v=q4_0' (formats per cached "
@@ -320,6 +321,8 @@ def check_options(kv_policy=None, stop_tokens=(), fused=None) -> list[int]:
         problems.append(f"stop_tokens={stop_tokens!r} must be a list of token ids (whole numbers, e.g. [2])")
     if fused is not None and not isinstance(fused, bool):
         problems.append(f"fused={fused!r} must be True, False or None (auto: the fused step where it applies)")
+    if compile is not None and not isinstance(compile, bool):
+        problems.append(f"compile={compile!r} must be True, False or None (auto: compile when the tokens pay for it)")
     if problems:
         raise InputError("; ".join(problems))
     return stop
@@ -446,8 +449,11 @@ def generate(
     does not apply); False never uses it.
     callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
+    if not isinstance(getattr(model, "cfg", None), ModelConfig):
+        raise InputError(f"model must be an attnlab model (from attnlab.load_model or build_model), got "
+                         f"{type(model).__name__}")  # fmt: skip
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
-    stop_ids = check_options(kv_policy, stop_tokens, fused)
+    stop_ids = check_options(kv_policy, stop_tokens, fused, compile)
     problem = greedy_problem(temperature, top_k, top_p, seed)
     if problem:
         raise InputError(problem)

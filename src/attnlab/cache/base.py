@@ -113,10 +113,12 @@ class LayerCache(ABC):
 
 @dataclass
 class ModelCache:
-    """One LayerCache per layer plus the number of tokens seen (the next absolute position)."""
+    """One LayerCache per layer plus the number of tokens seen (the next absolute position) and the number of
+    sequences it holds (None: not recorded)."""
 
     layers: list[LayerCache]
     seen: int = 0
+    batch: int | None = None
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

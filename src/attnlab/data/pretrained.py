@@ -21,7 +21,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from attnlab.data.files import atomic_write_text, file_kind, unreachable
-from attnlab.data.tokenizers import Tokenizer
+from attnlab.data.tokenizers import Tokenizer, checked_ids, checked_text, checked_texts
 from attnlab.errors import DataError, InputError
 from attnlab.jsonio import DuplicateKey, loads_json
 
@@ -115,15 +115,15 @@ class PretrainedTokenizer(Tokenizer):
         """Token ids of `text`. prompt=True: as the model reads a prompt (BOS first when add_bos, special
         tokens in the text recognised), like transformers' `tokenizer(text).input_ids`."""
         if not prompt:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        ids = self.prompt_tokenizer.encode(text, add_special_tokens=False).ids
+            return self.tokenizer.encode(checked_text(text), add_special_tokens=False).ids
+        ids = self.prompt_tokenizer.encode(checked_text(text), add_special_tokens=False).ids
         return [self.bos_id, *ids] if self.add_bos else ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        return [e.ids for e in self.tokenizer.encode_batch_fast(checked_texts(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self.tokenizer.decode(checked_ids(ids), skip_special_tokens=False)
 
     @property
     def fingerprint(self) -> str:

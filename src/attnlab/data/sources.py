@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attnlab.config import COMPRESSIONS, DATA_SOURCES, file_kind_problem
+from attnlab.config import COMPRESSIONS, DATA_SOURCES, file_kind_problem, fraction_problems
 from attnlab.data.files import (
     atomic_path,
     atomic_write_text,
@@ -36,7 +36,7 @@ from attnlab.data.files import (
     open_text,
     temp_path_beside,
 )
-from attnlab.errors import DataError
+from attnlab.errors import ConfigError, DataError
 from attnlab.jsonio import loads_json
 from attnlab.paths import cache_dir, data_dirs, find_data_file, first_data_file
 
@@ -440,7 +440,11 @@ def open_source(
     The fractions apply to sources without their own splits; `max_tokens` only matters for streaming. splits:
     the only splits needed (a dataset with its own split files then needs only those; default all): an
     evaluation's read of one whole split, which a stream without end (fineweb-edu without max_tokens) cannot give.
+    ConfigError for fractions a DataConfig refuses (each in [0, 1), their sum < 1).
     """
+    problems = fraction_problems(val_fraction, test_fraction)
+    if problems:
+        raise ConfigError(problems)
     if source in WIKITEXT:
         return _wikitext(source, data_dir, download, splits)
     if source == "wikitext2-nounk":

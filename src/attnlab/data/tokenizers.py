@@ -15,10 +15,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import operator
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import tiktoken
@@ -28,7 +30,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from attnlab.config import names_model
 from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed, sha256_file
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import ConfigError, DataError, InputError, VocabularyWarning, given
 from attnlab.jsonio import loads_json
 from attnlab.paths import data_dirs
 
@@ -63,7 +65,7 @@ class Tokenizer:
         raise NotImplementedError
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(text) for text in texts]
+        return [self.encode(text) for text in checked_texts(texts)]
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a prompt, as the model reads one (a pretrained model's BOS first where it expects it)."""
@@ -92,6 +94,52 @@ class Tokenizer:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
 
 
+def checked_text(text) -> str:
+    """`text`, after an InputError unless it is a str (encode's argument)."""
+    if not isinstance(text, str):
+        raise InputError(f"encode takes a str, got {given(text)} (to encode several texts, "
+                         "use encode_batch)")  # fmt: skip
+    return text
+
+
+def checked_texts(texts) -> list[str]:
+    """`texts` as a list, after an InputError unless it is a list (or other iterable) of str (a bare str would be
+    read as a list of one-character texts)."""
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
+        raise InputError(f"texts must be a list of strings, got {given(texts)} "
+                         "(a single text: give [text])")  # fmt: skip
+    texts = list(texts)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise InputError(f"texts[{i}] is {given(text)}: texts must be a list of strings")
+    return texts
+
+
+def checked_ids(ids) -> list[int]:
+    """`ids` as a list of ints, after an InputError unless they are whole numbers >= 0 (decode's argument: a sequence
+    of token ids; ids past the vocabulary are left to the tokenizer, which shows them as U+FFFD, as a model whose
+    vocab_size is larger than its tokenizer's may sample one)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise InputError(f"decode takes a sequence of token ids (whole numbers), got {given(ids)}")  # fmt: skip
+    try:
+        ids = [operator.index(i) for i in ids]
+    except TypeError:
+        bad = next(i for i in ids if not _is_index(i))
+        raise InputError(f"decode takes token ids (whole numbers), got {given(bad)} among "
+                         "them") from None  # fmt: skip
+    if ids and min(ids) < 0:
+        raise InputError(f"token id {min(ids)} is negative: token ids are whole numbers >= 0")
+    return ids
+
+
+def _is_index(value) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes: ids 0..255 are the bytes, 256 is end-of-text."""
 
@@ -100,15 +148,16 @@ class ByteTokenizer(Tokenizer):
     eot_id = 256
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(checked_text(text).encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
         pieces, run = [], bytearray()
-        for i in map(int, ids):
+        for i in checked_ids(ids):
             if i < 256:
                 run.append(i)
                 continue
-            pieces.append(run.decode("utf-8", errors="replace") + EOT)
+            # 256 is end-of-text; an id past the vocabulary (a padded model may sample one) shows as U+FFFD
+            pieces.append(run.decode("utf-8", errors="replace") + (EOT if i == self.eot_id else "\ufffd"))
             run = bytearray()
         return "".join(pieces) + run.decode("utf-8", errors="replace")
 
@@ -153,7 +202,7 @@ class CharTokenizer(VocabTokenizer):
 
     def encode(self, text: str) -> list[int]:
         ids, unk = self.ids, self.unk_id
-        return [ids.get(c, unk) for c in text]
+        return [ids.get(c, unk) for c in checked_text(text)]
 
     def unknown(self, text: str) -> list[str]:
         return [c for c in text if c not in self.ids]
@@ -162,7 +211,7 @@ class CharTokenizer(VocabTokenizer):
         # One unknown character, or an id past the vocabulary (a model whose vocab_size is larger than its
         # tokenizer's may sample one), decodes to U+FFFD, as undecodable bytes do.
         size = len(self.tokens)
-        return "".join(self.tokens[i] if 0 <= i < size and i != self.unk_id else "\ufffd" for i in map(int, ids))
+        return "".join(self.tokens[i] if 0 <= i < size and i != self.unk_id else "\ufffd" for i in checked_ids(ids))
 
 
 class WordTokenizer(VocabTokenizer):
@@ -194,7 +243,7 @@ class WordTokenizer(VocabTokenizer):
 
     def encode(self, text: str) -> list[int]:
         lookup, unk = self.lookup, self.unk_id
-        return [lookup.get(word, unk) for word in self.pattern.findall(text)]
+        return [lookup.get(word, unk) for word in self.pattern.findall(checked_text(text))]
 
     def unknown(self, text: str) -> list[str]:
         return [word for word in self.pattern.findall(text) if word not in self.lookup]
@@ -202,7 +251,7 @@ class WordTokenizer(VocabTokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         """Words joined by one space, `<eos>` as a line end (the text's own spacing is not kept)."""
         pieces, line_start = [], True
-        for i in map(int, ids):
+        for i in checked_ids(ids):
             token = self.tokens[i] if 0 <= i < len(self.tokens) else "\ufffd"  # past the vocabulary: U+FFFD
             if token == EOS:
                 pieces.append("\n")
@@ -228,14 +277,14 @@ class TiktokenTokenizer(Tokenizer):
         self.eot_id = GPT2_EOT_ID
 
     def encode(self, text: str) -> list[int]:
-        return self.encoding.encode_ordinary(text)
+        return self.encoding.encode_ordinary(checked_text(text))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.encoding.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
+        return self.encoding.encode_ordinary_batch(checked_texts(texts), num_threads=os.cpu_count() or 1)
 
     def decode(self, ids: Sequence[int]) -> str:
         pieces, run = [], []
-        for i in map(int, ids):
+        for i in checked_ids(ids):
             if 0 <= i < self.encoding.n_vocab:
                 run.append(i)
             else:  # past the vocabulary (a model whose vocab_size is larger may sample one): U+FFFD
@@ -278,13 +327,13 @@ class BPETokenizer(Tokenizer):
         return cls(name, tokenizer)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(checked_text(text), add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        return [e.ids for e in self.tokenizer.encode_batch_fast(checked_texts(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self.tokenizer.decode(checked_ids(ids), skip_special_tokens=False)
 
     def save(self, folder: str | Path) -> None:
         atomic_write_text(Path(folder) / self.file, self.tokenizer.to_str())
@@ -318,15 +367,35 @@ def needs_training(name: str) -> bool:
 
 
 def train_tokenizer(name: str, texts: Iterable[str]) -> Tokenizer:
-    """Fits a `bpe:<N>`, `word` or `char` tokenizer on `texts` (pass the training split's documents only)."""
+    """Fits a `bpe:<N>`, `word` or `char` tokenizer on `texts`, an iterable of str (pass the training split's
+    documents only). A BPE the text allows fewer than N ids warns (VocabularyWarning) and keeps what it could learn."""
+    if not isinstance(name, str):
+        raise InputError(f"tokenizer name must be a str ({', '.join(KINDS)}), got {given(name)}")
     check_tokenizer_name(name)
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
+        raise InputError(f"texts must be a list (or other iterable) of strings, got {given(texts)} (a single text: "
+                         "give [text])")  # fmt: skip
+    texts = _strings(texts)
     if name.startswith("bpe:"):
-        return BPETokenizer.fit(name, texts)
+        tokenizer = BPETokenizer.fit(name, texts)
+        if tokenizer.vocab_size < bpe_vocab_size(name):
+            warnings.warn(f"tokenizer {name}: the training text allowed only {tokenizer.vocab_size} of the "
+                          f"{bpe_vocab_size(name)} ids asked (train it on more text, or ask for fewer)",
+                          VocabularyWarning, stacklevel=2)  # fmt: skip
+        return tokenizer
     if name == "word":
         return WordTokenizer.fit(texts)
     if name == "char":
         return CharTokenizer.fit(texts)
     raise ConfigError(f"tokenizer={name!r} is fixed, not trained (use load_tokenizer)")
+
+
+def _strings(texts: Iterable) -> Iterator[str]:
+    """`texts`, read lazily (a training split may not fit in memory), with an InputError at the first that is no str."""
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise InputError(f"texts[{i}] is {given(text)}: texts must be strings")
+        yield text
 
 
 def tokenizer_record(tokenizer: Tokenizer, folder: str | Path) -> dict:
@@ -388,6 +457,8 @@ def load_tokenizer(
     (`gpt2-bpe/encoder.json` + `vocab.bpe`, or `gpt2-bpe/r50k_base.tiktoken`), else tiktoken's download
     when downloads are allowed.
     """
+    if not isinstance(name, str):
+        raise InputError(f"tokenizer name must be a str ({', '.join(KINDS)}, or a model reference), got {given(name)}")
     check_tokenizer_name(name)
     if name == "byte":
         return ByteTokenizer()

@@ -29,7 +29,7 @@ from attnlab.attention.mha import MHAConfig
 from attnlab.attention.sliding import SlidingConfig
 from attnlab.config import ModelConfig, RopeScaling, head_counts
 from attnlab.data.pretrained import regular_file
-from attnlab.errors import AttnlabWarning, ConfigError, DataError
+from attnlab.errors import AttnlabWarning, ConfigError, DataError, InputError, given
 from attnlab.jsonio import DuplicateKey, loads_json
 from attnlab.model.transformer import Transformer, build_model
 from attnlab.ops.finite import all_finite
@@ -421,6 +421,10 @@ def fill_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], so
 @torch.no_grad()
 def from_hf_llama(hf_model, dtype=torch.float32) -> tuple[ModelConfig, Transformer]:
     """(config, model) with the weights of a transformers `LlamaForCausalLM` (or Mistral, Qwen2), in `dtype`."""
+    if not callable(getattr(getattr(hf_model, "config", None), "to_dict", None)) or not callable(
+            getattr(hf_model, "state_dict", None)):  # fmt: skip
+        raise InputError(f"from_hf_llama takes a transformers model (e.g. LlamaForCausalLM.from_pretrained(...)), got "
+                         f"{given(hf_model)} (a folder or Hub name: attnlab.load_model(ref) reads it)")  # fmt: skip
     cfg = config_from_hf(hf_model.config.to_dict(), source="from_hf_llama")
     return cfg, fill_model(cfg, hf_model.state_dict().items(), "from_hf_llama", dtype)
 

@@ -28,7 +28,7 @@ from attnlab.data import load_tokenizer, prepare
 from attnlab.data.files import downloads_allowed
 from attnlab.data.pretrained import check_token_ids, regular_file, tokenizer_from_folder
 from attnlab.data.tokenizers import Tokenizer, tokenizer_problem
-from attnlab.errors import DataError, InputError
+from attnlab.errors import DataError, InputError, given
 from attnlab.interop.gguf import check_token_count, check_weights, config_from_gguf, load_gguf, open_gguf
 from attnlab.interop.hf import check_hf_weights, config_from_hf, is_hf_folder, load_hf_folder, read_json
 from attnlab.interop.tokenizer import tokenizer_from_gguf
@@ -90,6 +90,8 @@ def load_reference(
     weights: str = "fp32",
 ) -> LoadedModel:  # fmt: skip
     """`load_model` with the reference's run config and label (attnlab.eval.load_for_eval builds on it)."""
+    if not isinstance(ref, (str, os.PathLike)):
+        raise InputError(f"the model reference must be a path or a name, got {given(ref)} (give {KINDS})")
     check_weights(weights)
     dtype = check_dtype(dtype)
     kind, where = resolve(ref, data_dir)

@@ -110,6 +110,12 @@ def save_state(path: str | Path, model, cache: ModelCache, model_path: str | Non
     """
     require_memory(model)
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path} is a folder: give a file path for the memory state (e.g. "
+                         f"{path / 'state.safetensors'})")  # fmt: skip
+    if not isinstance(cache, ModelCache):
+        raise InputError(f"cache must be a ModelCache (model.new_cache, or a forward's result), got "
+                         f"{type(cache).__name__}")  # fmt: skip
     if len(cache.layers) != model.cfg.n_layers or not all(isinstance(x, MemoryCache) for x in cache.layers):
         raise InputError(f"the cache does not belong to this model: expected {model.cfg.n_layers} memory caches "
                          f"(model.new_cache), got {[type(x).__name__ for x in cache.layers]}")  # fmt: skip

@@ -15,7 +15,7 @@ from attnlab.cache.banks import MemoryWrite
 from attnlab.cache.base import ModelCache
 from attnlab.cache.codecs import KVValueError
 from attnlab.config import ModelConfig
-from attnlab.errors import InputError
+from attnlab.errors import InputError, given
 from attnlab.ops.mlp import build_mlp
 from attnlab.ops.norm import RMSNorm
 from attnlab.ops.rope import Rotary
@@ -52,6 +52,30 @@ def token_problem(tokens, vocab_size: int) -> None:
         if low.item() < 0 or high.item() >= vocab_size:
             bad = int(low) if low.item() < 0 else int(high)
             raise InputError(f"token id {bad} is outside the model's vocabulary (0 .. {vocab_size - 1})")
+
+
+# The dtypes a cache holds its values in (a policy's quantized formats are chosen by the policy, not here)
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def cache_problem(batch, max_len, dtype, device, cfg: ModelConfig) -> None:
+    """InputError unless new_cache's arguments make a cache: whole numbers of sequences and tokens >= 1 (max_len at
+    most max_seq_len for a model without a memory, which reads no further), a floating dtype, a known device."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InputError(f"batch={batch!r} must be a whole number of sequences >= 1")
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise InputError(f"max_len={max_len!r} must be a whole number of tokens >= 1 (or None: max_seq_len)")
+    if max_len is not None and cfg.memory.kind == "none" and max_len > cfg.max_seq_len:
+        raise InputError(f"max_len={max_len} is past max_seq_len={cfg.max_seq_len}, the longest sequence this model "
+                         f"reads (give at most {cfg.max_seq_len}, or leave max_len out)")  # fmt: skip
+    if dtype is not None and dtype not in CACHE_DTYPES:
+        raise InputError(f"dtype={dtype!r}: a cache needs a floating dtype (torch.float32, torch.float16, "
+                         "torch.bfloat16 or torch.float64), or leave it out (the model's)")  # fmt: skip
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise InputError(f"device={device!r} is not a torch device (e.g. 'cpu', 'cuda' or 'cuda:0')") from None
 
 
 class Transformer(nn.Module):
@@ -96,11 +120,11 @@ class Transformer(nn.Module):
         memory = self.cfg.memory
         if max_len is None and memory.kind == "none":
             max_len = self.cfg.max_seq_len
-        if max_len is not None and max_len < 1:
-            raise InputError(f"a cache of max_len={max_len} holds nothing (give at least 1 token)")
+        cache_problem(batch, max_len, dtype, device, self.cfg)
         dtype = dtype or self.norm.weight.dtype  # not the embedding's: a quantized one holds bytes (model.qlinear)
         device = device or self.norm.weight.device
-        return ModelCache([b.attn.new_cache(batch, max_len, dtype, device, policy, memory) for b in self.blocks])
+        layers = [b.attn.new_cache(batch, max_len, dtype, device, policy, memory) for b in self.blocks]
+        return ModelCache(layers, batch=batch)
 
     def forward(
         self, tokens: torch.Tensor, cache: ModelCache | None = None, use_cache: bool | None = None
@@ -114,7 +138,13 @@ class Transformer(nn.Module):
         """
         if not torch.compiler.is_compiling():
             token_problem(tokens, self.cfg.vocab_size)
+            if cache is not None and not isinstance(cache, ModelCache):
+                raise InputError(f"cache must be a ModelCache (from model.new_cache or a forward's result), got "
+                                 f"{type(cache).__name__}")  # fmt: skip
         batch, length = tokens.shape
+        if cache is not None and cache.batch is not None and cache.batch != batch:
+            raise InputError(f"the cache was made for batch {cache.batch} but tokens has batch {batch} (shape "
+                             f"{tuple(tokens.shape)}): give a cache made for it, model.new_cache({batch})")  # fmt: skip
         if use_cache is None:
             use_cache = cache is not None or not self.training
         block = self.cfg.memory.block_size if self.cfg.memory.kind != "none" else None
@@ -195,6 +225,9 @@ def build_model(cfg: ModelConfig, device=None, dtype=None, init: bool = True) ->
     allocated (torch.empty: anything), for a caller that then fills every one of them (a strict load_state_dict, or
     interop.hf.WeightFiller, which refuses a model with a parameter it will not fill): it skips the random init,
     some 10 s for a 135M model on one core."""
+    if not isinstance(cfg, ModelConfig):
+        raise InputError(f"build_model takes a ModelConfig, got {given(cfg)} (attnlab.load_config(path) reads a YAML "
+                         "file, attnlab.model_config_from_dict(data) a dict)")  # fmt: skip
     if init:
         model = Transformer(cfg)
     else:
