@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from helpers import fails
 
+from attnlab.cli import main
 from attnlab.interop import export as export_module
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
@@ -29,3 +33,43 @@ def test_af4_export_fp16_refuses_a_weight_fp16_cannot_hold_before_writing(tmp_pa
     fails(capsys, ["export", str(tiny_run), "--hf", str(out), "--dtype", "fp16"], "model.layers.0.self_attn.q_proj",
           "|value|=", "65504", "--dtype bf16 or fp32")  # fmt: skip
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- AF6: compare and unfinished runs
+
+
+def test_af6_compare_names_each_unfinished_run_it_leaves_out_and_the_baseline_it_lost(tmp_path, tiny_run, capsys):
+    runs = tmp_path / "m"
+    for target in ("base", "mem"):
+        shutil.copytree(tiny_run, runs / target / "seed0")
+    (runs / "base" / "seed0" / "summary.json").unlink()  # interrupted, or still training
+    assert main(["compare", str(runs), "--out", str(tmp_path / "o")]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("attnlab compare: warning: ") and str(runs / "base" / "seed0") in lines[0], lines
+    assert "no summary.json" in lines[0] and "left out" in lines[0], lines
+    assert lines[1] == "attnlab compare: warning: target 'base' has no finished run: the baseline is 'mem' instead"
+    fails(capsys, ["compare", str(runs), "--out", str(tmp_path / "o2"), "--baseline", "base"], "--baseline base",
+          "no finished run", "(mem)")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- AF21: mc items
+
+
+def arc_items(n: int = 3) -> list[dict]:
+    return [{"id": f"q{i}", "question": f"What is {i}?", "answerKey": "A",
+             "choices": {"text": ["a cat", "a dog"], "label": ["A", "B"]}} for i in range(n)]  # fmt: skip
+
+
+def test_af21_mc_refuses_an_empty_question_and_an_id_given_twice(tmp_path, tiny_run, capsys):
+    empty, twice = arc_items(), arc_items()
+    empty[1]["question"] = "  "
+    twice[2]["id"] = "q0"
+    for name, items, fragments in (("empty.json", empty, ("item 'q1'", "'question' is empty")),
+                                   ("twice.json", twice, ("'q0'", "also the id", "distinct"))):  # fmt: skip
+        path = tmp_path / name
+        path.write_text(json.dumps(items, indent=1))
+        fails(capsys, ["mc", "arc_easy", str(tiny_run), "--file", str(path)], str(path), *fragments)
+    piqa = tmp_path / "piqa.jsonl"
+    piqa.write_text(json.dumps({"query": "Question:  \n", "choices": ["a", "b"], "gold": 0}) + "\n")
+    fails(capsys, ["mc", "piqa", str(tiny_run), "--file", str(piqa)], f"{piqa}:1", "empty question")
