@@ -73,3 +73,11 @@ def test_af21_mc_refuses_an_empty_question_and_an_id_given_twice(tmp_path, tiny_
     piqa = tmp_path / "piqa.jsonl"
     piqa.write_text(json.dumps({"query": "Question:  \n", "choices": ["a", "b"], "gold": 0}) + "\n")
     fails(capsys, ["mc", "piqa", str(tiny_run), "--file", str(piqa)], f"{piqa}:1", "empty question")
+
+
+# ----------------------------------------------------------------------------- AF22: generate --chat ''
+
+
+def test_af22_generate_chat_refuses_an_empty_turn_as_plain_generate_refuses_an_empty_prompt(tiny_run, capsys):
+    for prompt in ("", " \n"):
+        fails(capsys, ["generate", str(tiny_run), prompt, "--chat"], "empty chat turn", "give the user's message")
