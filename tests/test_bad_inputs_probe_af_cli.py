@@ -81,3 +81,25 @@ def test_af21_mc_refuses_an_empty_question_and_an_id_given_twice(tmp_path, tiny_
 def test_af22_generate_chat_refuses_an_empty_turn_as_plain_generate_refuses_an_empty_prompt(tiny_run, capsys):
     for prompt in ("", " \n"):
         fails(capsys, ["generate", str(tiny_run), prompt, "--chat"], "empty chat turn", "give the user's message")
+
+
+# ----------------------------------------------------------------------------- AF29: cut decode_tokens and n_tokens
+
+
+def warnings_of(capsys, argv) -> list[str]:
+    """main(argv) succeeds; its stderr lines."""
+    assert main(argv) == 0
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_af29_context_sweep_says_when_decode_tokens_are_cut_and_effective_rank_when_n_tokens_is(tmp_path, tiny_run,
+                                                                                                  capsys):  # fmt: skip
+    sets = ["context_sweep.lengths=[32]", "context_sweep.chunk_size=16", "context_sweep.decode_tokens=1000"]
+    argv = ["bench", str(tiny_run), "--benchmarks", "context_sweep", "--out", str(tmp_path / "cs")]
+    lines = warnings_of(capsys, argv + [arg for s in sets for arg in ("--set", s)])
+    assert len(lines) == 1 and lines[0].startswith("attnlab bench: warning: context_sweep: decode_tokens=1000"), lines
+    assert "max_seq_len=64" in lines[0] and "32 at length 32" in lines[0], lines
+    argv = ["bench", str(tiny_run), "--benchmarks", "effective_rank", "--out", str(tmp_path / "er"),
+            "--set", "effective_rank.n_tokens=100000000", "--set", "effective_rank.seq_len=32"]  # fmt: skip
+    lines = warnings_of(capsys, argv)
+    assert len(lines) == 1 and lines[0].startswith("attnlab bench: warning: effective_rank: n_tokens=100000000"), lines
