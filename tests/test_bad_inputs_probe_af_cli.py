@@ -103,3 +103,18 @@ def test_af29_context_sweep_says_when_decode_tokens_are_cut_and_effective_rank_w
             "--set", "effective_rank.n_tokens=100000000", "--set", "effective_rank.seq_len=32"]  # fmt: skip
     lines = warnings_of(capsys, argv)
     assert len(lines) == 1 and lines[0].startswith("attnlab bench: warning: effective_rank: n_tokens=100000000"), lines
+
+
+# ----------------------------------------------------------------------------- AF20: a model config's name
+
+
+def test_af20_validate_refuses_a_model_config_name_with_a_control_character_as_a_manifest_name(tmp_path, capsys):
+    for name, problem in (("tiny\n", "must not contain control characters"),
+                          ("tiny\t", "must not contain control characters"),
+                          ("tiny ", "must not start or end with white space")):  # fmt: skip
+        path = tmp_path / "m.yaml"
+        path.write_text(f"name: {json.dumps(name)}\nvocab_size: 100\nd_model: 32\nn_layers: 1\nn_heads: 2\n"
+                        "max_seq_len: 64\nattention: {kind: mha}\n")  # fmt: skip
+        assert main(["validate", str(path)]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"{path}: name {name!r} {problem}"]
+        fails(capsys, ["info", str(path)], str(path), "name", problem)

@@ -20,7 +20,7 @@ from attnlab.config_memory import misplaced_options, misplaced_problem
 from attnlab.data.files import unreachable
 from attnlab.errors import ConfigError
 from attnlab.jsonio import MAX_INT_BITS, MAX_INT_DIGITS, too_many_digits
-from attnlab.paths import brief
+from attnlab.paths import brief, unprintable_problem
 
 
 def memory_from_dict(data: Any, problems: list[str], saved: bool = False) -> MemoryConfig | None:
@@ -55,12 +55,17 @@ def model_config_from_dict(data: Any, source: str | None = None, saved: bool = F
     attention = parse_attention(data.get("attention", {}) if isinstance(data, dict) else {}, problems)
     memory = memory_from_dict(data.get("memory", {}) if isinstance(data, dict) else {}, problems, saved)
     rope_scaling = rope_scaling_from_dict(data.get("rope_scaling") if isinstance(data, dict) else None, problems)
+    name = kwargs.get("name") if not saved else None  # shown in lines, as a manifest's name (saved ones load)
+    named = [p for p in [unprintable_problem(name, "name") if isinstance(name, str) else None] if p]
     if problems:
-        raise ConfigError(problems, source=source)
+        raise ConfigError(problems + named, source=source)
     try:
-        return ModelConfig(attention=attention, memory=memory, rope_scaling=rope_scaling, **kwargs)
+        config = ModelConfig(attention=attention, memory=memory, rope_scaling=rope_scaling, **kwargs)
     except ConfigError as e:
-        raise e.with_source(source) if source else e from None
+        raise ConfigError(e.problems + named, source=source or e.source) from None
+    if named:
+        raise ConfigError(named, source=source)
+    return config
 
 
 class IntTooLarge(yaml.constructor.ConstructorError):

@@ -162,6 +162,16 @@ def find_data_file(relative: str, data_dir: str | Path | None = None) -> Path:
     )
 
 
+def unprintable_problem(name: str, what: str) -> str | None:
+    """Why `name` (a name shown in lines: a manifest's, a model config's) would not read as one line: control
+    characters, or white space at either end; None when it does."""
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
+        return f"{what} {brief(name)} must not contain control characters"
+    if name != name.strip():
+        return f"{what} {brief(name)} must not start or end with white space"
+    return None
+
+
 def name_problem(name: object, what: str) -> str | None:
     """Why `name` cannot be a manifest, target, phase or memory name (it becomes a folder or file name), or None.
 
@@ -181,10 +191,9 @@ def name_problem(name: object, what: str) -> str | None:
         return f"{what} {shown} must not contain '..'"
     if name.startswith("."):
         return f"{what} {shown} must not start with '.'"
-    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
-        return f"{what} {shown} must not contain control characters"
-    if name != name.strip():
-        return f"{what} {shown} must not start or end with white space"
+    problem = unprintable_problem(name, what)
+    if problem:
+        return problem
     if "${" in name:
         return f"{what} {shown}: variables are not substituted in names (write the name out)"
     try:
