@@ -118,3 +118,14 @@ def test_af20_validate_refuses_a_model_config_name_with_a_control_character_as_a
         assert main(["validate", str(path)]) == 2
         assert capsys.readouterr().err.strip().splitlines() == [f"{path}: name {name!r} {problem}"]
         fails(capsys, ["info", str(path)], str(path), "name", problem)
+
+
+# ----------------------------------------------------------------------------- AF19: a model reference's whitespace
+
+
+def test_af19_a_missing_model_reference_ending_in_whitespace_is_shown_quoted_and_said(tmp_path, tiny_run, capsys):
+    cases = ((f"{tiny_run}\n", "generate"), (f"{tiny_run}\t", "generate"), (f"{tmp_path}/m.yaml\n", "info"))
+    for ref, command in cases:
+        argv = [command, ref] + (["The"] if command == "generate" else [])
+        line = fails(capsys, argv, f"{ref!r} (it ends with whitespace): no such file or folder")
+        assert ref not in line, line
