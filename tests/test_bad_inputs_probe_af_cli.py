@@ -129,3 +129,12 @@ def test_af19_a_missing_model_reference_ending_in_whitespace_is_shown_quoted_and
         argv = [command, ref] + (["The"] if command == "generate" else [])
         line = fails(capsys, argv, f"{ref!r} (it ends with whitespace): no such file or folder")
         assert ref not in line, line
+
+
+# ----------------------------------------------------------------------------- AF23: report on a run's folder
+
+
+def test_af23_report_on_a_run_folder_gives_advice_bench_accepts(tiny_run, capsys):
+    line = fails(capsys, ["report", str(tiny_run)], f"{tiny_run}: is a run's folder, not a bench folder",
+                 f"attnlab bench {tiny_run} --out DIR", "outside the run", "attnlab compare")  # fmt: skip
+    assert f"--out {tiny_run}" not in line, line  # what bench refuses
