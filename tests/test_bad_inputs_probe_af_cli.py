@@ -138,3 +138,28 @@ def test_af23_report_on_a_run_folder_gives_advice_bench_accepts(tiny_run, capsys
     line = fails(capsys, ["report", str(tiny_run)], f"{tiny_run}: is a run's folder, not a bench folder",
                  f"attnlab bench {tiny_run} --out DIR", "outside the run", "attnlab compare")  # fmt: skip
     assert f"--out {tiny_run}" not in line, line  # what bench refuses
+
+
+# ----------------------------------------------------------------------------- AF25: YAML 1.1-only booleans
+
+
+def test_af25_yaml_11_only_booleans_are_refused_as_yaml_11_only_numbers_are(tmp_path, capsys):
+    config = ("name: x\nvocab_size: 100\nd_model: 32\nn_layers: 1\nn_heads: 2\nmax_seq_len: 64\n"
+              "attention: {kind: mha}\ntie_embeddings: ")  # fmt: skip
+    for word, meant in (("yes", "true"), ("off", "false"), ("No", "false"), ("ON", "true")):
+        path = tmp_path / "m.yaml"
+        path.write_text(config + word + "\n")
+        assert main(["validate", str(path)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"{word} is a boolean only in YAML 1.1" in lines[0], lines
+        assert f"write {meant} if that is meant, or quote it" in lines[0] and str(path) in lines[0], lines
+    for word in ("true", "False"):  # YAML 1.2's booleans are read as ever
+        (tmp_path / "m.yaml").write_text(config + word + "\n")
+        assert main(["validate", str(tmp_path / "m.yaml")]) == 0
+    capsys.readouterr()
+    manifest = tmp_path / "t.yml"
+    manifest.write_text("name: t\nseeds: [0]\ndefaults:\n  model: {d_model: 32, n_layers: 1, n_heads: 2, "
+                        f"max_seq_len: 64}}\n  data: {{source: {tmp_path / 'text.txt'}, tokenizer: char}}\n"
+                        "  train: {steps: 2}\ntargets:\n  base: {}\n")  # fmt: skip
+    fails(capsys, ["run", str(manifest), "--dry-run", "--out", str(tmp_path / "o"), "--set", "train.compile=yes"],
+          "--set 'train.compile=yes'", "boolean only in YAML 1.1", "write true")  # fmt: skip

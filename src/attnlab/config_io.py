@@ -73,7 +73,8 @@ class IntTooLarge(yaml.constructor.ConstructorError):
 
 
 class Yaml11Number(yaml.constructor.ConstructorError):
-    """A number only YAML 1.1 reads so (010, 1:30, 1_000, 0b1100): YAML 1.2 reads another number or a string."""
+    """A number or boolean only YAML 1.1 reads so (010, 1:30, 1_000, 0b1100, yes, off): YAML 1.2 reads another
+    number or a string."""
 
 
 class DuplicateKey(yaml.constructor.ConstructorError):
@@ -156,7 +157,21 @@ class StrictLoader(yaml.SafeLoader):
             raise self._yaml_11_only(node, value, "its underscores dropped")
         return value
 
+    def construct_yaml_bool(self, node: yaml.ScalarNode) -> bool:
+        """true and false (any case YAML 1.2 allows); yes, no, on and off are booleans only in YAML 1.1 (YAML 1.2
+        and other tools read strings): refused, as construct_yaml_int refuses 1_000."""
+        value = super().construct_yaml_bool(node)
+        meant = str(value).lower()
+        if str(node.value) not in ("true", "True", "TRUE", "false", "False", "FALSE"):
+            raise Yaml11Number(
+                problem=f"{node.value} is a boolean only in YAML 1.1 ({meant}), a string in YAML 1.2: write {meant} "
+                "if that is meant, or quote it for a string",
+                problem_mark=node.start_mark,
+            )
+        return value
 
+
+StrictLoader.add_constructor("tag:yaml.org,2002:bool", StrictLoader.construct_yaml_bool)
 StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
 StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
 
