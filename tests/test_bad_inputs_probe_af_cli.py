@@ -160,6 +160,22 @@ def test_af25_yaml_11_only_booleans_are_refused_as_yaml_11_only_numbers_are(tmp_
     manifest = tmp_path / "t.yml"
     manifest.write_text("name: t\nseeds: [0]\ndefaults:\n  model: {d_model: 32, n_layers: 1, n_heads: 2, "
                         f"max_seq_len: 64}}\n  data: {{source: {tmp_path / 'text.txt'}, tokenizer: char}}\n"
-                        "  train: {steps: 2}\ntargets:\n  base: {}\n")  # fmt: skip
+                        "  train: {steps: 2, seq_len: 32}\ntargets:\n  base: {}\n")  # fmt: skip
     fails(capsys, ["run", str(manifest), "--dry-run", "--out", str(tmp_path / "o"), "--set", "train.compile=yes"],
           "--set 'train.compile=yes'", "boolean only in YAML 1.1", "write true")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- AF27: an --out with a newline
+
+
+def test_af27_an_out_whose_new_folder_name_holds_a_control_character_is_refused(tmp_path, tiny_run, capsys):
+    manifest = tmp_path / "t.yml"
+    manifest.write_text("name: t\nseeds: [0]\ndefaults:\n  model: {d_model: 32, n_layers: 1, n_heads: 2, "
+                        f"max_seq_len: 64}}\n  data: {{source: {tiny_run.parents[2] / 'text.txt'}, tokenizer: char}}\n"
+                        "  train: {steps: 2, seq_len: 32}\ntargets:\n  base: {}\n")  # fmt: skip
+    for out in (tmp_path / "o" / "nl\nx", tmp_path / "tab\t"):
+        fails(capsys, ["run", str(manifest), "--dry-run", "--out", str(out)], f"--out {str(out)!r}",
+              "must not contain control characters", "it names a folder or file this makes")  # fmt: skip
+        assert not (tmp_path / "o").exists()
+    fails(capsys, ["bench", str(tiny_run), "--benchmarks", "effective_rank", "--out", str(tmp_path / "b\nx")],
+          "must not contain control characters")  # fmt: skip

@@ -284,12 +284,22 @@ def as_reached(path: str | Path) -> Path:
         return absolute
 
 
+def new_name_problem(path: str | Path, flag: str = "--out") -> str | None:
+    """The line refusing `path` when a folder or file it would make (a part not there yet) has a name that would not
+    read as one line (unprintable_problem: a control character, white space at an end), as names are refused."""
+    made, absolute = [], Path(path).absolute()
+    while not os.path.lexists(absolute) and absolute != absolute.parent:
+        made, absolute = [absolute.name, *made], absolute.parent
+    problem = next((p for p in (unprintable_problem(name, "the name") for name in made) if p), None)
+    return f"{flag} {shown_value(str(path))}: {problem} (it names a folder or file this makes)" if problem else None
+
+
 def run_folder_problem(path: str | Path, why: str, flag: str = "--out") -> str | None:
     """The line refusing `path` (given as `flag`) when it is inside attnlab's cache (cache_folder_problem), or a
     run's folder or inside one, where another command's output would be mixed with the run's own files (`why` says
     what would happen there, and the fix); else None. Every command's --out (--hf, --store) that makes a folder or
     file is checked here."""
-    problem = cache_folder_problem(path, flag)
+    problem = cache_folder_problem(path, flag) or new_name_problem(path, flag)
     if problem:
         return problem
     absolute = as_reached(path)
