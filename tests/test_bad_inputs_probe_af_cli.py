@@ -179,3 +179,14 @@ def test_af27_an_out_whose_new_folder_name_holds_a_control_character_is_refused(
         assert not (tmp_path / "o").exists()
     fails(capsys, ["bench", str(tiny_run), "--benchmarks", "effective_rank", "--out", str(tmp_path / "b\nx")],
           "must not contain control characters")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- AF30: a damaged conversion's recipe
+
+
+def test_af30_a_conversion_whose_saved_recipe_is_damaged_is_not_said_to_have_none():
+    from attnlab import retrofit
+
+    assert retrofit._first_difference(None, {"kind": "mha"}) == "no recipe saved"
+    said = retrofit._first_difference("x", {"kind": "mha"})
+    assert said.startswith("its saved recipe is 'x', not a mapping") and "damaged" in said, said
