@@ -1,5 +1,10 @@
 """Probe AF's CLI findings (/work/probe_af/REPORT.md): `export --dtype fp16` wrote inf for weights past 65504 (AF4);
-... Each test fails with its fix backed out."""
+compare left out unfinished runs and changed the baseline without a word (AF6); mc took an empty question and an id
+given twice (AF21); generate --chat answered an empty turn (AF22); context_sweep cut decode_tokens and effective_rank
+n_tokens silently (AF29); a model config's name with a newline passed (AF20); a missing model reference ending in
+whitespace was shown raw (AF19); report on a run's folder advised an --out bench refuses (AF23); YAML 1.1-only
+booleans were read (AF25); an --out holding a newline was made (AF27); a damaged conversion recipe was said to be
+missing (AF30, part). Each test fails with its fix backed out."""
 
 from __future__ import annotations
 
