@@ -286,6 +286,8 @@ def list_benchmarks(args) -> int:
 
 def cmd_generate(args) -> int:
     check_greedy_flags(args)  # before the model loads
+    if args.chat and not args.prompt.strip():  # as an empty prompt is refused without --chat
+        raise InputError(f"prompt {args.prompt!r} is an empty chat turn: give the user's message (--chat answers it)")
     model = load_for_eval(args.checkpoint, data_dir=args.data_dir, weights=args.weights, activations=args.activations)
     tokenizer = model.tokenizer
     if tokenizer is None:

@@ -16,6 +16,7 @@ import json
 import math
 import re
 import statistics
+import warnings
 from pathlib import Path
 
 from attnlab.data.files import (
@@ -26,7 +27,7 @@ from attnlab.data.files import (
     sha256_file,
     special_file,
 )
-from attnlab.errors import DataError, InputError
+from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.plots import plot_val_loss
 from attnlab.eval.records import distinct_labels, exponential_problem, range_problem
 from attnlab.output_record import changed_output, record_line
@@ -75,6 +76,21 @@ def collect_runs(runs_dir: str | Path) -> list[dict]:
     if not runs:
         raise DataError(f"{runs_dir}: no finished runs (<target>/seed<S>/summary.json) in it or below it ({WHERE})")
     return runs
+
+
+def unfinished_runs(runs_dir: str | Path) -> dict[Path, str]:
+    """Run folders under runs_dir (or runs_dir itself) without summary.json, which compare leaves out: folder -> its
+    target's name (the folder above seed<S>)."""
+    runs_dir = Path(runs_dir)
+    folders = [runs_dir, *(p.parent for p in sorted(runs_dir.rglob("config.json")) if p.parent != runs_dir)]
+    above = runs_dir.resolve().parts[-2:]
+    unfinished = {}
+    for folder in folders:
+        if is_run_folder(folder) and not (folder / "summary.json").exists():
+            parts = (*above, *folder.relative_to(runs_dir).parts)
+            seed_at = next((i for i, p in enumerate(parts) if i > 0 and SEED_DIR.fullmatch(p)), None)
+            unfinished[folder] = parts[seed_at - 1] if seed_at is not None else folder.name
+    return unfinished
 
 
 def check_run_file(path: Path) -> None:
@@ -255,7 +271,20 @@ def compare(
     kept: a compare.md with no record that `attnlab run` accepted before it trained (check_outputs)."""
 
     runs = collect_runs(runs_dir)
+    unfinished = unfinished_runs(runs_dir)
+    finished = {run["target"] for run in runs}
+    if baseline is not None and baseline not in finished and baseline in unfinished.values():
+        raise InputError(f"--baseline {baseline}: that target has no finished run (no summary.json): let its "
+                         f"training finish, or give another baseline ({', '.join(sorted(finished))})")  # fmt: skip
+    for folder in unfinished:
+        warnings.warn(f"{folder}: no summary.json (its training is unfinished, interrupted or damaged): left out of "
+                      "the comparison", AttnlabWarning, stacklevel=2)  # fmt: skip
     rows = compare_table(runs, baseline)
+    every = sorted(finished | set(unfinished.values()))  # the baseline with every run finished (compare_table's)
+    default = next((name for name in ("baseline", "mha") if name in every), every[0])
+    if baseline is None and default not in finished:
+        warnings.warn(f"target {default!r} has no finished run: the baseline is {rows[0]['baseline']!r} instead",
+                      AttnlabWarning, stacklevel=2)  # fmt: skip
     groups, notes = group_runs(runs)
     runs = [{**run, "row": name} for name, members in groups.items() for run in members]  # the plot's names
     check_not_in_run(runs_dir, out_dir)

@@ -20,7 +20,7 @@ from attnlab.config_memory import misplaced_options, misplaced_problem
 from attnlab.data.files import unreachable
 from attnlab.errors import ConfigError
 from attnlab.jsonio import MAX_INT_BITS, MAX_INT_DIGITS, too_many_digits
-from attnlab.paths import brief
+from attnlab.paths import brief, unprintable_problem
 
 
 def memory_from_dict(data: Any, problems: list[str], saved: bool = False) -> MemoryConfig | None:
@@ -55,12 +55,17 @@ def model_config_from_dict(data: Any, source: str | None = None, saved: bool = F
     attention = parse_attention(data.get("attention", {}) if isinstance(data, dict) else {}, problems)
     memory = memory_from_dict(data.get("memory", {}) if isinstance(data, dict) else {}, problems, saved)
     rope_scaling = rope_scaling_from_dict(data.get("rope_scaling") if isinstance(data, dict) else None, problems)
+    name = kwargs.get("name") if not saved else None  # shown in lines, as a manifest's name (saved ones load)
+    named = [p for p in [unprintable_problem(name, "name") if isinstance(name, str) else None] if p]
     if problems:
-        raise ConfigError(problems, source=source)
+        raise ConfigError(problems + named, source=source)
     try:
-        return ModelConfig(attention=attention, memory=memory, rope_scaling=rope_scaling, **kwargs)
+        config = ModelConfig(attention=attention, memory=memory, rope_scaling=rope_scaling, **kwargs)
     except ConfigError as e:
-        raise e.with_source(source) if source else e from None
+        raise ConfigError(e.problems + named, source=source or e.source) from None
+    if named:
+        raise ConfigError(named, source=source)
+    return config
 
 
 class IntTooLarge(yaml.constructor.ConstructorError):
@@ -68,7 +73,8 @@ class IntTooLarge(yaml.constructor.ConstructorError):
 
 
 class Yaml11Number(yaml.constructor.ConstructorError):
-    """A number only YAML 1.1 reads so (010, 1:30, 1_000, 0b1100): YAML 1.2 reads another number or a string."""
+    """A number or boolean only YAML 1.1 reads so (010, 1:30, 1_000, 0b1100, yes, off): YAML 1.2 reads another
+    number or a string."""
 
 
 class DuplicateKey(yaml.constructor.ConstructorError):
@@ -151,7 +157,21 @@ class StrictLoader(yaml.SafeLoader):
             raise self._yaml_11_only(node, value, "its underscores dropped")
         return value
 
+    def construct_yaml_bool(self, node: yaml.ScalarNode) -> bool:
+        """true and false (any case YAML 1.2 allows); yes, no, on and off are booleans only in YAML 1.1 (YAML 1.2
+        and other tools read strings): refused, as construct_yaml_int refuses 1_000."""
+        value = super().construct_yaml_bool(node)
+        meant = str(value).lower()
+        if str(node.value) not in ("true", "True", "TRUE", "false", "False", "FALSE"):
+            raise Yaml11Number(
+                problem=f"{node.value} is a boolean only in YAML 1.1 ({meant}), a string in YAML 1.2: write {meant} "
+                "if that is meant, or quote it for a string",
+                problem_mark=node.start_mark,
+            )
+        return value
 
+
+StrictLoader.add_constructor("tag:yaml.org,2002:bool", StrictLoader.construct_yaml_bool)
 StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
 StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
 

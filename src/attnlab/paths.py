@@ -162,6 +162,16 @@ def find_data_file(relative: str, data_dir: str | Path | None = None) -> Path:
     )
 
 
+def unprintable_problem(name: str, what: str) -> str | None:
+    """Why `name` (a name shown in lines: a manifest's, a model config's) would not read as one line: control
+    characters, or white space at either end; None when it does."""
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
+        return f"{what} {brief(name)} must not contain control characters"
+    if name != name.strip():
+        return f"{what} {brief(name)} must not start or end with white space"
+    return None
+
+
 def name_problem(name: object, what: str) -> str | None:
     """Why `name` cannot be a manifest, target, phase or memory name (it becomes a folder or file name), or None.
 
@@ -181,10 +191,9 @@ def name_problem(name: object, what: str) -> str | None:
         return f"{what} {shown} must not contain '..'"
     if name.startswith("."):
         return f"{what} {shown} must not start with '.'"
-    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
-        return f"{what} {shown} must not contain control characters"
-    if name != name.strip():
-        return f"{what} {shown} must not start or end with white space"
+    problem = unprintable_problem(name, what)
+    if problem:
+        return problem
     if "${" in name:
         return f"{what} {shown}: variables are not substituted in names (write the name out)"
     try:
@@ -275,12 +284,22 @@ def as_reached(path: str | Path) -> Path:
         return absolute
 
 
+def new_name_problem(path: str | Path, flag: str = "--out") -> str | None:
+    """The line refusing `path` when a folder or file it would make (a part not there yet) has a name that would not
+    read as one line (unprintable_problem: a control character, white space at an end), as names are refused."""
+    made, absolute = [], Path(path).absolute()
+    while not os.path.lexists(absolute) and absolute != absolute.parent:
+        made, absolute = [absolute.name, *made], absolute.parent
+    problem = next((p for p in (unprintable_problem(name, "the name") for name in made) if p), None)
+    return f"{flag} {shown_value(str(path))}: {problem} (it names a folder or file this makes)" if problem else None
+
+
 def run_folder_problem(path: str | Path, why: str, flag: str = "--out") -> str | None:
     """The line refusing `path` (given as `flag`) when it is inside attnlab's cache (cache_folder_problem), or a
     run's folder or inside one, where another command's output would be mixed with the run's own files (`why` says
     what would happen there, and the fix); else None. Every command's --out (--hf, --store) that makes a folder or
     file is checked here."""
-    problem = cache_folder_problem(path, flag)
+    problem = cache_folder_problem(path, flag) or new_name_problem(path, flag)
     if problem:
         return problem
     absolute = as_reached(path)

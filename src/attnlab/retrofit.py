@@ -33,6 +33,7 @@ from attnlab.interop.convert import LOW_RANK, calibration_minimum
 from attnlab.manifest import RunSpec
 from attnlab.manifest_pretrained import PRETRAINED_CHANGES, calibration_size_problem
 from attnlab.model.transformer import build_model
+from attnlab.paths import brief
 from attnlab.train.budget import batch_memory_problem, positions_memory_problem
 from attnlab.train.optim import trainable_problem
 
@@ -326,8 +327,8 @@ def _json_normal(value):
 
 
 def _first_difference(saved, wanted) -> str:
-    if not isinstance(saved, dict):
-        return "no recipe saved"
+    if not isinstance(saved, dict):  # (a recipe that is there but no mapping is damaged: said so, not "none")
+        return "no recipe saved" if saved is None else f"its saved recipe is {brief(saved)}, not a mapping: damaged"
     for key in sorted(set(saved) | set(wanted)):
         if saved.get(key) != wanted.get(key):
             if key == "source_files" and isinstance(saved.get(key), dict):

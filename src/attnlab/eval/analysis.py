@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from attnlab.attention.base import Attention, AttentionScores
 from attnlab.config import DataConfig
 from attnlab.data import prepare
 from attnlab.data.files import atomic_write_bytes
-from attnlab.errors import ConfigError, DataError, InputError
+from attnlab.errors import ConfigError, DataError, InputError, LengthWarning
 from attnlab.eval.records import make_record
 from attnlab.paths import brief
 
@@ -168,6 +169,10 @@ def run_effective_rank(eval_model, split: str = "val", n_tokens: int = 4096, seq
     rows = (min(n_tokens, len(stream) - offset)) // seq_len
     if rows < 1:
         raise DataError(f"split {split!r} has {len(stream)} tokens: too few for offset={offset}, seq_len={seq_len}")
+    if n_tokens > len(stream) - offset:
+        warnings.warn(f"effective_rank: n_tokens={n_tokens} is more than split {split!r} holds after offset={offset} "
+                      f"({len(stream) - offset} tokens): measured on {rows * seq_len} tokens (the record's tokens)",
+                      LengthWarning, stacklevel=2)  # fmt: skip
     tokens = torch.from_numpy(stream[offset : offset + rows * seq_len].astype(np.int64)).view(rows, seq_len)
     return make_record(
         "effective_rank", eval_model, dataset=data["source"], split=split, offset=offset, seq_len=seq_len,

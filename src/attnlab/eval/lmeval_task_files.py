@@ -56,6 +56,8 @@ class _StrictTaskFileLoader(StrictLoader):
 
 for _loader in (_TaskFileLoader, _StrictTaskFileLoader):
     _loader.add_multi_constructor("!", _any_tag)
+# lm-eval reads its task files as YAML 1.1 (PyYAML): there `yes` is true, as it is to lm-eval
+_StrictTaskFileLoader.add_constructor("tag:yaml.org,2002:bool", yaml.SafeLoader.construct_yaml_bool)
 
 
 def _read_task_file(path: Path, strict: bool = False) -> tuple[Any, list[str]]:

@@ -320,7 +320,7 @@ def context_sweep(
     if warmup and warmup_length >= 1:  # one untimed short run, so the first length pays no one-time costs
         ids = torch.from_numpy(np.asarray(tokens[: warmup_length + 1], dtype=np.int64)).to(device)[None]
         run_guarded(lambda: sweep_one(model.model, ids, chunk_size, 2))
-    rows = []
+    rows, cut = [], []
     for length in sorted(lengths):
         steps = max(0, min(decode_tokens, max_len - length))
         common = {"length": length, "chunk_size": chunk_size, "text": origin, "offset": offset, "max_seq_len": max_len}
@@ -341,6 +341,12 @@ def context_sweep(
         ids = torch.from_numpy(np.asarray(tokens[offset : offset + length + 1], dtype=np.int64)).to(device)[None]
         figures, error = run_guarded(lambda ids=ids, steps=steps: sweep_one(model.model, ids, chunk_size, steps))
         rows.append(record(status="oom", error=error) if error is not None else record(status="ok", **figures))
+        if steps < decode_tokens:
+            cut.append(f"{steps} at length {length}")
+    if cut:  # as generate says a max_new_tokens cut to the room left (latency refuses one prompt that has none)
+        warnings.warn(f"context_sweep: decode_tokens={decode_tokens} passes max_seq_len={max_len} after the context, "
+                      f"so fewer decode steps were measured ({', '.join(cut)}; each record's decode_steps): give "
+                      "decode_tokens that fit, or shorter lengths", LengthWarning, stacklevel=2)  # fmt: skip
     return rows
 
 

@@ -228,9 +228,16 @@ HELLASWAG_FIELDS = '"activity_label", "ctx_a", "ctx_b", "endings", "label"'
 
 def load_arc_easy(path: str | Path) -> list[Item]:
     """HF `allenai/ai2_arc` schema, one JSON array: {id, question, choices: {text, label}, answerKey}."""
-    path, items = Path(path), []
+    path, items, seen = Path(path), [], {}
     for line, obj in _read_json_array(path):
         item_id, question = _get(obj, "id", str, path, line), _get(obj, "question", str, path, line)
+        if item_id in seen:
+            raise DataError(f"{path}:{line}: item id {item_id!r} is also the id of the item at line "
+                            f"{seen[item_id]}: the ids must be distinct (its records would mix two questions); "
+                            "fix or remove one")  # fmt: skip
+        seen[item_id] = line
+        if not question.strip():
+            raise DataError(f"{path}:{line}: item {item_id!r}: field 'question' is empty (fix or remove the item)")
         choices = _get(obj, "choices", dict, path, line)
         texts = _strings(choices, "text", path, line, "choices.text", item=f"item {item_id!r}: ", distinct=True)
         labels = _strings(choices, "label", path, line, "choices.label")
@@ -256,6 +263,8 @@ def load_piqa(path: str | Path) -> list[Item]:
         query = _get(obj, "query", str, path, line)
         if not (query.startswith("Question: ") and query.endswith("\n")):
             raise DataError(f"{path}:{line}: field 'query' must read 'Question: {{goal}}\\n', got {query[:60]!r}")
+        if not query.removeprefix("Question: ").strip():
+            raise DataError(f"{path}:{line}: field 'query' holds an empty question (fix or remove the item)")
         choices = _strings(obj, "choices", path, line, distinct=True)
         gold = _gold(_get(obj, "gold", int, path, line), len(choices), "gold", path, line)
         context = query + "Answer:"  # = lm-eval's "Question: {goal}\nAnswer:"

@@ -33,7 +33,7 @@ from attnlab.data.files import (
 )
 from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.record_sense import figures_problem
-from attnlab.paths import run_folder_problem
+from attnlab.paths import is_run_folder, run_folder_problem
 
 
 def make_record(benchmark: str, model=None, **figures) -> dict:
@@ -180,6 +180,11 @@ def bench_records(folder: str | Path) -> Path:
                             "`attnlab bench --out` wrote") from None  # fmt: skip
         if e.errno not in (errno.ENOENT, errno.ENOTDIR):
             raise  # (permissions: said by the command's line for the operating system's refusals)
+        run = next((f for f in (Path(folder), *Path(folder).resolve().parents) if is_run_folder(f)), None)
+        if run is not None:  # (bench refuses to write into a run: advice naming it as --out would not work)
+            raise DataError(f"{folder}: {'is' if run == Path(folder) else f'is inside {run},'} a run's folder, not a "
+                            f"bench folder: report reads what `attnlab bench {run} --out DIR` writes in DIR (give a "
+                            "folder outside the run); to compare runs, use attnlab compare") from None  # fmt: skip
         raise DataError(f"{path} not found: run `attnlab bench ... --out {folder}` first") from None
     if kind is not None:
         raise DataError(f"{path}: {kind}, not a records file (give the folder `attnlab bench --out` wrote: its "

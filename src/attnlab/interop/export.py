@@ -5,13 +5,12 @@ transformers' save_pretrained writes one, so `AutoModelForCausalLM.from_pretrain
     exported = export_hf(model, "out/m", tokenizer=tokenizer, dtype=torch.bfloat16)
 
 What is exported: attention kind `mha` (MHA, GQA, MQA), `sliding` (MistralForCausalLM with sliding_window) and
-`bottleneck` without a null token (a Llama whose head_dim is d_attn / n_heads); with attention.qkv_bias (biases
-on q, k and v only) Qwen2ForCausalLM, every layer sliding or none; SwiGLU MLP; no memory; RoPE
-plain or scaled `linear` / `llama3` (transformers' rope_type of that name); tied or untied embeddings, cut to
-vocab_size rows (attnlab's padding rows dropped). Interleaved RoPE (pairs 2i, 2i+1)
-is exported exactly by permuting each q and k head's rows to transformers' half-split pairing (i, i + D/2):
-q.k sums over every channel, so the same permutation of both leaves every score as it was. Anything else is
-refused in one ConfigError naming what and why.
+`bottleneck` without a null token (a Llama whose head_dim is d_attn / n_heads); with attention.qkv_bias (biases on
+q, k and v only) Qwen2ForCausalLM, every layer sliding or none; SwiGLU MLP; no memory; RoPE plain or scaled `linear`
+/ `llama3` (transformers' rope_type of that name); tied or untied embeddings, cut to vocab_size rows (attnlab's
+padding rows dropped). Interleaved RoPE (pairs 2i, 2i+1) is exported exactly by permuting each q and k head's rows
+to transformers' half-split pairing (i, i + D/2): q.k sums over every channel, so the same permutation of both
+leaves every score as it was. Anything else is refused in one ConfigError naming what and why.
 
 The folder: config.json, model.safetensors (or shards model-0000i-of-0000n.safetensors + index above
 max_shard_bytes), generation_config.json and the tokenizer (tokenizer.json + tokenizer_config.json) when the
@@ -162,8 +161,7 @@ def hf_config(cfg, dtype: torch.dtype, tokenizer: Tokenizer | None = None) -> di
     dtype_name = str(dtype).removeprefix("torch.")
     scaling = cfg.rope_scaling
     rope = None if scaling is None else {"rope_type": scaling.type, **scaling.to_dict()}
-    if rope is not None:
-        del rope["type"]
+    rope = rope and {key: value for key, value in rope.items() if key != "type"}
     out = {
         "architectures": [arch],
         "model_type": MODEL_TYPES[arch],
@@ -198,10 +196,7 @@ def hf_config(cfg, dtype: torch.dtype, tokenizer: Tokenizer | None = None) -> di
         out.update(use_sliding_window=window is not None, sliding_window=window,
                    max_window_layers=0 if window else cfg.n_layers, layer_types=[layer] * cfg.n_layers)  # fmt: skip
     bos_id, eos_ids = special_ids(tokenizer)
-    if bos_id is not None:
-        out["bos_token_id"] = bos_id
-    if eos_ids:
-        out["eos_token_id"] = eos_ids[0]
+    out.update({} if bos_id is None else {"bos_token_id": bos_id}, **({"eos_token_id": eos_ids[0]} if eos_ids else {}))
     return out
 
 
@@ -261,6 +256,18 @@ def shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
 
 
 @torch.no_grad()
+def check_range(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors; InputError naming the first with a value `dtype` cannot hold (fp16 past 65504: written as inf)."""
+    largest = torch.finfo(dtype).max
+    for name, tensor in tensors.items():
+        top = tensor.detach().abs().max().item() if tensor.numel() else 0.0
+        if top > largest:
+            raise InputError(f"dtype {str(dtype).removeprefix('torch.')}: {name} reaches |value|={top:.3g}, beyond the "
+                             f"{largest:.6g} it holds (written as inf): export with --dtype bf16 or fp32")  # fmt: skip
+    return tensors
+
+
+@torch.no_grad()
 def write_weights(
     tensors: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype, max_shard_bytes: int
 ) -> list[str]:
@@ -271,11 +278,8 @@ def write_weights(
     os.umask(umask)
     sizes = {name: tensor.numel() * itemsize for name, tensor in tensors.items()}
     shards = shard_plan(sizes, max_shard_bytes)
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
+    many = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = ["model.safetensors"] if len(shards) == 1 else many
     for file, shard in zip(names, shards, strict=True):
         # Copies: safetensors stores no views (q, k, v are slices of one fused weight) and wants contiguous memory.
         copies = {name: tensors[name].detach().to(dtype=dtype, copy=True).contiguous() for name in shard}
@@ -286,10 +290,9 @@ def write_weights(
         os.chmod(folder / file, 0o666 & ~umask)  # safetensors creates its files owner-only; the folder's others not
     if len(shards) == 1:
         return names
-    index = {
-        "metadata": {"total_size": sum(sizes.values()), "total_parameters": sum(t.numel() for t in tensors.values())},
-        "weight_map": {name: file for file, shard in zip(names, shards, strict=True) for name in shard},
-    }
+    metadata = {"total_size": sum(sizes.values()), "total_parameters": sum(t.numel() for t in tensors.values())}
+    weight_map = {name: file for file, shard in zip(names, shards, strict=True) for name in shard}
+    index = {"metadata": metadata, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return [*names, "model.safetensors.index.json"]
 
@@ -555,14 +558,13 @@ def export_hf(
     if cfg.attention.kind == "bottleneck":
         notes.append("bottleneck attention exported as Llama attention with head_dim d_attn / n_heads")
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise ConfigError(
-            f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids, more than the model's "
-            f"vocab_size={cfg.vocab_size}: its ids past the embedding could not be read"
-        )
+        raise ConfigError(f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids, more than the model's "
+                          f"vocab_size={cfg.vocab_size}: its ids past the embedding could not be read")  # fmt: skip
+    tensors = check_range(hf_tensors(model), dtype)  # before writing anything
     tmp = temp_path_beside(out_dir)
     try:
         tmp.mkdir()
-        files = write_weights(hf_tensors(model), tmp, dtype, max_shard_bytes)
+        files = write_weights(tensors, tmp, dtype, max_shard_bytes)
         config = hf_config(cfg, dtype, tokenizer)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         files.append("config.json")

@@ -33,7 +33,7 @@ from attnlab.interop.gguf import check_token_count, check_weights, config_from_g
 from attnlab.interop.hf import check_hf_weights, config_from_hf, is_hf_folder, load_hf_folder, read_json
 from attnlab.interop.tokenizer import tokenizer_from_gguf
 from attnlab.model.transformer import Transformer
-from attnlab.paths import data_dirs, in_data_dirs
+from attnlab.paths import data_dirs, in_data_dirs, shown_value
 from attnlab.train.checkpoint import (
     WEIGHTS,
     find_checkpoint,
@@ -162,7 +162,7 @@ def resolve(ref: str | Path, data_dir: str | Path | None = None) -> tuple[str, P
         if path.exists():  # a FIFO, socket or device: say what it is, not that nothing is there
             regular_file(path, fix=f"a model reference is {KINDS}")
         where = ", ".join(str(d) for d in data_dirs(data_dir)) if not path.is_absolute() else ""
-        raise DataError(f"{ref}: no such file or folder" + (f" (nor in {where})" if where else "")
+        raise DataError(f"{shown_value(str(ref))}: no such file or folder" + (f" (nor in {where})" if where else "")
                         + f" (a model reference is {KINDS})")  # fmt: skip
     if (path / "checkpoints").is_dir() or _is_attnlab_checkpoint(path):
         return "run", path
