@@ -16,7 +16,6 @@ import torch
 
 from attnlab.cache.base import ModelCache
 from attnlab.cache.codecs import KVPolicy, as_policy
-from attnlab.config import ModelConfig
 from attnlab.config_memory import PRESSES
 from attnlab.errors import AttnlabWarning, InputError, LengthWarning, UnquantizedWarning
 from attnlab.model.fused import FusedDecode, fused_problem
@@ -449,7 +448,7 @@ def generate(
     does not apply); False never uses it.
     callback(tokens (B, 1)) is called with each new token as soon as it is chosen.
     """
-    if not isinstance(getattr(model, "cfg", None), ModelConfig):
+    if not hasattr(getattr(model, "cfg", None), "max_seq_len") or not callable(getattr(model, "new_cache", None)):
         raise InputError(f"model must be an attnlab model (from attnlab.load_model or build_model), got "
                          f"{type(model).__name__}")  # fmt: skip
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)

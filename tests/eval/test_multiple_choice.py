@@ -320,7 +320,7 @@ def test_malformed_jsonl_names_file_line_and_field(tmp_path, loader, lines, line
 def test_malformed_arc_names_file_line_and_field(tmp_path):
     good = {"id": "a", "question": "q", "choices": {"text": ["x", "y"], "label": ["A", "B"]}, "answerKey": "A"}
     path = tmp_path / "arc.json"
-    path.write_text(json.dumps([good, dict(good, answerKey="E")], indent=2))
+    path.write_text(json.dumps([good, dict(good, id="b", answerKey="E")], indent=2))
     second = [n for n, text in enumerate(path.read_text().splitlines(), 1) if text == "  {"][1]
     with pytest.raises(DataError, match=re.escape(f"{path}:{second}: field 'answerKey' 'E' is not one of")):
         load_arc_easy(path)

@@ -69,7 +69,7 @@ cases:
   - {id: a, category: copy, prompt: "Say: ho\\nAgain:", expected: ho}
   - {id: c, category: knowledge, kind: choice, prompt: "The sun rises in the", options: [east, west], answer: 2}
   - {id: d, category: knowledge, kind: firstline, prompt: "x", expected: y}
-  - {id: e, category: yesno, prompt: "Is fire hot?", expected: yes}
+  - {id: e, category: yesno, prompt: "Is fire hot?", expected: true}
   - {id: f, category: copy, expected: hi}
   - {id: g, category: sums, kind: first_integer, prompt: "2 + 2 =", expected: "4", normalize: chars}
 case: []
@@ -92,7 +92,7 @@ def test_malformed_suite_reports_every_problem_with_file_and_key(tmp_path):
         "duplicate id 'a' (cases[0] and cases[1]): ids must be unique",
         "cases[2] (id 'c'): answer=2 is out of range for 2 options (0 to 1)",
         "cases[3] (id 'd'): kind='firstline' is not known (did you mean 'first_line'?)",
-        "cases[4] (id 'e'): expected=True must be a non-empty string",  # YAML reads a bare yes as true
+        "cases[4] (id 'e'): expected=True must be a non-empty string",  # a YAML boolean, not a string
         "cases[5] (id 'f'): missing key 'prompt'",
         "cases[6] (id 'g'): normalize applies only to kind 'choice'",
         "cases[6] (id 'g'): expected='4' must be an integer for kind 'first_integer'",
