@@ -66,7 +66,8 @@ def test_bench_refuses_a_model_whose_logits_are_nan_and_records_nothing(benchmar
     manifest = tmp_path / "bm.yml"
     manifest.write_text(f"name: bm\ncheckpoints: [{tiny_run}]\nbenchmarks:\n  {benchmark}: {params}\n")
     out = tmp_path / "o"
-    fails(capsys, ["bench", str(manifest), "--out", str(out)], benchmark, "logits are NaN", "check the checkpoint")
+    argv = ["bench", str(manifest), "--out", str(out)]
+    assert fails(capsys, argv, benchmark, "logits are NaN", "check the checkpoint")
     records = out / "records.jsonl"
     assert not records.exists() or records.read_text() == ""
 
@@ -89,7 +90,7 @@ def test_convert_refuses_a_source_whose_logits_are_nan_and_writes_nothing(tmp_pa
         (data / "wikitext-2" / f"wiki.{split}.raw").write_text(text)
     argv = ["convert", str(tiny_run), "--attention", "kind=mha,n_kv_heads=1", "--out", str(out), "--dataset",
             "wikitext2-raw", "--data-dir", str(data), "--eval-tokens", "64", "--seq-len", "16"]  # fmt: skip
-    fails(capsys, argv, str(tiny_run), "the original model", "logits are NaN", "nothing was written")
+    assert fails(capsys, argv, str(tiny_run), "the original model", "logits are NaN", "nothing was written")
     assert not out.exists()
 
 

@@ -35,8 +35,8 @@ def test_af4_export_fp16_refuses_a_weight_fp16_cannot_hold_before_writing(tmp_pa
 
     monkeypatch.setattr(export_module, "load_model", loud)
     out = tmp_path / "hf"
-    fails(capsys, ["export", str(tiny_run), "--hf", str(out), "--dtype", "fp16"], "model.layers.0.self_attn.q_proj",
-          "|value|=", "65504", "--dtype bf16 or fp32")  # fmt: skip
+    argv = ["export", str(tiny_run), "--hf", str(out), "--dtype", "fp16"]
+    assert fails(capsys, argv, "model.layers.0.self_attn.q_proj", "|value|=", "65504", "--dtype bf16 or fp32")
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
@@ -54,7 +54,7 @@ def test_af6_compare_names_each_unfinished_run_it_leaves_out_and_the_baseline_it
     assert lines[0].startswith("attnlab compare: warning: ") and str(runs / "base" / "seed0") in lines[0], lines
     assert "no summary.json" in lines[0] and "left out" in lines[0], lines
     assert lines[1] == "attnlab compare: warning: target 'base' has no finished run: the baseline is 'mem' instead"
-    fails(capsys, ["compare", str(runs), "--out", str(tmp_path / "o2"), "--baseline", "base"], "--baseline base",
+    assert fails(capsys, ["compare", str(runs), "--out", str(tmp_path / "o2"), "--baseline", "base"], "--baseline base",
           "no finished run", "(mem)")  # fmt: skip
 
 
@@ -74,10 +74,10 @@ def test_af21_mc_refuses_an_empty_question_and_an_id_given_twice(tmp_path, tiny_
                                    ("twice.json", twice, ("'q0'", "also the id", "distinct"))):  # fmt: skip
         path = tmp_path / name
         path.write_text(json.dumps(items, indent=1))
-        fails(capsys, ["mc", "arc_easy", str(tiny_run), "--file", str(path)], str(path), *fragments)
+        assert fails(capsys, ["mc", "arc_easy", str(tiny_run), "--file", str(path)], str(path), *fragments)
     piqa = tmp_path / "piqa.jsonl"
     piqa.write_text(json.dumps({"query": "Question:  \n", "choices": ["a", "b"], "gold": 0}) + "\n")
-    fails(capsys, ["mc", "piqa", str(tiny_run), "--file", str(piqa)], f"{piqa}:1", "empty question")
+    assert fails(capsys, ["mc", "piqa", str(tiny_run), "--file", str(piqa)], f"{piqa}:1", "empty question")
 
 
 # ----------------------------------------------------------------------------- AF22: generate --chat ''
@@ -85,7 +85,8 @@ def test_af21_mc_refuses_an_empty_question_and_an_id_given_twice(tmp_path, tiny_
 
 def test_af22_generate_chat_refuses_an_empty_turn_as_plain_generate_refuses_an_empty_prompt(tiny_run, capsys):
     for prompt in ("", " \n"):
-        fails(capsys, ["generate", str(tiny_run), prompt, "--chat"], "empty chat turn", "give the user's message")
+        argv = ["generate", str(tiny_run), prompt, "--chat"]
+        assert fails(capsys, argv, "empty chat turn", "give the user's message")
 
 
 # ----------------------------------------------------------------------------- AF29: cut decode_tokens and n_tokens
@@ -122,7 +123,7 @@ def test_af20_validate_refuses_a_model_config_name_with_a_control_character_as_a
                         "max_seq_len: 64\nattention: {kind: mha}\n")  # fmt: skip
         assert main(["validate", str(path)]) == 2
         assert capsys.readouterr().err.strip().splitlines() == [f"{path}: name {name!r} {problem}"]
-        fails(capsys, ["info", str(path)], str(path), "name", problem)
+        assert fails(capsys, ["info", str(path)], str(path), "name", problem)
 
 
 # ----------------------------------------------------------------------------- AF19: a model reference's whitespace
@@ -166,8 +167,8 @@ def test_af25_yaml_11_only_booleans_are_refused_as_yaml_11_only_numbers_are(tmp_
     manifest.write_text("name: t\nseeds: [0]\ndefaults:\n  model: {d_model: 32, n_layers: 1, n_heads: 2, "
                         f"max_seq_len: 64}}\n  data: {{source: {tmp_path / 'text.txt'}, tokenizer: char}}\n"
                         "  train: {steps: 2, seq_len: 32}\ntargets:\n  base: {}\n")  # fmt: skip
-    fails(capsys, ["run", str(manifest), "--dry-run", "--out", str(tmp_path / "o"), "--set", "train.compile=yes"],
-          "--set 'train.compile=yes'", "boolean only in YAML 1.1", "write true")  # fmt: skip
+    argv = ["run", str(manifest), "--dry-run", "--out", str(tmp_path / "o"), "--set", "train.compile=yes"]
+    assert fails(capsys, argv, "--set 'train.compile=yes'", "boolean only in YAML 1.1", "write true")
 
 
 # ----------------------------------------------------------------------------- AF27: an --out with a newline
@@ -179,10 +180,10 @@ def test_af27_an_out_whose_new_folder_name_holds_a_control_character_is_refused(
                         f"max_seq_len: 64}}\n  data: {{source: {tiny_run.parents[2] / 'text.txt'}, tokenizer: char}}\n"
                         "  train: {steps: 2, seq_len: 32}\ntargets:\n  base: {}\n")  # fmt: skip
     for out in (tmp_path / "o" / "nl\nx", tmp_path / "tab\t"):
-        fails(capsys, ["run", str(manifest), "--dry-run", "--out", str(out)], f"--out {str(out)!r}",
+        assert fails(capsys, ["run", str(manifest), "--dry-run", "--out", str(out)], f"--out {str(out)!r}",
               "must not contain control characters", "it names a folder or file this makes")  # fmt: skip
         assert not (tmp_path / "o").exists()
-    fails(capsys, ["bench", str(tiny_run), "--benchmarks", "effective_rank", "--out", str(tmp_path / "b\nx")],
+    assert fails(capsys, ["bench", str(tiny_run), "--benchmarks", "effective_rank", "--out", str(tmp_path / "b\nx")],
           "must not contain control characters")  # fmt: skip
 
 
