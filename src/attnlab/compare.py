@@ -201,6 +201,11 @@ def _flat(config: dict, prefix: str = "") -> dict:
     return out
 
 
+def baseline_name(names: list[str], baseline: str | None = None) -> str:
+    """The baseline among row or target names: `baseline` if there, else one called baseline or mha, else the first."""
+    return baseline if baseline in names else next((n for n in ("baseline", "mha") if n in names), names[0])
+
+
 def compare_table(runs: list[dict], baseline: str | None = None) -> list[dict]:
     """One row per target and phase (see group_runs): means and sample standard deviations over seeds, and each
     row's validation loss and KV bytes relative to the baseline (the row named by `baseline`, else one called
@@ -217,7 +222,7 @@ def compare_table(runs: list[dict], baseline: str | None = None) -> list[dict]:
     names = [r["target"] for r in rows]
     if baseline is not None and baseline not in names:
         raise InputError(f"baseline {baseline!r} is not one of the targets ({', '.join(names)})")
-    base_name = baseline if baseline in names else next((n for n in ("baseline", "mha") if n in names), names[0])
+    base_name = baseline_name(names, baseline)
     base = rows[names.index(base_name)]
     for row in rows:
         loss, base_loss = row["val_loss"], base["val_loss"]
@@ -281,7 +286,7 @@ def compare(
                       "the comparison", AttnlabWarning, stacklevel=2)  # fmt: skip
     rows = compare_table(runs, baseline)
     every = sorted(finished | set(unfinished.values()))  # the baseline with every run finished (compare_table's)
-    default = next((name for name in ("baseline", "mha") if name in every), every[0])
+    default = baseline_name(every)
     if baseline is None and default not in finished:
         warnings.warn(f"target {default!r} has no finished run: the baseline is {rows[0]['baseline']!r} instead",
                       AttnlabWarning, stacklevel=2)  # fmt: skip

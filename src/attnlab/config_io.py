@@ -56,7 +56,7 @@ def model_config_from_dict(data: Any, source: str | None = None, saved: bool = F
     memory = memory_from_dict(data.get("memory", {}) if isinstance(data, dict) else {}, problems, saved)
     rope_scaling = rope_scaling_from_dict(data.get("rope_scaling") if isinstance(data, dict) else None, problems)
     name = kwargs.get("name") if not saved else None  # shown in lines, as a manifest's name (saved ones load)
-    named = [p for p in [unprintable_problem(name, "name") if isinstance(name, str) else None] if p]
+    named = [p] if isinstance(name, str) and (p := unprintable_problem(name, "name")) else []
     if problems:
         raise ConfigError(problems + named, source=source)
     try:

@@ -549,9 +549,8 @@ def generate(
         done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
         out, greedy = [], None  # greedy: the static step's argmax of `logits`
         for i in range(max_new_tokens):
-            if math.isnan(logits.max().item()):  # (max keeps a NaN; ~7 us, a tenth of isnan().any()) argmax would
-                # read NaN logits as token 0, every step, without a word
-                raise InputError(nan_logits(model, f"at new token {i}"))
+            # (max keeps a NaN; ~7 us, a tenth of isnan().any()) argmax would read NaN logits as token 0, every step
+            refuse_nan_logits(model, logits, f"at new token {i}")
             if greedy is not None and temperature == 0:
                 next_token = greedy  # (B, 1)
             else:

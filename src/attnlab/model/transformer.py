@@ -48,9 +48,9 @@ def token_problem(tokens, vocab_size: int) -> None:
             tokens, torch.Tensor) else type(tokens).__name__  # fmt: skip
         raise InputError(f"tokens must be a (batch, length) tensor of integer token ids, got {what}")
     if tokens.numel() and tokens.device.type != "meta":  # (the meta device holds no values: memory accounting)
-        low, high = torch.aminmax(tokens)
-        if low.item() < 0 or high.item() >= vocab_size:
-            bad = int(low) if low.item() < 0 else int(high)
+        low, high = (int(v) for v in torch.aminmax(tokens))
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
             raise InputError(f"token id {bad} is outside the model's vocabulary (0 .. {vocab_size - 1})")
 
 
