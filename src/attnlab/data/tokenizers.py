@@ -103,16 +103,8 @@ def checked_text(text) -> str:
 
 
 def checked_texts(texts) -> list[str]:
-    """`texts` as a list, after an InputError unless it is a list (or other iterable) of str (a bare str would be
-    read as a list of one-character texts)."""
-    if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
-        raise InputError(f"texts must be a list of strings, got {given(texts)} "
-                         "(a single text: give [text])")  # fmt: skip
-    texts = list(texts)
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise InputError(f"texts[{i}] is {given(text)}: texts must be a list of strings")
-    return texts
+    """`texts` as a list, after an InputError unless it is a list (or other iterable) of str (_strings)."""
+    return list(_strings(texts))
 
 
 def checked_ids(ids) -> list[int]:
@@ -372,9 +364,6 @@ def train_tokenizer(name: str, texts: Iterable[str]) -> Tokenizer:
     if not isinstance(name, str):
         raise InputError(f"tokenizer name must be a str ({', '.join(KINDS)}), got {given(name)}")
     check_tokenizer_name(name)
-    if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
-        raise InputError(f"texts must be a list (or other iterable) of strings, got {given(texts)} (a single text: "
-                         "give [text])")  # fmt: skip
     texts = _strings(texts)
     if name.startswith("bpe:"):
         tokenizer = BPETokenizer.fit(name, texts)
@@ -391,7 +380,15 @@ def train_tokenizer(name: str, texts: Iterable[str]) -> Tokenizer:
 
 
 def _strings(texts: Iterable) -> Iterator[str]:
-    """`texts`, read lazily (a training split may not fit in memory), with an InputError at the first that is no str."""
+    """`texts`, read lazily (a training split may not fit in memory): an InputError unless it is an iterable of str
+    (a bare str would be read as one-character texts), said at once, or at the first item that is no str."""
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Iterable):
+        raise InputError(f"texts must be a list of strings (or another iterable of them), got {given(texts)} (a "
+                         "single text: give [text])")  # fmt: skip
+    return _each_string(texts)
+
+
+def _each_string(texts: Iterable) -> Iterator[str]:
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise InputError(f"texts[{i}] is {given(text)}: texts must be strings")
