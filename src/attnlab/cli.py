@@ -105,7 +105,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_run(args) -> int:
-    manifest = load_manifest(args.manifest, args.set, args.data_dir)
+    manifest = load_manifest(args.manifest, args.set, args.data_dir, args.target)
     table = Path(args.out) / manifest.name / "compare.md"
     kept = table.read_bytes() if table.is_file() else None  # with no record: accepted by run_manifest, or refused
     run_manifest(

@@ -33,7 +33,24 @@ class CheckpointError(DataError):
 def _fix(folder: Path) -> str:
     if folder.parent.name == "checkpoints":
         return f"restore it from a copy, or delete {folder.parent} to train the run again from the start"
+    made = _conversion_of(folder)
+    if made == "run":  # <out>/<manifest>/<target>/converted: the run made it and makes it again
+        return f"delete {folder}: `attnlab run` converts the target's init_from model into it again"
+    if made == "convert":
+        return f"restore it from a copy, or delete {folder} and make it again with `attnlab convert`"
     return "restore it from a copy of the checkpoint"
+
+
+def _conversion_of(folder: Path) -> str | None:
+    """ "run" for a conversion `attnlab run` made for a target (its config.json holds the recipe), "convert" for one
+    `attnlab convert` made, None for another folder or a config.json that cannot be read (said apart)."""
+    try:
+        config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(config, dict) or "conversion" not in config:
+        return None
+    return "run" if "recipe" in config else "convert"
 
 
 def recorded_checksums(folder: Path) -> dict | None:
