@@ -1,13 +1,18 @@
 """Probe AF's last findings (/work/probe_af/REPORT.md): `run --target X` was refused for a problem of a target it
 does not run, and a problem every target had alike was said once per target (AF26); a target's conversion that
-lost its checksums.json advised restoring it from a copy, though `attnlab run` makes it again (AF30). Each test
-fails with its fix backed out."""
+lost its checksums.json advised restoring it from a copy, though `attnlab run` makes it again (AF30); a whole
+split was scored with no sign of progress (AF28). Each test fails with its fix backed out."""
 
 from __future__ import annotations
 
+import io
+import sys
+
+import numpy as np
 import pytest
 from helpers import fails
 
+import attnlab
 from attnlab.cli import main
 from attnlab.manifest_select import merged_repeats
 
@@ -96,3 +101,27 @@ def test_af30_a_conversion_that_lost_its_checksums_is_made_again_not_restored(ti
     line = fails(capsys, run, f"{converted}/checksums.json: missing",
                  f"delete {converted}: `attnlab run` converts the target's init_from model into it again")  # fmt: skip
     assert "restore it from a copy" not in line, line
+
+
+# ----------------------------------------------------------------------------- AF28: a whole split scored in silence
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_af28_perplexity_shows_a_bar_of_the_tokens_scored_on_a_terminal_only(monkeypatch, terminal):
+    from attnlab.eval import perplexity
+
+    model = attnlab.build_model(attnlab.ModelConfig(vocab_size=11, d_model=8, n_layers=1, n_heads=2, max_seq_len=16))
+    stderr = Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(perplexity, "BAR_DELAY", 0.0)
+    tokens = np.arange(101) % 11
+    plain = perplexity.window_losses(model, tokens, 16)
+    assert sum(n for _, n in plain) == 100
+    said = stderr.getvalue()
+    assert ("perplexity:" in said and "/100 [" in said and "tok/s" in said) == terminal, said
+    assert said.endswith("\r") == terminal, repr(said)  # (the bar is cleared at the end: leave=False)
