@@ -1,12 +1,17 @@
 """Probe AF's last findings (/work/probe_af/REPORT.md): `run --target X` was refused for a problem of a target it
 does not run, and a problem every target had alike was said once per target (AF26); a target's conversion that
 lost its checksums.json advised restoring it from a copy, though `attnlab run` makes it again (AF30); a whole
-split was scored with no sign of progress (AF28). Each test fails with its fix backed out."""
+split was scored with no sign of progress (AF28); a model read from a run that wrote its next checkpoint meanwhile
+was refused as damaged (AF24). Each test fails with its fix backed out."""
 
 from __future__ import annotations
 
 import io
+import json
+import shutil
 import sys
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,3 +130,46 @@ def test_af28_perplexity_shows_a_bar_of_the_tokens_scored_on_a_terminal_only(mon
     said = stderr.getvalue()
     assert ("perplexity:" in said and "/100 [" in said and "tok/s" in said) == terminal, said
     assert said.endswith("\r") == terminal, repr(said)  # (the bar is cleared at the end: leave=False)
+
+
+# ----------------------------------------------------------------------------- AF24: a checkpoint replaced in a read
+
+
+def test_af24_a_run_moving_on_while_its_checkpoint_is_read_gives_the_new_checkpoint(tiny_run, tmp_path, monkeypatch):
+    from attnlab.train import checkpoint as module
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    root = run / "checkpoints"
+    old = root / json.loads((root / "best.json").read_text())["dir"]
+    new = root / "step-000099"
+    load = module.load_weights
+    calls = []
+
+    def trainer_steps_on(model, folder, *args, **kwargs):  # as a trainer does: new checkpoint, pointers, prune
+        calls.append(Path(folder))
+        if len(calls) == 1:
+            shutil.copytree(old, new)
+            for tag in ("last", "best"):
+                (root / f"{tag}.json").write_text(json.dumps({"dir": new.name, "step": 99}))
+            (old / "checksums.json").unlink()
+            shutil.rmtree(old)
+        return load(model, folder, *args, **kwargs)
+
+    monkeypatch.setattr(module, "load_weights", trainer_steps_on)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning of the checkpoint that went: it is not the one read)
+        loaded = module.load_checkpoint(run)
+    assert loaded.folder == new and calls == [old, new]
+
+
+def test_af24_a_checkpoint_damaged_with_the_pointers_unchanged_is_still_refused(tiny_run, tmp_path):
+    from attnlab.train import checkpoint as module
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    folder = run / "checkpoints" / json.loads((run / "checkpoints" / "best.json").read_text())["dir"]
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(module.CheckpointError) as caught:
+        module.load_checkpoint(run)
+    assert str(caught.value).startswith(f"{folder}/model.safetensors: missing"), caught.value
