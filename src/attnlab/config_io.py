@@ -275,7 +275,26 @@ def read_yaml(path: str | Path) -> Any:
 
 def load_config(path: str | Path) -> ModelConfig:
     """Reads a model config YAML file (top-level keys = ModelConfig fields, or one `model:` key)."""
-    return model_config_from_dict(read_yaml(path), source=str(path))
+    data = read_yaml(path)
+    what = file_words(data)
+    if what is not None:  # (not each of its keys said unknown, with a model key's name for each)
+        raise ConfigError(f"is {what[1]}, not a model config", source=str(path))
+    return model_config_from_dict(data, source=str(path))
+
+
+FILE_KINDS = (("targets", "manifest", "a run manifest (it has targets:)"),
+              ("benchmarks", "bench", "a benchmark manifest (it has benchmarks:)"),
+              ("cases", "probes", "a probe suite (it has cases:)"))  # fmt: skip
+
+
+def file_words(data) -> tuple[str, str] | None:
+    """(kind, how it reads) of a YAML file's content by the key that makes it one: a run manifest (`targets`), a
+    benchmark manifest (`benchmarks`), a probe suite (`cases`); None for anything else (a model config)."""
+    if isinstance(data, dict):
+        for key, kind, words in FILE_KINDS:
+            if key in data:
+                return kind, words
+    return None
 
 
 GGUF_MAGIC = b"GGUF"

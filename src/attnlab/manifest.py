@@ -75,7 +75,7 @@ from attnlab.config import (
     untrainable_memory_problem,
 )
 from attnlab.config_checks import idle_option_problems, unknown_key_problem
-from attnlab.config_io import model_config_from_dict, read_yaml
+from attnlab.config_io import file_words, model_config_from_dict, read_yaml
 from attnlab.errors import ConfigError
 from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import (
@@ -583,8 +583,4 @@ def file_kind(path: str | Path) -> str:
         data = read_yaml(path)
     except ConfigError:
         return "model"
-    if isinstance(data, dict):
-        for key, kind in (("targets", "manifest"), ("benchmarks", "bench"), ("cases", "probes")):
-            if key in data:
-                return kind
-    return "model"
+    return (file_words(data) or ("model",))[0]
