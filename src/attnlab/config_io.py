@@ -6,6 +6,7 @@ own config class); this module puts them together for a whole model config.
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Hashable
 from pathlib import Path
@@ -18,7 +19,7 @@ from attnlab.config import MemoryConfig, ModelConfig, RopeScaling
 from attnlab.config_checks import build_collecting, dataclass_kwargs
 from attnlab.config_memory import misplaced_options, misplaced_problem
 from attnlab.data.files import unreachable
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, InputError, given
 from attnlab.jsonio import MAX_INT_BITS, MAX_INT_DIGITS, too_many_digits
 from attnlab.paths import brief, unprintable_problem
 
@@ -275,6 +276,9 @@ def read_yaml(path: str | Path) -> Any:
 
 def load_config(path: str | Path) -> ModelConfig:
     """Reads a model config YAML file (top-level keys = ModelConfig fields, or one `model:` key)."""
+    if not isinstance(path, str | os.PathLike):
+        held = " (a dict of config keys: attnlab.model_config_from_dict(data) reads it)" * isinstance(path, dict)
+        raise InputError(f"load_config takes the path of a YAML file, got {given(path)}{held}")
     data = read_yaml(path)
     what = file_words(data)
     if what is not None:  # (not each of its keys said unknown, with a model key's name for each)
