@@ -3,8 +3,9 @@ fills (AG2) and a bounded memory without banks (AG3) were accepted; validate pas
 refuses, and bench refused some only after loading a model (AG4); an unknown dataset got advice about its splits
 (AG5); kv_quant's seq_len past the context named an argument nobody gave (AG6); a run manifest read as a probe suite
 or a model config got "did you mean" lines (AG7); compare showed a NaN summary (AG8); convert and kv-eval cut a
-count past the split without a word (AG9, AG10); a stale $RANK beside one process was taken (AG19). Each test fails
-with its fix backed out."""
+count past the split without a word (AG9, AG10); a stale $RANK beside one process was taken (AG19); export and
+open_source read "no" as true and took shard sizes, caps and split names they cannot use (AG1, AG20, AG21). Each
+test fails with its fix backed out."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from helpers import fails
+from helpers import fails, refused
 
 import attnlab
 from attnlab.cli import main
@@ -187,3 +188,29 @@ def test_ag19_a_rank_other_than_0_beside_one_process_is_refused(tmp_path, capsys
     assert fails(capsys, dry, "$RANK='abc' must be a whole number >= 0")
     monkeypatch.setenv("RANK", "0")
     assert main(dry) == 0
+
+
+# ----------------------------------------------------------------------------- AG1 (export), AG20, AG21: API flags
+
+
+def test_ag1_ag21_export_refuses_an_overwrite_not_true_or_false_and_a_shard_size_below_1(tiny_run, tmp_path):
+    from attnlab.interop.export import export_hf
+
+    out = tmp_path / "hf"
+    export_hf(tiny_run, out)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    cases = (({"overwrite": "no"}, "overwrite='no' must be True or False"),
+             ({"overwrite": True, "max_shard_bytes": 0}, "max_shard_bytes=0 must be a whole number"),
+             ({"overwrite": True, "max_shard_bytes": -1}, "max_shard_bytes=-1 must be a whole number"))  # fmt: skip
+    for kwargs, said in cases:
+        assert refused(lambda kwargs=kwargs: export_hf(tiny_run, out, **kwargs), said)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_ag20_open_source_refuses_a_download_flag_split_names_and_a_cap_it_cannot_use():
+    from attnlab.data import open_source
+
+    assert refused(lambda: open_source("tinyshakespeare", download="no"), "download='no' must be True or False")
+    assert refused(lambda: open_source("wikitext2", splits=("tset",)), "splits=('tset',) must be a tuple of split")
+    assert refused(lambda: open_source("wikitext2", splits="test"), "splits='test' must be a tuple of split names")
+    assert refused(lambda: open_source("fineweb-edu", max_tokens=-1), "max_tokens=-1 must be a whole number >= 1")

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from attnlab.data.files import LINK_LOOP, broken_link, link_loop
-from attnlab.errors import DataError, InputError, LengthWarning, given
+from attnlab.errors import DataError, InputError, LengthWarning, check_flags, given
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
 from attnlab.interop.tokenizer import warn_unknown
@@ -532,13 +532,6 @@ def query(store: MemoryStore, name: str, prompt: str, model_path: str | Path | N
         generate_kwargs["max_new_tokens"] = MAX_ANSWER_TOKENS
     out = generate(loaded.model, torch.tensor(ids, device=loaded.device), cache=cache, **generate_kwargs)
     return loaded.tokenizer.decode(out.tolist())
-
-
-def check_flags(**flags) -> None:
-    """InputError naming every flag that is not True or False (a string such as 'no' would read as True)."""
-    wrong = [f"{key}={value!r}" for key, value in flags.items() if not isinstance(value, bool)]
-    if wrong:
-        raise InputError(f"{' and '.join(wrong)} must be True or False")
 
 
 def check_store(store) -> None:
