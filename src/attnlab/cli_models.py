@@ -529,15 +529,15 @@ def convert(args) -> int:
             raise DataError(f"--calibrate-on {too_large(args.calibrate_on, args.data_dir)}") from None
         except DataError as e:
             raise calibration_error(args, e) from None
-        if len(calibration) < args.calibration_tokens:  # (fitted on what there is, said)
-            warnings.warn(f"--calibration-tokens {args.calibration_tokens:,}: {args.calibrate_on}'s train split holds "
-                          f"{len(calibration):,} tokens, all fitted on", LengthWarning, stacklevel=1)  # fmt: skip
-        calibration = calibration[: args.calibration_tokens]
+        held, calibration = len(calibration), calibration[: args.calibration_tokens]
         if len(calibration) < calibration_minimum(source.cfg):
             raise DataError(f"--calibrate-on {args.calibrate_on}: its train split holds {len(calibration)} "
                             f"token(s) for {source.name}'s tokenizer, fewer than the {calibration_minimum(source.cfg)} "
                             f"a calibration of d_model={source.cfg.d_model} needs: give a longer text, or "
                             "--calibration-tokens 0 to fit the weights alone")  # fmt: skip
+        if held < args.calibration_tokens:  # (fitted on what there is, said)
+            warnings.warn(f"--calibration-tokens {args.calibration_tokens:,}: {args.calibrate_on}'s train split holds "
+                          f"{held:,} tokens, all fitted on", LengthWarning, stacklevel=1)  # fmt: skip
     # the held-out text is read before the conversion and --out is written last: a mistake leaves no --out behind
     try:
         tokens = dataset_tokens(source.tokenizer, args.dataset, "test", args.data_dir) if args.eval_tokens else None

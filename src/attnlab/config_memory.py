@@ -173,10 +173,6 @@ class MemoryConfig:
         if nothing and getattr(self, nothing) == 0:
             problems.append(f"memory.{nothing}=0 makes {self.kind} the window memory: use memory.kind window (or "
                             f"give memory.{nothing} >= 1)")  # fmt: skip
-        if self.kind == "bounded" and self.exact_slots == 0 and self.summary_slots == 0:
-            problems.append("memory.exact_slots=0 and memory.summary_slots=0 make bounded the window memory (no "
-                            "bank keeps a token leaving the window): use memory.kind window, or give a bank "
-                            "slots")  # fmt: skip
         for key in ("tau_gate", "tau_novel", "tau_match", "tau_gate_summary"):
             if getattr(self, key) is not None and not 0.0 <= getattr(self, key) <= 1.0:
                 problems.append(f"memory.{key}={getattr(self, key)} must be in [0, 1]")
