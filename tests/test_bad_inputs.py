@@ -201,16 +201,13 @@ def test_a_damaged_run_tokenizer_is_refused_never_replaced(run, tmp_path, capsys
     )
 
 
-def test_compare_shows_a_diverged_run_as_nan_not_as_missing(run, tmp_path, capsys):
-    """A diverged model's loss is NaN and so its perplexity (NaN beside a finite one was written by hand, and is
-    refused: probe V)."""
+def test_compare_refuses_a_summary_whose_loss_is_nan(run, tmp_path, capsys):
+    """A run whose loss turns NaN stops there (DivergedError) and writes no summary: a NaN loss in one was written by
+    hand (probe AG8; it used to be shown as a diverged run's)."""
     copied = copy_run(run, tmp_path)
     summary = json.loads((copied / "summary.json").read_text()) | {"val_loss": float("nan"), "val_ppl": float("nan")}
     (copied / "summary.json").write_text(json.dumps(summary))
-    assert main(["compare", str(tmp_path / "runs")]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny |"))
-    cells = [cell.strip() for cell in row.strip("|").split("|")]
-    assert cells[5:9] == ["nan", "nan", "nan", "-"]  # val loss, val ppl, vs base, test loss
+    assert fails(capsys, ["compare", str(tmp_path / "runs")], "field 'val_loss' is nan, which a run never writes")
 
 
 def test_a_data_folder_that_is_a_file_is_named(run, tmp_path, capsys, monkeypatch):

@@ -359,7 +359,7 @@ def test_a_probe_max_new_tokens_past_the_context_is_refused_in_bench(plain_run, 
     "sets, fragments",
     [
         (["effective_rank.seq_len=1000", "effective_rank.n_tokens=2000", "effective_rank.split=val"],
-         ["benchmarks.effective_rank.seq_len=1000 is more than the model's max_seq_len=64"]),
+         ["benchmarks.effective_rank.seq_len=1000: 1000 exceeds", "max_seq_len 64", "give seq_len <= 64"]),
         (["effective_rank.seq_len=32", "effective_rank.n_tokens=16", "effective_rank.split=val"],
          ["benchmarks.effective_rank.seq_len=32 is more than", "n_tokens=16"]),
         (["rope_extrapolation.factors=[1, 2]", "rope_extrapolation.max_tokens=4"],

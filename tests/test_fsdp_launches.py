@@ -88,7 +88,7 @@ def test_a_refusal_on_one_process_is_one_line_on_the_others_too(tmp_path, env):
 
 @pytest.mark.parametrize(
     ("variables", "fragment"),
-    [({"RANK": "3", "MASTER_PORT": "29500"}, "$RANK=3 must be below $WORLD_SIZE=1"),
+    [({"RANK": "3", "MASTER_PORT": "29500"}, "$RANK=3 but $WORLD_SIZE is 1: one process is rank 0"),
      ({"RANK": "0", "MASTER_PORT": "99999"}, "$MASTER_PORT=99999 must be a port number"),
      ({"RANK": "0", "MASTER_PORT": "29500", "MASTER_ADDR": "nonexistent.invalid"},
       "$MASTER_ADDR='nonexistent.invalid' names no host")],

@@ -64,7 +64,7 @@ from attnlab.cli_validate import LINK_LOOP, cmd_validate
 from attnlab.compare import compare
 from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT
-from attnlab.config_io import load_config, other_config
+from attnlab.config_io import FILE_KINDS, load_config, other_config
 from attnlab.data.files import link_loop, special_file
 from attnlab.entry import Terminated, interrupted
 from attnlab.envcheck import kernels_env_problem, thread_env_problem
@@ -105,7 +105,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_run(args) -> int:
-    manifest = load_manifest(args.manifest, args.set, args.data_dir)
+    manifest = load_manifest(args.manifest, args.set, args.data_dir, args.target)
     table = Path(args.out) / manifest.name / "compare.md"
     kept = table.read_bytes() if table.is_file() else None  # with no record: accepted by run_manifest, or refused
     run_manifest(
@@ -154,8 +154,7 @@ def cmd_info(args) -> int:
     is_config = Path(args.config).suffix.lower() in CONFIG_SUFFIXES and not Path(args.config).is_dir()
     kind = file_kind(args.config) if is_config and Path(args.config).is_file() else "model"
     if kind != "model":  # (read as a model config, its keys were said to be unknown ones: `seeds`, n_heads?)
-        what = {"manifest": "a run manifest (it has targets:)", "bench": "a benchmark manifest (it has benchmarks:)",
-                "probes": "a probe suite (it has cases:)"}[kind]  # fmt: skip
+        what = next(words for _, named, words in FILE_KINDS if named == kind)
         raise InputError(f"{args.config}: is {what}: info takes a model config or a model reference (e.g. a run's "
                          f"folder, a .gguf file); to check a manifest: attnlab validate {args.config}")  # fmt: skip
     cfg = config_file(args.config) if is_config else checked_model_config(args.config, args.data_dir)
@@ -466,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "the model's tokenizer (a pretrained model: e.g. wikitext2-raw)")  # fmt: skip
         p.add_argument("--seq-len", type=int, default=None,
                        help="window length (default 512, or the model's max_seq_len when shorter)")  # fmt: skip
-        p.add_argument("--tokens", type=int, default=8192, help="held-out tokens to score (default 8192)")
+        p.add_argument("--tokens", type=int, default=None, help="held-out tokens to score (default 8192, or the "
+                       "whole split when it holds fewer)")  # fmt: skip
         p.add_argument("--chunk", type=int, default=1, help="tokens fed per cache update (default 1: decoding)")
         p.add_argument("--dtype", default="fp16", help="dtype of the residual window and unquantized tensors in "
                                                        "the byte counts (default fp16)")  # fmt: skip

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from attnlab.data.files import TEMPORARY
-from attnlab.errors import AttnlabWarning, InputError
+from attnlab.data.sources import NAMED_SOURCES, download_plan
+from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.generate import greedy_problem
 from attnlab.paths import system_folder
 
@@ -395,3 +396,24 @@ def check_torchrun(command: str) -> None:
     if command != "run" and several_torchrun_processes():
         raise InputError(f"only `attnlab run` shares its work among torchrun's processes: every process would run "
                          f"`attnlab {command}` whole (start it without torchrun)")  # fmt: skip
+
+
+def calibration_error(args, e: DataError) -> DataError:
+    """The one line for calibration text that could not be read (`e`): missing, or there but damaged."""
+    if not text_found(args.calibrate_on, args.data_dir):
+        return DataError(f"calibration text for the factorisations (--calibrate-on {args.calibrate_on}, train split) "
+                         f"was not found: give --data-dir, or --calibration-tokens 0 to fit the weights alone "
+                         f"({one_line(e)})")  # fmt: skip
+    return DataError(f"--calibrate-on {args.calibrate_on} (the factorisations' calibration text, its train split): "
+                     f"{one_line(e)}; or give --calibration-tokens 0 to fit the weights alone")  # fmt: skip
+
+
+def text_found(source: str, data_dir) -> bool:
+    """Whether the files of `source` (a named dataset or a file) are here: a reading error is then damage, not a
+    missing file."""
+    if source not in NAMED_SOURCES:
+        return Path(source).expanduser().is_file()
+    try:
+        return download_plan(source, data_dir) is None
+    except DataError:  # (a download it cannot make: the files are not here)
+        return False

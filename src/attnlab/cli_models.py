@@ -15,7 +15,7 @@ import yaml
 
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import FORMATS, KVPolicy, KVValueError
-from attnlab.cli_errors import one_line
+from attnlab.cli_errors import calibration_error, one_line
 from attnlab.config import DTYPE_BYTES, source_problem
 from attnlab.config_io import parse_yaml
 from attnlab.data.files import (
@@ -25,10 +25,11 @@ from attnlab.data.files import (
     remove_stale_temporaries,
     temporary_stem,
 )
-from attnlab.data.sources import NAMED_SOURCES, download_plan, local_path, open_source
-from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, DataError, InputError
+from attnlab.data.sources import NAMED_SOURCES, local_path, open_source
+from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, DataError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval, make_record
 from attnlab.eval.kvquant import (
+    KV_TOKENS,
     MIN_SEQ_LEN,
     SEQ_LEN_NEED,
     chunk_problem,
@@ -201,6 +202,8 @@ def check_kv_arguments(args) -> Path | None:
     or None. A --seq-len left out is set to its default for this model (default_kv_seq_len)."""
     if args.seq_len is None:
         args.seq_len = default_kv_seq_len(args)
+    args.over_split = "--tokens" if args.tokens is not None else None  # (one given and more than the split: said)
+    args.tokens = KV_TOKENS if args.tokens is None else args.tokens
     for flag, value in (("--tokens", args.tokens), ("--seq-len", args.seq_len), ("--chunk", args.chunk)):
         if value < 1:
             raise InputError(f"{flag}={value} must be >= 1")
@@ -259,8 +262,8 @@ def cmd_kv_eval(args) -> int:
     check_kv_model(args, model)
     try:
         rows = run_kv_eval(model, args.policies, split=args.split, seq_len=args.seq_len, max_tokens=args.tokens,
-                           chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir,
-                           dataset=args.dataset)  # fmt: skip
+                           chunk=args.chunk, dtype=args.dtype, data_dir=args.data_dir, dataset=args.dataset,
+                           over_split=args.over_split)  # fmt: skip
     except KVValueError as e:  # its way out in this command's words
         raise e.instead("leave the policy out of --policies") from None
     print(f"{model.name}: KV policies on {rows[0]['tokens']:,} held-out tokens ({rows[0]['dataset']}:{args.split}), "
@@ -310,7 +313,8 @@ def cmd_kv_tune(args) -> int:
     if memory != "none" and any(resids):  # before minutes of measuring
         raise InputError(f"--resids {args.resids}: a model with a memory (memory.kind={memory}) stores every slot, "
                          "the recent window's too, in the policy's formats: it takes --resids 0")  # fmt: skip
-    windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir, args.dataset)
+    windows = held_out_windows(model, args.split, args.seq_len + 1, args.tokens, args.data_dir, args.dataset,
+                               args.over_split)  # fmt: skip
     try:
         result = tune(model.model, windows, args.budget, args.max_dnll, formats=formats, resids=resids,
                       chunk=args.chunk, dtype=args.dtype)  # fmt: skip
@@ -409,32 +413,10 @@ def check_convert_flags(args, attention: dict | None, given: set[str]) -> None:
     elif args.calibration_tokens == 0 and "calibrate_on" in given:
         raise InputError(f"{flag('calibrate_on')} does nothing with --calibration-tokens 0 (the factorisations "
                          "then fit the weights alone): leave one of them out")  # fmt: skip
-    if args.eval_tokens == 0:
-        for key in ("seq_len", "dataset"):
-            if key in given:
-                raise InputError(f"{flag(key)} applies to the perplexity that --eval-tokens 0 skips: leave it out, "
-                                 "or give --eval-tokens")  # fmt: skip
-
-
-def calibration_error(args, e: DataError) -> DataError:
-    """The one line for calibration text that could not be read (`e`): missing, or there but damaged."""
-    if not text_found(args.calibrate_on, args.data_dir):
-        return DataError(f"calibration text for the factorisations (--calibrate-on {args.calibrate_on}, train split) "
-                         f"was not found: give --data-dir, or --calibration-tokens 0 to fit the weights alone "
-                         f"({one_line(e)})")  # fmt: skip
-    return DataError(f"--calibrate-on {args.calibrate_on} (the factorisations' calibration text, its train split): "
-                     f"{one_line(e)}; or give --calibration-tokens 0 to fit the weights alone")  # fmt: skip
-
-
-def text_found(source: str, data_dir) -> bool:
-    """Whether the files of `source` (a named dataset or a file) are here: a reading error is then damage, not a
-    missing file."""
-    if source not in NAMED_SOURCES:
-        return Path(source).expanduser().is_file()
-    try:
-        return download_plan(source, data_dir) is None
-    except DataError:  # (a download it cannot make: the files are not here)
-        return False
+    for key in ("seq_len", "dataset") if args.eval_tokens == 0 else ():
+        if key in given:
+            raise InputError(f"{flag(key)} applies to the perplexity that --eval-tokens 0 skips: leave it out, or "
+                             "give --eval-tokens")  # fmt: skip
 
 
 def check_convert_source(args, cfg, name, given: set[str], calibrating: bool) -> None:
@@ -547,12 +529,15 @@ def convert(args) -> int:
             raise DataError(f"--calibrate-on {too_large(args.calibrate_on, args.data_dir)}") from None
         except DataError as e:
             raise calibration_error(args, e) from None
-        calibration = calibration[: args.calibration_tokens]
+        held, calibration = len(calibration), calibration[: args.calibration_tokens]
         if len(calibration) < calibration_minimum(source.cfg):
             raise DataError(f"--calibrate-on {args.calibrate_on}: its train split holds {len(calibration)} "
                             f"token(s) for {source.name}'s tokenizer, fewer than the {calibration_minimum(source.cfg)} "
                             f"a calibration of d_model={source.cfg.d_model} needs: give a longer text, or "
                             "--calibration-tokens 0 to fit the weights alone")  # fmt: skip
+        if held < args.calibration_tokens:  # (fitted on what there is, said)
+            warnings.warn(f"--calibration-tokens {args.calibration_tokens:,}: {args.calibrate_on}'s train split holds "
+                          f"{held:,} tokens, all fitted on", LengthWarning, stacklevel=1)  # fmt: skip
     # the held-out text is read before the conversion and --out is written last: a mistake leaves no --out behind
     try:
         tokens = dataset_tokens(source.tokenizer, args.dataset, "test", args.data_dir) if args.eval_tokens else None

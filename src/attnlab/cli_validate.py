@@ -12,7 +12,8 @@ from attnlab.config_io import is_gguf, load_config, other_config
 from attnlab.data.files import LINK_LOOP as LOOP_WORDS
 from attnlab.data.files import link_loop
 from attnlab.errors import AttnlabWarning, ConfigError
-from attnlab.eval.harness import load_plan
+from attnlab.eval.harness import config_problems, load_plan
+from attnlab.eval.identity import plan_labels
 from attnlab.eval.probes import load_suite
 from attnlab.manifest import file_kind, load_manifest
 from attnlab.retrofit import check_pretrained
@@ -64,6 +65,11 @@ def cmd_validate(args) -> int:
                 continue
             if kind == "bench":
                 plan = load_plan([str(path)], sets=args.set, need_checkpoints=False)
+                labels = plan_labels(plan.checkpoints, [], plan.data_dir)  # (as bench labels them in a new folder)
+                problems = [p for checkpoint in plan.checkpoints for p in config_problems(
+                    checkpoint, labels[checkpoint], plan.benchmarks.items(), plan.data_dir)]  # fmt: skip
+                if problems:
+                    raise ConfigError(list(dict.fromkeys(problems)), source=str(path))
                 print(f"{path}: ok (benchmark manifest {plan.name}: {len(plan.benchmarks)} benchmarks, "
                       f"{len(plan.checkpoints)} checkpoints found)")  # fmt: skip
                 continue

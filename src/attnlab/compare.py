@@ -148,6 +148,10 @@ def _summary(path: Path) -> dict:
                             f"was changed by hand; {fix}")  # fmt: skip
     for split in ("val", "test"):  # figures that contradict each other, refused as `attnlab report` refuses them
         loss, ppl = f"{split}_loss", f"{split}_ppl"
+        for key in (loss, ppl):  # (a run whose loss turns NaN stops there, DivergedError: it writes no summary)
+            if isinstance(summary.get(key), float) and math.isnan(summary[key]):
+                raise DataError(f"{path}: field '{key}' is nan, which a run never writes (training stops when its "
+                                f"loss turns NaN): it was changed by hand; {fix}")  # fmt: skip
         problem = (range_problem(loss, summary.get(loss), "loss") or range_problem(ppl, summary.get(ppl), "ppl")
                    or exponential_problem(summary, loss, ppl))  # fmt: skip
         if problem:

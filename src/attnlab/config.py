@@ -444,6 +444,26 @@ def checkpointing_memory_problem(checkpointing: bool, kind: Any) -> str | None:
             "which recomputing a block would repeat (turn one off)")  # fmt: skip
 
 
+def idle_memory_problem(seq_len: int, memory: MemoryConfig | dict | None) -> str | None:
+    """Why training on sequences of seq_len tokens would never make the memory act, or None: every sequence fits
+    in what it holds before a token leaves (a bounded memory's recent window, whose leavers go to its banks; the
+    slots of a window, streaming or h2o memory), so the run would train plain attention under the memory's name."""
+    if isinstance(memory, dict):
+        try:
+            memory = MemoryConfig(**memory)
+        except (ConfigError, TypeError):  # (said by the config's own check)
+            return None
+    if not isinstance(memory, MemoryConfig) or memory.kind not in ("bounded", "window", "streaming", "h2o"):
+        return None
+    held = memory.recent_window if memory.kind in ("bounded", "window") else memory.slots
+    if seq_len > held:
+        return None
+    what = "memory.recent_window" if memory.kind in ("bounded", "window") else f"the {memory.kind} memory's slots"
+    return (f"train.seq_len={seq_len} fits in {what} ({held}): no token would leave it in training, so the memory "
+            f"would never act and the run would train plain attention (give train.seq_len above {held}, or a "
+            "smaller memory)")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """How to train. Steps count optimizer updates; one update sees batch_size * grad_accum sequences."""

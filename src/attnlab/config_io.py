@@ -6,6 +6,7 @@ own config class); this module puts them together for a whole model config.
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Hashable
 from pathlib import Path
@@ -18,7 +19,7 @@ from attnlab.config import MemoryConfig, ModelConfig, RopeScaling
 from attnlab.config_checks import build_collecting, dataclass_kwargs
 from attnlab.config_memory import misplaced_options, misplaced_problem
 from attnlab.data.files import unreachable
-from attnlab.errors import ConfigError
+from attnlab.errors import ConfigError, InputError, given
 from attnlab.jsonio import MAX_INT_BITS, MAX_INT_DIGITS, too_many_digits
 from attnlab.paths import brief, unprintable_problem
 
@@ -275,7 +276,29 @@ def read_yaml(path: str | Path) -> Any:
 
 def load_config(path: str | Path) -> ModelConfig:
     """Reads a model config YAML file (top-level keys = ModelConfig fields, or one `model:` key)."""
-    return model_config_from_dict(read_yaml(path), source=str(path))
+    if not isinstance(path, str | os.PathLike):
+        held = " (a dict of config keys: attnlab.model_config_from_dict(data) reads it)" * isinstance(path, dict)
+        raise InputError(f"load_config takes the path of a YAML file, got {given(path)}{held}")
+    data = read_yaml(path)
+    what = file_words(data)
+    if what is not None:  # (not each of its keys said unknown, with a model key's name for each)
+        raise ConfigError(f"is {what[1]}, not a model config", source=str(path))
+    return model_config_from_dict(data, source=str(path))
+
+
+FILE_KINDS = (("targets", "manifest", "a run manifest (it has targets:)"),
+              ("benchmarks", "bench", "a benchmark manifest (it has benchmarks:)"),
+              ("cases", "probes", "a probe suite (it has cases:)"))  # fmt: skip
+
+
+def file_words(data) -> tuple[str, str] | None:
+    """(kind, how it reads) of a YAML file's content by the key that makes it one: a run manifest (`targets`), a
+    benchmark manifest (`benchmarks`), a probe suite (`cases`); None for anything else (a model config)."""
+    if isinstance(data, dict):
+        for key, kind, words in FILE_KINDS:
+            if key in data:
+                return kind, words
+    return None
 
 
 GGUF_MAGIC = b"GGUF"

@@ -57,3 +57,10 @@ def given(value) -> str:
     shown = repr(value)
     shown = shown if len(shown) <= 40 else shown[:37] + "..."
     return f"{type(value).__name__} {shown}"
+
+
+def check_flags(**flags) -> None:
+    """InputError naming every flag that is not True or False (a string such as 'no' would read as True)."""
+    wrong = [f"{key}={value!r}" for key, value in flags.items() if not isinstance(value, bool)]
+    if wrong:
+        raise InputError(f"{' and '.join(wrong)} must be True or False")

@@ -17,7 +17,7 @@ import torch
 from attnlab.cache.base import ModelCache
 from attnlab.cache.codecs import KVPolicy, as_policy
 from attnlab.config_memory import PRESSES
-from attnlab.errors import AttnlabWarning, InputError, LengthWarning, UnquantizedWarning
+from attnlab.errors import AttnlabWarning, InputError, LengthWarning, UnquantizedWarning, given
 from attnlab.model.fused import FusedDecode, fused_problem
 
 # Inductor options of the compiled decode step, measured on bench/decode.py's model (per step):
@@ -302,10 +302,11 @@ def room_problem(cfg, length: int, max_new_tokens: int, held: int = 0) -> str | 
 IDS = "give token ids (an integer tensor or a list of ints)"
 
 
-def check_options(kv_policy=None, stop_tokens=(), fused=None, compile=None) -> list[int]:
+def check_options(kv_policy=None, stop_tokens=(), fused=None, compile=None, callback=None) -> list[int]:
     """Raises InputError naming every one of generate's kv_policy (None, a policy string or a KVPolicy), stop_tokens
     (token ids: a list, tuple or 1-D tensor of whole numbers), fused and compile (True, False or None: a string such
-    as 'false' or a 0 would read as another choice) that cannot be used; returns the stop token ids."""
+    as 'false' or a 0 would read as another choice) and callback (None or callable) that cannot be used; returns the
+    stop token ids."""
     problems, stop = [], []
     if kv_policy is not None and not isinstance(kv_policy, (str, KVPolicy)):
         problems.append(f"kv_policy={kv_policy!r} must be a policy string such as 'k=q8_0,v=q4_0' (formats per cached "
@@ -322,6 +323,8 @@ def check_options(kv_policy=None, stop_tokens=(), fused=None, compile=None) -> l
         problems.append(f"fused={fused!r} must be True, False or None (auto: the fused step where it applies)")
     if compile is not None and not isinstance(compile, bool):
         problems.append(f"compile={compile!r} must be True, False or None (auto: compile when the tokens pay for it)")
+    if callback is not None and not callable(callback):
+        problems.append(f"callback must be callable (called with each new token) or None, got {given(callback)}")
     if problems:
         raise InputError("; ".join(problems))
     return stop
@@ -351,6 +354,9 @@ def prompt_ids(prompt, device) -> torch.Tensor:
     if isinstance(prompt, torch.Tensor):
         if prompt.numel() and (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool):
             raise InputError(f"prompt is a {prompt.dtype} tensor: {IDS}")
+        if prompt.device.type == "meta" and device.type != "meta":  # (shapes only: no ids to copy)
+            raise InputError(f"prompt is on device meta; the model is on {device}: give a tensor of token ids (on "
+                             f"{device}, or any device holding values)")  # fmt: skip
         return prompt.to(device=device, dtype=torch.long)
     text = "; text goes through the model's tokenizer first (tokenizer.encode(text))"
     if isinstance(prompt, (str, bytes)):
@@ -452,7 +458,7 @@ def generate(
         raise InputError(f"model must be an attnlab model (from attnlab.load_model or build_model), got "
                          f"{type(model).__name__}")  # fmt: skip
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk)
-    stop_ids = check_options(kv_policy, stop_tokens, fused, compile)
+    stop_ids = check_options(kv_policy, stop_tokens, fused, compile, callback)
     problem = greedy_problem(temperature, top_k, top_p, seed)
     if problem:
         raise InputError(problem)

@@ -75,7 +75,7 @@ from attnlab.config import (
     untrainable_memory_problem,
 )
 from attnlab.config_checks import idle_option_problems, unknown_key_problem
-from attnlab.config_io import model_config_from_dict, read_yaml
+from attnlab.config_io import file_words, model_config_from_dict, read_yaml
 from attnlab.errors import ConfigError
 from attnlab.jsonio import loads_json
 from attnlab.manifest_pretrained import (
@@ -86,6 +86,7 @@ from attnlab.manifest_pretrained import (
     pretrained_model_problems,
     pretrained_source,
 )
+from attnlab.manifest_select import merged_repeats, needed_targets, owned_problems
 from attnlab.manifest_sets import SECTION_KEYS, parse_set
 from attnlab.manifest_vars import check_vars, resolve_vars, substitute, undefined_keys
 from attnlab.model.transformer import build_model
@@ -400,9 +401,12 @@ def _start_problems(runs: list[RunSpec], order: list[str]) -> list[str]:
 RESERVED_NAMES = ("manifest.json", "compare.md", "compare.csv", "val_loss.png")
 
 
-def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data_dir=None) -> Manifest:
+def load_manifest(
+    path: str | Path, sets: list[str] | tuple[str, ...] = (), data_dir=None, targets_run=None
+) -> Manifest:
     """Reads and fully resolves a manifest; raises one ConfigError listing every problem. data_dir (--data-dir)
-    is where an init_from model missing from the working directory may be."""
+    is where an init_from model missing from the working directory may be. targets_run (`run --target`): the
+    problems of other targets are not said, unless the targets run start from them (init_from)."""
     path = Path(path)
     raw = read_yaml(path)
     problems: list[str] = []
@@ -434,13 +438,16 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data
     sources: dict[str, dict | None] = {}  # each target's pretrained source (RunSpec.source)
     attentions: dict[str, dict | None] = {}  # the attention changes of a pretrained target's first phase
     refused_targets: set[str] = set()  # targets whose init_from is refused: their model problems would follow from it
+    marks: list[tuple[int, str | None]] = []  # (index of a target's first problem, its name): whose each one is
     for name_, target in targets.items():
+        marks.append((len(problems), None))  # (a target name refused: said whichever targets run)
         problem = name_problem(name_, "target name")
         if problem is None and name_ in RESERVED_NAMES:
             problem = f"target name {name_!r} is a file attnlab writes beside the targets' folders (choose another)"
         if problem:
             problems.append(f"targets: {problem}")
             continue
+        marks.append((len(problems), name_))
         where = f"targets.{name_}"
         target = _check_keys(target, TARGET_KEYS, where, problems)
         target = substitute(target, variables, where, problems, broken)
@@ -554,8 +561,14 @@ def load_manifest(path: str | Path, sets: list[str] | tuple[str, ...] = (), data
                     runs.append(RunSpec(name_, seed, phase_name, spec["model"], spec["data"],
                                         replace(spec["train"], seed=seed), start_from if i == 0 else None,
                                         source))  # fmt: skip
+    marks.append((len(problems), None))
+    needed = needed_targets(targets, targets_run)
+    problems = [unknown_key_problem(t, list(targets), "", what="target") for t in targets_run or [] if t not in targets
+                ] + owned_problems(problems, marks, needed)  # fmt: skip
     if not problems:
-        problems = _start_problems(runs, [t for t in order if isinstance(t, str)])
+        problems = _start_problems([r for r in runs if needed is None or r.target in needed],
+                                   [t for t in order if isinstance(t, str)])  # fmt: skip
+    problems = merged_repeats(problems, [t for t in order if isinstance(t, str)])
     if problems:  # (an init_from model that is nowhere is said first: the other problems may follow from it)
         raise ConfigError(missing_model_problems(problems, sources, targets, data_dir), source=str(path))
     runs.sort(key=lambda r: (order.index(r.target), seeds.index(r.seed)))  # stable: phases keep order
@@ -570,8 +583,4 @@ def file_kind(path: str | Path) -> str:
         data = read_yaml(path)
     except ConfigError:
         return "model"
-    if isinstance(data, dict):
-        for key, kind in (("targets", "manifest"), ("benchmarks", "bench"), ("cases", "probes")):
-            if key in data:
-                return kind
-    return "model"
+    return (file_words(data) or ("model",))[0]

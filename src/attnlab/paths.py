@@ -11,7 +11,7 @@ import unicodedata
 import warnings
 from pathlib import Path
 
-from attnlab.errors import AttnlabWarning, ConfigError, DataError
+from attnlab.errors import AttnlabWarning, ConfigError, DataError, InputError, given
 from attnlab.jsonio import loads_json
 
 MAX_NAME_LENGTH = 100
@@ -90,13 +90,25 @@ def check_data_dirs(data_dir: str | Path | None = None) -> None:
     """DataError unless --data-dir and $ATTNLAB_DATA, when given, name existing folders: a typo would otherwise
     fall back to the user cache (or a download) without a word."""
     data_dirs(data_dir)
-    if data_dir and not Path(data_dir).exists():
-        raise DataError(f"--data-dir {shown_value(str(data_dir))}: no such folder (name the folder that holds the data "
-                        "files)")  # fmt: skip
+    check_data_dir(data_dir)
     env = os.environ.get("ATTNLAB_DATA")
     if env and not Path(env).exists():
         raise DataError(f"$ATTNLAB_DATA={shown_value(env)}: no such folder (name the folder that holds the data "
                         "files, or unset ATTNLAB_DATA)")  # fmt: skip
+
+
+def check_data_dir(data_dir: str | Path | None, flag: str = "--data-dir") -> None:
+    """DataError unless `data_dir`, when given, names an existing folder: named as the CLI's --data-dir, or with
+    flag="data_dir" as an API function's argument (InputError for what is no path)."""
+    if data_dir is None or data_dir == "":  # (not given, as data_dirs reads it)
+        return
+    if not isinstance(data_dir, str | os.PathLike):
+        raise InputError(f"{flag} must be the path of a folder of data files (or None), got {given(data_dir)}")
+    shown = f"--data-dir {shown_value(str(data_dir))}" if flag == "--data-dir" else f"{flag}={str(data_dir)!r}"
+    if not Path(data_dir).exists():
+        raise DataError(f"{shown}: no such folder (name the folder that holds the data files)")
+    if not Path(data_dir).is_dir():
+        raise DataError(f"{shown}: a file, not a folder (name the folder that holds the data files)")
 
 
 def in_data_dirs(path: str | Path, data_dir: str | Path | None = None) -> Path:

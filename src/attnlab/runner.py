@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from attnlab.compare import OWN_START, check_outputs, check_run_file, markdown_now
-from attnlab.config import names_model
+from attnlab.config import idle_memory_problem, names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import broken_link, lock_file_problem, read_json_object
 from attnlab.data.pretrained import tokenizer_from_folder
@@ -333,7 +333,9 @@ def dry_run_status(
             if problem:
                 return f"would be refused: {problem}"
             return f"would resume from step {checkpoint.step} of {spec.train.steps} in {run_dir}"
-        problem = training_data_problem(spec, data_dir, run_dir)
+        problem = training_data_problem(spec, data_dir, run_dir) or idle_memory_problem(
+            spec.train.seq_len, spec.model.get("memory")
+        )
         if problem:
             return f"would be refused: {problem}"
     except (ConfigError, DataError) as e:

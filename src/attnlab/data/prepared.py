@@ -46,7 +46,7 @@ from attnlab.data.files import atomic_path, atomic_write_text, file_kind, remove
 from attnlab.data.prepared_meta import FORMAT_VERSION, _check_meta, _redo, data_record_problem, token_dtype  # noqa: F401
 from attnlab.data.source_identity import file_sha256, named_source_key, prepared_source_problem
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, Source, open_source, source_key
-from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, load_tokenizer, needs_training, train_tokenizer
+from attnlab.data.tokenizers import Tokenizer, check_tokenizer_name, fit_tokenizer, load_tokenizer, needs_training
 from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.jsonio import loads_json
 from attnlab.paths import cache_dir
@@ -509,7 +509,7 @@ def _fill(data_cfg: DataConfig, folder: Path, source, data_dir, download, model_
         tokenizer = copy.copy(_model_tokenizer(data_cfg, model_tokenizer))
         tokenizer.name = name
     elif needs_training(name):
-        tokenizer = train_tokenizer(name, _training_texts(source, data_cfg.max_tokens))
+        tokenizer = fit_tokenizer(name, _training_texts(source, data_cfg.max_tokens))
     else:
         tokenizer = load_tokenizer(name, data_dir=data_dir, download=download)
     tokenizer.save(folder)

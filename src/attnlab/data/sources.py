@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import lzma
+import os
 import re
 import shutil
 import urllib.request
@@ -36,7 +37,7 @@ from attnlab.data.files import (
     open_text,
     temp_path_beside,
 )
-from attnlab.errors import ConfigError, DataError
+from attnlab.errors import ConfigError, DataError, InputError, check_flags, given
 from attnlab.jsonio import loads_json
 from attnlab.paths import cache_dir, data_dirs, find_data_file, first_data_file
 
@@ -442,6 +443,17 @@ def open_source(
     evaluation's read of one whole split, which a stream without end (fineweb-edu without max_tokens) cannot give.
     ConfigError for fractions a DataConfig refuses (each in [0, 1), their sum < 1).
     """
+    if not isinstance(source, str | os.PathLike):
+        raise InputError(f"source must be a dataset name ({', '.join(NAMED_SOURCES)}) or a file's path, got "
+                         f"{given(source)}")  # fmt: skip
+    if data_dir is not None and not isinstance(data_dir, str | os.PathLike):
+        raise InputError(f"data_dir must be the path of a folder of data files (or None), got {given(data_dir)}")
+    if download is not None:
+        check_flags(download=download)  # (None: as the environment allows)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise InputError(f"max_tokens={max_tokens!r} must be a whole number >= 1, or None (no cap)")
+    if splits is not None and (isinstance(splits, str) or not all(split in SPLITS for split in splits)):
+        raise InputError(f"splits={splits!r} must be a tuple of split names ({', '.join(SPLITS)}), or None (all)")
     problems = fraction_problems(val_fraction, test_fraction)
     if problems:
         raise ConfigError(problems)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import operator
 import os
@@ -113,18 +114,20 @@ def checked_ids(ids) -> list[int]:
     vocab_size is larger than its tokenizer's may sample one)."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise InputError(f"decode takes a sequence of token ids (whole numbers), got {given(ids)}")  # fmt: skip
-    try:
-        ids = [operator.index(i) for i in ids]
-    except TypeError:
-        bad = next(i for i in ids if not _is_index(i))
-        raise InputError(f"decode takes token ids (whole numbers), got {given(bad)} among "
-                         "them") from None  # fmt: skip
+    values = list(ids)
+    bad = [i for i in values if not _is_index(i)][:1]
+    if bad:
+        raise InputError(f"decode takes token ids (whole numbers), got {given(bad[0])} among them")
+    ids = [operator.index(i) for i in values]
     if ids and min(ids) < 0:
         raise InputError(f"token id {min(ids)} is negative: token ids are whole numbers >= 0")
     return ids
 
 
 def _is_index(value) -> bool:
+    """Whether `value` is a whole number: not a float, nor a bool (or a bool tensor), which would read as id 0 or 1."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":
+        return False
     try:
         operator.index(value)
     except TypeError:
@@ -363,14 +366,20 @@ def train_tokenizer(name: str, texts: Iterable[str]) -> Tokenizer:
     documents only). A BPE the text allows fewer than N ids warns (VocabularyWarning) and keeps what it could learn."""
     if not isinstance(name, str):
         raise InputError(f"tokenizer name must be a str ({', '.join(KINDS)}), got {given(name)}")
-    check_tokenizer_name(name)
-    texts = _strings(texts)
+    if not needs_training(name):  # (which checks the name)
+        raise ConfigError(f"tokenizer={name!r} is fixed, not trained (use load_tokenizer)")
+    return fit_tokenizer(name, _some_text(_strings(texts)))
+
+
+def fit_tokenizer(name: str, texts: Iterable[str]) -> Tokenizer:
+    """train_tokenizer's fit of a checked `name` to `texts` (str), which may hold no text: prepare() says an empty
+    source as such once it has read every split."""
     if name.startswith("bpe:"):
         tokenizer = BPETokenizer.fit(name, texts)
         if tokenizer.vocab_size < bpe_vocab_size(name):
             warnings.warn(f"tokenizer {name}: the training text allowed only {tokenizer.vocab_size} of the "
                           f"{bpe_vocab_size(name)} ids asked (train it on more text, or ask for fewer)",
-                          VocabularyWarning, stacklevel=2)  # fmt: skip
+                          VocabularyWarning, stacklevel=3)  # fmt: skip
         return tokenizer
     if name == "word":
         return WordTokenizer.fit(texts)
@@ -386,6 +395,19 @@ def _strings(texts: Iterable) -> Iterator[str]:
         raise InputError(f"texts must be a list of strings (or another iterable of them), got {given(texts)} (a "
                          "single text: give [text])")  # fmt: skip
     return _each_string(texts)
+
+
+def _some_text(texts: Iterator[str]) -> Iterator[str]:
+    """`texts` (read as far as their first non-empty one), after an InputError if none holds any text: a tokenizer
+    fitted on nothing would hold only its special tokens."""
+    read = []
+    for text in texts:
+        read.append(text)
+        if text:
+            return itertools.chain(read, texts)
+    held = f"{len(read)} text{'s' * (len(read) > 1)}, every one empty" if read else "no texts"
+    raise InputError(f"texts hold no text to train on ({held}): give the tokenizer some text, e.g. the training "
+                     "split's documents")  # fmt: skip
 
 
 def _each_string(texts: Iterable) -> Iterator[str]:

@@ -8,17 +8,22 @@ cells fall past the context measures the others, and says which it left (`contex
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import FLOAT_FORMATS
+from attnlab.config import source_problem
+from attnlab.config_checks import unknown_key_problem
 from attnlab.eval.kvquant import split_problem
+from attnlab.eval.multiple_choice import TASKS
 from attnlab.paths import brief
 from attnlab.train.budget import _size, machine_memory
 
 MIN_PERPLEXITY_TOKENS = 2  # a bootstrap interval over windows needs two windows at least
+FILLERS = ("sentences", "heldout")  # what the needle's haystack is made of (longctx.run_needle)
 DEFAULT_SPLITS = {"perplexity": "test", "kv_quant": "test"}  # benchmarks scoring a `dataset`'s split, by default
 
 
@@ -52,8 +57,19 @@ def parameter_problems(name: str, params: dict, where: str = "benchmarks") -> li
             problems.append(f"{where}.perplexity.max_tokens={max_tokens} is too few for an interval: the bootstrap "
                             f"over windows needs two windows, {MIN_PERPLEXITY_TOKENS} tokens at the least (give more, "
                             "or leave max_tokens out for the whole split)")  # fmt: skip
+    if name == "needle" and isinstance(params.get("filler"), str) and params["filler"] not in FILLERS:
+        problems.append(f"{where}.needle.filler={brief(params['filler'])} is not known (use 'sentences' or "
+                        "'heldout')")  # fmt: skip
+    tasks = params.get("tasks") if name == "multiple_choice" else None
+    for task in tasks if isinstance(tasks, list) else []:  # (said before any model is loaded)
+        if isinstance(task, str) and task not in TASKS:
+            problems.append(f"{where}.multiple_choice.tasks: {unknown_key_problem(task, list(TASKS), '', 'task')}")
+    unknown = source_problem(params["dataset"], f"{where}.{name}.dataset") if isinstance(params.get("dataset"),
+                                                                                      str) else None  # fmt: skip
+    if unknown:  # (said before its splits: the name is the mistake)
+        problems.append(unknown)
     split = params.get("split", DEFAULT_SPLITS.get(name))
-    if name in DEFAULT_SPLITS and isinstance(params.get("dataset"), str) and isinstance(split, str):
+    if name in DEFAULT_SPLITS and isinstance(params.get("dataset"), str) and isinstance(split, str) and not unknown:
         problem = split_problem(params["dataset"], split)  # (said after loading the model, without the setting)
         if problem:
             default = "" if "split" in params else " (the default)"
@@ -81,9 +97,12 @@ def context_cells(name: str, full: dict, cfg, train_seq_len: int | None = None) 
     if name == "stream_loss":
         cells = [full["length"]]
         return cells, [n for n in cells if n > limit and not memory], ""
-    if name == "perplexity" and full.get("seq_len") is not None:  # (a window of seq_len read in one pass)
+    if name in ("perplexity", "kv_quant") and full.get("seq_len") is not None:  # (a window read in one pass)
         cells = [full["seq_len"]]
         return cells, [n for n in cells if n > limit and not memory], ""
+    if name == "effective_rank" and full.get("seq_len") is not None:  # (rows of seq_len, memory or not)
+        cells = [full["seq_len"]]
+        return cells, [n for n in cells if n > limit], ""
     if name == "rope_extrapolation" and train_seq_len:
         cells = list(full["factors"])
         return cells, [f for f in cells if round(f * train_seq_len) > limit], f"x the training context {train_seq_len}"
@@ -91,7 +110,8 @@ def context_cells(name: str, full: dict, cfg, train_seq_len: int | None = None) 
 
 
 GIVES_CELLS = {"latency": ("prompt_lengths", "new_tokens"), "rope_extrapolation": ("factors",),
-               "stream_loss": ("length",), "perplexity": ("seq_len",)}  # what makes the cells  # fmt: skip
+               "stream_loss": ("length",), "perplexity": ("seq_len",), "kv_quant": ("seq_len",),
+               "effective_rank": ("seq_len",)}  # what makes the cells  # fmt: skip
 
 
 def context_problem(name: str, full: dict, cfg, label: str, train_seq_len: int | None = None,
@@ -120,7 +140,7 @@ def context_problem(name: str, full: dict, cfg, label: str, train_seq_len: int |
     if name == "rope_extrapolation":
         return (f"benchmarks.rope_extrapolation.factors={_list(cells)}: {_join(past)} {how} {exceed} {label}'s "
                 f"max_seq_len {limit} ({what}): give factors <= {limit / train_seq_len:g}")  # fmt: skip
-    key = {"stream_loss": "length", "perplexity": "seq_len"}.get(name, "lengths")
+    key = "length" if name == "stream_loss" else "seq_len" if name in GIVES_CELLS else "lengths"
     shown = cells[0] if key != "lengths" else _list(cells)
     return (
         f"benchmarks.{name}.{key}={shown}: {_join(past)} {exceed} {label}'s max_seq_len {limit} ({what}): give "
@@ -200,6 +220,27 @@ def prompt_problem(name: str, full: dict, cfg, label: str, tokenizer: Callable[[
                 "(memory.block), the later ones through its memory, which one pass's attention maps cannot show: give "
                 f"a prompt of at most {block} tokens")  # fmt: skip
     return None
+
+
+def needle_length_problem(name: str, full: dict, cfg, label: str, tokenizer: Callable[[], Any]) -> str | None:
+    """Why the needle benchmark would measure nothing on this model, told before it loads: every length within
+    its context too short for the prompt's fixed parts (intro, needle, question, answer), the others past it.
+    tokenizer() gives the model's tokenizer. The words of unmeasured_problem, which says it after the run."""
+    if name != "needle":
+        return None
+    from attnlab.eval.longctx import fixed_tokens, passkeys  # (the benchmark's own count)
+
+    limit = cfg.max_seq_len
+    lengths = sorted(set(full.get("lengths") or (limit // 4, limit // 2, limit)))
+    fitting = [n for n in lengths if n <= limit]
+    loaded = tokenizer() if fitting else None
+    if loaded is None:  # (every length past the context: context_problem; no tokenizer: the benchmark says so)
+        return None
+    needs = fixed_tokens(loaded, passkeys(random.Random(full.get("seed", 0)), 5, 1)[0])
+    if any(n >= needs for n in fitting):
+        return None
+    records = [{"status": "too_short", "length": n, "needs": needs, "max_seq_len": limit} for n in fitting]
+    return unmeasured_problem(name, records, label)
 
 
 def unmeasured_problem(name: str, records: list[dict], label: str) -> str | None:

@@ -45,6 +45,7 @@ from attnlab.eval.bench_checks import (
     cache_memory_problem,
     context_note,
     context_problem,
+    needle_length_problem,
     parameter_problems,
     prompt_problem,
     unmeasured_problem,
@@ -494,6 +495,25 @@ def _remove_unused(made: list[Path], out_dir: Path) -> None:
             return
 
 
+def config_problems(checkpoint: str, label: str, benchmarks, data_dir) -> list[str]:
+    """What the benchmarks [(name, parameters given)] would refuse on the checkpoint, told from its config alone
+    (lengths past its context, caches past this machine's memory, a prompt too long): bench says them before it
+    loads any model, and validate says them of the checkpoints it finds."""
+    cfg = model_config_of(checkpoint, data_dir)
+    return [
+        p
+        for name, params in benchmarks
+        for full in ({**parameters(name), **params},)
+        for p in (
+            context_problem(name, full, cfg, label, given=params),
+            cache_memory_problem(name, full, cfg, label),
+            prompt_problem(name, full, cfg, label, lambda ref=checkpoint: tokenizer_of(ref, data_dir)),
+            needle_length_problem(name, full, cfg, label, lambda ref=checkpoint: tokenizer_of(ref, data_dir)),
+        )
+        if p
+    ]
+
+
 def _run_plan(plan: BenchPlan, out_dir: Path, log) -> Path:
     records_path = out_dir / "records.jsonl"
     with bench_lock(out_dir):
@@ -519,17 +539,8 @@ def _run_plan(plan: BenchPlan, out_dir: Path, log) -> Path:
             if todo:  # every benchmark recorded: the model is not even loaded
                 plans.append((checkpoint, weights, label, todo))
         for checkpoint, _, label, todo in plans:  # lengths and caches checked from the configs, before any loading
-            cfg = model_config_of(checkpoint, plan.data_dir)
-            problems = [
-                p
-                for name, params, full, _ in todo
-                for p in (
-                    context_problem(name, full, cfg, label, given=params),
-                    cache_memory_problem(name, full, cfg, label),
-                    prompt_problem(name, full, cfg, label, lambda ref=checkpoint: tokenizer_of(ref, plan.data_dir)),
-                )
-                if p
-            ]
+            asked = [(name, params) for name, params, _, _ in todo]
+            problems = config_problems(checkpoint, label, asked, plan.data_dir)
             if problems:
                 raise InputError("; ".join(problems))
         for checkpoint, weights, label, todo in plans:

@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import KIVI_FORMATS, SHORT, Codec, KVPolicy, as_policy
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, local_path
-from attnlab.errors import AttnlabWarning, ConfigError, DataError, InputError, UnquantizedWarning
-from attnlab.eval.perplexity import eval_tokens
+from attnlab.errors import AttnlabWarning, ConfigError, DataError, InputError, LengthWarning, UnquantizedWarning
+from attnlab.eval.perplexity import BAR_DELAY, eval_tokens
 from attnlab.eval.records import make_record
 from attnlab.eval.stats import bootstrap_ci
 from attnlab.generate import generate, refuse_nan_logits
@@ -60,6 +62,7 @@ class Totals:
 
 
 BLOCK = 64  # positions per block of the dNLL interval
+KV_TOKENS = 8192  # held-out tokens kv-eval and kv-tune score by default (fewer when the split holds fewer)
 # Inputs per window: the greedy agreement continues the first half of a window's inputs, which must hold a token
 MIN_SEQ_LEN = 2
 SEQ_LEN_NEED = (f"a window needs at least {MIN_SEQ_LEN} inputs: the greedy agreement continues the first half of "
@@ -95,10 +98,11 @@ def greedy_agreement(model, prompts: torch.Tensor, want: torch.Tensor, policy: K
 
 
 def held_out_windows(eval_model, split: str, seq_len: int, max_tokens: int, data_dir=None,
-                     dataset: str | None = None) -> torch.Tensor:  # fmt: skip
+                     dataset: str | None = None, over_split: str | None = None) -> torch.Tensor:  # fmt: skip
     """(N, seq_len) non-overlapping windows of the checkpoint's own held-out split, or of `split` of `dataset`
     tokenized with the model's tokenizer (a pretrained model: e.g. wikitext2-raw). Text of `dataset` the model's
-    char or word vocabulary cannot spell is said in a warning (it is scored as <unk>)."""
+    char or word vocabulary cannot spell is said in a warning (it is scored as <unk>); so is a max_tokens the user
+    gave (over_split: the flag that gave it) that is more than the split holds."""
     problem = split_problem(dataset, split) if dataset is not None else None
     if problem:
         raise DataError(f"{problem}: score split 'val'")
@@ -115,6 +119,10 @@ def held_out_windows(eval_model, split: str, seq_len: int, max_tokens: int, data
         raise DataError(f"{source}: its {split!r} split holds {len(tokens)} token(s) for {eval_model.name}'s "
                         f"tokenizer, fewer than one window of {seq_len} (seq_len {seq_len - 1} inputs and one more "
                         f"target): give a longer text{shorter}")  # fmt: skip
+    if over_split and max_tokens > len(tokens):
+        warnings.warn(f"{over_split} {max_tokens:,} is more than {source}'s {split!r} split holds ({len(tokens):,} "
+                      f"tokens for {eval_model.name}'s tokenizer): scoring {n * seq_len:,}", LengthWarning,
+                      stacklevel=2)  # fmt: skip
     if dataset is not None:  # (the model's own prepared split is the text it was trained to read)
         warn_unknown_tokens(eval_model.tokenizer, tokens[: n * seq_len], f"{dataset}:{split} scored")
     return torch.from_numpy(tokens[: n * seq_len].astype(np.int64)).view(n, seq_len)
@@ -155,6 +163,9 @@ def evaluate_policies(
     totals = [Totals() for _ in policies]
     full_nll = 0.0
     model.eval()
+    # (a bar of the windows scored, on a terminal only, after BAR_DELAY s)
+    bar = tqdm(total=windows.shape[0], desc="kv policies", unit="window", dynamic_ncols=True, delay=BAR_DELAY,
+               disable=None, leave=False, file=sys.stderr)  # fmt: skip
     for start in range(0, windows.shape[0], batch):
         ids = windows[start : start + batch]
         inputs, targets = ids[:, :-1], ids[:, 1:]
@@ -170,6 +181,8 @@ def evaluate_policies(
             total.kl += (logp_full.exp() * (logp_full - logp)).sum().item()
             total.top1 += (logp.argmax(dim=-1) == top_full).sum().item()
             total.tokens += targets.numel()
+        bar.update(ids.shape[0])
+    bar.close()
     seq_len = windows.shape[1] - 1  # inputs per window (a window also holds its last target)
     full_bytes = kv_report(model.cfg, dtype, seq_len)
     prompts = windows[:greedy_prompts, : seq_len // 2]
@@ -467,15 +480,15 @@ def warn_unquantized(policies: list[KVPolicy | str], seq_len: int, cfg=None, chu
                           stacklevel=3)  # fmt: skip
 
 
-def run_kv_eval(eval_model, policies: list[str], split: str = "test", seq_len: int = 512, max_tokens: int = 8192,
-                chunk: int = 1, dtype: str = "fp16", data_dir=None,
-                dataset: str | None = None) -> list[dict]:  # fmt: skip
+def run_kv_eval(eval_model, policies: list[str], split: str = "test", seq_len: int = 512, max_tokens: int = KV_TOKENS,
+                chunk: int = 1, dtype: str = "fp16", data_dir=None, dataset: str | None = None,
+                over_split: str | None = None) -> list[dict]:  # fmt: skip
     """`kv_quant` records, one per policy, on the checkpoint's own held-out split (or `split` of `dataset`). A policy
     whose residual window holds the whole window (nothing quantized) is said in a warning."""
     if seq_len < MIN_SEQ_LEN:
         raise InputError(f"seq_len={seq_len}: {SEQ_LEN_NEED}")
     warn_unquantized(policies, seq_len, eval_model.model.cfg, chunk, dtype)
-    windows = held_out_windows(eval_model, split, seq_len + 1, max_tokens, data_dir, dataset)
+    windows = held_out_windows(eval_model, split, seq_len + 1, max_tokens, data_dir, dataset, over_split)
     rows = evaluate_policies(eval_model.model, windows, policies, chunk=chunk, dtype=dtype)
     dataset = dataset or eval_model.config.get("data", {}).get("source")
     return [make_record("kv_quant", eval_model, split=split, dataset=dataset, **row) for row in rows]

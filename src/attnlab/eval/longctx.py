@@ -190,6 +190,19 @@ def _needle_summary(trials: list[dict]) -> dict:
     }  # fmt: skip
 
 
+def passkeys(rng: random.Random, key_digits: int, trials: int) -> list[str]:
+    """The trials' passkeys, drawn first from the needle benchmark's seeded rng (its filler offsets follow)."""
+    return [str(rng.randrange(10 ** (key_digits - 1), 10**key_digits)) for _ in range(trials)]
+
+
+def fixed_tokens(tokenizer, key: str, intro: str = INTRO, needle: str = NEEDLE, question: str = QUESTION) -> int:
+    """The tokens a passkey prompt's fixed parts take (intro, needle, question, answer): the least length that can
+    hold it, with no filler at all."""
+    fixed = [intro and tokenizer.encode(intro), tokenizer.encode(" " + needle.format(key=key)),
+             tokenizer.encode("\n" + question), tokenizer.encode(" " + key)]  # fmt: skip
+    return sum(len(part or []) for part in fixed)
+
+
 def run_needle(
     model,
     lengths=None,
@@ -228,7 +241,7 @@ def run_needle(
     else:
         raise InputError(f"filler={filler!r} is not known (use 'sentences' or 'heldout')")
     rng = random.Random(seed)
-    keys = [str(rng.randrange(10 ** (key_digits - 1), 10**key_digits)) for _ in range(trials)]
+    keys = passkeys(rng, key_digits, trials)
     offsets = [rng.randrange(len(filler_ids)) if filler == "heldout" else 0 for _ in range(trials)]
     if tokenizer.decode(tokenizer.encode(" " + keys[0])).strip() != keys[0]:
         raise InputError(f"tokenizer {tokenizer.name!r} cannot spell a passkey ({keys[0]!r} does not round-trip)")
@@ -247,9 +260,7 @@ def run_needle(
                     break
                 results.append(needle_trial(model.model, tokenizer, prompt, key, gain))
             if not results:  # the tokens its fixed parts take (intro, needle, question, answer): the least length
-                fixed = [intro and tokenizer.encode(intro), tokenizer.encode(" " + needle.format(key=keys[0])),
-                         tokenizer.encode("\n" + question), tokenizer.encode(" " + keys[0])]  # fmt: skip
-                needs = sum(len(part or []) for part in fixed)
+                needs = fixed_tokens(tokenizer, keys[0], intro, needle, question)
                 rows.append(make_record("needle", model, status="too_short", needs=needs, **cell))
                 continue
             done += results

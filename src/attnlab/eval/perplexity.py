@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from attnlab.config import PRESSES, DataConfig
 from attnlab.data import prepare
@@ -39,6 +41,9 @@ def press_problem(cfg, key: str, length: int) -> str | None:
             f"with memory.block below {length} so that later blocks read through the press")  # fmt: skip
 
 
+BAR_DELAY = 2.0  # seconds before a perplexity shows its bar of tokens scored (on a terminal; a short one shows none)
+
+
 @torch.no_grad()
 def window_losses(
     model, tokens: np.ndarray, seq_len: int, stride: int | None = None, max_tokens: int | None = None
@@ -46,7 +51,8 @@ def window_losses(
     """[(summed loss in nats, tokens scored)] per window, in order, until max_tokens targets are scored.
 
     Window w reads tokens[b : b + L] (b = w * stride) and predicts tokens[b + 1 : b + L + 1]; it scores only
-    the targets no earlier window scored, so each target counts once.
+    the targets no earlier window scored, so each target counts once. On a terminal, a bar of the tokens scored
+    shows on stderr after BAR_DELAY seconds (a whole split can take minutes).
     """
     stride = stride or seq_len
     if not 1 <= stride <= seq_len:
@@ -56,17 +62,21 @@ def window_losses(
     budget = min(max_tokens or len(tokens), len(tokens) - 1)
     device = next(model.parameters()).device
     results, scored_until, begin = [], 0, 0  # scored_until: index of the last target scored so far
-    while scored_until < budget:
-        length = min(seq_len, len(tokens) - 1 - begin)  # inputs in this window
-        new = begin + length - scored_until  # targets not scored by an earlier window: the window's last `new`
-        take = min(new, budget - scored_until)  # the first `take` of them, within the budget
-        window = torch.from_numpy(tokens[begin : begin + length + 1].astype(np.int64)).to(device)  # (L + 1,)
-        logits, _ = model(window[None, :-1], use_cache=False)  # (1, L, V), true vocabulary only
-        refuse_nan_logits(model, logits, f"on the held-out window of tokens {begin}..{begin + length}")
-        losses = F.cross_entropy(logits[0].float(), window[1:], reduction="none")  # (L,)
-        results.append((losses[length - new : length - new + take].sum().item(), take))
-        scored_until += take
-        begin += stride
+    # (disable=None: the bar shows only when stderr is a terminal)
+    with tqdm(total=budget, desc="perplexity", unit="tok", unit_scale=True, dynamic_ncols=True, delay=BAR_DELAY,
+              disable=None, leave=False, file=sys.stderr) as bar:  # fmt: skip
+        while scored_until < budget:
+            length = min(seq_len, len(tokens) - 1 - begin)  # inputs in this window
+            new = begin + length - scored_until  # targets not scored by an earlier window: the window's last `new`
+            take = min(new, budget - scored_until)  # the first `take` of them, within the budget
+            window = torch.from_numpy(tokens[begin : begin + length + 1].astype(np.int64)).to(device)  # (L + 1,)
+            logits, _ = model(window[None, :-1], use_cache=False)  # (1, L, V), true vocabulary only
+            refuse_nan_logits(model, logits, f"on the held-out window of tokens {begin}..{begin + length}")
+            losses = F.cross_entropy(logits[0].float(), window[1:], reduction="none")  # (L,)
+            results.append((losses[length - new : length - new + take].sum().item(), take))
+            scored_until += take
+            begin += stride
+            bar.update(take)
     return results
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.config_checks import unknown_key_problem
-from attnlab.config_io import read_yaml
+from attnlab.config_io import file_words, read_yaml
 from attnlab.errors import AttnlabWarning, ConfigError, InputError, LengthWarning
 from attnlab.eval.records import distinct_labels, make_record
 from attnlab.eval.scoring import continuation_logprobs, greedy_text
@@ -112,7 +112,12 @@ def load_suite(path: str | Path) -> ProbeSuite:
     if path.is_dir():
         raise ConfigError("a folder, not a probe suite file (give a suite's YAML file, e.g. configs/probes/core.yml)",
                           source=str(path))  # fmt: skip
-    return suite_from_dict(read_yaml(path), source=str(path))  # (not found, a link loop, a FIFO: refused there)
+    data = read_yaml(path)  # (not found, a link loop, a FIFO: refused there)
+    what = file_words(data)
+    if what is not None and what[0] != "probes":  # (not each of its keys said unknown: `seeds`, did you mean cases?)
+        raise ConfigError(f"is {what[1]}, not a probe suite (a suite has cases:, e.g. configs/probes/core.yml)",
+                          source=str(path))  # fmt: skip
+    return suite_from_dict(data, source=str(path))
 
 
 def suite_from_dict(data: Any, source: str = "<dict>") -> ProbeSuite:

@@ -33,7 +33,7 @@ from attnlab.interop.gguf import check_token_count, check_weights, config_from_g
 from attnlab.interop.hf import check_hf_weights, config_from_hf, is_hf_folder, load_hf_folder, read_json
 from attnlab.interop.tokenizer import tokenizer_from_gguf
 from attnlab.model.transformer import Transformer
-from attnlab.paths import data_dirs, in_data_dirs, shown_value
+from attnlab.paths import check_data_dir, data_dirs, in_data_dirs, shown_value
 from attnlab.train.checkpoint import (
     WEIGHTS,
     find_checkpoint,
@@ -92,6 +92,7 @@ def load_reference(
     """`load_model` with the reference's run config and label (attnlab.eval.load_for_eval builds on it)."""
     if not isinstance(ref, (str, os.PathLike)):
         raise InputError(f"the model reference must be a path or a name, got {given(ref)} (give {KINDS})")
+    check_data_dir(data_dir, "data_dir")  # (a typo would look in the default folders without a word, as --data-dir)
     check_weights(weights)
     dtype = check_dtype(dtype)
     kind, where = resolve(ref, data_dir)

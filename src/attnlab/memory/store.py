@@ -22,6 +22,7 @@ import sqlite3
 import sys
 import uuid
 import warnings
+from collections.abc import Iterable
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from attnlab.data.files import LINK_LOOP, broken_link, link_loop
-from attnlab.errors import DataError, InputError, LengthWarning
+from attnlab.errors import DataError, InputError, LengthWarning, check_flags, given
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
 from attnlab.interop.tokenizer import warn_unknown
@@ -93,6 +94,10 @@ class MemoryStore:
     store folder behind."""
 
     def __init__(self, store: str | Path | None = None, create: bool = True):
+        check_flags(create=create)
+        if store is not None and not isinstance(store, str | os.PathLike):
+            raise InputError(f"store must be the path of a memory store's folder (or None), got "
+                             f"{type(store).__name__} {brief(store, 40)}")  # fmt: skip
         self.root = store_dir(store)
         self.index = self.root / "index.sqlite"
         link = broken_link(self.root) or (LINK_LOOP if link_loop(self.root) else None)  # (a loop further up too)
@@ -413,6 +418,15 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
     model at `model_path`, `chunk` tokens at a time, and stores the state as `name`. progress: a bar of the
     tokens read on stderr once the ingest has taken PROGRESS_DELAY seconds (a memory reads its tokens in blocks
     of its recent window, routing each one: a long document takes minutes)."""
+    check_flags(replace=replace, progress=progress)
+    check_store(store)
+    if isinstance(documents, str | bytes | os.PathLike) or not isinstance(documents, Iterable):
+        one = f" (give [{os.fsdecode(documents)!r}])" if isinstance(documents, str | bytes | os.PathLike) else ""
+        raise InputError(f"documents must be a list of paths, got {given(documents)}{one}")
+    documents = list(documents)
+    wrong = next(((i, doc) for i, doc in enumerate(documents) if not isinstance(doc, str | os.PathLike)), None)
+    if wrong is not None:
+        raise InputError(f"documents[{wrong[0]}] is {given(wrong[1])}: documents must be paths (str or Path)")
     check_ingest_options(name, chunk)
     if not replace and store.find(name) is not None:
         raise StoreError(f"a memory named {name!r} exists in {store.root} (pass --replace)")
@@ -477,7 +491,18 @@ MAX_ANSWER_TOKENS = 65_536  # new tokens of one query at most (a memory model is
 def query(store: MemoryStore, name: str, prompt: str, model_path: str | Path | None = None,
           data_dir: str | None = None, **generate_kwargs) -> str:  # fmt: skip
     """The model's continuation of `prompt` read after the memory `name` (a copy of it: the store is only
-    read). model_path: the model to use instead of the one recorded at ingestion (same config required)."""
+    read). model_path: the model to use instead of the one recorded at ingestion (same config required).
+    generate_kwargs: generate's options but those query sets itself (model, cache) and those of a new cache
+    (kv_policy, fused=True): InputError."""
+    check_store(store)
+    options = generate_kwargs  # (fused=False and kv_policy=None change nothing: taken)
+    clashes = {"model": "model" in options, "cache": "cache" in options,
+               "kv_policy": options.get("kv_policy") is not None, "fused": options.get("fused") is True}  # fmt: skip
+    taken = [key for key, clash in clashes.items() if clash]
+    if taken:
+        listed = " and ".join(", ".join(taken).rsplit(", ", 1))
+        raise InputError(f"query reads the memory's state as the cache, with the model it was made with: "
+                         f"{listed} cannot be given (leave {'it' if len(taken) == 1 else 'them'} out)")  # fmt: skip
     entry = store.get(name)
     if not store.path(entry).exists():
         raise StoreError(f"{store.path(entry)}: the state file of memory {name!r} is missing (deleted or moved): "
@@ -507,6 +532,12 @@ def query(store: MemoryStore, name: str, prompt: str, model_path: str | Path | N
         generate_kwargs["max_new_tokens"] = MAX_ANSWER_TOKENS
     out = generate(loaded.model, torch.tensor(ids, device=loaded.device), cache=cache, **generate_kwargs)
     return loaded.tokenizer.decode(out.tolist())
+
+
+def check_store(store) -> None:
+    """InputError unless `store` is a MemoryStore (not the path of its folder)."""
+    if not isinstance(store, MemoryStore):
+        raise InputError(f"store must be a MemoryStore (attnlab.memory.MemoryStore(folder)), got {given(store)}")
 
 
 def _load_registered(store: MemoryStore, name: str, entry: Entry, model) -> tuple:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab import quant
-from attnlab.errors import AttnlabWarning, InputError
+from attnlab.errors import AttnlabWarning, InputError, given
 from attnlab.kernels.cpu import ops as cpp_ops
 from attnlab.kernels.cpu import qmatmul
 
@@ -296,6 +296,7 @@ def quantize_weights(model: nn.Module, fmt: str) -> nn.Module:
     `fmt` they stay as they are (float layers still get quantized), and in another format the call is refused
     (InputError naming them; requantizing would round their rounded values, not the float weights: load the model
     again in float and quantize that)."""
+    check_model("quantize_weights", model)
     check_format(fmt, quant.BLOCK)
     refuse_other_formats(model, fmt)
     embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
@@ -324,6 +325,13 @@ def quantize_weights(model: nn.Module, fmt: str) -> nn.Module:
     return model.eval()
 
 
+def check_model(function: str, model) -> None:
+    """InputError unless `model` is a torch module (a model loaded or built: not its path, nor load_model's tuple)."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"{function} takes a model (an attnlab Transformer or any torch module), got {given(model)} "
+                         "(attnlab.load_model(ref) returns (cfg, model, tokenizer): give its model)")  # fmt: skip
+
+
 def refuse_other_formats(model: nn.Module, fmt: str) -> None:
     """InputError when `model` holds layers quantized to another format than `fmt` (quantize_weights)."""
     held: dict[str, list[str]] = {}
@@ -346,6 +354,7 @@ def set_activations(model: nn.Module, activations: str) -> nn.Module:
     exact; layers held in fp16 keep float32). Returns the model. InputError for another value, or for "q8" on a
     model without a layer whose weights have codes (nothing would change: quantize its weights first, or load them
     natively)."""
+    check_model("set_activations", model)
     if activations not in ACTIVATIONS:
         raise InputError(f"activations={activations!r} is not known (use {' or '.join(ACTIVATIONS)})")
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]

@@ -16,6 +16,7 @@ from attnlab.cache.base import ModelCache
 from attnlab.cache.codecs import KVValueError
 from attnlab.config import ModelConfig
 from attnlab.errors import InputError, given
+from attnlab.model.footprint import device_memory, parameters_memory_problem
 from attnlab.ops.mlp import build_mlp
 from attnlab.ops.norm import RMSNorm
 from attnlab.ops.rope import Rotary
@@ -228,12 +229,52 @@ def build_model(cfg: ModelConfig, device=None, dtype=None, init: bool = True) ->
     if not isinstance(cfg, ModelConfig):
         raise InputError(f"build_model takes a ModelConfig, got {given(cfg)} (attnlab.load_config(path) reads a YAML "
                          "file, attnlab.model_config_from_dict(data) a dict)")  # fmt: skip
+    built = torch.empty(0).device  # where Transformer(cfg) allocates (meta in `with torch.device("meta")`: nothing)
+    targets = [(built, torch.get_default_dtype())] if built.type != "meta" else []
+    if device is not None and torch.device(device).type == "cuda":  # (moved there once built)
+        targets.append((torch.device(device), dtype or torch.get_default_dtype()))
+    for target, target_dtype in targets:
+        problem = _memory_problem(cfg, target_dtype, target)
+        if problem:
+            raise InputError(problem)
     if init:
         model = Transformer(cfg)
     else:
         with _init_skipped():
             model = Transformer(cfg)
     return model.to(device=device, dtype=dtype) if (device or dtype) else model
+
+
+# A model whose parameter_floor is below 1/FAR of the memory fits: its parameters are not counted (parameter_parts'
+# build on the meta device imports torch._dynamo the first time, some 3 s). Attention holds about half the MLP's
+# parameters in the usual shapes, far from 7 times them.
+FAR = 8
+
+
+def _memory_problem(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why a model of `cfg` cannot be allocated in `dtype` on `device`, or None (parameters_memory_problem)."""
+    have, _ = device_memory(device)
+    if have is None or parameter_floor(cfg) * dtype.itemsize * FAR < have:
+        return None
+    return parameters_memory_problem(parameter_parts(cfg), dtype, device)
+
+
+def parameter_floor(cfg: ModelConfig) -> int:
+    """Parameters a model of `cfg` holds at least, counted without building anything: its embedding (and untied LM
+    head), each block's MLP and norms, the final norm (not the attention's, which depend on its kind)."""
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * cfg.hidden_dim
+    table = cfg.padded_vocab_size * cfg.d_model
+    return table * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * (mlp + 2 * cfg.d_model) + cfg.d_model
+
+
+def parameter_parts(cfg: ModelConfig) -> dict[str, int]:
+    """The parameters of a model of `cfg`, by where they are ("in the embedding": count): one block is built on the
+    meta device (nothing allocated, a few ms) and counted n_layers times, as every block holds the same shapes."""
+    with torch.device("meta"), _init_skipped():
+        block = sum(p.numel() for p in Block(cfg, 0).parameters())
+    table = cfg.padded_vocab_size * cfg.d_model
+    return {"in the embedding": table, "in the LM head": 0 if cfg.tie_embeddings else table,
+            f"in {cfg.n_layers:,} blocks and the final norm": cfg.n_layers * block + cfg.d_model}  # fmt: skip
 
 
 # torch.nn.init's in-place initialisers (nn.Linear's and nn.Embedding's own, and Transformer.reset_parameters's)

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from attnlab.model.footprint import _size, ram_bytes
+
 FLOATS_PER_WIDTH = 16  # per token, per d_model x layer (measured ~35)
 FLOATS_PER_VOCAB = 2  # per token, per vocabulary entry (measured ~3)
 BYTES_PER_FLOAT = 4
@@ -20,9 +22,8 @@ BYTES_PER_FLOAT = 4
 
 def machine_memory() -> int | None:
     """Bytes of RAM plus those of every visible CUDA device; None when the system does not say."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
+    total = ram_bytes()
+    if total is None:
         return None
     if torch.cuda.is_available():
         total += sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
@@ -40,12 +41,6 @@ def step_memory_floor(d_model: int, n_layers: int, batch_size: int, seq_len: int
     """A floor on the bytes one training step of one process holds (vocab_size None: not counted)."""
     tokens = max(1, batch_size // _processes()) * seq_len
     return tokens * (FLOATS_PER_WIDTH * d_model * n_layers + FLOATS_PER_VOCAB * (vocab_size or 0)) * BYTES_PER_FLOAT
-
-
-def _size(n: int) -> str:
-    if n >= 2**30:
-        return f"{n / 2**30:,.0f} GiB"
-    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
 
 def batch_memory_problem(model_cfg, train_cfg, vocab_size: int | None = None) -> str | None:

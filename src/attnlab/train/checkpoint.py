@@ -58,9 +58,14 @@ from attnlab.train.checkpoint_files import (  # noqa: F401 (names callers import
     CheckpointError,
     _fix,
     _misfits,
+    _pointer_fix,
     _read_json,
+    _stale_pointer,
     _unreadable_weights,
+    pointer_text,
+    read_pointer,
     recorded_checksums,
+    step_folders,
     verify_file,
     weights_dtype_problem,
 )
@@ -252,63 +257,6 @@ def _kept(root: Path) -> str:
     return f"the previous checkpoint (step {previous['step']}) is intact" if previous else "nothing was kept"
 
 
-def read_pointer(root: Path, tag: str) -> dict | None:
-    """{"dir": "step-N", "step": N} of a tag (last, best), or None when there is none."""
-    path = Path(root) / f"{tag}.json"
-    if not path.exists():
-        return None
-    try:
-        pointer = loads_json(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e}); {_pointer_fix(Path(root), tag)}") from None
-    if not (
-        isinstance(pointer, dict)
-        and isinstance(pointer.get("dir"), str)
-        and re.fullmatch(r"step-\d+", pointer["dir"])
-        and isinstance(pointer.get("step"), int)
-    ):
-        raise CheckpointError(f'{path}: not a checkpoint pointer (expected {{"dir": "step-N", "step": N}}); '
-                              f"{_pointer_fix(Path(root), tag)}")  # fmt: skip
-    if pointer["step"] != int(pointer["dir"][5:]):  # a resume (and a dry run) would count from the wrong step
-        fix = _pointer_fix(Path(root), tag, Path(root) / pointer["dir"])
-        raise CheckpointError(f"{path}: names {pointer['dir']} but step {pointer['step']} (a checkpoint folder holds "
-                              f"the step in its name); {fix}")  # fmt: skip
-    return pointer
-
-
-def _pointer_fix(root: Path, tag: str, named: Path | None = None) -> str:
-    """How to mend a damaged pointer (last.json, best.json), each way saying what it does: deleting last.json does not
-    start the run over while checkpoint folders are there (find_checkpoint refuses that), and deleting best.json
-    alone lets the run resume from its last checkpoint, forgetting which one scored best. named: the checkpoint
-    folder the pointer names (its step wrong), proposed when it is there."""
-    folders = step_folders(root)
-    name = f"{tag}.json"
-    if tag == "last":
-        if not folders:
-            return f"delete it and the run starts over (no checkpoint folder is left in {root})"
-        target = named if named in folders else folders[-1]
-        return (f"write {pointer_text(target)} into {name} to resume from step {int(target.name[5:])}, or delete "
-                f"{root} to start over")  # fmt: skip
-    try:
-        last = read_pointer(root, "last")
-    except CheckpointError:
-        last = None
-    if last is None or not (root / last["dir"]).is_dir():  # (a resume refuses the last pointer first)
-        return f"write the pointer of the run's best checkpoint into {name}, or delete it alone"
-    earlier = [f for f in folders if int(f.name[5:]) < last["step"]]  # the best is the last or an earlier one
-    best, why = (named, "") if named in folders else (None, "")
-    if best is None and not earlier:
-        best, why = root / last["dir"], "its last checkpoint: no earlier one is kept"
-    elif best is None and len(earlier) == 1:
-        best, why = earlier[0], "the one checkpoint kept before its last"
-    resumes = f"delete {name} alone: the run resumes from step {last['step']}"
-    if best is None:
-        return f"write the pointer of the run's best checkpoint into {name}, or {resumes} and no longer keeps its best"
-    said = f" ({best.name}, {why})" if why else ""
-    kept = "" if best.name == last["dir"] else f" and no longer keeps {best.name} as its best"
-    return f"write {pointer_text(best)} into {name}{said}, or {resumes}{kept}"
-
-
 def _remove_unreferenced(root: Path) -> None:
     """Deletes the checkpoints no pointer names: folders named as the trainer names them (step-NNNNNN) that hold
     only a checkpoint's files. Anything else in checkpoints/ (a user's step-000100-keep, a model converted into
@@ -364,31 +312,6 @@ def checkpoints_folder_problem(run_dir: Path) -> str | None:
     what = "a file" if root.exists() else f"a link to {os.readlink(root)}, which is missing"
     return (f"{root}: is {what}, where the run keeps its checkpoints (a folder): move it away (or delete it) and run "
             "again")  # fmt: skip
-
-
-def step_folders(root: Path) -> list[Path]:
-    """The checkpoint folders (step-N holding model.safetensors) under a run's checkpoints/, oldest step first."""
-    if not Path(root).is_dir():
-        return []
-    found = [p for p in Path(root).iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / WEIGHTS).is_file()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
-def pointer_text(folder: Path) -> str:
-    return json.dumps({"dir": folder.name, "step": int(folder.name[5:])})
-
-
-def _stale_pointer(root: Path, tag: str, missing: str) -> str:
-    """The one line for a pointer (last.json, best.json) naming a checkpoint folder that is not there."""
-    pointer = root / f"{tag}.json"
-    folders = step_folders(root)
-    if not folders:
-        return (f"{pointer} names {missing}, which is missing (an incomplete or corrupt checkpoint), and no other "
-                f"checkpoint is in {root}; delete {root} to train the run again from the start")  # fmt: skip
-    newest = folders[-1]
-    resumes = f" (the run then resumes from step {int(newest.name[5:])})" if tag == "last" else ""
-    return (f"{pointer} names {missing}, which is missing (a stale pointer), but {newest.name} is intact: write "
-            f"{pointer_text(newest)} into {pointer.name} to use it{resumes}, or give {newest} itself")  # fmt: skip
 
 
 def load_weights(
@@ -532,10 +455,41 @@ class LoadedCheckpoint:
         return self.folder.parent.parent if self.folder.parent.name == "checkpoints" else self.folder
 
 
+RACE_TRIES = 3  # reads of a training run's checkpoint that its trainer may replace as it is read
+
+
 def load_checkpoint(path: str | Path, tag: str = "best") -> LoadedCheckpoint:
     """The model and config of a run directory (its `tag` checkpoint, else its last) or of a checkpoint
-    folder, the model in eval mode. Reads safetensors and JSON only, each file checked against its sha256."""
-    path = Path(path)
+    folder, the model in eval mode. Reads safetensors and JSON only, each file checked against its sha256. A run
+    that is training moves its pointers on and deletes the checkpoint they named: a read that fails while the
+    pointers changed reads the new checkpoint (its warnings are said only for the read that is kept)."""
+    path, tries = Path(path), 1
+    while True:  # (a read that fails while the pointers changed reads again, RACE_TRIES times in all)
+        before, error = _pointed(path), None
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                loaded = _load_checkpoint(path, tag)
+            except CheckpointError as e:
+                error = e
+        if error is None or tries == RACE_TRIES or before is None or _pointed(path) == before:
+            for item in said:
+                warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
+            if error is not None:
+                raise error
+            return loaded
+        tries += 1
+
+
+def _pointed(path: Path) -> tuple | None:
+    """The folders a run's last.json and best.json name now; None when they cannot be read (or it is no run)."""
+    try:
+        return tuple((read_pointer(path / "checkpoints", tag) or {}).get("dir") for tag in ("last", "best"))
+    except (CheckpointError, OSError):
+        return None
+
+
+def _load_checkpoint(path: Path, tag: str) -> LoadedCheckpoint:
     root = path / "checkpoints"
     folders = step_folders(root)
     if folders and not any((root / f"{name}.json").exists() for name in ("best", "last")):  # both pointers gone

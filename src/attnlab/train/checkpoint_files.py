@@ -33,7 +33,24 @@ class CheckpointError(DataError):
 def _fix(folder: Path) -> str:
     if folder.parent.name == "checkpoints":
         return f"restore it from a copy, or delete {folder.parent} to train the run again from the start"
+    made = _conversion_of(folder)
+    if made == "run":  # <out>/<manifest>/<target>/converted: the run made it and makes it again
+        return f"delete {folder}: `attnlab run` converts the target's init_from model into it again"
+    if made == "convert":
+        return f"restore it from a copy, or delete {folder} and make it again with `attnlab convert`"
     return "restore it from a copy of the checkpoint"
+
+
+def _conversion_of(folder: Path) -> str | None:
+    """ "run" for a conversion `attnlab run` made for a target (its config.json holds the recipe), "convert" for one
+    `attnlab convert` made, None for another folder or a config.json that cannot be read (said apart)."""
+    try:
+        config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(config, dict) or "conversion" not in config:
+        return None
+    return "run" if "recipe" in config else "convert"
 
 
 def recorded_checksums(folder: Path) -> dict | None:
@@ -177,3 +194,88 @@ def weights_dtype_problem(path: Path, model: torch.nn.Module) -> str | None:
     saved = DTYPE_NAMES.get(state[first].dtype, state[first].dtype)
     return (f"{first}{more} {'are' if more else 'is'} {wrong[first]}, where the run saves {saved} (the file was "
             "re-saved in another dtype)")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- pointers (last.json, best.json)
+
+
+def read_pointer(root: Path, tag: str) -> dict | None:
+    """{"dir": "step-N", "step": N} of a tag (last, best), or None when there is none."""
+    path = Path(root) / f"{tag}.json"
+    if not path.exists():
+        return None
+    try:
+        pointer = loads_json(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); {_pointer_fix(Path(root), tag)}") from None
+    if not (
+        isinstance(pointer, dict)
+        and isinstance(pointer.get("dir"), str)
+        and re.fullmatch(r"step-\d+", pointer["dir"])
+        and isinstance(pointer.get("step"), int)
+    ):
+        raise CheckpointError(f'{path}: not a checkpoint pointer (expected {{"dir": "step-N", "step": N}}); '
+                              f"{_pointer_fix(Path(root), tag)}")  # fmt: skip
+    if pointer["step"] != int(pointer["dir"][5:]):  # a resume (and a dry run) would count from the wrong step
+        fix = _pointer_fix(Path(root), tag, Path(root) / pointer["dir"])
+        raise CheckpointError(f"{path}: names {pointer['dir']} but step {pointer['step']} (a checkpoint folder holds "
+                              f"the step in its name); {fix}")  # fmt: skip
+    return pointer
+
+
+def _pointer_fix(root: Path, tag: str, named: Path | None = None) -> str:
+    """How to mend a damaged pointer (last.json, best.json), each way saying what it does: deleting last.json does not
+    start the run over while checkpoint folders are there (find_checkpoint refuses that), and deleting best.json
+    alone lets the run resume from its last checkpoint, forgetting which one scored best. named: the checkpoint
+    folder the pointer names (its step wrong), proposed when it is there."""
+    folders = step_folders(root)
+    name = f"{tag}.json"
+    if tag == "last":
+        if not folders:
+            return f"delete it and the run starts over (no checkpoint folder is left in {root})"
+        target = named if named in folders else folders[-1]
+        return (f"write {pointer_text(target)} into {name} to resume from step {int(target.name[5:])}, or delete "
+                f"{root} to start over")  # fmt: skip
+    try:
+        last = read_pointer(root, "last")
+    except CheckpointError:
+        last = None
+    if last is None or not (root / last["dir"]).is_dir():  # (a resume refuses the last pointer first)
+        return f"write the pointer of the run's best checkpoint into {name}, or delete it alone"
+    earlier = [f for f in folders if int(f.name[5:]) < last["step"]]  # the best is the last or an earlier one
+    best, why = (named, "") if named in folders else (None, "")
+    if best is None and not earlier:
+        best, why = root / last["dir"], "its last checkpoint: no earlier one is kept"
+    elif best is None and len(earlier) == 1:
+        best, why = earlier[0], "the one checkpoint kept before its last"
+    resumes = f"delete {name} alone: the run resumes from step {last['step']}"
+    if best is None:
+        return f"write the pointer of the run's best checkpoint into {name}, or {resumes} and no longer keeps its best"
+    said = f" ({best.name}, {why})" if why else ""
+    kept = "" if best.name == last["dir"] else f" and no longer keeps {best.name} as its best"
+    return f"write {pointer_text(best)} into {name}{said}, or {resumes}{kept}"
+
+
+def step_folders(root: Path) -> list[Path]:
+    """The checkpoint folders (step-N holding model.safetensors) under a run's checkpoints/, oldest step first."""
+    if not Path(root).is_dir():
+        return []
+    found = [p for p in Path(root).iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / WEIGHTS).is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def pointer_text(folder: Path) -> str:
+    return json.dumps({"dir": folder.name, "step": int(folder.name[5:])})
+
+
+def _stale_pointer(root: Path, tag: str, missing: str) -> str:
+    """The one line for a pointer (last.json, best.json) naming a checkpoint folder that is not there."""
+    pointer = root / f"{tag}.json"
+    folders = step_folders(root)
+    if not folders:
+        return (f"{pointer} names {missing}, which is missing (an incomplete or corrupt checkpoint), and no other "
+                f"checkpoint is in {root}; delete {root} to train the run again from the start")  # fmt: skip
+    newest = folders[-1]
+    resumes = f" (the run then resumes from step {int(newest.name[5:])})" if tag == "last" else ""
+    return (f"{pointer} names {missing}, which is missing (a stale pointer), but {newest.name} is intact: write "
+            f"{pointer_text(newest)} into {pointer.name} to use it{resumes}, or give {newest} itself")  # fmt: skip

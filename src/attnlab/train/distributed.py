@@ -47,6 +47,9 @@ def dist_env(join: bool = False) -> DistInfo:
     empty, or 1), unless `join` (FSDP joins a group even of one process: then checked as any)."""
     text = os.environ.get("WORLD_SIZE", "").strip()
     world_size = _whole("WORLD_SIZE", 1) if text else 1
+    if world_size == 1 and not join and os.environ.get("RANK", "").strip() and _whole("RANK", 0) != 0:  # (stale)
+        raise ConfigError(f"$RANK={os.environ['RANK'].strip()} but $WORLD_SIZE is {text or 'unset'}: one process is "
+                          "rank 0 (a variable left from another job? unset $RANK, or start with torchrun)")  # fmt: skip
     if world_size == 1 and not join:
         return DistInfo()
     missing = [f"${name}" for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name, "").strip()]

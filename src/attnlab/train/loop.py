@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from attnlab.accounting import kv_report, param_counts
-from attnlab.config import DataConfig, ModelConfig, TrainConfig, untrainable_memory_problem
+from attnlab.config import DataConfig, ModelConfig, TrainConfig, idle_memory_problem, untrainable_memory_problem
 from attnlab.data import BatchSampler
 from attnlab.data.files import atomic_write_text
 from attnlab.data.prepared_meta import _redo
@@ -166,7 +166,8 @@ def train(
     run_dir = Path(run_dir)
     device = pick_device(train_cfg.device)
     check_launch(train_cfg)
-    problem = untrainable_memory_problem(model_cfg.memory.kind)
+    problem = untrainable_memory_problem(model_cfg.memory.kind) or idle_memory_problem(train_cfg.seq_len,
+                                                                                     model_cfg.memory)  # fmt: skip
     if problem:
         raise ConfigError(problem)
     sharded = train_cfg.distributed == "fsdp"
