@@ -119,6 +119,7 @@ class ModelCache:
     layers: list[LayerCache]
     seen: int = 0
     batch: int | None = None
+    made_for: tuple | None = None  # (layers, attention config, memory config) of the model that made it
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

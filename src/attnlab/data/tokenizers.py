@@ -30,6 +30,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from attnlab.config import names_model
+from attnlab.config_checks import MAX_WIDTH
 from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed, sha256_file
 from attnlab.errors import ConfigError, DataError, InputError, VocabularyWarning, given
 from attnlab.jsonio import loads_json
@@ -343,9 +344,10 @@ def check_tokenizer_name(name: str) -> None:
     model reference (config.names_model: that model's tokenizer)."""
     if name in ("gpt2", "byte", "word", "char") or names_model(name):
         return
-    if name.startswith("bpe:") and name[4:].isdigit():
-        if int(name[4:]) < 257:
-            raise ConfigError(f"tokenizer={name!r}: a byte-level BPE needs at least 257 ids (256 bytes + {EOT})")
+    if name.startswith("bpe:") and name[4:].isascii() and name[4:].isdigit():
+        if not 257 <= int(name[4:]) <= MAX_WIDTH:  # (far more: the trainer aborts the process, out of memory)
+            raise ConfigError(f"tokenizer={name!r}: a byte-level BPE needs 257 to {MAX_WIDTH:,} ids (256 bytes + "
+                              f"{EOT})")  # fmt: skip
         return
     raise ConfigError(f"tokenizer={name!r} is not known (use {', '.join(KINDS)}, or a model reference)")
 

@@ -37,7 +37,15 @@ from attnlab.generate import generate, prefill
 from attnlab.interop.tokenizer import warn_unknown
 from attnlab.jsonio import loads_json
 from attnlab.memory.state import DamagedStateError, MemoryStateError, load_state, require_memory, save_state
-from attnlab.paths import blocking_file, brief, cache_dir, name_problem, nearest_existing, run_folder_problem
+from attnlab.paths import (
+    blocking_file,
+    brief,
+    cache_dir,
+    first_repeat,
+    name_problem,
+    nearest_existing,
+    run_folder_problem,
+)
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS states (
     name TEXT PRIMARY KEY, file TEXT NOT NULL, documents TEXT NOT NULL, tokens INTEGER NOT NULL,
@@ -427,6 +435,12 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
     wrong = next(((i, doc) for i, doc in enumerate(documents) if not isinstance(doc, str | os.PathLike)), None)
     if wrong is not None:
         raise InputError(f"documents[{wrong[0]}] is {given(wrong[1])}: documents must be paths (str or Path)")
+    real = [os.path.realpath(doc) for doc in documents]  # (doc.txt and ./doc.txt are one document)
+    twice = first_repeat(real)
+    if twice is not None:
+        shown = ", ".join(repr(os.fsdecode(doc)) for doc, path in zip(documents, real, strict=True) if path == twice)
+        raise InputError(f"documents: {twice} is given twice (as {shown}): give each document once (a memory "
+                         "would read it twice)")  # fmt: skip
     check_ingest_options(name, chunk)
     if not replace and store.find(name) is not None:
         raise StoreError(f"a memory named {name!r} exists in {store.root} (pass --replace)")

@@ -125,7 +125,7 @@ class Transformer(nn.Module):
         dtype = dtype or self.norm.weight.dtype  # not the embedding's: a quantized one holds bytes (model.qlinear)
         device = device or self.norm.weight.device
         layers = [b.attn.new_cache(batch, max_len, dtype, device, policy, memory) for b in self.blocks]
-        return ModelCache(layers, batch=batch)
+        return ModelCache(layers, batch=batch, made_for=(self.cfg.n_layers, self.cfg.attention, memory))
 
     def forward(
         self, tokens: torch.Tensor, cache: ModelCache | None = None, use_cache: bool | None = None
@@ -143,6 +143,12 @@ class Transformer(nn.Module):
                 raise InputError(f"cache must be a ModelCache (from model.new_cache or a forward's result), got "
                                  f"{type(cache).__name__}")  # fmt: skip
         batch, length = tokens.shape
+        made = cache.made_for if cache is not None else None
+        if made is not None and made != (self.cfg.n_layers, self.cfg.attention, self.cfg.memory):
+            raise InputError(f"the cache was made by another model ({made[0]} layers, attention {made[1].kind}, "
+                             f"memory {made[2].kind}; this one: {self.cfg.n_layers}, {self.cfg.attention.kind}, "
+                             f"{self.cfg.memory.kind}, or other options): give one of its own, "
+                             f"model.new_cache({batch})")  # fmt: skip
         if cache is not None and cache.batch is not None and cache.batch != batch:
             raise InputError(f"the cache was made for batch {cache.batch} but tokens has batch {batch} (shape "
                              f"{tuple(tokens.shape)}): give a cache made for it, model.new_cache({batch})")  # fmt: skip
