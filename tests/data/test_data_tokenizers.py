@@ -114,7 +114,7 @@ def test_bpe_round_trip_and_save_load(tmp_path):
 
 
 def test_tokenizer_name_errors(tmp_path):
-    with pytest.raises(ConfigError, match="at least 257"):
+    with pytest.raises(ConfigError, match="needs 257 to 16,777,216 ids"):
         train_tokenizer("bpe:100", CORPUS)
     with pytest.raises(ConfigError, match="not known"):
         load_tokenizer("sentencepiece")
