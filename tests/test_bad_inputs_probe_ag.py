@@ -168,7 +168,6 @@ def test_ag10_kv_policies_show_a_bar_of_the_windows_on_a_terminal(monkeypatch):
     model = attnlab.build_model(attnlab.ModelConfig(vocab_size=11, d_model=64, n_layers=1, n_heads=2, max_seq_len=32))
     stderr = Terminal()
     monkeypatch.setattr(sys, "stderr", stderr)
-    monkeypatch.setattr(kvquant, "BAR_DELAY", 0.0)
     monkeypatch.setattr(perplexity, "BAR_DELAY", 0.0)
     windows = (torch.arange(6 * 17) % 11).view(6, 17)
     kvquant.evaluate_policies(model, windows, ["k=q8_0"], greedy_tokens=0)

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from attnlab.accounting import kv_report
 from attnlab.cache.codecs import KIVI_FORMATS, SHORT, Codec, KVPolicy, as_policy
 from attnlab.data.sources import NAMED_SOURCES, SPLITS, WIKITEXT, local_path
 from attnlab.errors import AttnlabWarning, ConfigError, DataError, InputError, LengthWarning, UnquantizedWarning
-from attnlab.eval.perplexity import BAR_DELAY, eval_tokens
+from attnlab.eval.perplexity import eval_tokens, score_bar
 from attnlab.eval.records import make_record
 from attnlab.eval.stats import bootstrap_ci
 from attnlab.generate import generate, refuse_nan_logits
@@ -163,9 +161,7 @@ def evaluate_policies(
     totals = [Totals() for _ in policies]
     full_nll = 0.0
     model.eval()
-    # (a bar of the windows scored, on a terminal only, after BAR_DELAY s)
-    bar = tqdm(total=windows.shape[0], desc="kv policies", unit="window", dynamic_ncols=True, delay=BAR_DELAY,
-               disable=None, leave=False, file=sys.stderr)  # fmt: skip
+    bar = score_bar(windows.shape[0], "kv policies", "window")
     for start in range(0, windows.shape[0], batch):
         ids = windows[start : start + batch]
         inputs, targets = ids[:, :-1], ids[:, 1:]

@@ -44,6 +44,13 @@ def press_problem(cfg, key: str, length: int) -> str | None:
 BAR_DELAY = 2.0  # seconds before a perplexity shows its bar of tokens scored (on a terminal; a short one shows none)
 
 
+def score_bar(total: int, desc: str, unit: str) -> tqdm:
+    """A scorer's bar on stderr, shown only on a terminal (disable=None) and after BAR_DELAY seconds, cleared at
+    its end: the perplexity's tokens, the KV policies' windows."""
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "tok", dynamic_ncols=True, delay=BAR_DELAY,
+                disable=None, leave=False, file=sys.stderr)  # fmt: skip
+
+
 @torch.no_grad()
 def window_losses(
     model, tokens: np.ndarray, seq_len: int, stride: int | None = None, max_tokens: int | None = None
@@ -62,9 +69,7 @@ def window_losses(
     budget = min(max_tokens or len(tokens), len(tokens) - 1)
     device = next(model.parameters()).device
     results, scored_until, begin = [], 0, 0  # scored_until: index of the last target scored so far
-    # (disable=None: the bar shows only when stderr is a terminal)
-    with tqdm(total=budget, desc="perplexity", unit="tok", unit_scale=True, dynamic_ncols=True, delay=BAR_DELAY,
-              disable=None, leave=False, file=sys.stderr) as bar:  # fmt: skip
+    with score_bar(budget, "perplexity", "tok") as bar:
         while scored_until < budget:
             length = min(seq_len, len(tokens) - 1 - begin)  # inputs in this window
             new = begin + length - scored_until  # targets not scored by an earlier window: the window's last `new`
