@@ -66,6 +66,7 @@ from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT
 from attnlab.config_io import FILE_KINDS, load_config, other_config
 from attnlab.data.files import link_loop, special_file
+from attnlab.data.stream import TextStream
 from attnlab.entry import Terminated, interrupted
 from attnlab.envcheck import kernels_env_problem, thread_env_problem
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, InputError, LengthWarning
@@ -302,12 +303,11 @@ def cmd_generate(args) -> int:
     if problem:
         raise InputError(problem)
     warn_unknown(tokenizer, args.prompt, "the prompt")  # a char or word vocabulary reads what it lacks as <unk>
-    out = generate(model.model, torch.tensor(prompt), max_new_tokens=new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv_policy=args.kv_policy,
-                   stop_tokens=tokenizer.stop_ids)  # fmt: skip
-    ids = out.tolist()
-    ids = ids[:-1] if ids and ids[-1] in tokenizer.stop_ids else ids  # the end-of-text token is not text
-    print(tokenizer.decode(ids) if args.chat else args.prompt + tokenizer.decode(ids))
+    lead = "" if args.chat else args.prompt
+    with TextStream(tokenizer, skip=tokenizer.stop_ids, lead=lead) as stream:  # as it comes: an interrupt keeps it
+        generate(model.model, torch.tensor(prompt), max_new_tokens=new_tokens, temperature=args.temperature,
+                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, kv_policy=args.kv_policy,
+                 stop_tokens=tokenizer.stop_ids, callback=stream)  # fmt: skip
     return 0
 
 

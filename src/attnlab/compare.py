@@ -102,12 +102,24 @@ def check_run_file(path: Path) -> None:
                         "delete the run's folder and train it again")  # fmt: skip
 
 
+def config_fix(run_dir: Path) -> str:
+    """What to do about a run's config.json that cannot be read: copy the one its newest checkpoint keeps (the same
+    config: a run resumes only with its own); only with no checkpoint's readable, delete the folder and train again."""
+    for folder in sorted(Path(run_dir).glob("checkpoints/step-*"), reverse=True):
+        try:
+            read_json_object(folder / "config.json")
+        except DataError:
+            continue
+        return f"copy {folder / 'config.json'} over it (each checkpoint keeps the run's config)"
+    return "delete the run's folder, and train it again"
+
+
 def _config(path: Path) -> str | None:
     """A run's resolved config (config.json) without train.seed, as a string: equal for the seeds of one config.
     None when the run has none (seeds without one are taken as one config)."""
     if not path.is_file():
         return None
-    config = read_json_object(path, "delete the run's folder, or train it again")
+    config = read_json_object(path, config_fix(path.parent))
     train = config.get("train")
     if isinstance(train, dict):
         config = {**config, "train": {k: v for k, v in train.items() if k != "seed"}}

@@ -283,6 +283,9 @@ def load_config(path: str | Path) -> ModelConfig:
     what = file_words(data)
     if what is not None:  # (not each of its keys said unknown, with a model key's name for each)
         raise ConfigError(f"is {what[1]}, not a model config", source=str(path))
+    if data == {}:  # (not four "missing key" lines for a file that holds nothing)
+        raise ConfigError("holds no keys (an empty file, or {}): a model config gives at least vocab_size, d_model, "
+                          "n_layers and n_heads", source=str(path))  # fmt: skip
     return model_config_from_dict(data, source=str(path))
 
 
@@ -327,7 +330,7 @@ def other_config(path: str | Path) -> str | None:
         data = read_yaml(path)
     except ConfigError:
         return None
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or not data:  # (nothing in it: load_config says so)
         return None
     if "model_type" in data:
         return "a Hugging Face model's config (model_type), not an attnlab model config"

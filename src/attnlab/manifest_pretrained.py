@@ -8,8 +8,9 @@ from typing import Any
 
 from attnlab.config import checkpointing_memory_problem, names_model, source_problem, untrainable_memory_problem
 from attnlab.config_checks import MAX_INT, unknown_key_problem
-from attnlab.errors import DataError
+from attnlab.errors import DataError, InputError
 from attnlab.interop.convert import LOW_RANK, PAIR_RULES, calibration_minimum
+from attnlab.interop.references import resolve
 from attnlab.paths import brief, in_data_dirs
 
 SOURCE_DEFAULTS = {"model": None, "rope_pairs": "energy", "calibration_tokens": 4096, "calibrate_on": "wikitext2-nounk"}
@@ -137,8 +138,9 @@ def conversion_options_problem(init_from: Any, attention: Any, where: str) -> st
 
 def missing_model_problems(problems: list[str], sources: dict, targets, data_dir) -> list[str]:
     """`problems` with, first, each init_from naming a local model file or folder that is nowhere (as given, nor in
-    a data directory), in place of what those targets' model sections may not change (a pretrained model's keys
-    "fixed by its weights", which presume a model): `init_from: a/p1` meant a target, or a path was mistyped.
+    a data directory) or is no model (a text file, a folder of data), in place of what those targets' model sections
+    may not change (a pretrained model's keys "fixed by its weights", which presume a model): `init_from: a/p1`
+    meant a target, or a path was mistyped.
     sources: each target's pretrained source (None: trained from scratch); data_dir: --data-dir or None."""
     missing: dict[str, str] = {}
     for source in sources.values():
@@ -146,9 +148,14 @@ def missing_model_problems(problems: list[str], sources: dict, targets, data_dir
         if not isinstance(ref, str) or not names_model(ref) or ref.startswith("hf:") or source["target"] in missing:
             continue  # (a plain name is said not to be a model reference: plain_name_problem)
         try:
-            if in_data_dirs(ref, data_dir).exists():
-                continue
+            found = in_data_dirs(ref, data_dir).exists()
         except DataError:  # $ATTNLAB_DATA names a file: said where the model is loaded
+            continue
+        if found:
+            try:  # (a file or folder that is no model: README.md, a data folder)
+                resolve(ref, data_dir)
+            except (DataError, InputError) as e:
+                missing[source["target"]] = f"targets.{source['target']}.init_from: {' '.join(str(e).split())}"
             continue
         head, _, tail = ref.partition("/")
         hint = (f" (init_from: {head} starts from target {head}'s last phase; no other phase of a target can be "

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from attnlab.compare import OWN_START, check_outputs, check_run_file, markdown_now
+from attnlab.compare import OWN_START, check_outputs, check_run_file, config_fix, markdown_now
 from attnlab.config import idle_memory_problem, names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import broken_link, lock_file_problem, read_json_object
@@ -111,10 +111,9 @@ def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) ->
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         return None
-    fix = "delete the run's folder to train it again"
     for path in (summary_path, run_dir / "config.json"):
         check_run_file(path)  # (a link to /dev/zero would be read without end)
-    saved = read_json_object(run_dir / "config.json", fix)
+    saved = read_json_object(run_dir / "config.json", config_fix(run_dir))
     try:
         summary = read_json_object(summary_path)
     except DataError as e:  # the checkpoints are all there: the summary alone is rewritten by the run
@@ -312,7 +311,7 @@ def dry_run_status(
             return f"would be refused: {problem}"
         meta = prepared_meta(spec.data, data_dir)
         if (run_dir / "summary.json").exists():
-            saved = read_json_object(run_dir / "config.json", "delete the run's folder to train it again")
+            saved = read_json_object(run_dir / "config.json", config_fix(run_dir))
             config = _dry_config(spec, converted, meta, saved)
             check = _data_problem(spec.data, meta, data_dir, run_dir, finished=True)
             summary = finished_run(run_dir, config, data_problem=check) if config is not None else None

@@ -239,7 +239,7 @@ class MemoryStore:
     def rows(self) -> list[tuple[object, Entry | None, str | None]]:
         """Every row of the index, by name: (name, its entry, None), or (name, None, what is wrong) for a row changed
         by hand into values the store never writes (ls marks it, rm removes it, the rest refuse it)."""
-        if not self.index.exists():
+        if not self.index.exists() or self._never_written():
             return []
         out = []
         for row in self._run(f"SELECT {', '.join(COLUMNS)} FROM states ORDER BY name"):
@@ -247,6 +247,14 @@ class MemoryStore:
             out.append((row[0], None, problem) if problem else (row[0], Entry(row[0], row[1], loads_json(row[2]),
                                                                                 *row[3:]), None))  # fmt: skip
         return out
+
+    def _never_written(self) -> bool:
+        """An empty index file beside no state file: the store of an ingest stopped before the index's first write
+        (a file-size limit, a full disk), which holds no memory yet; the next ingest writes the index."""
+        try:
+            return self.index.stat().st_size == 0 and not any((self.root / "states").glob("*.safetensors"))
+        except OSError:
+            return False
 
     def entries(self) -> list[Entry]:
         entries = []
