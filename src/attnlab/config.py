@@ -400,21 +400,25 @@ class DataConfig:
         problem = source_problem(self.source, "data.source")
         if problem:
             problems.append(problem)
-        tok = self.tokenizer
-        bpe = tok.startswith("bpe:") and tok[4:].isascii() and tok[4:].isdigit()
-        if tok not in ("gpt2", "word", "byte", "char") and not bpe and not names_model(tok):
-            problems.append(
-                f"data.tokenizer={tok!r} is not known (use gpt2, bpe:<vocab size>, word, byte, char, or a model "
-                "reference: a .gguf file, a model folder path with a /, or hf:ORG/NAME)"
-            )
-        elif bpe and not 257 <= int(tok[4:]) <= MAX_WIDTH:
-            problems.append(
-                f"data.tokenizer={tok!r}: a byte-level BPE needs 257 to {MAX_WIDTH:,} ids (256 bytes + end-of-text)"
-            )
+        problem = tokenizer_name_problem(self.tokenizer, "data.tokenizer")
+        if problem:
+            problems.append(problem)
         if self.max_tokens is not None and self.max_tokens < 1:
             problems.append(f"data.max_tokens={self.max_tokens} must be >= 1 (or leave it out: no cap)")
         if problems:
             raise ConfigError(problems)
+
+
+def tokenizer_name_problem(name: str, what: str = "tokenizer") -> str | None:
+    """Why `name` is not a tokenizer (gpt2, bpe:<N> with 257 <= N <= MAX_WIDTH, word, byte, char, or a model
+    reference: names_model), or None. A BPE of far more ids would abort the process in the trainer, out of memory."""
+    bpe = name.startswith("bpe:") and name[4:].isascii() and name[4:].isdigit()
+    if name not in ("gpt2", "word", "byte", "char") and not bpe and not names_model(name):
+        return (f"{what}={name!r} is not known (use gpt2, bpe:<vocab size>, word, byte, char, or a model reference: a "
+                ".gguf file, a model folder path with a /, or hf:ORG/NAME)")  # fmt: skip
+    if bpe and not 257 <= int(name[4:]) <= MAX_WIDTH:
+        return f"{what}={name!r}: a byte-level BPE needs 257 to {MAX_WIDTH:,} ids (256 bytes + end-of-text)"
+    return None
 
 
 def trainable_string_problem(value: str) -> str:

@@ -29,8 +29,7 @@ from tiktoken.load import load_tiktoken_bpe
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from attnlab.config import names_model
-from attnlab.config_checks import MAX_WIDTH
+from attnlab.config import names_model, tokenizer_name_problem
 from attnlab.data.files import atomic_write_bytes, atomic_write_text, downloads_allowed, sha256_file
 from attnlab.errors import ConfigError, DataError, InputError, VocabularyWarning, given
 from attnlab.jsonio import loads_json
@@ -340,16 +339,10 @@ def _by_rank(ranks: dict[bytes, int]) -> list[tuple[bytes, int]]:
 
 
 def check_tokenizer_name(name: str) -> None:
-    """ConfigError unless `name` is gpt2, byte, word, char, bpe:<N> with N >= 257 (256 bytes + end-of-text), or a
-    model reference (config.names_model: that model's tokenizer)."""
-    if name in ("gpt2", "byte", "word", "char") or names_model(name):
-        return
-    if name.startswith("bpe:") and name[4:].isascii() and name[4:].isdigit():
-        if not 257 <= int(name[4:]) <= MAX_WIDTH:  # (far more: the trainer aborts the process, out of memory)
-            raise ConfigError(f"tokenizer={name!r}: a byte-level BPE needs 257 to {MAX_WIDTH:,} ids (256 bytes + "
-                              f"{EOT})")  # fmt: skip
-        return
-    raise ConfigError(f"tokenizer={name!r} is not known (use {', '.join(KINDS)}, or a model reference)")
+    """ConfigError unless `name` is a tokenizer's name (config.tokenizer_name_problem)."""
+    problem = tokenizer_name_problem(name)
+    if problem:
+        raise ConfigError(problem)
 
 
 def bpe_vocab_size(name: str) -> int:
