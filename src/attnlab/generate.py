@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from attnlab.cache.base import ModelCache
-from attnlab.cache.codecs import KVPolicy, as_policy
+from attnlab.cache.codecs import KVPolicy, as_policy, policy_type_problem
 from attnlab.config_memory import PRESSES
 from attnlab.errors import AttnlabWarning, InputError, LengthWarning, UnquantizedWarning, given
 from attnlab.model.fused import FusedDecode, fused_problem
@@ -308,9 +308,9 @@ def check_options(kv_policy=None, stop_tokens=(), fused=None, compile=None, call
     as 'false' or a 0 would read as another choice) and callback (None or callable) that cannot be used; returns the
     stop token ids."""
     problems, stop = [], []
-    if kv_policy is not None and not isinstance(kv_policy, (str, KVPolicy)):
-        problems.append(f"kv_policy={kv_policy!r} must be a policy string such as 'k=q8_0,v=q4_0' (formats per cached "
-                        "tensor, resid=...) or an attnlab.cache.codecs.KVPolicy")  # fmt: skip
+    problem = policy_type_problem(kv_policy, "kv_policy=")
+    if problem:
+        problems.append(problem)
     values = None
     if isinstance(stop_tokens, torch.Tensor) and stop_tokens.dim() <= 1:
         values = stop_tokens.reshape(-1).tolist()

@@ -230,12 +230,21 @@ class KVPolicy:
             )
 
 
+def policy_type_problem(policy, what: str = "kv policy ") -> str | None:
+    """Why `policy` is not a KV policy as given (None, a policy string or a KVPolicy), or None: a list, dict or
+    number would fail in the parser on .strip. `what` is said before the value ("kv policy ", "kv_policy=")."""
+    if policy is None or isinstance(policy, str | KVPolicy):
+        return None
+    return (f"{what}{policy!r} must be a policy string such as 'k=q8_0,v=q4_0' (formats per cached tensor, "
+            "resid=...) or an attnlab.cache.codecs.KVPolicy")  # fmt: skip
+
+
 def as_policy(policy: KVPolicy | str | None) -> KVPolicy | None:
+    problem = policy_type_problem(policy)
+    if problem:
+        raise InputError(problem)
     if policy is None or isinstance(policy, KVPolicy):
         return policy
-    if not isinstance(policy, str):  # (a list, dict or number: parse would fail on .strip)
-        raise InputError(f"kv policy {policy!r} must be a policy string such as 'k=q8_0,v=q4_0' (formats per cached "
-                         "tensor, resid=...) or an attnlab.cache.codecs.KVPolicy")  # fmt: skip
     parsed = KVPolicy.parse(policy)
     return parsed if parsed.formats or parsed.resid else None
 
