@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import errno
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -66,10 +67,26 @@ class Parser(argparse.ArgumentParser):
             kwargs["action"] = Once
         return super().add_argument(*names, **kwargs)
 
+    given: list[str] = []  # the command line parse_args read, for error()'s hint
+
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)}{self._dash_hint(message)} (see {self.prog} --help)\n")
+
+    def _dash_hint(self, message: str) -> str:
+        """For a command that takes a prompt, given a word starting with '-' that is none of its options: argparse
+        read it as options (`-hello` as -h with 'ello'); the way to give it as the prompt."""
+        if not any(action.dest == "prompt" for action in self._actions):
+            return ""
+        options = {name for action in self._actions for name in action.option_strings}
+        words = Parser.given[: Parser.given.index("--")] if "--" in Parser.given else Parser.given
+        # (-5 is a number, which argparse reads as a value)
+        dashed = [w for w in words if w.startswith("-") and w.split("=")[0] not in options and not w[1:2].isdigit()]
+        if not dashed or not ("prompt" in message or "ignored explicit argument" in message):
+            return ""  # (a mistyped option beside a prompt: "unrecognized arguments" says it)
+        return f"; to give {dashed[0]!r} as the prompt, put -- before it ({self.prog} ... -- {shlex.quote(dashed[0])})"
 
     def parse_args(self, args=None, namespace=None):
+        Parser.given = list(sys.argv[1:] if args is None else args)
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             self._command_of(parsed).error(f"unrecognized arguments: {' '.join(extras)}")

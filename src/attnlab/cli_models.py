@@ -25,6 +25,7 @@ from attnlab.data.files import (
     remove_stale_temporaries,
     temporary_stem,
 )
+from attnlab.data.prepared import SPLIT_ALIASES
 from attnlab.data.sources import NAMED_SOURCES, local_path, open_source
 from attnlab.errors import AttnlabError, AttnlabWarning, ConfigError, DataError, InputError, LengthWarning
 from attnlab.eval import append_records, load_for_eval, make_record
@@ -154,6 +155,10 @@ def check_writable(flag: str, path: Path) -> None:
 def check_kv_dataset(args) -> None:
     """--dataset and --split checked before the model is loaded: a reference without a held-out split of its own
     (a .gguf file, a Hugging Face model) needs --dataset; a dataset without split files has train and val only."""
+    args.split = SPLIT_ALIASES.get(args.split, args.split)  # (valid, validation: as a benchmark manifest takes them)
+    if args.split not in ("train", "val", "test"):
+        raise InputError(f"--split {args.split!r} is not a split: give train, val or test (valid and validation "
+                         "mean val)")  # fmt: skip
     if args.dataset is None:
         kind, _ = resolve(args.checkpoint, args.data_dir)
         if kind != "run":

@@ -472,6 +472,8 @@ def generate(
     tokens = tokens[None] if single else tokens
     if tokens.dim() != 2:
         raise InputError(f"prompt has shape {tuple(tokens.shape)}: give a list of ids or a (T,) or (B, T) tensor")
+    if tokens.shape[0] == 0:  # (a (0, T) tensor: no sequence to continue)
+        raise InputError(f"prompt has shape {tuple(tokens.shape)}, a batch of no prompts: give at least one")
     if tokens.shape[1] == 0:
         raise InputError("prompt is empty: give at least one token (text to continue, or a BOS token)")
     low, high = int(tokens.min()), int(tokens.max())

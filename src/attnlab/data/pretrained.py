@@ -48,6 +48,8 @@ class PretrainedTokenizer(Tokenizer):
         add_bos: bool,
         chat_template: str | None = None,
         template_source: str | None = None,
+        source: str | None = None,
+        eos_fix: str = "",
     ):
         self.name = name
         self.template_source = template_source or name  # the file the chat template was read from, for its errors
@@ -60,7 +62,8 @@ class PretrainedTokenizer(Tokenizer):
         end_of_text = [tokenizer.token_to_id(t) for t in END_OF_TEXT_TOKENS if tokenizer.token_to_id(t) is not None]
         eot_id = end_of_text[0] if end_of_text else self.eos_id
         if eot_id is None:
-            raise DataError(f"{name}: the tokenizer has no end-of-sequence token (needed between documents)")
+            raise DataError(f"{source or name}: the tokenizer has no end-of-sequence token, which attnlab needs to end "
+                            f"a generation and to separate documents{'; ' + eos_fix if eos_fix else ''}")  # fmt: skip
         self.eot_id = eot_id
         self._stop_ids = tuple(dict.fromkeys([*eos_ids, eot_id]))
         self.add_bos = bool(add_bos and bos_id is not None)
@@ -292,6 +295,7 @@ def tokenizer_from_folder(folder: str | Path, name: str | None = None) -> Pretra
     return PretrainedTokenizer(
         name or f"hf:{folder.name}", tokenizer, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
         chat_template=template, template_source=str(template_source if template is not None else folder),
+        source=str(folder), eos_fix="name it as eos_token in tokenizer_config.json",
     )  # fmt: skip
 
 

@@ -17,7 +17,8 @@ from attnlab.accounting import kv_report
 from attnlab.cache.codecs import FLOAT_FORMATS
 from attnlab.config import source_problem
 from attnlab.config_checks import unknown_key_problem
-from attnlab.eval.kvquant import split_problem
+from attnlab.data.prepared import SPLIT_ALIASES
+from attnlab.eval.kvquant import OWN_SPLITS, split_problem
 from attnlab.eval.multiple_choice import TASKS
 from attnlab.paths import brief
 from attnlab.train.budget import _size, machine_memory
@@ -257,6 +258,22 @@ def unmeasured_problem(name: str, records: list[dict], label: str) -> str | None
         least += f", more than its max_seq_len {limit}: this model cannot hold the needle's prompt"
     return (f"benchmarks.{name}: lengths {_join(lengths)} are too short on {label} to hold the prompt (the needle, "
             f"its question and the answer) with any filler (nothing would be measured): give {least}")  # fmt: skip
+
+
+def own_split_problem(name: str, full: dict, data: dict | None, label: str) -> str | None:
+    """Why a benchmark reading the checkpoint's own held-out data (no `dataset` parameter) would find no `split` in
+    it, told from its saved data config (`data`, None for a model without one: said when it loads): a source
+    without split files of its own is divided into train and val unless data.test_fraction > 0."""
+    split = SPLIT_ALIASES.get(full.get("split"), full.get("split"))
+    if split != "test" or full.get("dataset") is not None or not data:
+        return None
+    source, fraction = data.get("source"), data.get("test_fraction") or 0
+    if source in OWN_SPLITS or fraction:
+        return None
+    return (f"benchmarks.{name}.split='test': {label}'s data ({source}) has no 'test' split (a source without split "
+            "files of its own is divided into train and val unless data.test_fraction > 0): score one it has "
+            f"(benchmarks.{name}.split='val'), or name a dataset (benchmarks.{name}.dataset=wikitext2-raw)"
+            )  # fmt: skip
 
 
 def status_notes(records: list[dict]) -> list[str]:

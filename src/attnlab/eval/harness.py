@@ -46,6 +46,7 @@ from attnlab.eval.bench_checks import (
     context_note,
     context_problem,
     needle_length_problem,
+    own_split_problem,
     parameter_problems,
     prompt_problem,
     unmeasured_problem,
@@ -60,7 +61,7 @@ from attnlab.eval.perplexity import run_perplexity
 from attnlab.eval.probes import load_suite, probe_records, run_probes
 from attnlab.eval.records import append_records, read_records, records_folder
 from attnlab.eval.speed import run_latency, run_memory
-from attnlab.interop.references import model_config_of, tokenizer_of
+from attnlab.interop.references import data_config_of, model_config_of, tokenizer_of
 from attnlab.paths import brief, check_name, first_repeat, in_data_dirs
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -499,13 +500,14 @@ def config_problems(checkpoint: str, label: str, benchmarks, data_dir) -> list[s
     """What the benchmarks [(name, parameters given)] would refuse on the checkpoint, told from its config alone
     (lengths past its context, caches past this machine's memory, a prompt too long): bench says them before it
     loads any model, and validate says them of the checkpoints it finds."""
-    cfg = model_config_of(checkpoint, data_dir)
+    cfg, data = model_config_of(checkpoint, data_dir), data_config_of(checkpoint, data_dir)
     return [
         p
         for name, params in benchmarks
         for full in ({**parameters(name), **params},)
         for p in (
             context_problem(name, full, cfg, label, given=params),
+            own_split_problem(name, full, data, label) if "split" in full else None,
             cache_memory_problem(name, full, cfg, label),
             prompt_problem(name, full, cfg, label, lambda ref=checkpoint: tokenizer_of(ref, data_dir)),
             needle_length_problem(name, full, cfg, label, lambda ref=checkpoint: tokenizer_of(ref, data_dir)),

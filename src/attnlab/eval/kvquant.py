@@ -299,9 +299,15 @@ def tune(
     fitting, unread, idle = [], [], []  # (assignment, resid, bytes per token at seq_len, policy) under the budget
     plain = kv_report(model.cfg, dtype, seq_len)["kv_bytes"]
     last = last_chunk_start(seq_len, chunk)
-    for resid in resids:
+    full_seen = False  # the full-precision cache is one candidate, whatever its residual window: kept once, resid 0
+    for each_resid in resids:
         for combo in itertools.product(*(options[t] for t in tensors)):
             assignment = dict(zip(tensors, combo, strict=True))
+            resid = each_resid
+            if all(fmt == dtype for fmt in combo):
+                if full_seen:
+                    continue
+                full_seen, resid = True, 0
             text = policy_text(assignment, resid)
             held = kv_report(model.cfg, dtype, seq_len, text)["kv_bytes"]
             if held / seq_len > budget:

@@ -344,11 +344,29 @@ def task_given_first(task: str, model: str) -> Task:
     order = f"the order is `attnlab mc TASK CHECKPOINT`, the task first: attnlab mc {model} {task}"
     if model in TASKS:
         raise InputError(f"{model} is a task and {task} is not one: {order}")
+    tasks = ", ".join(TASKS)
     if task.startswith("hf:") or Path(task).exists():
-        tasks = ", ".join(TASKS)
+        from attnlab.interop.references import resolve
+
+        try:  # (a text or data file, an empty folder, before a model: no model, so the order is not what is wrong)
+            None if task.startswith("hf:") or not _names_a_model(model) else resolve(task)
+        except (DataError, InputError):
+            raise InputError(f"{task} is not a task: name one ({tasks}); a task's items are read from the data "
+                             f"directory, or from a file given as --file: attnlab mc TASK {model} --file "
+                             f"{task}") from None  # fmt: skip
         raise InputError(f"{task} is a model, not a task ({tasks}): the order is `attnlab mc TASK CHECKPOINT`, the "
                          "task first")  # fmt: skip
     return get_task(task)
+
+
+def _names_a_model(ref: str) -> bool:
+    """Whether `ref` names a model (a Hub reference, or a file or folder resolve takes)."""
+    from attnlab.interop.references import resolve
+
+    try:
+        return ref.startswith("hf:") or bool(resolve(ref))
+    except (DataError, InputError):
+        return False
 
 
 def load_items(task: str, path: str | Path | None = None, data_dir: str | Path | None = None) -> list[Item]:

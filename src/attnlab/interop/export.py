@@ -124,9 +124,12 @@ def hf_architecture(cfg, model: Transformer | None = None) -> str:
         problems.append(f"mlp={cfg.mlp!r} cannot be exported as a Llama model: its MLP is SwiGLU (silu-gated)")
     scaling = cfg.rope_scaling
     if scaling is not None and scaling.type not in HF_ROPE_TYPES:
+        made = (" (a bottleneck or decoupled conversion keeps the source's RoPE on the pairs it chose: their "
+                "frequencies, one per pair, are this rope_scaling)" if cfg.attention.kind in ("bottleneck", "decoupled")
+                else "")  # fmt: skip
         problems.append(
-            f"rope_scaling.type={scaling.type!r} cannot be exported: transformers' Llama has no RoPE type with one "
-            f"factor per channel pair (exported: {', '.join(HF_ROPE_TYPES)})"
+            f"rope_scaling.type={scaling.type!r}{made} cannot be exported: transformers' Llama has no RoPE type with "
+            f"one factor per channel pair (exported: {', '.join(HF_ROPE_TYPES)}); such a model runs in attnlab only"
         )
     if not problems and model is not None:
         names = BLOCK_PARAMETERS + (("attn.qkv.bias",) if getattr(cfg.attention, "qkv_bias", False) else ())

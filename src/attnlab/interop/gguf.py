@@ -148,6 +148,8 @@ def check_tensor_ranges(path: Path, tensors, data_start: int, alignment: int) ->
             raise DataError(f"{path}: tensor {tensor.name!r} starts at data offset {offset}, not a multiple of the "
                             f"file's alignment {alignment}: the tensor table is damaged (llama.cpp refuses it "
                             "too); download or convert the file again")  # fmt: skip
+        if tensor.n_bytes == 0:  # no bytes to overlap (a shape of 0 rows: said by the metadata's checks)
+            continue
         if previous is not None and tensor.data_offset < previous.data_offset + previous.n_bytes:
             end = previous.data_offset - data_start + previous.n_bytes
             raise DataError(f"{path}: tensors {previous.name!r} (data bytes {previous.data_offset - data_start} .. "
@@ -169,6 +171,9 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
         raise ConfigError(f"general.architecture={arch!r} is not supported yet: {REFUSED_ARCHITECTURES[arch]}", source)
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        if arch is None:  # (not "None is not supported": the key is not there)
+            raise ConfigError(f"metadata general.architecture is missing (supported: {supported}): the file is not "
+                              "a model's GGUF, or its metadata was damaged", source=source)  # fmt: skip
         raise ConfigError(f"general.architecture={arch!r} is not supported (supported: {supported})", source=source)
 
     def key(name: str, default: Any = None) -> Any:

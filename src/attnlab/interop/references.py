@@ -243,18 +243,31 @@ def _checkpoint_folder(where: Path) -> Path:
     return checkpoint.path if checkpoint else where
 
 
+def data_config_of(ref: str | Path, data_dir: str | Path | None = None) -> dict | None:
+    """The data config an attnlab run or checkpoint `ref` was trained on (its saved config's `data`), or None (a
+    GGUF or Hugging Face model, a conversion: none saved)."""
+    kind, where = resolve(ref, data_dir)
+    if kind != "run":
+        return None
+    data = _saved_config(where)[1].get("data")
+    return data if isinstance(data, dict) else None
+
+
+def _saved_config(where: Path) -> tuple[Path, dict]:
+    """(the config.json, its config) of an attnlab run (its best checkpoint's, else its last's) or checkpoint."""
+    checkpoint = (
+        find_checkpoint(where, "best") or find_checkpoint(where, "last") if (where / "checkpoints").is_dir() else None
+    )
+    config_path = (checkpoint.path if checkpoint else where) / "config.json"
+    return config_path, checkpoint.config if checkpoint else read_json(config_path)
+
+
 def _config_at(ref: str | Path, kind: str, where: Path) -> ModelConfig:
     """model_config_of of a resolved reference (kind, where: resolve's)."""
     if kind == "gguf":
         return config_from_gguf(open_gguf(where))
     if kind == "run":
-        checkpoint = (
-            find_checkpoint(where, "best") or find_checkpoint(where, "last")
-            if (where / "checkpoints").is_dir()
-            else None
-        )
-        config_path = (checkpoint.path if checkpoint else where) / "config.json"
-        config = checkpoint.config if checkpoint else read_json(config_path)
+        config_path, config = _saved_config(where)
         check_run_checkpoint(config_path.parent, config)
         return model_config_from_dict(config.get("model"), source=str(config_path), saved=True)
     config_path = where / "config.json"

@@ -199,6 +199,8 @@ def tokenizer_from_gguf(meta: dict, source: str = "gguf", name: str | None = Non
         name or f"gguf:{Path(source).name}", tokenizer, bos_id=bos_id, eos_ids=[] if eos_id is None else [eos_id],
         add_bos=add_bos, chat_template=meta.get("tokenizer.chat_template"),
         template_source=f"{source} (tokenizer.chat_template)" if meta.get("tokenizer.chat_template") else source,
+        source=source, eos_fix=f"tokenizer.ggml.eos_token_id is not set: set it (gguf-set-metadata {source} "
+        "tokenizer.ggml.eos_token_id ID)",
     )  # fmt: skip
 
 

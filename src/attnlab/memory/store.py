@@ -425,6 +425,16 @@ def too_large(*docs: Path) -> str:
             "part (head -c 100M FILE > part.txt), or parts of it as separate memories (--name)")  # fmt: skip
 
 
+def _file_identity(doc) -> tuple | str:
+    """What makes two names one file: its device and inode (a hard link is the file it links), else, for a name
+    that cannot be read (refused below, naming it), its resolved path."""
+    try:
+        found = os.stat(doc)
+    except (OSError, ValueError):
+        return os.path.realpath(doc)
+    return (found.st_dev, found.st_ino)
+
+
 PROGRESS_DELAY = 2.0  # seconds before an ingest shows its progress bar (a short one shows none)
 
 
@@ -443,11 +453,12 @@ def ingest(store: MemoryStore, model_path: str | Path, documents: list[str | Pat
     wrong = next(((i, doc) for i, doc in enumerate(documents) if not isinstance(doc, str | os.PathLike)), None)
     if wrong is not None:
         raise InputError(f"documents[{wrong[0]}] is {given(wrong[1])}: documents must be paths (str or Path)")
-    real = [os.path.realpath(doc) for doc in documents]  # (doc.txt and ./doc.txt are one document)
-    twice = first_repeat(real)
+    same = [_file_identity(doc) for doc in documents]  # (doc.txt, ./doc.txt, a link to it: one document)
+    twice = first_repeat(same)
     if twice is not None:
-        shown = ", ".join(repr(os.fsdecode(doc)) for doc, path in zip(documents, real, strict=True) if path == twice)
-        raise InputError(f"documents: {twice} is given twice (as {shown}): give each document once (a memory "
+        shown = ", ".join(repr(os.fsdecode(doc)) for doc, key in zip(documents, same, strict=True) if key == twice)
+        first = os.path.realpath(documents[same.index(twice)])
+        raise InputError(f"documents: {first} is given twice (as {shown}): give each document once (a memory "
                          "would read it twice)")  # fmt: skip
     check_ingest_options(name, chunk)
     if not replace and store.find(name) is not None:
