@@ -91,6 +91,16 @@ def tiny_run(tmp_path_factory) -> Path:
     return train_tiny_run(tmp_path_factory.mktemp("tiny"), PROBE_MODEL, steps=4)
 
 
+@pytest.fixture(scope="module")
+def streaming_run(tmp_path_factory) -> Path:
+    """A tiny trained run with a streaming memory (PROBE_MODEL, 16-token window, 2 sinks; char tokenizer, 2 steps):
+    the probes' model for `memory ingest` and a memory streaming past max_seq_len."""
+    from helpers import train_tiny_run
+
+    memory = {"kind": "streaming", "recent_window": 16, "sink_tokens": 2}
+    return train_tiny_run(tmp_path_factory.mktemp("memrun"), {**PROBE_MODEL, "memory": memory}, steps=2)
+
+
 @pytest.fixture(autouse=True)
 def lm_eval_defaults_indexed_once():
     """lm-eval indexes its own ~15,000 task files (about 14 s) each time a TaskManager includes them; those files

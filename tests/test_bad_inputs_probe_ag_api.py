@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROBE_MODEL, refused, snapshot, tiny_config, tiny_model, train_tiny_run
+from helpers import PROBE_MODEL, refused, snapshot, tiny_config, tiny_model
 
 import attnlab
 import attnlab.data
@@ -25,9 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 
 @pytest.fixture(scope="module")
-def memory_run(tmp_path_factory) -> Path:
-    memory = {"kind": "streaming", "recent_window": 16, "sink_tokens": 2}
-    return train_tiny_run(tmp_path_factory.mktemp("memrun"), {**PROBE_MODEL, "memory": memory}, steps=2)
+def memory_run(streaming_run) -> Path:
+    return streaming_run
 
 
 @pytest.fixture(scope="module")

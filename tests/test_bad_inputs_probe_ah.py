@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROBE_MODEL, refused, snapshot, train_tiny_run
+from helpers import refused, snapshot
 
 import attnlab
 import attnlab.data
@@ -22,9 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 
 @pytest.fixture(scope="module")
-def memory_run(tmp_path_factory) -> Path:
-    memory = {"kind": "streaming", "recent_window": 16, "sink_tokens": 2}
-    return train_tiny_run(tmp_path_factory.mktemp("memrun"), {**PROBE_MODEL, "memory": memory}, steps=2)
+def memory_run(streaming_run) -> Path:
+    return streaming_run
 
 
 def test_ah2_ingest_refuses_a_document_given_twice_touching_nothing(memory_run, tmp_path, monkeypatch):

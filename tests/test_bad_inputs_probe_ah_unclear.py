@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest, run_limited, train_tiny_run
+from helpers import dry_run, fails, hat_text, probe_manifest, run_limited
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import attnlab.cli
@@ -73,9 +73,8 @@ def test_ah1_a_stream_keeps_the_spaces_a_piece_decoded_alone_loses():
 
 
 @pytest.fixture(scope="module")
-def memory_run(tmp_path_factory) -> Path:
-    memory = {"kind": "streaming", "recent_window": 16, "sink_tokens": 2}
-    return train_tiny_run(tmp_path_factory.mktemp("memrun"), {**PROBE_MODEL, "memory": memory}, steps=2)
+def memory_run(streaming_run) -> Path:
+    return streaming_run
 
 
 def test_ah1_an_interrupted_generation_keeps_the_text_it_made(memory_run, capsys, monkeypatch):

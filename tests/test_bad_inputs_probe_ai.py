@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import PROBE_MODEL, fails, train_tiny_run
+from helpers import fails
 
 import attnlab
 import attnlab.memory
@@ -30,14 +30,13 @@ pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 
 @pytest.fixture(scope="module")
-def memory_run(tmp_path_factory) -> Path:
-    memory = {"kind": "streaming", "recent_window": 16, "sink_tokens": 2}
-    return train_tiny_run(tmp_path_factory.mktemp("memrun"), {**PROBE_MODEL, "memory": memory}, steps=2)
+def memory_run(streaming_run) -> Path:
+    return streaming_run
 
 
 @pytest.fixture(scope="module")
-def plain_run(tmp_path_factory) -> Path:
-    return train_tiny_run(tmp_path_factory.mktemp("plainrun"), PROBE_MODEL, steps=2)
+def plain_run(tiny_run) -> Path:
+    return tiny_run
 
 
 def test_ai1_ingest_refuses_a_document_given_again_through_a_hard_link(memory_run, tmp_path):
