@@ -86,8 +86,14 @@ def test_impossible_figures_are_refused_naming_the_record(records, tmp_path, cap
     write(tmp_path / "r", rows)
     assert fails(capsys, ["report", str(tmp_path / "r")], f"record {number} ({benchmark}, tiny/seed0): {fragment}")
     assert not (tmp_path / "r" / "report.md").exists()
-    for name in ("loss", "ppl") if benchmark == "perplexity" else (field,):  # (its loss and perplexity together)
-        rows[number - 1][name] = float("nan")  # a diverged model's figure is no impossible one: shown as such
+    row = rows[number - 1]
+    if benchmark == "memory":  # bytes of tensors are never NaN, whatever the model does (probe AJ1)
+        row[field] = float("nan")
+        (tmp_path / "r" / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert fails(capsys, ["report", str(tmp_path / "r")], f"field '{field}' is NaN, which is impossible")
+        return
+    nan = float("nan")  # a diverged model's figures (its windows', so its loss, perplexity and intervals): shown
+    row.update(loss=nan, ppl=nan, loss_ci=[nan, nan], ppl_ci=[nan, nan], window_loss=[nan] * len(row["window_loss"]))
     (tmp_path / "r" / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert build_report(tmp_path / "r")["markdown"].exists()
 
@@ -98,6 +104,7 @@ def test_figures_no_plot_can_show_are_one_warning_line_and_a_note(records, tmp_p
         if r["benchmark"] == "perplexity":
             r["loss"], r["ppl"] = 709.0, 1e308  # each inside its interval (else refused as contradictory)
             r["loss_ci"], r["ppl_ci"] = [709.0, 709.0], [1e308, 1e308]
+            r["window_loss"] = [709.0 * n for n in r["window_tokens"]]  # (the windows' loss, as the loss says)
     write(tmp_path / "r", rows)
     assert main(["report", str(tmp_path / "r")]) == 0
     err = capsys.readouterr().err.strip().splitlines()

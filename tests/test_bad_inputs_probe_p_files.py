@@ -126,6 +126,9 @@ def test_figures_a_record_writes_rounded_still_agree(tmp_path):
 
     rounded = {"benchmark": "perplexity", "model": "m", "kind": "mha", "split": "val", "tokens": 64, "loss": 4.2,
                "loss_ci": [4.1, 4.3], "ppl": 66.7, "ppl_ci": [60.3, 73.7]}  # fmt: skip
-    diverged = {**perplexity_record(), "model": "d", "loss": float("nan"), "ppl": float("nan")}
+    from attnlab.eval.perplexity import summarize_losses
+
+    nan_windows = [(float("nan"), 6), (float("nan"), 8), (12.0, 5)]  # NaN windows: a NaN loss, interval and ppl
+    diverged = {**perplexity_record(), "model": "d", **summarize_losses(nan_windows)}
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (rounded, diverged)))
     assert build_report(tmp_path)["markdown"].is_file()

@@ -190,7 +190,7 @@ def finished_copy(tiny_run, tmp_path) -> Path:
 
 SUMMARY_EDITS = {
     "NaN loss beside a finite ppl": ({"val_loss": float("nan")}, "field 'val_loss' is nan, which a run never "
-                                     "writes (training stops when its loss turns NaN)"),
+                                     "writes (training stops when its loss is not finite)"),
     "a ppl not exp(loss)": ({"val_ppl": 2.0}, "field 'val_ppl' is 2.0, which is impossible (it is exp(val_loss) = "),
     "a loss below 0": ({"val_loss": -1.0, "val_ppl": 0.36787944117144233}, "field 'val_loss' is -1.0, which is "
                        "impossible (it is >= 0)"),
@@ -205,7 +205,10 @@ def test_v3_compare_refuses_a_summary_whose_figures_contradict_each_other(finish
     edit, *said = SUMMARY_EDITS[case]
     summary.write_text(json.dumps({**json.loads(summary.read_text()), **edit}))
     line = fails(capsys, ["compare", str(finished_copy), "--out", str(tmp_path / "cmp")], f"{summary}: ", *said)
-    assert line.endswith("it was changed by hand; delete the run's folder, or train it again"), line
+    assert line.endswith(
+        "it was changed by hand; delete summary.json alone and `attnlab run` the manifest again: it "
+        "writes the summary again from the run's last checkpoint"
+    ), line
     assert not (tmp_path / "cmp").exists()
 
 

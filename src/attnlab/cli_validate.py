@@ -82,7 +82,9 @@ def cmd_validate(args) -> int:
             problems = error.problems
             what = other_config(path) if kind == "model" else None
             if what is not None:  # one line for a file that is something else, not each model key it lacks
-                problems = [f"{what}: {VALIDATE_TAKES} (for this model: attnlab info {Path(path).parent})"]
+                model = what.startswith(("an attnlab run", "a Hugging Face", "a GGUF"))  # (a model's own file)
+                model = f" (for this model: attnlab info {Path(path).parent})" if model else ""
+                problems = [f"{what}: {VALIDATE_TAKES}{model}"]
             for problem in problems:
                 print(f"{path}: {problem}", file=sys.stderr)
             status = 2

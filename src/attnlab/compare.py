@@ -11,6 +11,7 @@ config (train.seed apart): targets of the same name from different manifests, or
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import math
@@ -31,7 +32,7 @@ from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.plots import plot_val_loss
 from attnlab.eval.records import distinct_labels, exponential_problem, range_problem
 from attnlab.output_record import changed_output, record_line
-from attnlab.paths import cache_folder_problem, is_run_folder
+from attnlab.paths import SUMMARY_STATUS, brief, cache_folder_problem, is_run_folder
 
 SEED_DIR = re.compile(r"seed(\d+)")
 WHERE = "give the folder `attnlab run --out` wrote for a manifest, e.g. runs/quickstart"
@@ -136,11 +137,43 @@ def _mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if spread else None)
 
 
+def summary_problem(summary: dict, saved: dict, config: dict, checkpoint) -> str | None:
+    """What in a finished run's summary.json disagrees with the run (train() writes it at the last step, when the
+    last checkpoint is saved): its config_hash (of the model config) neither the config's nor that of the run's
+    config.json (as an older attnlab hashed it), its steps not train.steps, or the last checkpoint at another step;
+    None when nothing does. A key the summary lacks is not compared."""
+    said, steps = [], (config.get("train") or {}).get("steps")
+    if "config_hash" in summary:
+        ours = _model_hash(config.get("model"))
+        if summary["config_hash"] not in {ours, _model_hash(saved.get("model") if isinstance(saved, dict) else None)}:
+            said.append(f"config_hash {brief(summary['config_hash'])}, the run's config's {ours!r}")
+    if "steps" in summary and summary["steps"] != steps:
+        said.append(f"steps {brief(summary['steps'])}, the config's train.steps {steps}")
+    if checkpoint is not None and checkpoint.step != summary.get("steps", steps):
+        said.append(f"its last checkpoint is at step {checkpoint.step}")
+    return "; ".join(said) or None
+
+
+def _model_hash(model) -> str | None:
+    """ModelConfig.config_hash of a saved config's model (a dict, as to_dict gave it)."""
+    if not isinstance(model, dict):
+        return None
+    return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def _summary(path: Path) -> dict:
     """A run's summary.json, its figures checked (DataError naming the file when one is missing or not a number, is
     impossible, or a perplexity that is not the exponential of its loss)."""
-    fix = "delete the run's folder, or train it again"
+    # (the run's checkpoints are all there: `attnlab run` writes a finished run's summary again from its last one)
+    fix = (
+        "delete summary.json alone and `attnlab run` the manifest again: it writes the summary again from the run's "
+        "last checkpoint"
+    )
     summary = read_json_object(path, fix)
+    if summary.get("status") != SUMMARY_STATUS:  # (the one status a finished run writes)
+        said = f"status={brief(summary['status'])}" if "status" in summary else "no 'status'"
+        raise DataError(f"{path}: {said}, where a finished run's summary has status {SUMMARY_STATUS!r} (the only "
+                        f"value attnlab writes: it was changed by hand); {fix}")  # fmt: skip
     for key in ("params", "kv_bytes_per_token_fp16", "val_loss"):
         if key not in summary:
             raise DataError(f"{path}: no {key!r} in it (it was changed); {fix}")
@@ -160,14 +193,25 @@ def _summary(path: Path) -> dict:
                             f"was changed by hand; {fix}")  # fmt: skip
     for split in ("val", "test"):  # figures that contradict each other, refused as `attnlab report` refuses them
         loss, ppl = f"{split}_loss", f"{split}_ppl"
-        for key in (loss, ppl):  # (a run whose loss turns NaN stops there, DivergedError: it writes no summary)
-            if isinstance(summary.get(key), float) and math.isnan(summary[key]):
-                raise DataError(f"{path}: field '{key}' is nan, which a run never writes (training stops when its "
-                                f"loss turns NaN): it was changed by hand; {fix}")  # fmt: skip
+        for key in (loss, ppl):  # (a run whose loss is not finite stops there, DivergedError: it writes no summary)
+            if isinstance(summary.get(key), float) and not math.isfinite(summary[key]):
+                raise DataError(f"{path}: field '{key}' is {summary[key]}, which a run never writes (training stops "
+                                f"when its loss is not finite): it was changed by hand; {fix}")  # fmt: skip
+        if summary.get(loss) is not None and summary.get(f"{split}_tokens") == 0:
+            raise DataError(f"{path}: field '{loss}' is given over '{split}_tokens' 0, which is impossible (a loss "
+                            f"is a mean over tokens): it was changed by hand; {fix}")  # fmt: skip
         problem = (range_problem(loss, summary.get(loss), "loss") or range_problem(ppl, summary.get(ppl), "ppl")
                    or exponential_problem(summary, loss, ppl))  # fmt: skip
         if problem:
             raise DataError(f"{path}: {problem}: it was changed by hand; {fix}")
+    try:  # (a run's config.json that cannot be read is said where the configs are read)
+        saved = read_json_object(path.parent / "config.json") if (path.parent / "config.json").is_file() else None
+    except DataError:
+        saved = None
+    problem = summary_problem(summary, saved, saved, None) if saved is not None else None
+    if problem:
+        raise DataError(f"{path}: not this run's summary ({problem}): it was copied in from another run or edited; "
+                        f"{fix}")  # fmt: skip
     return summary
 
 

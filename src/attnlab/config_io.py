@@ -306,6 +306,7 @@ def file_words(data) -> tuple[str, str] | None:
 
 GGUF_MAGIC = b"GGUF"
 MODEL_KEYS = {"vocab_size", "d_model", "n_layers"}  # a model config has some of these (a Hugging Face one, model_type)
+OTHER_FILE_KEYS = {"defaults", "description", "seeds", "checkpoints", "phases"}  # the other files', not a model's
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -336,5 +337,8 @@ def other_config(path: str | Path) -> str | None:
         return "a Hugging Face model's config (model_type), not an attnlab model config"
     if isinstance(data.get("model"), dict) and ({"data", "train"} & data.keys()):
         return "an attnlab run's saved config (model, data, train), not a model config"
+    if not MODEL_KEYS & data.keys() and OTHER_FILE_KEYS & data.keys():  # (a probe suite without its cases)
+        return ("not a model config, nor a manifest (targets:), benchmark manifest (benchmarks:) or probe suite "
+                f"(cases:), whose keys it lacks (it has {', '.join(map(str, data))})")  # fmt: skip
     json_file = Path(path).suffix.lower() == ".json"  # (a YAML file's keys mistyped get their nearest names)
     return "not a model config" if json_file and not MODEL_KEYS & data.keys() else None

@@ -259,6 +259,9 @@ def system_folder(path: str | Path) -> Path | None:
         return None
 
 
+SUMMARY_STATUS = "complete"  # a run's summary.json's status: the only one written (no summary until it finishes)
+
+
 def is_run_folder(folder: Path) -> bool:
     """Whether folder holds a run train() wrote: its config.json (model, data and train), and checkpoints/ or
     summary.json."""

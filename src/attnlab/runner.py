@@ -13,8 +13,6 @@ as finished, or refuse it and why: a conversion of another recipe, data its prep
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import shlex
 import sys
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from attnlab.compare import OWN_START, check_outputs, check_run_file, config_fix, markdown_now
+from attnlab.compare import OWN_START, check_outputs, check_run_file, config_fix, markdown_now, summary_problem
 from attnlab.config import idle_memory_problem, names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import broken_link, lock_file_problem, read_json_object
@@ -154,30 +152,6 @@ def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) ->
         raise DataError(f"{summary_path}: not this run's summary ({problem}): it was copied in from another run or "
                         f"edited; {summary_fix(run_dir, config)}")  # fmt: skip
     return summary
-
-
-def summary_problem(summary: dict, saved: dict, config: dict, checkpoint) -> str | None:
-    """What in a finished run's summary.json disagrees with the run (train() writes it at the last step, when the
-    last checkpoint is saved): its config_hash (of the model config) neither the config's nor that of the run's
-    config.json (as an older attnlab hashed it), its steps not train.steps, or the last checkpoint at another step;
-    None when nothing does. A key the summary lacks is not compared."""
-    said, steps = [], (config.get("train") or {}).get("steps")
-    if "config_hash" in summary:
-        ours = _model_hash(config.get("model"))
-        if summary["config_hash"] not in {ours, _model_hash(saved.get("model") if isinstance(saved, dict) else None)}:
-            said.append(f"config_hash {brief(summary['config_hash'])}, the run's config's {ours!r}")
-    if "steps" in summary and summary["steps"] != steps:
-        said.append(f"steps {brief(summary['steps'])}, the config's train.steps {steps}")
-    if checkpoint is not None and checkpoint.step != summary.get("steps", steps):
-        said.append(f"its last checkpoint is at step {checkpoint.step}")
-    return "; ".join(said) or None
-
-
-def _model_hash(model) -> str | None:
-    """ModelConfig.config_hash of a saved config's model (a dict, as to_dict gave it)."""
-    if not isinstance(model, dict):
-        return None
-    return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def summary_fix(run_dir: Path, config: dict) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 KL_SLACK = 1e-6  # a KL divergence is >= 0; float sums over near-identical distributions may leave it a hair below
 
@@ -40,4 +41,68 @@ def figures_problem(record: dict) -> str | None:
         kl = record.get("kl")
         if _number(kl) and kl < -KL_SLACK:
             return f"field 'kl' is {_shown(kl)}, which is impossible (a KL divergence is >= 0)"
+        return _kv_quant_problem(record)
+    return _memory_problem(record) if record.get("benchmark") == "memory" else _windows_problem(record)
+
+
+def _kv_quant_problem(record: dict) -> str | None:
+    """A kv_quant record's KL and dNLL, of the same logits, one NaN beside the other finite; or its bytes per token
+    (of a quantized token) more than its bytes at seq_len hold for the tokens past the residual window."""
+    dnll, kl = record.get("dnll"), record.get("kl")
+    if _number(dnll) and _number(kl) and math.isnan(dnll) != math.isnan(kl):
+        return (f"field 'kl' is {_shown(kl)}, which is impossible beside 'dnll' {_shown(dnll)} (both come from the "
+                "same logits: NaN with NaN)")  # fmt: skip
+    per_token, held, seq_len = (record.get(f) for f in ("bytes_per_token", "bytes_at_seq_len", "seq_len"))
+    resid = re.search(r"resid=(\d+)", str(record.get("policy", "")))
+    quantized = seq_len - (int(resid.group(1)) if resid else 0) if isinstance(seq_len, int) else 0
+    if _finite(per_token, held) and quantized > 0 and per_token * quantized > held * (1 + 1e-9):
+        return (f"field 'bytes_per_token' is {_shown(per_token)}, which is impossible beside 'bytes_at_seq_len' "
+                f"{_shown(held)} (the {quantized} tokens past the residual window of a {seq_len}-token cache would "
+                "hold more)")  # fmt: skip
+    return None
+
+
+def _memory_problem(record: dict) -> str | None:
+    """A memory record holding more tokens than it was filled with, or, for a cache of every token in one format
+    (no capacity, no KV policy), whose bytes are not its tokens' bytes per token times the tokens it holds."""
+    held, length = record.get("held_tokens"), record.get("length")
+    if isinstance(held, int) and isinstance(length, int) and held > length:
+        return (f"field 'held_tokens' is {_shown(held)}, which is impossible beside 'length' {_shown(length)} (a "
+                "cache holds at most the tokens it was filled with)")  # fmt: skip
+    analytic, per_token, batch = (record.get(f) for f in ("kv_bytes_analytic", "kv_bytes_per_token", "batch_size"))
+    plain = record.get("capacity") is None and record.get("kv_policy") is None and isinstance(held, int)
+    if plain and _finite(analytic, per_token) and abs(analytic - (batch or 1) * per_token * held) > 1e-6 * analytic:
+        return (f"field 'kv_bytes_analytic' is {_shown(analytic)}, which is impossible beside 'kv_bytes_per_token' "
+                f"{_shown(per_token)} x 'held_tokens' {held} (x 'batch_size' {batch or 1})")  # fmt: skip
+    return None
+
+
+def _windows_problem(record: dict) -> str | None:
+    """A record scored over windows (window_loss: each window's summed loss; window_tokens: its tokens) whose count,
+    tokens or loss (the windows' total loss over their tokens) are not theirs, or whose ci_level is no level."""
+    for point_field, interval_field in (("loss", "loss_ci"), ("ppl", "ppl_ci")):
+        point, interval = record.get(point_field), record.get(interval_field)
+        if _number(point) and not math.isfinite(point) and isinstance(interval, list) and _finite(*interval):
+            return (f"field '{point_field}' is {_shown(point)}, which is impossible beside the finite interval "
+                    f"'{interval_field}' {_shown(interval)} (a point lies within its own interval)")  # fmt: skip
+    level = record.get("ci_level")
+    if _number(level) and not 0 < level < 1:
+        return f"field 'ci_level' is {_shown(level)}, which is impossible (a confidence level is between 0 and 1)"
+    losses, counts = record.get("window_loss"), record.get("window_tokens")
+    if not (isinstance(losses, list) and isinstance(counts, list) and len(losses) == len(counts) and counts):
+        return None
+    if isinstance(record.get("windows"), int) and record["windows"] != len(losses):
+        return (f"field 'windows' is {_shown(record['windows'])}, which is impossible beside {len(losses)} "
+                "'window_loss' entries (one per window)")  # fmt: skip
+    if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts) or not _finite(*losses):
+        return None
+    total = sum(counts)
+    if isinstance(record.get("tokens"), int) and record["tokens"] != total:
+        return (f"field 'tokens' is {_shown(record['tokens'])}, which is impossible beside 'window_tokens' (which "
+                f"add up to {total})")  # fmt: skip
+    loss = record.get("loss")
+    mean = sum(losses) / total if total else math.nan
+    if _finite(loss, mean) and abs(loss - mean) > 1e-5 * max(1.0, abs(mean)):
+        return (f"field 'loss' is {_shown(loss)}, which is impossible beside 'window_loss' (the windows' total "
+                f"loss over their tokens is {mean:.6g})")  # fmt: skip
     return None

@@ -361,7 +361,7 @@ AT_LEAST_1 = ("ppl",)
 FRACTIONS = ("acc", "acc_norm", "accuracy", "top1", "greedy")
 # Lengths and counts a benchmark ran with, in any record that holds them: whole numbers of at least 1 (a window of
 # 0 tokens measures nothing). Figures that are never infinite whatever the model does (bytes, times, speeds,
-# fractions; a loss and a perplexity may be a diverged model's infinity; NaN is shown as such in any figure).
+# fractions; a loss and a perplexity may be a diverged model's infinity), nor NaN but a diverged model's fractions.
 COUNTS = ("seq_len", "stride", "max_tokens", "windows", "threads", "batch_size", "prompt_length", "memory_slots",
           "streams", "n")  # fmt: skip
 FINITE = ("kv_bytes", "kv_bytes_analytic", "peak_rss_bytes", "bytes_per_token", "vs_full", "decode_tokens_per_s_median",
@@ -549,7 +549,7 @@ def _count_or_finite_problem(record: dict) -> str | None:
             return f"field '{field}' is {_shown(value)}, which is impossible (a length or count: a whole number >= 1)"
     for field in FINITE:
         values = record.get(field) if isinstance(record.get(field), list) else [record.get(field)]
-        if any(_number(v) and math.isinf(v) for v in values):  # (NaN: shown as such, as every figure)
+        if any(_number(v) and not math.isfinite(v) and not (math.isnan(v) and field in FRACTIONS) for v in values):
             return f"field '{field}' is {_shown(record.get(field))}, which is impossible (it is a finite number)"
     return None
 

@@ -76,6 +76,12 @@ def target_config(source: ModelConfig, attention: dict | None, memory: dict | No
     attention = dict(attention or {})
     kind = attention.get("kind", source.attention.kind)
     if kind not in TARGET_KINDS:
+        from attnlab.attention.registry import REGISTRY
+
+        if kind not in REGISTRY:  # (a slip such as MHA: not a kind at all, not one conversions lack)
+            same = [k for k in TARGET_KINDS if k == str(kind).lower()]
+            hint = f"did you mean {same[0]!r}?" if same else f"the kinds a model converts to: {', '.join(TARGET_KINDS)}"
+            raise ConfigError(f"convert: attention.kind={kind!r} is not an attention kind ({hint})")
         raise ConfigError(f"convert: attention.kind={kind!r} cannot be converted to yet (use one of "
                           f"{', '.join(TARGET_KINDS)})")  # fmt: skip
     data = source.to_dict()

@@ -22,6 +22,7 @@ from attnlab.data.sampler import eval_window_problem
 from attnlab.data.tokenizers import tokenizer_copy_problem, tokenizer_record
 from attnlab.errors import ConfigError, DataError, DivergedError
 from attnlab.model.transformer import build_model
+from attnlab.paths import SUMMARY_STATUS
 from attnlab.train.budget import batch_memory_problem, positions_memory_problem
 from attnlab.train.checkpoint import (
     WEIGHTS,
@@ -61,8 +62,6 @@ from attnlab.train.resume import (
 )
 from attnlab.train.warm_start import misfits as weight_misfits
 from attnlab.train.warm_start import reading_problem
-
-SUMMARY_STATUS = "complete"  # summary.json's status: the only one written (a run has no summary until it finishes)
 
 
 def pick_device(name: str) -> torch.device:
