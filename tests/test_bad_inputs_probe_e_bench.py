@@ -395,7 +395,8 @@ def test_a_non_finite_loss_is_shown_as_such_not_as_missing(tmp_path, loss, shown
     from attnlab.eval.report import build_report
 
     row = ppl_record(loss=4.0)
-    row = {**row, "loss": loss, "ppl": loss} if loss is not None else row  # (exp(nan) is nan, exp(inf) inf)
+    if loss is not None:  # (exp(nan) is nan, exp(inf) inf; a diverged model's interval is as its point: probe AJ1)
+        row = {**row, "loss": loss, "ppl": loss, "loss_ci": [loss, loss], "ppl_ci": [loss, loss]}
     build_report(write_records(tmp_path / "r", row))
     cells = table_rows((tmp_path / "r" / "report.md").read_text(), "m")[0]
     assert cells[4] == (shown if loss is not None else "4.000")

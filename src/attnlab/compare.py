@@ -170,10 +170,6 @@ def _summary(path: Path) -> dict:
         "last checkpoint"
     )
     summary = read_json_object(path, fix)
-    if summary.get("status") != SUMMARY_STATUS:  # (the one status a finished run writes)
-        said = f"status={brief(summary['status'])}" if "status" in summary else "no 'status'"
-        raise DataError(f"{path}: {said}, where a finished run's summary has status {SUMMARY_STATUS!r} (the only "
-                        f"value attnlab writes: it was changed by hand); {fix}")  # fmt: skip
     for key in ("params", "kv_bytes_per_token_fp16", "val_loss"):
         if key not in summary:
             raise DataError(f"{path}: no {key!r} in it (it was changed); {fix}")
@@ -204,6 +200,10 @@ def _summary(path: Path) -> dict:
                    or exponential_problem(summary, loss, ppl))  # fmt: skip
         if problem:
             raise DataError(f"{path}: {problem}: it was changed by hand; {fix}")
+    if summary.get("status") != SUMMARY_STATUS:  # (the one status a finished run writes)
+        said = f"status={brief(summary['status'])}" if "status" in summary else "no 'status'"
+        raise DataError(f"{path}: {said}, where a finished run's summary has status {SUMMARY_STATUS!r} (the only "
+                        f"value attnlab writes: it was changed by hand); {fix}")  # fmt: skip
     try:  # (a run's config.json that cannot be read is said where the configs are read)
         saved = read_json_object(path.parent / "config.json") if (path.parent / "config.json").is_file() else None
     except DataError:

@@ -7,7 +7,17 @@ import json
 import math
 import re
 
+AGREE = 1e-6  # relative: what float arithmetic (and a figure written with fewer digits) may leave between them
 KL_SLACK = 1e-6  # a KL divergence is >= 0; float sums over near-identical distributions may leave it a hair below
+
+
+def written_slack(value: float) -> float:
+    """How far the figure a record holds may be from the one it stands for: half a unit of its last digit (66.7, as
+    a test or a hand-made record writes it, stands for 66.65 to 66.75; a figure attnlab wrote has all 17), and at
+    least AGREE of it."""
+    mantissa, _, exponent = repr(float(value)).partition("e")
+    digits = len(mantissa.partition(".")[2])
+    return max(0.5 * 10.0 ** (int(exponent or 0) - digits), AGREE * abs(value))
 
 
 def _number(value) -> bool:
@@ -102,7 +112,9 @@ def _windows_problem(record: dict) -> str | None:
                 f"add up to {total})")  # fmt: skip
     loss = record.get("loss")
     mean = sum(losses) / total if total else math.nan
-    if _finite(loss, mean) and abs(loss - mean) > 1e-5 * max(1.0, abs(mean)):
+    # (each figure as written: a window loss written 263.2 stands for 263.15 to 263.25)
+    slack = written_slack(loss) + sum(written_slack(v) for v in losses) / total if _finite(loss) and total else 0.0
+    if _finite(loss, mean) and abs(loss - mean) > slack + AGREE * abs(mean):
         return (f"field 'loss' is {_shown(loss)}, which is impossible beside 'window_loss' (the windows' total "
                 f"loss over their tokens is {mean:.6g})")  # fmt: skip
     return None

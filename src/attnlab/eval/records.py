@@ -32,7 +32,7 @@ from attnlab.data.files import (
     remove_stale_temporaries,
 )
 from attnlab.errors import AttnlabWarning, DataError, InputError
-from attnlab.eval.record_sense import figures_problem
+from attnlab.eval.record_sense import AGREE, figures_problem, written_slack
 from attnlab.paths import is_run_folder, run_folder_problem
 
 
@@ -379,7 +379,6 @@ EXPONENTIALS = {"perplexity": [("loss", "ppl")], "rope_extrapolation": [("loss",
 INTERVALS = {"perplexity": [("loss", "loss_ci"), ("ppl", "ppl_ci")],
              "rope_extrapolation": [("loss", "loss_ci"), ("ppl", "ppl_ci")],
              "stream_loss": [("loss", "loss_ci"), ("ppl", "ppl_ci")]}  # fmt: skip
-AGREE = 1e-6  # relative: what float arithmetic (and a figure written with fewer digits) may leave between them
 
 
 def pair_labels(text: str, models: list[str], records_path: Path) -> tuple[str, str]:
@@ -423,15 +422,6 @@ def range_problem(field: str, value, kind: str | None = None) -> str | None:
     return None
 
 
-def _slack(value: float) -> float:
-    """How far the figure a record holds may be from the one it stands for: half a unit of its last digit (66.7, as
-    a test or a hand-made record writes it, stands for 66.65 to 66.75; a figure attnlab wrote has all 17), and at
-    least AGREE of it."""
-    mantissa, _, exponent = repr(float(value)).partition("e")
-    digits = len(mantissa.partition(".")[2])
-    return max(0.5 * 10.0 ** (int(exponent or 0) - digits), AGREE * abs(value))
-
-
 def _finite(*values) -> bool:
     return all(_number(v) and math.isfinite(v) for v in values)
 
@@ -450,10 +440,10 @@ def exponential_problem(record: dict, log_field: str, exp_field: str) -> str | N
         return (f"field '{exp_field}' is {_shown(ppl)}, which is impossible beside '{log_field}' "
                 f"{_shown(loss)} (it is exp({log_field}): NaN with NaN, infinite with infinite)")  # fmt: skip
     # in logarithms (exp(loss) can overflow): ppl +- its slack, against loss +- its slack
-    low, high = ppl - _slack(ppl), ppl + _slack(ppl)
+    low, high = ppl - written_slack(ppl), ppl + written_slack(ppl)
     low = math.log(low) if low > 0 else -math.inf
     high = math.log(high) if high > 0 else -math.inf
-    if high + AGREE < loss - _slack(loss) or low - AGREE > loss + _slack(loss):
+    if high + AGREE < loss - written_slack(loss) or low - AGREE > loss + written_slack(loss):
         shown = f"{math.exp(loss):.6g}" if loss < 709 else f"e^{loss:.6g}"
         return (f"field '{exp_field}' is {_shown(ppl)}, which is impossible (it is exp({log_field}) = {shown}, "
                 f"'{log_field}' being {_shown(loss)})")  # fmt: skip
@@ -477,7 +467,8 @@ def _contradiction(record: dict) -> str | None:
         if not (isinstance(interval, list) and len(interval) == 2 and _finite(point, *interval)):
             continue
         low, high = interval
-        if point + _slack(point) < low - _slack(low) or point - _slack(point) > high + _slack(high):
+        slack = written_slack  # (each figure stands for what it rounds)
+        if point + slack(point) < low - slack(low) or point - slack(point) > high + slack(high):
             return (f"field '{point_field}' is {_shown(point)}, which is impossible (it lies outside its own "
                     f"interval, '{interval_field}' {_shown(interval)})")  # fmt: skip
     return None
