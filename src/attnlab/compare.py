@@ -189,13 +189,17 @@ def _summary(path: Path) -> dict:
                             f"was changed by hand; {fix}")  # fmt: skip
     for split in ("val", "test"):  # figures that contradict each other, refused as `attnlab report` refuses them
         loss, ppl = f"{split}_loss", f"{split}_ppl"
-        for key in (loss, ppl):  # (a run whose loss is not finite stops there, DivergedError: it writes no summary)
-            if isinstance(summary.get(key), float) and not math.isfinite(summary[key]):
-                raise DataError(f"{path}: field '{key}' is {summary[key]}, which a run never writes (training stops "
-                                f"when its loss is not finite): it was changed by hand; {fix}")  # fmt: skip
+        for key in (loss, ppl):  # (a run whose loss is not finite stops there, DivergedError: it writes no summary;
+            value = summary.get(key)  # a finite loss past exp's range has an infinite perplexity)
+            if isinstance(value, float) and (math.isnan(value) or (key == loss and math.isinf(value))):
+                raise DataError(f"{path}: field '{key}' is {value}, which a run never writes (training stops when its "
+                                f"loss is not finite): it was changed by hand; {fix}")  # fmt: skip
         if summary.get(loss) is not None and summary.get(f"{split}_tokens") == 0:
             raise DataError(f"{path}: field '{loss}' is given over '{split}_tokens' 0, which is impossible (a loss "
                             f"is a mean over tokens): it was changed by hand; {fix}")  # fmt: skip
+        value = summary.get(loss)
+        if isinstance(value, int | float) and value > 50 and summary.get(ppl) == math.exp(50.0):
+            continue  # (an older attnlab wrote exp(min(loss, 50)))
         problem = (range_problem(loss, summary.get(loss), "loss") or range_problem(ppl, summary.get(ppl), "ppl")
                    or exponential_problem(summary, loss, ppl))  # fmt: skip
         if problem:

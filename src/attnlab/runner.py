@@ -13,6 +13,7 @@ as finished, or refuse it and why: a conversion of another recipe, data its prep
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shlex
 import sys
@@ -152,6 +153,11 @@ def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) ->
         raise DataError(f"{summary_path}: not this run's summary ({problem}): it was copied in from another run or "
                         f"edited; {summary_fix(run_dir, config)}")  # fmt: skip
     return summary
+
+
+def _ppl(value: float) -> str:
+    """A perplexity as the run's line shows it: 2 decimals, in exponent form past a million (a diverged model's)."""
+    return f"{value:.2f}" if not math.isfinite(value) or value < 1e6 else f"{value:.3e}"
 
 
 def summary_fix(run_dir: Path, config: dict) -> str:
@@ -537,7 +543,7 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
                 raise
         nan = float("nan")
         log(
-            f"{label}: val loss {summary.get('val_loss', nan):.4f} (ppl {summary.get('val_ppl', nan):.2f}),"
+            f"{label}: val loss {summary.get('val_loss', nan):.4f} (ppl {_ppl(summary.get('val_ppl', nan))}),"
             f" {summary.get('train_tok_per_s', 0):,.0f} tok/s, {time.perf_counter() - start:.0f} s"
         )
         summaries.append(summary)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,9 @@ def _result(total: float, count: int) -> dict:
     if count == 0:
         return {"loss": float("nan"), "ppl": float("nan"), "tokens": 0, "sum": 0.0}
     loss = total / count
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count, "sum": total}
+    # exp(loss) as it is, as a perplexity record holds it (infinite past a float's range): the summary's figures agree
+    ppl = math.exp(loss) if loss < math.log(sys.float_info.max) else math.inf
+    return {"loss": loss, "ppl": ppl, "tokens": count, "sum": total}
 
 
 def evaluate_split(model, tokens, seq_len: int, batch_size: int, max_tokens, device, autocast_dtype, info) -> dict:

@@ -110,7 +110,8 @@ def _ends_a_line(path: Path) -> bool:
 
 
 # What the trainer logs only as finite numbers (a loss that is not stops the run before its row is written; a
-# validation loss is of at least one window). The gradient norm may be infinite.
+# validation loss is of at least one window; its perplexity is infinite only past a float's range). The gradient
+# norm may be infinite.
 FINITE_KEYS = ("loss", "lr", "tok_per_s", "val_loss", "val_ppl")
 
 
@@ -149,7 +150,8 @@ def metrics_rows(path: Path, step: int, train_cfg=None) -> tuple[list[str], list
             raise DataError(f"{path}: line {number} is not a metrics row (an object with an integer step)")
         for key in FINITE_KEYS:
             value = row.get(key, 0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            infinite_ppl = key == "val_ppl" and value == math.inf  # (exp of a finite loss past a float's range)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) or infinite_ppl):
                 raise DataError(f"{path}: line {number}: {key} is {json.dumps(value)}, which the trainer never logs "
                                 f"(the metrics log was changed); {fix}")  # fmt: skip
         if row.get("step", 0) <= step:
