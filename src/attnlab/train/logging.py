@@ -150,8 +150,9 @@ def metrics_rows(path: Path, step: int, train_cfg=None) -> tuple[list[str], list
             raise DataError(f"{path}: line {number} is not a metrics row (an object with an integer step)")
         for key in FINITE_KEYS:
             value = row.get(key, 0)
+            number_ = not isinstance(value, bool) and isinstance(value, (int, float))
             infinite_ppl = key == "val_ppl" and value == math.inf  # (exp of a finite loss past a float's range)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) or infinite_ppl):
+            if not number_ or not (math.isfinite(value) or infinite_ppl):
                 raise DataError(f"{path}: line {number}: {key} is {json.dumps(value)}, which the trainer never logs "
                                 f"(the metrics log was changed); {fix}")  # fmt: skip
         if row.get("step", 0) <= step:
