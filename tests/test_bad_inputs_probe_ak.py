@@ -1,7 +1,7 @@
 """Probe AK's findings (/work/probe_ak/REPORT.md) on files attnlab wrote and then refused: a diverged run's summary
 (training wrote exp(min(loss, 50)) as its perplexity, which compare, and so the run's own table, refused as not
-exp(loss): AK11). (AK1, a genuine kv_quant record of a memory model refused, is tested in
-test_bad_inputs_probe_aj.py.) Each test fails with its fix backed out."""
+exp(loss): AK11), and the report's table showed such a perplexity with 134 digits (AK12). (AK1, a genuine kv_quant record of a memory model refused, is tested in
+test_bad_inputs_probe_aj.py; AK15's advice for a records line cut short, in test_bad_inputs_probe_y_report.py.) Each test fails with its fix backed out."""
 
 from __future__ import annotations
 
@@ -35,3 +35,19 @@ def test_ak11_compare_takes_a_diverged_runs_summary(finished_copy, tmp_path, cap
     summary = finished_copy / "tiny" / "seed0" / "summary.json"
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "val_loss": loss, "val_ppl": ppl}))
     assert main(["compare", str(finished_copy), "--out", str(tmp_path / "cmp")]) == 0, capsys.readouterr().err
+
+
+def test_ak12_a_diverged_models_perplexity_is_shown_in_exponent_form(tmp_path):
+    from attnlab.eval.report import build_report
+
+    loss = 306.79
+    record = {"benchmark": "perplexity", "model": "div/seed0", "kind": "mha", "split": "val", "tokens": 20,
+              "windows": 2, "loss": loss, "loss_ci": [300.0, 310.0], "ppl": math.exp(loss),
+              "ppl_ci": [math.exp(300.0), math.exp(310.0)], "ci_level": 0.95, "window_loss": [loss * 10] * 2,
+              "window_tokens": [10, 10], "attnlab": "0.1.0", "time": "2026-12-07T00:00:00"}  # fmt: skip
+    (tmp_path / "records.jsonl").write_text(json.dumps(record) + "\n")
+    build_report(tmp_path)
+    table = tmp_path / "tables" / "perplexity.md"
+    row = next(line for line in table.read_text().splitlines() if line.startswith("| div/seed0"))
+    assert "| 1.727e+133 | 1.94e+130 to 4.28e+134 |" in row, row  # not 134 digits each
+    assert len(row) < 120, row

@@ -104,7 +104,7 @@ def test_a_torn_last_record_is_named_as_torn(tmp_path, capsys):
     with open(folder / "records.jsonl", "a") as f:
         f.write('{"benchmark": "perp')
     fails(capsys, ["report", str(folder)], f"{folder}/records.jsonl: line 2 was cut short (a write interrupted",
-          "remove that line, or run the benchmark again")  # fmt: skip
+          "remove that line: the next `attnlab bench` into this folder measures it again")  # fmt: skip
     from attnlab.errors import InputError
     from attnlab.eval.records import records_target
 

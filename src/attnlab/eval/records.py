@@ -92,7 +92,7 @@ def torn_line(path: Path) -> str | None:
     if isinstance(json_objects(lines[-1:]), list):
         return None
     return (f"line {len(lines)} was cut short (a write interrupted: it ends without its newline and is not a whole "
-            "JSON object); remove that line, or run the benchmark again")  # fmt: skip
+            "JSON object); remove that line: the next `attnlab bench` into this folder measures it again")  # fmt: skip
 
 
 def _not_records(path: Path) -> str | None:

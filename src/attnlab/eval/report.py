@@ -38,8 +38,8 @@ def _fmt(value, digits: int = 3) -> str:
         return str(value)
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
+    if isinstance(value, float):  # (past a billion, a diverged model's perplexity: in exponent form, not 120 digits)
+        return f"{value:,.{digits}f}" if abs(value) < 1e9 else f"{value:.{digits}e}"
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
@@ -111,7 +111,8 @@ def perplexity_table(records: list[dict]) -> Table | None:
     if not rows:
         return None
     body = [[r["model"], r["kind"], r["split"], r["tokens"], r["loss"], "{:.3f} to {:.3f}".format(*r["loss_ci"]),
-             r["ppl"], "{:.2f} to {:.2f}".format(*r["ppl_ci"])] for r in rows]  # fmt: skip
+             r["ppl"], " to ".join(f"{v:.2f}" if abs(v) < 1e9 else f"{v:.2e}" for v in r["ppl_ci"])]
+            for r in rows]  # fmt: skip
     return Table("perplexity", "Held-out perplexity", ["model", "kind", "split", "tokens", "loss", "loss 95% CI",
                  "ppl", "ppl 95% CI"], body, "Intervals: percentile bootstrap over windows.")  # fmt: skip
 
