@@ -1,7 +1,8 @@
-"""Probe AK's findings (/work/probe_ak/REPORT.md) on files attnlab wrote and then refused: a diverged run's summary
-(training wrote exp(min(loss, 50)) as its perplexity, which compare, and so the run's own table, refused as not
-exp(loss): AK11), and the report's table showed such a perplexity with 134 digits (AK12). (AK1, a genuine kv_quant record of a memory model refused, is tested in
-test_bad_inputs_probe_aj.py; AK15's advice for a records line cut short, in test_bad_inputs_probe_y_report.py.) Each test fails with its fix backed out."""
+"""Probe AK's findings (/work/probe_ak/REPORT.md) on files attnlab wrote: a diverged run's summary (training wrote
+exp(min(loss, 50)) as its perplexity, which compare, and so the run's own table, refused as not exp(loss): AK11),
+and the report's table showed such a perplexity with 134 digits (AK12). AK1 (a genuine kv_quant record of a memory
+model refused) is tested in test_bad_inputs_probe_aj.py, AK15 (the advice for a records line cut short) in
+test_bad_inputs_probe_y_report.py. Each test fails with its fix backed out."""
 
 from __future__ import annotations
 
