@@ -346,14 +346,10 @@ def task_given_first(task: str, model: str) -> Task:
         raise InputError(f"{model} is a task and {task} is not one: {order}")
     tasks = ", ".join(TASKS)
     if task.startswith("hf:") or Path(task).exists():
-        from attnlab.interop.references import resolve
-
-        try:  # (a text or data file, an empty folder, before a model: no model, so the order is not what is wrong)
-            None if task.startswith("hf:") or not _names_a_model(model) else resolve(task)
-        except (DataError, InputError):
+        if _names_a_model(model) and not _names_a_model(task):  # (a text or data file before a model: no task)
             raise InputError(f"{task} is not a task: name one ({tasks}); a task's items are read from the data "
                              f"directory, or from a file given as --file: attnlab mc TASK {model} --file "
-                             f"{task}") from None  # fmt: skip
+                             f"{task}")  # fmt: skip
         raise InputError(f"{task} is a model, not a task ({tasks}): the order is `attnlab mc TASK CHECKPOINT`, the "
                          "task first")  # fmt: skip
     return get_task(task)
