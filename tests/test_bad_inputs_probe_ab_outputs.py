@@ -16,6 +16,7 @@ import pytest
 from helpers import fails, snapshot
 
 from attnlab.cli import main
+from attnlab.data.files import sealed
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -35,7 +36,7 @@ def reported(tmp_path, capsys) -> Path:
     """A bench folder with one perplexity record, reported once."""
     folder = tmp_path / "bench"
     folder.mkdir()
-    (folder / "records.jsonl").write_text(json.dumps(PERPLEXITY) + "\n")
+    (folder / "records.jsonl").write_text(json.dumps(sealed(PERPLEXITY)) + "\n")  # as attnlab writes it
     assert main(["report", str(folder)]) == 0
     capsys.readouterr()
     return folder
@@ -215,7 +216,8 @@ def test_u5_a_record_of_a_benchmark_attnlab_does_not_know_is_one_warning_line(tm
     folder = tmp_path / "bench"
     folder.mkdir()
     records = folder / "records.jsonl"
-    records.write_text(json.dumps(PERPLEXITY) + "\n\n" + json.dumps({**PERPLEXITY, "benchmark": "zzz"}) + "\n")
+    newer = sealed({**PERPLEXITY, "benchmark": "zzz"})  # (sealed, as a newer attnlab would write it)
+    records.write_text(json.dumps(sealed(PERPLEXITY)) + "\n\n" + json.dumps(newer) + "\n")
     assert main(["report", str(folder)]) == 0
     err = capsys.readouterr().err
     said = (

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import fails
+from helpers import fails, unsealed
 
 from attnlab.cli import main
 from attnlab.eval.records import record_problem
@@ -102,7 +102,7 @@ SUMMARY_EDITS = {
 def test_compare_refuses_a_summary_run_would_refuse(finished_copy, tmp_path, capsys, case):
     summary = finished_copy / "tiny" / "seed0" / "summary.json"
     edit, said = SUMMARY_EDITS[case]
-    summary.write_text(json.dumps({**json.loads(summary.read_text()), **edit}))
+    summary.write_text(json.dumps(unsealed({**json.loads(summary.read_text()), **edit})))  # an older attnlab's
     line = fails(capsys, ["compare", str(finished_copy), "--out", str(tmp_path / "cmp")], f"{summary}: ", said)
     assert line.endswith("delete summary.json alone and `attnlab run` the manifest again: it writes the summary "
                          "again from the run's last checkpoint"), line  # fmt: skip

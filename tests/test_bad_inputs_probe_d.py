@@ -9,6 +9,8 @@ import json
 import pytest
 from helpers import error_line, fails, run_limited
 
+from attnlab.data.files import sealed
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PERPLEXITY = {"benchmark": "perplexity", "model": "m", "kind": "mha", "split": "val", "tokens": 64, "loss": 4.2,
@@ -196,8 +198,8 @@ def test_a_memory_ingest_past_a_file_size_limit_names_the_file(memory_run, tmp_p
 
 
 def test_a_report_past_a_file_size_limit_names_the_plot(tmp_path, capsys, file_size_limit):
-    folder = write_records(tmp_path / "r", {**STREAM, "positions": list(range(0, 400, 4)),
-                                           "bucket_loss": [4.0] * 100, "bucket_ci": [[3.9, 4.1]] * 100})  # fmt: skip
+    row = {**STREAM, "positions": list(range(0, 400, 4)), "bucket_loss": [4.0] * 100, "bucket_ci": [[3.9, 4.1]] * 100}
+    folder = write_records(tmp_path / "r", sealed(row))  # as bench writes it
     assert run_limited(file_size_limit, 3_000, ["report", folder]) == 2
     error_line(capsys, "report", "stream_loss.png", "file too large")
     assert not (tmp_path / "r" / "stream_loss.png").exists() and not (tmp_path / "r" / "report.md").exists()

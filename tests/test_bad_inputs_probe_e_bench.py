@@ -18,6 +18,7 @@ import pytest
 from helpers import fails, train_tiny_run
 
 from attnlab.cli import main
+from attnlab.data.files import sealed
 from attnlab.errors import AttnlabWarning, ConfigError
 from attnlab.eval.records import read_records
 
@@ -418,7 +419,7 @@ def test_contradictory_records_of_one_checkpoint_show_the_latest_and_say_so(tmp_
 def test_repeated_records_with_the_same_figures_are_shown_once_without_a_warning(tmp_path):
     from attnlab.eval.report import build_report
 
-    folder = write_records(tmp_path / "r", ppl_record(time="t1"), ppl_record(time="t2"))
+    folder = write_records(tmp_path / "r", sealed(ppl_record(time="t1")), sealed(ppl_record(time="t2")))  # bench's
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         result = build_report(folder)
@@ -470,7 +471,7 @@ def test_a_damaged_training_log_of_a_reported_run_is_one_line(plain_run, tmp_pat
     shutil.copytree(plain_run, run)
     with open(run / "metrics.jsonl", "a") as f:
         f.write(DEEP + "\n")
-    folder = write_records(tmp_path / "r", ppl_record("tiny/seed0", model_path=str(run)))
+    folder = write_records(tmp_path / "r", sealed(ppl_record("tiny/seed0", model_path=str(run))))  # as bench wrote it
     assert fails(capsys, ["report", folder], "metrics.jsonl: line", "nested too deeply", "repair it")
 
 

@@ -18,6 +18,7 @@ from helpers import fails, train_tiny_run
 
 import attnlab.eval.harness as harness
 from attnlab.cli import main
+from attnlab.data.files import sealed
 from attnlab.eval.bench_checks import status_notes, unmeasured_problem
 from attnlab.eval.report import build_report
 
@@ -143,7 +144,7 @@ def test_default_lengths_past_the_context_are_said_and_the_rest_measured(run, tm
 def test_a_report_notes_records_that_measured_nothing(tmp_path):
     folder = tmp_path / "b"
     folder.mkdir()
-    record = {"benchmark": "latency", "model": "m", "kind": "mha", "status": "too_long", "prompt_length": 60}
+    record = sealed({"benchmark": "latency", "model": "m", "kind": "mha", "status": "too_long", "prompt_length": 60})
     (folder / "records.jsonl").write_text(json.dumps(record) + "\n")
     result = build_report(folder)
     assert result["notes"] == ["1 latency record of m measured nothing: too_long (past the model's context "
@@ -181,7 +182,7 @@ def test_what_is_in_the_way_of_compare_and_report_is_said(runs, tmp_path, capsys
     line = fails(capsys, ["compare", str(runs), "--out", str(tmp_path / "c")], "compare.md: a folder where compare "
                  "writes its compare.md: move it away, or give another --out")  # fmt: skip
     assert "give a file's path" not in line
-    record = {"benchmark": "latency", "model": "m", "kind": "mha", "status": "too_long", "prompt_length": 60}
+    record = sealed({"benchmark": "latency", "model": "m", "kind": "mha", "status": "too_long", "prompt_length": 60})
     for name, make in (("report.md", "mkdir"), ("tables", "touch"), ("report.html", "mkdir")):
         folder = tmp_path / name
         folder.mkdir()

@@ -9,9 +9,10 @@ import json
 import warnings
 
 import pytest
-from helpers import fails
+from helpers import fails, unsealed
 
 from attnlab.cli import main
+from attnlab.data.files import sealed
 from attnlab.errors import AttnlabWarning
 from attnlab.eval.harness import load_plan
 from attnlab.eval.report import build_report
@@ -82,7 +83,7 @@ def test_impossible_figures_are_refused_naming_the_record(records, tmp_path, cap
                                                           fragment):  # fmt: skip
     rows = [dict(r) for r in records]
     number = next(i for i, r in enumerate(rows, 1) if r["benchmark"] == benchmark)
-    rows[number - 1][field] = value
+    rows[number - 1] = unsealed({**rows[number - 1], field: value})  # an older attnlab's: checked by its figures
     write(tmp_path / "r", rows)
     assert fails(capsys, ["report", str(tmp_path / "r")], f"record {number} ({benchmark}, tiny/seed0): {fragment}")
     assert not (tmp_path / "r" / "report.md").exists()
@@ -94,6 +95,7 @@ def test_impossible_figures_are_refused_naming_the_record(records, tmp_path, cap
         return
     nan = float("nan")  # a diverged model's figures (its windows', so its loss, perplexity and intervals): shown
     row.update(loss=nan, ppl=nan, loss_ci=[nan, nan], ppl_ci=[nan, nan], window_loss=[nan] * len(row["window_loss"]))
+    rows[number - 1] = sealed(row)  # as bench writes a diverged model's record
     (tmp_path / "r" / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert build_report(tmp_path / "r")["markdown"].exists()
 
@@ -105,7 +107,7 @@ def test_figures_no_plot_can_show_are_one_warning_line_and_a_note(records, tmp_p
             r["loss"], r["ppl"] = 709.0, 1e308  # each inside its interval (else refused as contradictory)
             r["loss_ci"], r["ppl_ci"] = [709.0, 709.0], [1e308, 1e308]
             r["window_loss"] = [709.0 * n for n in r["window_tokens"]]  # (the windows' loss, as the loss says)
-    write(tmp_path / "r", rows)
+    write(tmp_path / "r", [sealed(r) for r in rows])  # as bench would write such figures
     assert main(["report", str(tmp_path / "r")]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("attnlab report: warning: ") and "Traceback" not in err[0], err
@@ -120,7 +122,7 @@ def test_matplotlib_warnings_become_one_attnlab_warning(records, tmp_path):
         if r["benchmark"] == "memory":
             r["kv_bytes"] = 0  # possible, but nothing to draw on a log axis
             r["kv_matches_analytic"] = False  # (as measured beside the analytic figure: else refused, probe AD7)
-    write(tmp_path / "r", rows)
+    write(tmp_path / "r", [sealed(r) for r in rows])  # as bench would write such figures
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = build_report(tmp_path / "r")

@@ -16,6 +16,7 @@ import pytest
 from helpers import fails, lm_task_folders, lm_task_yaml, tiny_model
 
 from attnlab.cli import main
+from attnlab.data.files import sealed
 from attnlab.errors import DataError, InputError
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
@@ -149,8 +150,9 @@ def ppl_record(model: str, shift: float = 0.0) -> dict:
 
 
 def records(folder, *models: str) -> str:
+    """folder/records.jsonl: a perplexity record of each model, sealed as bench writes them."""
     folder.mkdir()
-    rows = [ppl_record(model, 0.1 * i) for i, model in enumerate(models)]
+    rows = [sealed(ppl_record(model, 0.1 * i)) for i, model in enumerate(models)]
     (folder / "records.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(folder)
 

@@ -19,6 +19,7 @@ import pytest
 from helpers import PROBE_MODEL, fails, hat_text, probe_manifest, run_limited, snapshot, train_tiny_run
 
 from attnlab.cli import main
+from attnlab.data.files import sealed
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -61,7 +62,7 @@ def test_a_report_is_redrawn_over_its_own_files(tmp_path, capsys):
                                            ("stream_loss.png", USER_PNG), ("tables/perplexity.md", b"my table\n"),
                                            ("tables/perplexity.csv", b"a,b\n")])  # fmt: skip
 def test_a_report_never_replaces_the_users_own_file(tmp_path, capsys, name, content):
-    folder = bench_folder(tmp_path / "b", PERPLEXITY, STREAM)
+    folder = bench_folder(tmp_path / "b", sealed(PERPLEXITY), sealed(STREAM))  # as bench writes them
     (folder / name).parent.mkdir(exist_ok=True)
     (folder / name).write_bytes(content)
     before = snapshot(folder)
@@ -71,7 +72,7 @@ def test_a_report_never_replaces_the_users_own_file(tmp_path, capsys, name, cont
 
 
 def test_a_report_writes_nothing_through_a_tables_link(tmp_path, capsys):
-    folder, outside = bench_folder(tmp_path / "b", PERPLEXITY), tmp_path / "elsewhere"
+    folder, outside = bench_folder(tmp_path / "b", sealed(PERPLEXITY)), tmp_path / "elsewhere"
     outside.mkdir()
     (folder / "tables").symlink_to(outside)
     assert fails(capsys, ["report", str(folder)], f"{folder / 'tables'}: a link", "only inside its folder")

@@ -14,6 +14,7 @@ import pytest
 from helpers import PROBE_MODEL, error_line, fails, run_limited, snapshot, train_tiny_run
 
 from attnlab.cli import main
+from attnlab.data.files import sealed
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -70,8 +71,9 @@ def fonts_cached():
 
 
 def bench_folder(folder: Path) -> Path:
+    """folder/records.jsonl: PERPLEXITY and STREAM, sealed as bench writes them."""
     folder.mkdir()
-    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (PERPLEXITY, STREAM)))
+    (folder / "records.jsonl").write_text("".join(json.dumps(sealed(r)) + "\n" for r in (PERPLEXITY, STREAM)))
     return folder
 
 
@@ -89,8 +91,9 @@ def test_a_report_past_a_full_disk_leaves_the_earlier_report_whole(tmp_path, cap
     before = snapshot(folder)
     assert {"report.md", "report.html", "stream_loss.png", "tables/perplexity.md"} <= set(before)
     with (folder / "records.jsonl").open("a") as records:  # the next report has other figures
-        records.write(json.dumps({**PERPLEXITY, "model": "n", "loss": 3.0, "loss_ci": [2.9, 3.1], "ppl": math.exp(3.0),
-                                  "ppl_ci": [math.exp(2.9), math.exp(3.1)]}) + "\n")  # fmt: skip
+        records.write(json.dumps(sealed({**PERPLEXITY, "model": "n", "loss": 3.0, "loss_ci": [2.9, 3.1],
+                                         "ppl": math.exp(3.0), "ppl_ci": [math.exp(2.9), math.exp(3.1)]}))
+                      + "\n")  # fmt: skip
     before["records.jsonl"] = (folder / "records.jsonl").read_bytes()
     capsys.readouterr()
     assert run_limited(file_size_limit, LIMIT, ["report", str(folder)]) == 2

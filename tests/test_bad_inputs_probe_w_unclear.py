@@ -17,7 +17,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from helpers import PROBE_MODEL, dry_run, fails, hat_text, probe_manifest, snapshot, tiny_model, train_tiny_run
+from helpers import (
+    PROBE_MODEL,
+    dry_run,
+    fails,
+    hat_text,
+    probe_manifest,
+    snapshot,
+    tiny_model,
+    train_tiny_run,
+    unsealed,
+)
 
 import attnlab.manifest
 from attnlab.cli import main
@@ -287,7 +297,7 @@ def test_a_summary_whose_status_attnlab_never_writes_is_refused(tmp_path, capsys
     summary = json.loads(path.read_text())
     assert summary["status"] == "complete"
     summary.pop("status") if status is None else summary.update(status=status)
-    path.write_text(json.dumps(summary))
+    path.write_text(json.dumps(unsealed(summary)))  # an older attnlab's summary (unsealed): checked by its figures
     said = "status='partial'" if status else "no 'status'"
     line = f"{path}: {said}, where a finished run's summary has status 'complete' (the only value attnlab writes: " \
            "it was changed by hand); its last checkpoint is the last step (2 of 2): delete summary.json alone and " \

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import dry_run, hat_text, probe_manifest
+from helpers import dry_run, hat_text, probe_manifest, unsealed
 
 from attnlab.cli import main
+from attnlab.data.files import sealed
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -158,7 +159,7 @@ def test_s1_a_finished_runs_summary_that_disagrees_with_the_run_is_refused(stopp
     edited = json.loads(summary.read_text())
     edit, said = SUMMARY_EDITS[case]
     edit(edited)
-    summary.write_text(json.dumps(edited))
+    summary.write_text(json.dumps(sealed(edited)))  # (sealed: as another run of the manifest would have written it)
     capsys.readouterr()
     line = refused_alike(capsys, argv, out)
     assert line.startswith(f"{summary}: not this run's summary (") and said in line, line
@@ -182,7 +183,7 @@ def test_s1_a_genuine_finished_run_is_still_skipped(stopped, tmp_path, capsys, c
         del config["model"][field]
         (out / RUN / "config.json").write_text(json.dumps(config, indent=1))
         summary["config_hash"] = hashlib.sha256(json.dumps(config["model"], sort_keys=True).encode()).hexdigest()[:12]
-    (out / RUN / "summary.json").write_text(json.dumps(summary))
+    (out / RUN / "summary.json").write_text(json.dumps(unsealed(summary)))  # an older attnlab's: no sha256 either
     capsys.readouterr()
     assert dry_run(capsys, [*argv, "--dry-run"]).startswith("[1/1] base seed0: done already (val loss ")
     assert main(argv) == 0 and "done already" in capsys.readouterr().out

@@ -12,6 +12,7 @@ import torch
 
 import attnlab
 from attnlab.config import DataConfig, TrainConfig
+from attnlab.data.files import seal_kept
 from attnlab.errors import ConfigError
 from attnlab.train import loop
 from attnlab.train.logging import MetricsLog
@@ -62,7 +63,8 @@ def test_training_learns_and_writes_its_outputs(corpus, tmp_path):
     assert summary["status"] == "complete" and summary["steps"] == 40 and summary["tokens"] == 40 * 4 * 16
     assert summary["val_loss"] < 3.5 and "test_loss" not in summary  # a .txt has no test split here
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert saved == summary
+    assert saved == {**summary, "sha256": saved["sha256"]} and seal_kept(saved)  # sealed: a hand edit is told
+    assert seal_kept({**saved, "val_loss": saved["val_loss"] + 1e-9}) is False
     assert (tmp_path / "run" / "checkpoints" / "best.json").exists()
     cfg, reloaded = attnlab.train.load_model_from_checkpoint(tmp_path / "run")
     assert cfg.attention.kind == "decoupled" and not reloaded.training

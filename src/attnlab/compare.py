@@ -25,6 +25,7 @@ from attnlab.data.files import (
     outputs_together,
     read_json_lines,
     read_json_object,
+    seal_kept,
     sha256_file,
     special_file,
 )
@@ -38,10 +39,10 @@ SEED_DIR = re.compile(r"seed(\d+)")
 WHERE = "give the folder `attnlab run --out` wrote for a manifest, e.g. runs/quickstart"
 
 
-def collect_runs(runs_dir: str | Path) -> list[dict]:
+def collect_runs(runs_dir: str | Path, quiet: bool = False) -> list[dict]:
     """Every finished run under runs_dir (runs_dir itself may be a target's or a run's folder): {target, seed,
     phase, dir, target_dir, config (its config.json without train.seed, as a string), summary, val_curve
-    [(tokens, loss)]}."""
+    [(tokens, loss)]}; one AttnlabWarning line names summaries without a seal (an older attnlab's) unless quiet."""
     runs_dir = Path(runs_dir)
     if runs_dir.is_file():
         raise DataError(f"{runs_dir}: a file, not a folder ({WHERE})")
@@ -76,6 +77,12 @@ def collect_runs(runs_dir: str | Path) -> list[dict]:
         })  # fmt: skip
     if not runs:
         raise DataError(f"{runs_dir}: no finished runs (<target>/seed<S>/summary.json) in it or below it ({WHERE})")
+    unsealed = [run["dir"] for run in runs if seal_kept(run["summary"]) is None]
+    if unsealed and not quiet:  # (one line for them all; quiet: compare says it when it runs)
+        more, them = (f" and {len(unsealed) - 1} more", ("them", "their")) if len(unsealed) > 1 else ("", ("it", "its"))
+        warnings.warn(f"{unsealed[0]}/summary.json{more}: no sha256 in {them[0]} (an older attnlab wrote {them[0]}, or "
+                      f"it was taken out): {them[1]} figures are checked only against each other", AttnlabWarning,
+                      stacklevel=2)  # fmt: skip
     return runs
 
 
@@ -170,6 +177,8 @@ def _summary(path: Path) -> dict:
         "last checkpoint"
     )
     summary = read_json_object(path, fix)
+    if seal_kept(summary) is False:
+        raise DataError(f"{path}: changed after the run wrote it (its sha256 no longer matches its fields); {fix}")
     for key in ("params", "kv_bytes_per_token_fp16", "val_loss"):
         if key not in summary:
             raise DataError(f"{path}: no {key!r} in it (it was changed); {fix}")
@@ -251,7 +260,32 @@ def group_runs(runs: list[dict]) -> tuple[dict[str, list[dict]], list[str]]:
     out: dict[str, list[dict]] = {}
     for key, members in groups.items():
         out[names[key]] = members
-    return out, notes
+    unlike = scoring_note(out)
+    return out, [*notes, unlike] if unlike else notes
+
+
+# What a run's held-out losses are over: its data and its evaluation windows. Rows that differ in one compare losses
+# over different tokens (two manifests' runs in one folder), which "val loss vs base" would hide.
+SCORED_BY = ("train.seq_len", "train.eval_tokens", "train.test_tokens")
+
+
+def scoring_note(groups: dict[str, list[dict]]) -> str | None:
+    """A note when the rows' losses were scored on different held-out tokens (data.* or SCORED_BY differ), naming
+    the first such key and two rows that differ in it; None when every row was scored alike."""
+    scored = {}
+    for name, members in groups.items():
+        config = _flat(json.loads(members[0]["config"])) if members[0].get("config") else {}
+        scored[name] = {k: v for k, v in config.items() if k.startswith("data.") or k in SCORED_BY}
+    for key in sorted({k for c in scored.values() for k in c}):
+        values = {}
+        for name, config in scored.items():
+            values.setdefault(json.dumps(config.get(key)), name)
+        if len(values) > 1:
+            (a, first), (b, second) = list(values.items())[:2]
+            return (f"Rows scored on different held-out tokens ({key} {a} in {first}, {b} in {second}): their "
+                    "losses, and 'val loss vs base', compare unlike things; compare each manifest's runs on their "
+                    "own.")  # fmt: skip
+    return None
 
 
 def _flat(config: dict, prefix: str = "") -> dict:
@@ -355,6 +389,9 @@ def compare(
         warnings.warn(f"target {default!r} has no finished run: the baseline is {rows[0]['baseline']!r} instead",
                       AttnlabWarning, stacklevel=2)  # fmt: skip
     groups, notes = group_runs(runs)
+    unlike = scoring_note(groups)
+    if unlike:  # (group_runs says it in the table's notes too)
+        warnings.warn(unlike, AttnlabWarning, stacklevel=2)
     runs = [{**run, "row": name} for name, members in groups.items() for run in members]  # the plot's names
     check_not_in_run(runs_dir, out_dir)
     out_dir = Path(out_dir or runs_dir)
@@ -381,7 +418,7 @@ def markdown_now(runs_dir: Path) -> str | None:
     if runs_dir.is_dir() and not any(runs_dir.rglob("summary.json")):
         return ""
     try:
-        runs = collect_runs(runs_dir)
+        runs = collect_runs(runs_dir, quiet=True)
         return to_markdown(compare_table(runs), group_runs(runs)[1])
     except (DataError, InputError, OSError, ValueError, KeyError, TypeError):
         return None

@@ -25,7 +25,7 @@ import yaml
 from attnlab.compare import OWN_START, check_outputs, check_run_file, config_fix, markdown_now, summary_problem
 from attnlab.config import idle_memory_problem, names_model
 from attnlab.config_checks import unknown_key_problem
-from attnlab.data.files import broken_link, lock_file_problem, read_json_object
+from attnlab.data.files import broken_link, lock_file_problem, read_json_object, seal_kept
 from attnlab.data.pretrained import tokenizer_from_folder
 from attnlab.data.sampler import sampler_state
 from attnlab.data.sources import NAMED_SOURCES, local_files, local_path
@@ -117,6 +117,9 @@ def finished_run(run_dir: Path, config: dict, source=None, data_problem=None) ->
         summary = read_json_object(summary_path)
     except DataError as e:  # the checkpoints are all there: the summary alone is rewritten by the run
         raise DataError(f"{e}; {summary_fix(run_dir, config)}") from None
+    if seal_kept(summary) is False:
+        raise DataError(f"{summary_path}: changed after the run wrote it (its sha256 no longer matches its fields); "
+                        f"{summary_fix(run_dir, config)}")  # fmt: skip
     if summary.get("status") != SUMMARY_STATUS:  # the one status train() writes, when the run is finished
         said = f"status={brief(summary['status'])}" if "status" in summary else "no 'status'"
         raise DataError(f"{summary_path}: {said}, where a finished run's summary has status {SUMMARY_STATUS!r} "

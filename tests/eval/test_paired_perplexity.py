@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers import fails
 
+from attnlab.data.files import sealed
 from attnlab.errors import InputError
 from attnlab.eval.perplexity import paired_difference, summarize_losses
 from attnlab.eval.report import build_report
@@ -67,8 +68,9 @@ def test_records_of_other_windows_or_without_window_losses_are_refused():
 
 
 def write(folder, *rows):
+    """folder/records.jsonl of rows, sealed as attnlab writes its records."""
     folder.mkdir(exist_ok=True)
-    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "records.jsonl").write_text("".join(json.dumps(sealed(r)) + "\n" for r in rows))
     return folder
 
 

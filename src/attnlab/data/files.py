@@ -237,6 +237,31 @@ def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+SEAL = "sha256"  # the field of a record (or a run's summary.json) holding the sha256 of its other fields
+
+
+def _fields_digest(fields: dict) -> str:
+    # over the fields as they read back from JSON (a tuple reads as a list, an integer key as a string): the form in
+    # which a reader sees them
+    text = json.dumps(json.loads(json.dumps(fields, sort_keys=True)), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sealed(row: dict) -> dict:
+    """row with SEAL, the sha256 of its other fields as canonical JSON (sorted keys; a float as Python writes it,
+    which reads back as the same float): a copy changed after it was written no longer matches (seal_kept)."""
+    fields = {k: v for k, v in row.items() if k != SEAL}
+    return {**fields, SEAL: _fields_digest(fields)}
+
+
+def seal_kept(row: dict) -> bool | None:
+    """True when row's SEAL matches its other fields, False when it does not (a field changed, added or taken out
+    after it was written), None when it has none (an older attnlab's, before records were sealed, or taken out)."""
+    if SEAL not in row:
+        return None
+    return row[SEAL] == _fields_digest({k: v for k, v in row.items() if k != SEAL})
+
+
 def open_text(path: str | Path) -> IO[str]:
     """Opens a UTF-8 text file for reading, decompressing `.xz` and `.gz` transparently; a leading byte-order mark
     (some editors write one) is dropped, not read as text."""

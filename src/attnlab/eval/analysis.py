@@ -256,7 +256,9 @@ def token_offsets(tokenizer, ids: list[int], text: str) -> list[tuple[int, int]]
 def char_region_to_tokens(tokenizer, text: str, ids: list[int], start: int, end: int) -> tuple[int, int]:
     """The token span [a, b) covering characters [start, end) of text (every token that overlaps them)."""
     if tokenizer.decode(ids) != text:
-        raise InputError(f"tokenizer {tokenizer.name!r} does not decode the prompt back to itself: give token spans")
+        raise InputError(f"tokenizer {tokenizer.name!r} does not decode the prompt back to itself, so regions in "
+                         "characters cannot be told in tokens: give them in tokens (unit=tokens, regions={name: "
+                         "[start, end]} in token positions)")  # fmt: skip
     if not 0 <= start < end:
         raise InputError(f"character region {start}:{end} is reversed or empty: a region [start, end) needs "
                          "0 <= start < end")  # fmt: skip

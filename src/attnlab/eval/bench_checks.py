@@ -18,6 +18,7 @@ from attnlab.cache.codecs import FLOAT_FORMATS
 from attnlab.config import source_problem
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.prepared import SPLIT_ALIASES
+from attnlab.errors import ConfigError, InputError
 from attnlab.eval.kvquant import OWN_SPLITS, split_problem
 from attnlab.eval.multiple_choice import TASKS
 from attnlab.paths import brief
@@ -54,7 +55,12 @@ def parameter_problems(name: str, params: dict, where: str = "benchmarks") -> li
                             f"bucket of at most {length} positions")  # fmt: skip
     if name == "perplexity":
         max_tokens = whole("max_tokens")
-        if max_tokens is not None and max_tokens < MIN_PERPLEXITY_TOKENS:
+        if max_tokens is not None and max_tokens < 1:
+            problems.append(
+                f"{where}.perplexity.max_tokens={max_tokens} is not a number of tokens (give "
+                f"{MIN_PERPLEXITY_TOKENS} or more, or leave max_tokens out for the whole split)"
+            )
+        elif max_tokens is not None and max_tokens < MIN_PERPLEXITY_TOKENS:
             problems.append(f"{where}.perplexity.max_tokens={max_tokens} is too few for an interval: the bootstrap "
                             f"over windows needs two windows, {MIN_PERPLEXITY_TOKENS} tokens at the least (give more, "
                             "or leave max_tokens out for the whole split)")  # fmt: skip
@@ -177,10 +183,14 @@ def cache_memory_problem(name: str, full: dict, cfg, label: str) -> str | None:
     else:
         return None
     lengths = [n for n in lengths if n <= cfg.max_seq_len] or None
+    policy = full.get("kv_policy")
+    try:  # (a policy this model's cache cannot take, named by its key and the model, before any model is loaded)
+        per_sequence = kv_report(cfg, dtype, max(lengths or [1]), policy)["kv_bytes"]
+    except (ConfigError, InputError) as e:
+        return f"benchmarks.{name}.kv_policy={policy} on {label}: {e}"
     have = machine_memory()
     if lengths is None or have is None:
         return None
-    per_sequence = kv_report(cfg, dtype, max(lengths), full.get("kv_policy"))["kv_bytes"]
     batch = max(batches)
     if per_sequence * batch <= have:
         return None

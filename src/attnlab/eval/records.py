@@ -22,6 +22,7 @@ import attnlab
 from attnlab.data.files import (
     LINK_LOOP,
     OUTPUTS_IDLE,
+    SEAL,
     appending_in,
     atomic_path,
     file_kind,
@@ -30,6 +31,7 @@ from attnlab.data.files import (
     read_json_lines,
     read_only_file_system,
     remove_stale_temporaries,
+    sealed,
 )
 from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.record_sense import AGREE, figures_problem, written_slack
@@ -162,7 +164,7 @@ def append_records_together(rows_by_path: dict) -> list[Path]:
             if old and not old.endswith("\n"):
                 old += "\n"
             tmp = stack.enter_context(atomic_path(path, durable=True))  # renamed when every one is written
-            tmp.write_text(old + "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), encoding="utf-8")
+            tmp.write_text(old + "".join(json.dumps(sealed(r), sort_keys=True) + "\n" for r in rows), encoding="utf-8")
     return paths
 
 
@@ -226,7 +228,8 @@ SETTING: dict[str, tuple[str, ...]] = {
     "kv_quant": ("policy", "dataset", "split", "seq_len", "tokens", "chunk", "dtype"),
     "presses": ("context", "window", "continuation", "press", "budget", "impl"),  # bench/presses.py's rows
 }
-VOLATILE = ("time", "attnlab", "torch", "python", "threads", "weights")  # when and with what: not what was measured
+# when and with what (and the record's seal): not what was measured
+VOLATILE = ("time", "attnlab", "torch", "python", "threads", "weights", SEAL)
 
 
 def setting_key(record: dict) -> str | None:
@@ -570,6 +573,8 @@ def record_problem(record: dict) -> str | None:
     problem = _contradiction(record) or figures_problem(record)
     if problem:
         return problem
+    if record["benchmark"] == "effective_rank" and not record["layers"]:
+        return "field 'layers' is empty: an effective_rank record holds one entry per layer"
     losses, counts = record.get("window_loss"), record.get("window_tokens")
     if isinstance(losses, list) and isinstance(counts, list) and (len(losses) != len(counts) or not losses):
         return (f"field 'window_loss' has {len(losses)} entries and 'window_tokens' {len(counts)}: one of each per "

@@ -25,8 +25,8 @@ from attnlab.eval.plots import (
     quiet_missing_glyphs,
     record_drawings,
 )
-from attnlab.eval.records import bench_records, latest_and_distinct, pair_labels, read_records, record_problem
-from attnlab.eval.report_outputs import check_outputs, record_outputs, warn_unknown_benchmarks
+from attnlab.eval.records import bench_records, latest_and_distinct, pair_labels, read_records
+from attnlab.eval.report_outputs import check_outputs, check_records, record_outputs, warn_unknown_benchmarks
 from attnlab.eval.stats import paired_comparison
 
 
@@ -414,17 +414,7 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
     records = read_records(records_path)
     if not records:
         raise DataError(f"{records_path}: holds no records (empty): run `attnlab bench ... --out {out_dir}` first")
-    for number, record in enumerate(records, 1):
-        if not isinstance(record.get("benchmark"), str) or not isinstance(record.get("model"), str):
-            raise DataError(f"{records_path}: record {number} names no benchmark or model (the file was changed); "
-                            "remove that line, or run the benchmark again")  # fmt: skip
-        problem = record_problem(record)
-        if problem:
-            model = record["model"]
-            model = model if model.isprintable() and model.strip() else repr(model)  # (one line, whatever it holds)
-            which = f"record {number} ({record['benchmark']}, {model})"
-            raise DataError(f"{records_path}: {which}: {problem} (the file was changed); repair or remove that line, "
-                            "or run the benchmark again")  # fmt: skip
+    check_records(records_path, records)  # (each record as attnlab wrote it, its figures agreeing)
     warn_unknown_benchmarks(records_path, records, (*DRAWN, "kv_tune"))  # (kv-tune's: known, not drawn)
     for name, folder in (("tables", True), ("report.md", False), ("report.html", False)):  # before anything is written
         place = out_dir / name

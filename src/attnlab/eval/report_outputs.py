@@ -7,9 +7,10 @@ import os
 import warnings
 from pathlib import Path
 
-from attnlab.data.files import atomic_write_text, sha256_file
-from attnlab.errors import AttnlabWarning, InputError
+from attnlab.data.files import atomic_write_text, seal_kept, sha256_file
+from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.plots import attnlab_png
+from attnlab.eval.records import record_problem
 from attnlab.output_record import changed_output, record_line
 
 # How the report's own files begin (and its tables' Markdown and LaTeX): another file at their place is the user's,
@@ -90,3 +91,30 @@ def warn_unknown_benchmarks(records_path: Path, records: list[dict], known) -> N
     said = (f"{records_path}: {shown}{more}: not a benchmark attnlab knows (a hand edit, or a newer attnlab's "
             f"record), so not in this report; known: {', '.join(known)}")  # fmt: skip
     warnings.warn(said, AttnlabWarning, stacklevel=3)
+
+
+def check_records(records_path: Path, records: list[dict]) -> None:
+    """Refuses (DataError, one line naming the record) a record changed after attnlab wrote it (its sha256 no longer
+    matches its fields), or one whose figures are impossible or contradict each other (record_problem: an unsealed
+    record, an older attnlab's, is checked by its figures alone); one AttnlabWarning line counts the unsealed."""
+    unsealed = 0
+    for number, record in enumerate(records, 1):
+        if not isinstance(record.get("benchmark"), str) or not isinstance(record.get("model"), str):
+            raise DataError(f"{records_path}: record {number} names no benchmark or model (the file was changed); "
+                            "remove that line, or run the benchmark again")  # fmt: skip
+        model = record["model"]
+        model = model if model.isprintable() and model.strip() else repr(model)  # (one line, whatever it holds)
+        which = f"record {number} ({record['benchmark']}, {model})"
+        kept = seal_kept(record)
+        if kept is False:
+            raise DataError(f"{records_path}: {which} was changed after attnlab wrote it (its sha256 no longer matches "
+                            "its fields): take that line out, or run the benchmark again")  # fmt: skip
+        unsealed += kept is None
+        problem = record_problem(record)
+        if problem:
+            raise DataError(f"{records_path}: {which}: {problem} (the file was changed); repair or remove that line, "
+                            "or run the benchmark again")  # fmt: skip
+    if unsealed:
+        said = f"{unsealed} of its {len(records)} records carry" if unsealed < len(records) else "its records carry"
+        warnings.warn(f"{records_path}: {said} no sha256 (an older attnlab wrote them, or it was taken out): they are "
+                      "checked only for figures that contradict each other", AttnlabWarning, stacklevel=3)  # fmt: skip

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from attnlab.accounting import kv_report, param_counts
 from attnlab.config import DataConfig, ModelConfig, TrainConfig, idle_memory_problem, untrainable_memory_problem
 from attnlab.data import BatchSampler
-from attnlab.data.files import atomic_write_text
+from attnlab.data.files import atomic_write_text, sealed
 from attnlab.data.prepared_meta import _redo
 from attnlab.data.sampler import eval_window_problem
 from attnlab.data.tokenizers import tokenizer_copy_problem, tokenizer_record
@@ -375,6 +375,6 @@ def finish(model, prepared, train_cfg, state, config, run_dir, device, amp_dtype
             train_seconds=state["train_seconds"],
             config_hash=model_cfg.config_hash(),
         )
-        write_json_atomic(Path(run_dir) / "summary.json", summary)
+        write_json_atomic(Path(run_dir) / "summary.json", sealed(summary))  # (a copy changed later is refused)
     barrier(dist_info)
     return summary
