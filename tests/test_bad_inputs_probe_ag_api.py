@@ -25,50 +25,47 @@ pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 
 @pytest.fixture(scope="module")
-def memory_run(streaming_run) -> Path:
-    return streaming_run
-
-
-@pytest.fixture(scope="module")
-def ingested(memory_run, tmp_path_factory) -> tuple[MemoryStore, Path]:
-    """A store holding memory 'notes' of memory_run, and its document."""
+def ingested(streaming_run, tmp_path_factory) -> tuple[MemoryStore, Path]:
+    """A store holding memory 'notes' of streaming_run, and its document."""
     folder = tmp_path_factory.mktemp("store")
     doc = folder / "doc1.txt"
     doc.write_text("the cat sat on the mat " * 4)
     store = MemoryStore(folder / "store")
-    attnlab.memory.ingest(store, memory_run, [doc], "notes")
+    attnlab.memory.ingest(store, streaming_run, [doc], "notes")
     return store, doc
 
 
 # ----------------------------------------------------------------------------- AG1: ingest's flags
 
 
-def test_ag1_ingest_refuses_a_replace_or_progress_that_is_not_true_or_false_touching_nothing(memory_run, ingested):
+def test_ag1_ingest_refuses_a_replace_or_progress_that_is_not_true_or_false_touching_nothing(streaming_run, ingested):
     store, doc = ingested
     before = snapshot(store.root)
     for replace in ("no", "false", 0, 1, None):
-        assert refused(lambda: attnlab.memory.ingest(store, memory_run, [doc], "notes", replace=replace),  # noqa: B023
+        assert refused(lambda: attnlab.memory.ingest(store, streaming_run, [doc], "notes", replace=replace),  # noqa: B023
                        f"replace={replace!r} must be True or False")  # fmt: skip
-    assert refused(lambda: attnlab.memory.ingest(store, memory_run, [doc], "n2", progress="yes"),
+    assert refused(lambda: attnlab.memory.ingest(store, streaming_run, [doc], "n2", progress="yes"),
                    "progress='yes' must be True or False")  # fmt: skip
     assert snapshot(store.root) == before  # the memory is not replaced, no other is made
     assert refused(lambda: MemoryStore(store.root, create="no"), "create='no' must be True or False")
-    assert refused(lambda: attnlab.memory.ingest(str(store.root), memory_run, [doc], "n3"),
+    assert refused(lambda: attnlab.memory.ingest(str(store.root), streaming_run, [doc], "n3"),
                    "store must be a MemoryStore", "got str")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- AG18: ingest's documents
 
 
-def test_ag18_ingest_refuses_documents_that_are_not_a_list_of_paths(memory_run, ingested):
+def test_ag18_ingest_refuses_documents_that_are_not_a_list_of_paths(streaming_run, ingested):
     store, doc = ingested
     before = snapshot(store.root)
-    assert refused(lambda: attnlab.memory.ingest(store, memory_run, "doc1.txt", "n1"),
+    assert refused(lambda: attnlab.memory.ingest(store, streaming_run, "doc1.txt", "n1"),
                    "documents must be a list of paths, got str 'doc1.txt' (give ['doc1.txt'])")  # fmt: skip
-    assert refused(lambda: attnlab.memory.ingest(store, memory_run, doc, "n1"), "documents must be a list of paths",
+    assert refused(lambda: attnlab.memory.ingest(store, streaming_run, doc, "n1"), "documents must be a list of paths",
                    f"(give [{str(doc)!r}])")  # fmt: skip
-    assert refused(lambda: attnlab.memory.ingest(store, memory_run, 5, "n1"), "documents must be a list", "got int 5")
-    assert refused(lambda: attnlab.memory.ingest(store, memory_run, [doc, 5], "n1"), "documents[1] is int 5",
+    assert refused(
+        lambda: attnlab.memory.ingest(store, streaming_run, 5, "n1"), "documents must be a list", "got int 5"
+    )
+    assert refused(lambda: attnlab.memory.ingest(store, streaming_run, [doc, 5], "n1"), "documents[1] is int 5",
                    "documents must be paths")  # fmt: skip
     assert snapshot(store.root) == before
 
@@ -148,20 +145,20 @@ def test_ag13_build_model_refuses_a_model_beyond_this_machines_memory_before_all
 # ----------------------------------------------------------------------------- AG15: load_model's data_dir
 
 
-def test_ag15_load_model_refuses_a_data_dir_that_is_not_a_folder_as_the_cli_does(memory_run, tmp_path):
+def test_ag15_load_model_refuses_a_data_dir_that_is_not_a_folder_as_the_cli_does(streaming_run, tmp_path):
     file = tmp_path / "some_file.yml"
     file.write_text("a: 1\n")
     with pytest.raises(DataError) as caught:
-        attnlab.load_model(memory_run, data_dir=file)
+        attnlab.load_model(streaming_run, data_dir=file)
     assert (
         str(caught.value) == f"data_dir={str(file)!r}: a file, not a folder (name the folder that holds the data files)"
     )
     with pytest.raises(DataError) as caught:
-        attnlab.load_model(memory_run, data_dir=tmp_path / "nonexistent")
+        attnlab.load_model(streaming_run, data_dir=tmp_path / "nonexistent")
     assert str(caught.value).endswith("nonexistent': no such folder (name the folder that holds the data files)")
-    assert refused(lambda: attnlab.load_model(memory_run, data_dir=5), "data_dir must be the path of a folder",
+    assert refused(lambda: attnlab.load_model(streaming_run, data_dir=5), "data_dir must be the path of a folder",
                    "got int 5")  # fmt: skip
-    assert attnlab.load_model(memory_run, data_dir=tmp_path)[0].vocab_size == PROBE_MODEL["vocab_size"]
+    assert attnlab.load_model(streaming_run, data_dir=tmp_path)[0].vocab_size == PROBE_MODEL["vocab_size"]
 
 
 # ----------------------------------------------------------------------------- AG16: decode of bools

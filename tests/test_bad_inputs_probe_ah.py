@@ -6,7 +6,6 @@ its logits off by up to 0.125) without a word (AH5). Each test fails with its fi
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,20 +20,15 @@ from attnlab.memory import MemoryStore
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 
-@pytest.fixture(scope="module")
-def memory_run(streaming_run) -> Path:
-    return streaming_run
-
-
-def test_ah2_ingest_refuses_a_document_given_twice_touching_nothing(memory_run, tmp_path, monkeypatch):
+def test_ah2_ingest_refuses_a_document_given_twice_touching_nothing(streaming_run, tmp_path, monkeypatch):
     doc = tmp_path / "doc1.txt"
     doc.write_text("the cat sat on the mat " * 4)
     store = MemoryStore(tmp_path / "store")
-    attnlab.memory.ingest(store, memory_run, [doc], "notes")
+    attnlab.memory.ingest(store, streaming_run, [doc], "notes")
     before = snapshot(store.root)
     monkeypatch.chdir(tmp_path)
     for documents in ([doc, doc], ["doc1.txt", "./doc1.txt"], [doc, "doc1.txt"]):
-        assert refused(lambda documents=documents: attnlab.memory.ingest(store, memory_run, documents, "twice"),
+        assert refused(lambda documents=documents: attnlab.memory.ingest(store, streaming_run, documents, "twice"),
                        f"documents: {os.path.realpath(doc)} is given twice", "give each document once")  # fmt: skip
     assert snapshot(store.root) == before
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -72,13 +71,8 @@ def test_ah1_a_stream_keeps_the_spaces_a_piece_decoded_alone_loses():
     assert streamed(tokenizer, ids).getvalue() == whole + "\n"
 
 
-@pytest.fixture(scope="module")
-def memory_run(streaming_run) -> Path:
-    return streaming_run
-
-
-def test_ah1_an_interrupted_generation_keeps_the_text_it_made(memory_run, capsys, monkeypatch):
-    argv = ["generate", str(memory_run), "the cat", "--max-new-tokens"]
+def test_ah1_an_interrupted_generation_keeps_the_text_it_made(streaming_run, capsys, monkeypatch):
+    argv = ["generate", str(streaming_run), "the cat", "--max-new-tokens"]
     assert main([*argv, "12"]) == 0
     twelve = capsys.readouterr().out
     assert twelve.startswith("the cat") and len(twelve) == len("the cat") + 12 + 1  # char tokens, a line end
@@ -103,9 +97,9 @@ def test_ah1_an_interrupted_generation_keeps_the_text_it_made(memory_run, capsys
     assert "attnlab generate: interrupted" in captured.err
 
 
-def test_ah3_a_damaged_run_config_is_fixed_by_copying_its_checkpoints(memory_run, tmp_path, capsys):
+def test_ah3_a_damaged_run_config_is_fixed_by_copying_its_checkpoints(streaming_run, tmp_path, capsys):
     runs = tmp_path / "runs"
-    shutil.copytree(memory_run.parent, runs / "tiny")
+    shutil.copytree(streaming_run.parent, runs / "tiny")
     config = runs / "tiny" / "seed0" / "config.json"
     kept = next((runs / "tiny" / "seed0" / "checkpoints").glob("step-*")) / "config.json"
     config.write_text('{"model": ')
@@ -144,12 +138,12 @@ def test_ah1_a_generation_refused_before_its_first_token_writes_nothing():
         assert out.getvalue() == lead + "\n"
 
 
-def test_ah6_a_store_whose_first_ingest_hit_a_file_size_limit_lists_as_empty(memory_run, tmp_path, capsys,
+def test_ah6_a_store_whose_first_ingest_hit_a_file_size_limit_lists_as_empty(streaming_run, tmp_path, capsys,
                                                                                file_size_limit):  # fmt: skip
     doc = tmp_path / "doc1.txt"
     doc.write_text("the cat sat on the mat " * 4)
     store = tmp_path / "store"
-    ingest = ["memory", "ingest", str(memory_run), str(doc), "--store", str(store), "--name", "u", "--no-progress"]
+    ingest = ["memory", "ingest", str(streaming_run), str(doc), "--store", str(store), "--name", "u", "--no-progress"]
     assert run_limited(file_size_limit, 2048, ingest) == 2
     assert "could not be written" in capsys.readouterr().err
     assert (store / "index.sqlite").stat().st_size == 0  # SQLite made the file, and could write nothing in it

@@ -30,25 +30,20 @@ pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
 
 @pytest.fixture(scope="module")
-def memory_run(streaming_run) -> Path:
-    return streaming_run
-
-
-@pytest.fixture(scope="module")
 def plain_run(tiny_run) -> Path:
     return tiny_run
 
 
-def test_ai1_ingest_refuses_a_document_given_again_through_a_hard_link(memory_run, tmp_path):
+def test_ai1_ingest_refuses_a_document_given_again_through_a_hard_link(streaming_run, tmp_path):
     doc, hard = tmp_path / "doc1.txt", tmp_path / "doc1hard.txt"
     doc.write_text("the cat sat on the mat " * 4)
     os.link(doc, hard)
     store = MemoryStore(tmp_path / "store")
     said = f"documents: {os.path.realpath(doc)} is given twice (as {str(doc)!r}, {str(hard)!r})"
-    assert refused_by(lambda: attnlab.memory.ingest(store, memory_run, [doc, hard], "dup"), said)
+    assert refused_by(lambda: attnlab.memory.ingest(store, streaming_run, [doc, hard], "dup"), said)
     copy = tmp_path / "copy.txt"  # the same bytes in another file: two documents, as given
     copy.write_bytes(doc.read_bytes())
-    entry = attnlab.memory.ingest(store, memory_run, [doc, copy], "two")
+    entry = attnlab.memory.ingest(store, streaming_run, [doc, copy], "two")
     assert len(entry.documents) == 2
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import errno
 import os
 import shlex
@@ -57,6 +58,11 @@ def _shown(values) -> str:
     return " ".join(map(str, values)) if isinstance(values, list) else str(values)
 
 
+# The command line the root parser read, for a subcommand's error() hint: per thread and context, not a class's
+# state (two parses at once in one process, as tests and library callers make, each see their own).
+COMMAND_LINE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("attnlab_command_line", default=())
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose usage errors (`--top-p abc`) are one line too, with exit code 2, from the (sub)command
     they concern: `attnlab list extra` is refused by `attnlab list`. An option that takes one value refuses to
@@ -67,8 +73,6 @@ class Parser(argparse.ArgumentParser):
             kwargs["action"] = Once
         return super().add_argument(*names, **kwargs)
 
-    given: list[str] = []  # the command line parse_args read, for error()'s hint
-
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {one_line(message)}{self._dash_hint(message)} (see {self.prog} --help)\n")
 
@@ -78,7 +82,8 @@ class Parser(argparse.ArgumentParser):
         if not any(action.dest == "prompt" for action in self._actions):
             return ""
         options = {name for action in self._actions for name in action.option_strings}
-        words = Parser.given[: Parser.given.index("--")] if "--" in Parser.given else Parser.given
+        given = COMMAND_LINE.get()
+        words = given[: given.index("--")] if "--" in given else given
         # (-5 is a number, which argparse reads as a value)
         dashed = [w for w in words if w.startswith("-") and w.split("=")[0] not in options and not w[1:2].isdigit()]
         if not dashed or not ("prompt" in message or "ignored explicit argument" in message):
@@ -86,7 +91,7 @@ class Parser(argparse.ArgumentParser):
         return f"; to give {dashed[0]!r} as the prompt, put -- before it ({self.prog} ... -- {shlex.quote(dashed[0])})"
 
     def parse_args(self, args=None, namespace=None):
-        Parser.given = list(sys.argv[1:] if args is None else args)
+        COMMAND_LINE.set(tuple(sys.argv[1:] if args is None else args))
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             self._command_of(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
