@@ -5,8 +5,9 @@ validate passed a benchmark of a split the checkpoint's data lacks, which bench 
 named `gguf:NAME` with no fix (AI5), one without general.architecture said "None is not supported" (AI6); export
 of a converted bottleneck named an internal RoPE type (AI8); kv-eval's --split named a Python tuple (AI9); mc called
 a text file given as the task a model (AI10); kv-tune offered the full-precision cache under three residual windows
-and chose the one its warning had left out (AI11); a prompt starting with '-' got argparse's --help line (AI12).
-Each test fails with its fix backed out."""
+and chose the one its warning had left out (AI11); a prompt starting with '-' got argparse's --help line (AI12); a
+quoted number was read as the number in a float field and refused as "got str" in an int field (AI7). Each test
+fails with its fix backed out."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import fails
+from helpers import fails, hat_text, probe_manifest
 
 import attnlab
 import attnlab.memory
@@ -213,3 +214,29 @@ def test_ai12_a_prompt_starting_with_a_dash_is_said_to_go_after_double_dash(plai
     assert "unrecognized arguments: --bogus" in line and "as the prompt" not in line  # a mistyped option
     assert main(["generate", str(plain_run), "--max-new-tokens", "2", "--", "-hello"]) == 0
     assert capsys.readouterr().out.startswith("-hello")
+
+
+@pytest.mark.parametrize(("train", "said"), [
+    ('{seq_len: 16, steps: 2, lr: "0.003"}', "train.lr='0.003' is quoted, so text, not a number: write 0.003 without"),
+    ("{seq_len: 16, steps: 2, lr: '3e-3'}", "train.lr='3e-3' is quoted, so text, not a number: write 3e-3 without"),
+    ('{seq_len: 16, steps: 2, warmup_steps: "2"}', "train.warmup_steps='2' is quoted, so text, not a number: write "
+     "2 without"),
+], ids=["a float field", "a float field, exponent form", "an int field"])  # fmt: skip
+def test_ai7_a_quoted_number_is_text_in_every_number_field(tmp_path, capsys, train, said):
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), train)
+    assert main(["validate", str(manifest)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f"m.yml: targets.base: {said} the quotes"), err
+    assert fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o")], said)
+
+
+def test_ai7_unquoted_numbers_and_quoted_text_are_read_as_before(tmp_path, capsys):
+    """3e-3 unquoted (text to YAML 1.1) is the number; a quoted name is a name, and written back as one."""
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), "{seq_len: 16, steps: 2, lr: 3e-3}",
+                              targets='  "base": {description: "a quoted note"}\n')  # fmt: skip
+    assert main(["validate", str(manifest)]) == 0, capsys.readouterr().err
+    assert fails(capsys, ["run", str(manifest), "--out", str(tmp_path / "o"), "--dry-run", "--set",
+                          'train.lr="3e-3"'], "train.lr='3e-3' is quoted")  # fmt: skip
+    assert main(["run", str(manifest), "--out", str(tmp_path / "o")]) == 0
+    saved = (tmp_path / "o" / "m" / "base" / "seed0" / "config.yaml").read_text()
+    assert "lr: 0.003" in saved and "!!python" not in saved, saved

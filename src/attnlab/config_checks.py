@@ -83,6 +83,27 @@ def value_problem(value: Any, annotation: Any, key: str, int_limit: int = MAX_IN
 EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 4e0, 1E3: PyYAML reads them as strings (no dot)
 
 
+PLAIN_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")  # what reads as a number written plainly
+
+
+class Quoted(str):
+    """A YAML scalar the file quoted ("0.003", '2'): text, even where it reads as a number (config_io.StrictLoader
+    makes it). A number field refuses it (quoted_number_problem) rather than read it as the number."""
+
+
+Quoted.__name__ = "str"  # what a line saying a value's type ("must be int, got str") calls it: a string
+
+
+def quoted_number_problem(value: Any, annotation: Any, key: str) -> str | None:
+    """The line for a number field given a quoted number: the file made it text on purpose or by mistake, and a
+    number field reads text as a number nowhere else (an int field would say "got str")."""
+    if not isinstance(value, Quoted) or not _type_ok(1, annotation) and not _type_ok(1.5, annotation):
+        return None
+    if not PLAIN_NUMBER.fullmatch(value.strip()):  # ('1_2' and 'nan' are numbers to float() alone: "got str")
+        return None
+    return f"{key}={brief(str(value))} is quoted, so text, not a number: write {value.strip()} without the quotes"
+
+
 def exponent_text_problem(value: Any, annotation: Any, key: str) -> str | None:
     """The line for a whole-number field given a number in exponent form without a dot (4e0, 1e3): PyYAML (YAML
     1.1) reads it as a string, so "must be int, got str" would puzzle; it says so and the integer to write."""
@@ -140,6 +161,10 @@ def dataclass_kwargs(cls: type, data: Any, where: str, problems: list[str], skip
             problems.append(unknown_key_problem(key, list(fields) + list(skip), where))
             continue
         annotation, limit = types_of[key]
+        quoted = quoted_number_problem(value, annotation, where + key)
+        if quoted:
+            problems.append(quoted)
+            continue
         if isinstance(value, str) and _type_ok(1.5, annotation):
             # PyYAML reads 3e-4 (no dot) as a string: accept numbers written that way.
             try:

@@ -16,7 +16,7 @@ import yaml
 
 from attnlab.attention.registry import parse_attention
 from attnlab.config import MemoryConfig, ModelConfig, RopeScaling
-from attnlab.config_checks import build_collecting, dataclass_kwargs
+from attnlab.config_checks import Quoted, build_collecting, dataclass_kwargs
 from attnlab.config_memory import misplaced_options, misplaced_problem
 from attnlab.data.files import unreachable
 from attnlab.errors import ConfigError, InputError, given
@@ -158,6 +158,12 @@ class StrictLoader(yaml.SafeLoader):
             raise self._yaml_11_only(node, value, "its underscores dropped")
         return value
 
+    def construct_yaml_str(self, node: yaml.ScalarNode) -> str:
+        """A quoted scalar is Quoted (text the file meant as text: a number field refuses "0.003"); written out again
+        (config.yaml) as a plain string."""
+        value = super().construct_yaml_str(node)
+        return Quoted(value) if node.style in ("'", '"') else value
+
     def construct_yaml_bool(self, node: yaml.ScalarNode) -> bool:
         """true and false (any case YAML 1.2 allows); yes, no, on and off are booleans only in YAML 1.1 (YAML 1.2
         and other tools read strings): refused, as construct_yaml_int refuses 1_000."""
@@ -175,6 +181,8 @@ class StrictLoader(yaml.SafeLoader):
 StrictLoader.add_constructor("tag:yaml.org,2002:bool", StrictLoader.construct_yaml_bool)
 StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
 StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
+StrictLoader.add_constructor("tag:yaml.org,2002:str", StrictLoader.construct_yaml_str)
+yaml.SafeDumper.add_representer(Quoted, yaml.representer.SafeRepresenter.represent_str)
 
 MAX_DEPTH = 100  # levels of nesting a config may have (its deepest is a handful): deeper is a mistake or an attack
 
