@@ -132,7 +132,7 @@ def test_ad2_ad7_a_memory_record_of_length_0_is_refused_naming_record_and_field(
     records[number - 1] = unsealed({**records[number - 1], "length": 0})  # an older attnlab's: checked by figures
     (copy / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert fails(capsys, ["report", str(copy)], f"record {number} (memory, ", "field 'length' is 0, which is impossible",  # noqa: E501
-          "(a cache of 0 tokens is not measured) (the file was changed); repair or remove that line")  # fmt: skip
+          "(a cache of 0 tokens is not measured) (the file was changed): take that line out")  # fmt: skip
     assert not (copy / "report.md").exists()
 
 

@@ -43,7 +43,8 @@ def test_ak11_compare_takes_a_diverged_runs_summary(finished_copy, tmp_path, cap
     assert main(["compare", str(finished_copy), "--out", str(tmp_path / "cmp")]) == 0, capsys.readouterr().err
     warned = [line for line in capsys.readouterr().err.splitlines() if "no sha256" in line]
     said = (f"attnlab compare: warning: {summary}: no sha256 in it (an older attnlab wrote it, or it was taken out): "
-            "its figures are checked only against each other")  # fmt: skip
+            "attnlab cannot tell whether it changed since; only figures that cannot be, or that contradict each "
+            "other, are refused")  # fmt: skip
     assert warned == ([said] if older else []), warned
 
 

@@ -50,7 +50,7 @@ def bench_folder(folder: Path, *rows) -> Path:
 def test_an_impossible_record_is_refused_in_one_line(tmp_path, capsys, record, fragment):
     folder = bench_folder(tmp_path / "b", PERPLEXITY | {"model": "ok"}, record)
     line = fails(capsys, ["report", str(folder)], f"{folder}/records.jsonl: record 2 (", fragment,
-                 "(the file was changed); repair or remove that line, or run the benchmark again")  # fmt: skip
+                 "(the file was changed): take that line out, then run the benchmark again")  # fmt: skip
     assert "\n" not in line
     assert not (folder / "report.md").exists() and not (folder / "tables").exists()
 

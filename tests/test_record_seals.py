@@ -88,8 +88,13 @@ def _latency_median(row: dict) -> dict:  # AK2: a median beside its only sample,
 ], ids=["a figure changed", "a field added", "a field taken out"])  # fmt: skip
 def test_report_refuses_a_record_changed_after_bench_wrote_it(bench_folder, tmp_path, capsys, edit):
     folder = _edited(bench_folder, tmp_path, edit)
-    assert fails(capsys, ["report", str(folder)], "records.jsonl: record ", "was changed after attnlab wrote it",
-                 "take that line out, or run the benchmark again")  # fmt: skip
+    assert fails(
+        capsys,
+        ["report", str(folder)],
+        "records.jsonl: record ",
+        "was changed after attnlab wrote it",
+        "take that line out, then run the benchmark again (attnlab bench measures what the file lacks)",
+    )
     assert not (folder / "report.md").exists()
 
 

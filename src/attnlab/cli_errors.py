@@ -187,10 +187,15 @@ def _origin(path: str | os.PathLike, args, cache: bool = False) -> str | None:
     return None
 
 
-def _elsewhere(origin: str | None) -> str:
-    """How to point attnlab at another place, for a path that came from `origin`."""
+def _elsewhere(origin: str | None, args=None) -> str:
+    """How to point attnlab at another place, for a path that came from `origin`: the command's --out when it has
+    one (compare writes beside the runs it reads unless given --out); `report` writes into the folder it reads."""
     if origin in OPTIONS:
         return f", or choose another folder with {OPTIONS[origin]}"
+    if origin is not None and getattr(args, "command", None) == "report":
+        return ", or copy the folder somewhere writable and report the copy"
+    if origin is not None and not origin.startswith("$") and hasattr(args, "out"):
+        return f", or choose another folder with {OPTIONS['out']}"
     if origin is not None and origin.startswith("$"):
         return f", or set {origin[1:]} to another folder"
     if origin is not None:
@@ -243,7 +248,7 @@ def os_error_line(e: OSError, args) -> str | None:
         fix = "free some space" if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "check the permissions"
         out = f" (or write elsewhere with {OPTIONS['out']})" if getattr(args, "out", None) else ""
         return f"{e.strerror or e}: {fix}{out}"
-    hint = _elsewhere(_origin(path, args, cache=True))
+    hint = _elsewhere(_origin(path, args, cache=True), args)
     if code in (errno.EACCES, errno.EPERM):
         if os.path.lexists(path):
             return f"{path}: permission denied (check its permissions{hint})"

@@ -79,10 +79,10 @@ def collect_runs(runs_dir: str | Path, quiet: bool = False) -> list[dict]:
         raise DataError(f"{runs_dir}: no finished runs (<target>/seed<S>/summary.json) in it or below it ({WHERE})")
     unsealed = [run["dir"] for run in runs if seal_kept(run["summary"]) is None]
     if unsealed and not quiet:  # (one line for them all; quiet: compare says it when it runs)
-        more, them = (f" and {len(unsealed) - 1} more", ("them", "their")) if len(unsealed) > 1 else ("", ("it", "its"))
-        warnings.warn(f"{unsealed[0]}/summary.json{more}: no sha256 in {them[0]} (an older attnlab wrote {them[0]}, or "
-                      f"it was taken out): {them[1]} figures are checked only against each other", AttnlabWarning,
-                      stacklevel=2)  # fmt: skip
+        more, it = (f" and {len(unsealed) - 1} more", "them") if len(unsealed) > 1 else ("", "it")
+        warnings.warn(f"{unsealed[0]}/summary.json{more}: no sha256 in {it} (an older attnlab wrote {it}, or it was "
+                      f"taken out): attnlab cannot tell whether {it} changed since; only figures that cannot be, or "
+                      "that contradict each other, are refused", AttnlabWarning, stacklevel=2)  # fmt: skip
     return runs
 
 
@@ -186,7 +186,8 @@ def _summary(path: Path) -> dict:
         value = summary.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise DataError(f"{path}: {key}={value!r} is not a number (it was changed); {fix}")
-    for key, least in (("params", 1), ("steps", 0), ("tokens", 0)):  # whole numbers (a model has parameters)
+    # whole numbers (a model has parameters; a split's score is over tokens)
+    for key, least in (("params", 1), ("steps", 0), ("tokens", 0), ("val_tokens", 0), ("test_tokens", 0)):
         value = summary.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
             raise DataError(f"{path}: field '{key}' is {value!r}, which is impossible (a whole number >= {least}): it "
@@ -332,14 +333,17 @@ def compare_table(runs: list[dict], baseline: str | None = None) -> list[dict]:
 
 
 def _number(value: float | None, spec: str) -> str:
-    """`value` formatted by `spec`; "-" when missing, "nan" or "inf" as such (a diverged run stays visible)."""
+    """`value` formatted by `spec`; "-" when missing, "nan" or "inf" as such (a diverged run stays visible), and in
+    exponent form past a billion (a diverged run's perplexity, not 134 digits), as `attnlab report` shows it."""
     if value is None:
         return "-"
-    return f"{value:{spec}}" if math.isfinite(value) else str(value)
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.3e}" if abs(value) >= 1e9 and spec.endswith("f") else f"{value:{spec}}"
 
 
 def _pm(mean: float | None, std: float | None, digits: int) -> str:
-    return _number(mean, f".{digits}f") + (f" ± {std:.{digits}f}" if std is not None else "")
+    return _number(mean, f".{digits}f") + (f" ± {_number(std, f'.{digits}f')}" if std is not None else "")
 
 
 def to_markdown(rows: list[dict], notes: list[str] = ()) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnlab.accounting import kv_report
-from attnlab.cache.codecs import FLOAT_FORMATS
+from attnlab.cache.codecs import FLOAT_FORMATS, as_policy
 from attnlab.config import source_problem
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.prepared import SPLIT_ALIASES
@@ -169,6 +169,22 @@ def context_note(name: str, full: dict, cfg, label: str, train_seq_len: int | No
     what = GIVES_CELLS.get(name, ("lengths",))[0]
     return (f"{label} {name}: {what} {_join(past)}{' ' + how if how else ''} exceed max_seq_len {cfg.max_seq_len}: "
             "recorded as too_long, not measured")  # fmt: skip
+
+
+def policy_note(name: str, full: dict, label: str) -> str | None:
+    """A line saying a memory or latency benchmark's KV policy quantizes nothing (its residual window holds every
+    token of every length measured: the row is the full-precision cache's, labelled with the policy), or None."""
+    policy = full.get("kv_policy") if name in ("memory", "latency") else None
+    if not policy:
+        return None
+    lengths = full["lengths"] if name == "memory" else [n + full["new_tokens"] - 1 for n in full["prompt_lengths"]]
+    resid = as_policy(policy).resid
+    if not resid or resid < max(lengths):
+        return None
+    return (
+        f"{label} {name}: kv_policy {policy}: resid={resid} >= {max(lengths):,} tokens keeps every token in the "
+        f"full-precision residual window, so nothing is quantized (give resid below {min(lengths):,})"
+    )
 
 
 def cache_memory_problem(name: str, full: dict, cfg, label: str) -> str | None:

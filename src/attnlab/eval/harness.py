@@ -48,6 +48,7 @@ from attnlab.eval.bench_checks import (
     needle_length_problem,
     own_split_problem,
     parameter_problems,
+    policy_note,
     prompt_problem,
     unmeasured_problem,
 )
@@ -60,6 +61,7 @@ from attnlab.eval.multiple_choice import run_multiple_choice
 from attnlab.eval.perplexity import run_perplexity
 from attnlab.eval.probes import load_suite, probe_records, run_probes
 from attnlab.eval.records import append_records, read_records, records_folder
+from attnlab.eval.report_outputs import check_seals
 from attnlab.eval.speed import run_latency, run_memory
 from attnlab.interop.references import data_config_of, model_config_of, tokenizer_of
 from attnlab.paths import brief, check_name, first_repeat, in_data_dirs
@@ -520,6 +522,7 @@ def _run_plan(plan: BenchPlan, out_dir: Path, log) -> Path:
     records_path = out_dir / "records.jsonl"
     with bench_lock(out_dir):
         existing = read_records(records_path) if records_path.exists() else []
+        check_seals(records_path, existing)  # (a changed record would be skipped as measured)
         recorded = {_key(r): r.get("weights") for r in existing}  # the latest record's weights, per key
         labels = plan_labels(plan.checkpoints, existing, plan.data_dir)
         plans = []  # (checkpoint, weights, label, todo): what each checkpoint still has to measure
@@ -562,9 +565,9 @@ def _run_plan(plan: BenchPlan, out_dir: Path, log) -> Path:
                     )
                 else:
                     log(f"{label} {name} ...")
-                note = context_note(name, full, model.cfg, label, train_seq_len)
-                if note:
-                    log(note)
+                for note in (context_note(name, full, model.cfg, label, train_seq_len), policy_note(name, full, label)):
+                    if note:
+                        log(note)
                 try:
                     records = BENCHMARKS[name](model, out_dir, plan.data_dir, **params)
                 except (ConfigError, InputError) as e:  # a parameter the benchmark refused once it ran: name it

@@ -161,25 +161,37 @@ def kv_per_token(records: list[dict]) -> dict[str, float]:
     return out
 
 
+def _caches(rows: list[dict]) -> list[str] | None:
+    """Each row's cache (its KV policy, else its cache dtype) when the rows were measured with more than one, or
+    with a policy: rows of one model and length would otherwise look alike (None: one plain cache throughout)."""
+    caches = [r.get("kv_policy") or r.get("cache_dtype") or "-" for r in rows]
+    return caches if len(set(caches)) > 1 or any(r.get("kv_policy") for r in rows) else None
+
+
 def memory_table(records: list[dict]) -> Table | None:
     rows = [r for r in records if r["benchmark"] == "memory"]
     if not rows:
         return None
-    body = [[r["model"], r["kind"], r["length"], r.get("status"), r.get("kv_bytes"), r.get("kv_bytes_analytic"),
-             r.get("kv_matches_analytic"), r.get("peak_rss_bytes")] for r in rows]  # fmt: skip
-    return Table("memory", "KV-cache memory measured from live caches", ["model", "kind", "tokens", "status",
-                 "KV bytes (measured)", "KV bytes (analytic)", "equal", "peak RSS bytes"], body)  # fmt: skip
+    caches = _caches(rows)
+    body = [[r["model"], r["kind"], *([caches[i]] if caches else []), r["length"], r.get("status"), r.get("kv_bytes"),
+             r.get("kv_bytes_analytic"), r.get("kv_matches_analytic"), r.get("peak_rss_bytes")]
+            for i, r in enumerate(rows)]  # fmt: skip
+    headers = ["model", "kind", *(["cache"] if caches else []), "tokens", "status", "KV bytes (measured)",
+               "KV bytes (analytic)", "equal", "peak RSS bytes"]  # fmt: skip
+    return Table("memory", "KV-cache memory measured from live caches", headers, body)
 
 
 def latency_table(records: list[dict]) -> Table | None:
     rows = _ok([r for r in records if r["benchmark"] == "latency"])
     if not rows:
         return None
-    body = [[r["model"], r["kind"], r["prompt_length"], r["batch_size"], r["decode_tokens_per_s_median"],
-             f"{r['decode_tokens_per_s_min']:.0f}-{r['decode_tokens_per_s_max']:.0f}", r["ttft_ms_median"]]
-            for r in rows]  # fmt: skip
-    return Table("latency", "Cached decode speed", ["model", "kind", "prompt", "batch", "decode tok/s (median)",
-                 "range", "time to first token ms"], body, "Median of repeats after warm-up.")  # fmt: skip
+    caches = _caches(rows)
+    body = [[r["model"], r["kind"], *([caches[i]] if caches else []), r["prompt_length"], r["batch_size"],
+             r["decode_tokens_per_s_median"], f"{r['decode_tokens_per_s_min']:.0f}-{r['decode_tokens_per_s_max']:.0f}",
+             r["ttft_ms_median"]] for i, r in enumerate(rows)]  # fmt: skip
+    return Table("latency", "Cached decode speed", ["model", "kind", *(["cache"] if caches else []), "prompt", "batch",
+                 "decode tok/s (median)", "range", "time to first token ms"], body,
+                 "Median of repeats after warm-up.")  # fmt: skip
 
 
 def probes_tables(records: list[dict]) -> list[Table]:
@@ -342,9 +354,13 @@ def lines_plot(
         return None
     plt = _figure()
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for model, group in _by_model(rows).items():
+    caches = _caches(rows)  # (a line per model and cache when they differ: a policy's points on a line of their own)
+    series = {}
+    for i, r in enumerate(rows):
+        series.setdefault(f"{r['model']} ({caches[i]})" if caches else r["model"], []).append(r)
+    for label, group in series.items():
         group = sorted(group, key=lambda r: r[x])
-        ax.plot([r[x] for r in group], [r[y] for r in group], marker="o", label=model)
+        ax.plot([r[x] for r in group], [r[y] for r in group], marker="o", label=label)
     return _save_lines(plt, fig, ax, xlabel, ylabel, path)
 
 

@@ -93,28 +93,42 @@ def warn_unknown_benchmarks(records_path: Path, records: list[dict], known) -> N
     warnings.warn(said, AttnlabWarning, stacklevel=3)
 
 
-def check_records(records_path: Path, records: list[dict]) -> None:
+def _which(number: int, record: dict) -> str:
+    model = record.get("model")
+    model = model if isinstance(model, str) and model.isprintable() and model.strip() else repr(model)
+    return f"record {number} ({record.get('benchmark')}, {model})"  # (one line, whatever it holds)
+
+
+def check_seals(records_path: Path, records: list[dict]) -> None:
     """Refuses (DataError, one line naming the record) a record changed after attnlab wrote it (its sha256 no longer
-    matches its fields), or one whose figures are impossible or contradict each other (record_problem: an unsealed
-    record, an older attnlab's, is checked by its figures alone); one AttnlabWarning line counts the unsealed."""
-    unsealed = 0
+    matches its fields): report would draw it, and bench would skip its benchmark as measured."""
+    for number, record in enumerate(records, 1):
+        if seal_kept(record) is False:
+            raise DataError(f"{records_path}: {_which(number, record)} was changed after attnlab wrote it (its sha256 "
+                            f"no longer matches its fields): {AGAIN}")  # fmt: skip
+
+
+# A records file's damaged line: bench measures what its records lack, so taking the line out is the way to have it
+# measured again (bench refuses the file while the line is there, rather than skip its benchmark as measured).
+AGAIN = "take that line out, then run the benchmark again (attnlab bench measures what the file lacks)"
+
+
+def check_records(records_path: Path, records: list[dict]) -> None:
+    """Refuses (DataError, one line naming the record) a record changed after attnlab wrote it (check_seals), or one
+    whose figures are impossible or contradict each other (record_problem: an unsealed record, an older attnlab's,
+    is checked by its figures alone); one AttnlabWarning line counts the unsealed."""
     for number, record in enumerate(records, 1):
         if not isinstance(record.get("benchmark"), str) or not isinstance(record.get("model"), str):
-            raise DataError(f"{records_path}: record {number} names no benchmark or model (the file was changed); "
-                            "remove that line, or run the benchmark again")  # fmt: skip
-        model = record["model"]
-        model = model if model.isprintable() and model.strip() else repr(model)  # (one line, whatever it holds)
-        which = f"record {number} ({record['benchmark']}, {model})"
-        kept = seal_kept(record)
-        if kept is False:
-            raise DataError(f"{records_path}: {which} was changed after attnlab wrote it (its sha256 no longer matches "
-                            "its fields): take that line out, or run the benchmark again")  # fmt: skip
-        unsealed += kept is None
+            raise DataError(f"{records_path}: record {number} names no benchmark or model (the file was changed): "
+                            f"{AGAIN}")  # fmt: skip
+    check_seals(records_path, records)
+    for number, record in enumerate(records, 1):
         problem = record_problem(record)
         if problem:
-            raise DataError(f"{records_path}: {which}: {problem} (the file was changed); repair or remove that line, "
-                            "or run the benchmark again")  # fmt: skip
+            raise DataError(f"{records_path}: {_which(number, record)}: {problem} (the file was changed): {AGAIN}")
+    unsealed = sum(seal_kept(record) is None for record in records)
     if unsealed:
         said = f"{unsealed} of its {len(records)} records carry" if unsealed < len(records) else "its records carry"
-        warnings.warn(f"{records_path}: {said} no sha256 (an older attnlab wrote them, or it was taken out): they are "
-                      "checked only for figures that contradict each other", AttnlabWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(f"{records_path}: {said} no sha256 (an older attnlab wrote them, or it was taken out): attnlab "
+                      "cannot tell whether they were changed since; only figures that cannot be, or that contradict "
+                      "each other, are refused", AttnlabWarning, stacklevel=3)  # fmt: skip
