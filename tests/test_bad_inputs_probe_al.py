@@ -1,7 +1,8 @@
 """Probe AL's findings (/work/probe_al/REPORT.md): a memory table whose rows of one model and length, measured with
 and without a KV policy, looked alike, and a policy that quantizes nothing went unsaid (AL1); an unsealed summary's
 negative token count (AL3); compare's 134-digit perplexity (AL4); read-only advice that named no way out (AL7); and
-bench skipping a record changed by hand, which report then refused, so "run the benchmark again" did nothing (AL8).
+bench skipping a record changed by hand, which report then refused, so "run the benchmark again" did nothing (AL8);
+a memory model's memory bench past its context refused without saying why (AL6).
 Each test fails with its fix backed out."""
 
 from __future__ import annotations
@@ -99,3 +100,13 @@ def test_al8_bench_refuses_a_records_file_with_a_changed_record_rather_than_skip
     (out / "records.jsonl").write_text("")  # the advice, followed
     assert main(_bench(tiny_run, out)) == 0 and "memory ..." in capsys.readouterr().out
     assert main(["report", str(out)]) == 0
+
+
+def test_al6_a_memory_models_memory_bench_past_its_context_says_why_and_where_to_read_past_it(
+    streaming_run, tmp_path, capsys
+):
+    argv = ["bench", str(streaming_run), "--benchmarks", "memory", "--set", "memory.lengths=[128]", "--out",
+            str(tmp_path / "b")]  # fmt: skip
+    assert fails(capsys, argv, "benchmarks.memory.lengths=[128]: 128 exceeds tiny/seed0's max_seq_len 64",
+                 "this benchmark fills the cache in one pass of at most max_seq_len tokens, memory or not: "
+                 "stream_loss reads a memory model past it")  # fmt: skip

@@ -136,6 +136,11 @@ def context_problem(name: str, full: dict, cfg, label: str, train_seq_len: int |
     what = "nothing would be measured" if len(past) == len(cells) else "it would not be measured"
     limit, one = cfg.max_seq_len, len(past) == 1
     exceed = "exceeds" if one else "exceed"
+    # (a memory model reads past its context elsewhere: say why not here, and where)
+    one_pass = ""
+    if name in ("memory", "latency") and cfg.memory.kind != "none":
+        one_pass = ("; this benchmark fills the cache in one pass of at most max_seq_len tokens, memory or not: "
+                    "stream_loss reads a memory model past it")  # fmt: skip
     if name == "latency":  # a cell fits when prompt + new_tokens - 1 <= max_seq_len (speed.run_latency)
         longest, fewer = limit - full["new_tokens"] + 1, limit - max(past) + 1
         fixes = [f"prompt lengths <= {longest}"] if longest >= 1 else []
@@ -143,7 +148,7 @@ def context_problem(name: str, full: dict, cfg, label: str, train_seq_len: int |
             fixes.append(f"new_tokens <= {fewer} for prompt{'s up to' if len(past) > 1 else ''} {max(past)}")
         fix = " or ".join(fixes) or f"prompt lengths < {limit}, and new_tokens <= {limit + 1} - the prompt length"
         return (f"benchmarks.latency: prompt {_join(past)} + {full['new_tokens']} new tokens exceed {label}'s "
-                f"max_seq_len {limit} ({what}): give {fix}")  # fmt: skip
+                f"max_seq_len {limit} ({what}): give {fix}{one_pass}")  # fmt: skip
     if name == "rope_extrapolation":
         return (f"benchmarks.rope_extrapolation.factors={_list(cells)}: {_join(past)} {how} {exceed} {label}'s "
                 f"max_seq_len {limit} ({what}): give factors <= {limit / train_seq_len:g}")  # fmt: skip
@@ -151,7 +156,7 @@ def context_problem(name: str, full: dict, cfg, label: str, train_seq_len: int |
     shown = cells[0] if key != "lengths" else _list(cells)
     return (
         f"benchmarks.{name}.{key}={shown}: {_join(past)} {exceed} {label}'s max_seq_len {limit} ({what}): give "
-        f"{key} <= {limit}" + (" (a model with a memory reads past it)" if name == "stream_loss" else "")
+        f"{key} <= {limit}" + (" (a model with a memory reads past it)" if name == "stream_loss" else "") + one_pass
     )
 
 
