@@ -2,7 +2,8 @@
 and without a KV policy, looked alike, and a policy that quantizes nothing went unsaid (AL1); an unsealed summary's
 negative token count (AL3); compare's 134-digit perplexity (AL4); read-only advice that named no way out (AL7); and
 bench skipping a record changed by hand, which report then refused, so "run the benchmark again" did nothing (AL8);
-a memory model's memory bench past its context refused without saying why (AL6).
+a memory model's memory bench past its context refused without saying why (AL6); `run` and `memory ingest` calling a
+read-only file system "permission denied" (AL7).
 Each test fails with its fix backed out."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import fails, unsealed
+from helpers import fails, hat_text, probe_manifest, unsealed
 
 from attnlab.cli import main
 from attnlab.cli_errors import os_error_line
@@ -110,3 +111,21 @@ def test_al6_a_memory_models_memory_bench_past_its_context_says_why_and_where_to
     assert fails(capsys, argv, "benchmarks.memory.lengths=[128]: 128 exceeds tiny/seed0's max_seq_len 64",
                  "this benchmark fills the cache in one pass of at most max_seq_len tokens, memory or not: "
                  "stream_loss reads a memory model past it")  # fmt: skip
+
+
+def test_al7_run_and_memory_ingest_name_a_read_only_file_system(unwritable, streaming_run, tmp_path, capsys,
+                                                                monkeypatch):  # fmt: skip
+    """A read-only mount was "permission denied" (making it writable is not the fix). As root only `chattr +i` makes
+    a folder unwritable here, so the mount's flag is stood in for."""
+    import attnlab.memory.store
+    import attnlab.run_checks
+
+    for module in (attnlab.run_checks, attnlab.memory.store):
+        monkeypatch.setattr(module, "read_only_file_system", lambda path: Path(path) == unwritable)
+    manifest = probe_manifest(tmp_path, hat_text(tmp_path), "{seq_len: 16, steps: 2}")
+    assert fails(capsys, ["run", str(manifest), "--out", str(unwritable)], f"{unwritable}/m: on a read-only file "
+                 "system (write it somewhere else, or choose another folder with --out)")  # fmt: skip
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the cat sat on the mat")
+    argv = ["memory", "ingest", str(streaming_run), str(doc), "--name", "n", "--store", str(unwritable / "s")]
+    assert fails(capsys, argv, "cannot use as a memory store (Read-only file system")

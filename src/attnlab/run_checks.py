@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from attnlab.config import names_model
-from attnlab.data.files import downloads_allowed
+from attnlab.data.files import downloads_allowed, read_only_file_system
 from attnlab.data.prepared import (
     cache_key,
     check_source,
@@ -76,7 +76,7 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
         raise ConfigError(problems, source=str(manifest.path))
     unmakeable = unmakeable_folder([spec.run_dir(root) for spec in runs])
     if unmakeable is not None:  # the run's own error, which the CLI says in one line naming the folder
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(unmakeable))
+        raise unmakeable_error(unmakeable)
     world = dist_env().world_size  # under torchrun: each process takes an equal share of every batch
     uneven = [spec for spec in runs if spec.train.batch_size % world]
     if uneven:
@@ -101,7 +101,7 @@ def check_runs(manifest: Manifest, runs: list[RunSpec], out_root: str | Path, da
         if not names_model(data.tokenizer):  # the folder the run would prepare it in: the run's line if unmakeable
             unmakeable = unmakeable_folder([default_cache_dir() / folder_name(data, cache_key(data, data_dir))])
             if unmakeable is not None:
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(unmakeable))
+                raise unmakeable_error(unmakeable)
         try:
             if online:  # what the run would download (or why it could not), said before it starts
                 plan = download_plan(data.source, data_dir, data.max_tokens)
@@ -167,6 +167,13 @@ def unmakeable_folder(run_dirs: list[Path]) -> Path | None:
         if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
             return missing
     return None
+
+
+def unmakeable_error(folder: Path) -> OSError:
+    """The error making `folder` would end in: on a read-only file system EROFS (making its parent writable is not
+    the fix), else a permission error."""
+    code = errno.EROFS if read_only_file_system(folder.parent) else errno.EACCES
+    return (OSError if code == errno.EROFS else PermissionError)(code, os.strerror(code), str(folder))
 
 
 def out_folder_problem(out_root: str | Path) -> str | None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from attnlab.data.files import LINK_LOOP, broken_link, link_loop
+from attnlab.data.files import LINK_LOOP, broken_link, link_loop, read_only_file_system
 from attnlab.errors import DataError, InputError, LengthWarning, check_flags, given
 from attnlab.eval.loading import load_for_eval
 from attnlab.generate import generate, prefill
@@ -137,6 +137,7 @@ class MemoryStore:
         be written), before minutes of reading: nothing is made."""
         existing = self.root if self.root.is_dir() else nearest_existing(self.root)
         problem = (errno.ENOTDIR if blocking_file(self.root) else
+                   errno.EROFS if read_only_file_system(existing) else
                    errno.EACCES if not os.access(existing, os.W_OK | os.X_OK) else None)  # fmt: skip
         if problem is not None:
             raise StoreError(f"{self.root}: cannot use as a memory store ({os.strerror(problem)}: {existing})")
