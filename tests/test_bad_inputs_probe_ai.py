@@ -209,7 +209,10 @@ def usage_error(capsys, argv) -> str:
 
 def test_ai12_a_prompt_starting_with_a_dash_is_said_to_go_after_double_dash(plain_run, capsys):
     line = usage_error(capsys, ["generate", str(plain_run), "-hello", "--max-new-tokens", "2"])
-    assert "to give '-hello' as the prompt, put -- before it (attnlab generate ... -- -hello)" in line
+    assert (
+        "to give '-hello' as the prompt, put -- before it and every option before the -- (attnlab generate ... "
+        "-- -hello: what follows -- is read as the prompt)"
+    ) in line  # (AM4: options after it are the prompt's)
     line = usage_error(capsys, ["generate", str(plain_run), "hi", "--bogus"])
     assert "unrecognized arguments: --bogus" in line and "as the prompt" not in line  # a mistyped option
     assert main(["generate", str(plain_run), "--max-new-tokens", "2", "--", "-hello"]) == 0

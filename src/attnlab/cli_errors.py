@@ -88,7 +88,8 @@ class Parser(argparse.ArgumentParser):
         dashed = [w for w in words if w.startswith("-") and w.split("=")[0] not in options and not w[1:2].isdigit()]
         if not dashed or not ("prompt" in message or "ignored explicit argument" in message):
             return ""  # (a mistyped option beside a prompt: "unrecognized arguments" says it)
-        return f"; to give {dashed[0]!r} as the prompt, put -- before it ({self.prog} ... -- {shlex.quote(dashed[0])})"
+        return (f"; to give {dashed[0]!r} as the prompt, put -- before it and every option before the -- ({self.prog} "
+                f"... -- {shlex.quote(dashed[0])}: what follows -- is read as the prompt)")  # fmt: skip
 
     def parse_args(self, args=None, namespace=None):
         COMMAND_LINE.set(tuple(sys.argv[1:] if args is None else args))

@@ -81,8 +81,8 @@ def collect_runs(runs_dir: str | Path, quiet: bool = False) -> list[dict]:
     if unsealed and not quiet:  # (one line for them all; quiet: compare says it when it runs)
         more, it = (f" and {len(unsealed) - 1} more", "them") if len(unsealed) > 1 else ("", "it")
         warnings.warn(f"{unsealed[0]}/summary.json{more}: no sha256 in {it} (an older attnlab wrote {it}, or it was "
-                      f"taken out): attnlab cannot tell whether {it} changed since; only figures that cannot be, or "
-                      "that contradict each other, are refused", AttnlabWarning, stacklevel=2)  # fmt: skip
+                      f"taken out): attnlab cannot tell whether {it} changed since the run wrote {it}, so its figures "
+                      "are shown unverified", AttnlabWarning, stacklevel=2)  # fmt: skip
     return runs
 
 

@@ -409,6 +409,9 @@ def load_manifest(
     problems of other targets are not said, unless the targets run start from them (init_from)."""
     path = Path(path)
     raw = read_yaml(path)
+    if isinstance(raw, dict) and "benchmarks" in raw and "targets" not in raw:  # (said as such, not as key errors)
+        raise ConfigError(f"a benchmark manifest (checkpoints, benchmarks), not a run manifest: run it with `attnlab "
+                          f"bench {path}`", source=str(path))  # fmt: skip
     problems: list[str] = []
     raw = _check_keys(raw, TOP_KEYS, "", problems)
     # ${name} applies anywhere (manifest_vars): in the name and the seeds too, as in defaults and targets

@@ -317,8 +317,12 @@ def read_json_lines(path: str | Path, fix: str = "") -> list[dict]:
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (offset {e.start}){'; ' + fix if fix else ''}") from None
+    except UnicodeDecodeError as e:  # (the line the byte is on: the one to repair or take out)
+        line = e.object[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{path}: line {line} is not UTF-8 text (byte {e.object[e.start]:#04x}; the file was "
+            f"damaged); repair or remove that line{'; ' + fix if fix else ''}"
+        ) from None
     rows = json_objects(lines)
     if isinstance(rows, tuple):
         raise DataError(f"{path}: line {rows[0]} {rows[1]} (the file was damaged); repair or remove that line"

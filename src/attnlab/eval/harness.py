@@ -363,6 +363,9 @@ def load_plan(paths: list[str], benchmarks: list[str] | None = None, sets: list[
         raw = read_yaml(path)
         if not isinstance(raw, dict):
             raise ConfigError("a benchmark manifest is a mapping with benchmarks and checkpoints", source=str(path))
+        if "benchmarks" not in raw and ("targets" in raw or "defaults" in raw):  # (a run's manifest: said as such)
+            raise ConfigError(f"a run manifest (targets), not a benchmark manifest: train it with `attnlab run "
+                              f"{path}`, then bench its runs", source=str(path))  # fmt: skip
         problems = [unknown_key_problem(str(k), ["name", "checkpoints", "benchmarks", "data_dir"], "")
                     for k in raw if k not in ("name", "checkpoints", "benchmarks", "data_dir")]  # fmt: skip
         if not raw.get("benchmarks"):

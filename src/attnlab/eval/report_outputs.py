@@ -130,5 +130,5 @@ def check_records(records_path: Path, records: list[dict]) -> None:
     if unsealed:
         said = f"{unsealed} of its {len(records)} records carry" if unsealed < len(records) else "its records carry"
         warnings.warn(f"{records_path}: {said} no sha256 (an older attnlab wrote them, or it was taken out): attnlab "
-                      "cannot tell whether they were changed since; only figures that cannot be, or that contradict "
-                      "each other, are refused", AttnlabWarning, stacklevel=3)  # fmt: skip
+                      "cannot tell whether they were changed since it wrote them, so their figures are shown "
+                      "unverified", AttnlabWarning, stacklevel=3)  # fmt: skip
