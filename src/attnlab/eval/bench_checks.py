@@ -320,3 +320,21 @@ def status_notes(records: list[dict]) -> list[str]:
         f"{' (' + why[status] + ')' if status in why else ''}."
         for (benchmark, model, status), n in counts.items()
     ]
+
+
+def needle_problems(params: dict, where: str) -> list[str]:
+    """What the needle benchmark's parameters cannot mean together: a dataset the filler does not read (only
+    filler=heldout reads `dataset`), lengths that cannot hold a prompt and its answer (< 2 tokens)."""
+    problems = []
+    filler = params.get("filler", "sentences")
+    if params.get("dataset") is not None and filler != "heldout":
+        problems.append(
+            f"{where}.dataset={brief(params['dataset'])} is read only with filler=heldout (filler is {brief(filler)}):"
+            " set filler: heldout, or leave the dataset out"
+        )
+    lengths = params.get("lengths")
+    if isinstance(lengths, list):
+        bad = next((x for x in lengths if isinstance(x, bool) or not isinstance(x, int) or x < 2), None)
+        if bad is not None or any(isinstance(x, bool) for x in lengths):
+            problems.append(f"{where}.lengths={brief(lengths)} holds {brief(bad)}, which must be a whole number >= 2")
+    return problems

@@ -46,6 +46,7 @@ from attnlab.eval.bench_checks import (
     context_note,
     context_problem,
     needle_length_problem,
+    needle_problems,
     own_split_problem,
     parameter_problems,
     policy_note,
@@ -282,24 +283,6 @@ def benchmark_names(given: list[str]) -> list[str]:
     if first_repeat(names) is not None:
         raise ConfigError(f"--benchmarks {','.join(names)}: holds {brief(first_repeat(names))} twice: give each once")
     return names
-
-
-def needle_problems(params: dict, where: str) -> list[str]:
-    """What the needle benchmark's parameters cannot mean together: a dataset the filler does not read (only
-    filler=heldout reads `dataset`), lengths that cannot hold a prompt and its answer (< 2 tokens)."""
-    problems = []
-    filler = params.get("filler", "sentences")
-    if params.get("dataset") is not None and filler != "heldout":
-        problems.append(
-            f"{where}.dataset={brief(params['dataset'])} is read only with filler=heldout (filler is {brief(filler)}):"
-            " set filler: heldout, or leave the dataset out"
-        )
-    lengths = params.get("lengths")
-    if isinstance(lengths, list):
-        bad = next((x for x in lengths if isinstance(x, bool) or not isinstance(x, int) or x < 2), None)
-        if bad is not None or any(isinstance(x, bool) for x in lengths):
-            problems.append(f"{where}.lengths={brief(lengths)} holds {brief(bad)}, which must be a whole number >= 2")
-    return problems
 
 
 NON_NEGATIVE = ("offset", "seed", "depth")  # integer parameters for which 0 means zero, not nothing
