@@ -19,6 +19,7 @@ import pytest
 from helpers import fails, hat_text, probe_manifest
 
 from attnlab.cli import main
+from attnlab.data.files import sealed
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -64,7 +65,7 @@ def test_ac5_a_non_finite_window_loss_beside_a_finite_loss_is_refused_naming_rec
     damaged["window_loss"][3] = bad
     folder = tmp_path / "r"
     folder.mkdir()
-    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (ppl_record("a", 0), damaged)))
+    (folder / "records.jsonl").write_text("".join(json.dumps(sealed(r)) + "\n" for r in (ppl_record("a", 0), damaged)))
     shown = "NaN" if math.isnan(bad) else "Infinity"
     line = fails(capsys, ["report", str(folder), "--paired", "a:b"], "records.jsonl: record 2 (perplexity, b)",
                  f"field 'window_loss' holds {shown} at window 3", "'loss'")  # fmt: skip
@@ -79,7 +80,7 @@ def test_ac5_a_diverged_records_windows_are_still_shown(tmp_path):
     diverged.update(loss=math.nan, ppl=math.nan, loss_ci=[math.nan, math.nan], ppl_ci=[math.nan, math.nan])
     folder = tmp_path / "r"
     folder.mkdir()
-    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (ppl_record("a", 0), diverged)))
+    (folder / "records.jsonl").write_text("".join(json.dumps(sealed(r)) + "\n" for r in (ppl_record("a", 0), diverged)))
     assert main(["report", str(folder)]) == 0
 
 

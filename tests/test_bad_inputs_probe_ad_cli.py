@@ -131,7 +131,7 @@ def test_ad2_ad7_a_memory_record_of_length_0_is_refused_naming_record_and_field(
     number = sorted(numbers, key=lambda i: records[i - 1]["length"])[which]  # the smallest, then the largest
     records[number - 1] = unsealed({**records[number - 1], "length": 0})  # an older attnlab's: checked by figures
     (copy / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert fails(capsys, ["report", str(copy)], f"record {number} (memory, ", "field 'length' is 0, which is impossible",  # noqa: E501
+    assert fails(capsys, ["report", str(copy), "--unsealed"], f"record {number} (memory, ", "field 'length' is 0, which is impossible",  # noqa: E501
           "(a cache of 0 tokens is not measured) (the file was changed): take that line out")  # fmt: skip
     assert not (copy / "report.md").exists()
 
@@ -147,7 +147,7 @@ def test_ad7_self_contradicting_memory_and_kv_quant_records_are_refused(tmp_path
                                                                          fields, said):  # fmt: skip
     """Was: drawn (rc 0): "| 64 | ok | 0 | 2,048 | yes |", a KL of -0.500000, a 0-byte policy."""
     copy, which = damaged(tmp_path, bench_folder, benchmark, **fields)
-    assert fails(capsys, ["report", str(copy)], which, said, "(the file was changed)")
+    assert fails(capsys, ["report", str(copy), "--unsealed"], which, said, "(the file was changed)")
 
 
 def test_ad7_the_undamaged_records_still_report(tmp_path, bench_folder):

@@ -77,7 +77,8 @@ def test_report_refuses_the_edited_record_in_one_line(tmp_path, capsys):
     folder.mkdir()
     edited = {**PERPLEXITY, "window_loss": [2 * v for v in LOSSES], "attnlab": "0.1.0", "time": "2026-12-07T00:00:00"}
     (folder / "records.jsonl").write_text(json.dumps(edited) + "\n")
-    assert fails(capsys, ["report", str(folder)], "record 1 (perplexity, m/seed0): field 'loss' is 3.5, which is "
+    assert fails(capsys, ["report", str(folder), "--unsealed"], "record 1 (perplexity, m/seed0): field 'loss' is "
+                 "3.5, which is "
                  "impossible beside 'window_loss'")  # fmt: skip
     assert not (folder / "report.md").exists()
 

@@ -40,11 +40,13 @@ def test_ak11_compare_takes_a_diverged_runs_summary(finished_copy, tmp_path, cap
     older = ppl == math.exp(50.0)
     data = {**json.loads(summary.read_text()), "val_loss": loss, "val_ppl": ppl}
     summary.write_text(json.dumps(unsealed(data) if older else sealed(data)))
-    assert main(["compare", str(finished_copy), "--out", str(tmp_path / "cmp")]) == 0, capsys.readouterr().err
+    argv = ["compare", str(finished_copy), "--out", str(tmp_path / "cmp"), *(["--unsealed"] if older else [])]
+    assert main(argv) == 0, capsys.readouterr().err
     warned = [line for line in capsys.readouterr().err.splitlines() if "no sha256" in line]
     said = (
         f"attnlab compare: warning: {summary}: no sha256 in it (an older attnlab wrote it, or it was taken out): "
-        "attnlab cannot tell whether it changed since the run wrote it, so its figures are shown unverified"
+        "attnlab cannot tell whether it changed since the run wrote it, so its figures are shown unverified "
+        "(--unsealed)"
     )
     assert warned == ([said] if older else []), warned
 
@@ -57,7 +59,7 @@ def test_ak12_a_diverged_models_perplexity_is_shown_in_exponent_form(tmp_path):
               "windows": 2, "loss": loss, "loss_ci": [300.0, 310.0], "ppl": math.exp(loss),
               "ppl_ci": [math.exp(300.0), math.exp(310.0)], "ci_level": 0.95, "window_loss": [loss * 10] * 2,
               "window_tokens": [10, 10], "attnlab": "0.1.0", "time": "2026-12-07T00:00:00"}  # fmt: skip
-    (tmp_path / "records.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "records.jsonl").write_text(json.dumps(sealed(record)) + "\n")  # as bench writes it
     build_report(tmp_path)
     table = tmp_path / "tables" / "perplexity.md"
     row = next(line for line in table.read_text().splitlines() if line.startswith("| div/seed0"))

@@ -21,7 +21,7 @@ STREAM = {"benchmark": "stream_loss", "model": "m", "status": "ok", "bucket": 4,
 
 def write_records(folder, *rows):
     folder.mkdir(exist_ok=True)
-    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "records.jsonl").write_text("".join(json.dumps(sealed(r)) + "\n" for r in rows))
     return str(folder)
 
 

@@ -49,7 +49,8 @@ def other_run(tmp_path_factory):
 
 def write_records(folder, *rows, prefix: str = ""):
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "records.jsonl").write_text(prefix + "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    text = "".join(json.dumps(sealed(r)) + "\n" for r in rows)  # as bench writes them
+    (folder / "records.jsonl").write_text(prefix + text, encoding="utf-8")
     return str(folder)
 
 
@@ -483,7 +484,7 @@ def fake_run(folder, val_loss: float, seed: int = 0, lr: float = 1e-3, d_model: 
     folder.mkdir(parents=True)
     summary = {"status": "complete", "params": 1000, "kv_bytes_per_token_fp16": 128, "val_loss": val_loss,
                "val_ppl": math.exp(val_loss)}  # fmt: skip
-    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "summary.json").write_text(json.dumps(sealed(summary)))
     config = {"model": {"d_model": d_model}, "data": {"source": "x"}, "train": {"lr": lr, "seed": seed}}
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "metrics.jsonl").write_text(json.dumps({"tokens": 10, "val_loss": val_loss}) + "\n")

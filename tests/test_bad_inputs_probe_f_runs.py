@@ -233,18 +233,18 @@ def test_one_vocabulary_under_two_names_is_paired(tmp_path):
     assert main(["report", folder, "--paired", "cold:gguf"]) == 0
     assert (tmp_path / "r" / "tables" / "paired.csv").read_text().count("cold,gguf,perplexity") == 1
     older = [{k: v for k, v in r.items() if k != "tokens_sha256"} for r in (gguf, converted)]  # the same count
-    assert main(["report", write(tmp_path / "o", *older, seal=False), "--paired", "cold:gguf"]) == 0
+    assert main(["report", write(tmp_path / "o", *older, seal=False), "--paired", "cold:gguf", "--unsealed"]) == 0
 
 
 def test_records_without_window_losses_or_a_common_setting_say_so(tmp_path, capsys):
     old = [{k: v for k, v in record(m, windows(i)).items() if k != "window_loss"} for i, m in enumerate("ab")]
     folder = write(tmp_path / "old", *old, seal=False)  # an older attnlab's records: unsealed too, which is said
-    assert main(["report", folder, "--paired", "a:b"]) == 2
+    assert main(["report", folder, "--paired", "a:b", "--unsealed"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and err[0] == (f"attnlab report: warning: {folder}/records.jsonl: its records carry no sha256 "
                                         "(an older attnlab wrote them, or it was taken out): attnlab cannot tell "
                                         "whether they were changed since it wrote them, so their figures are shown "
-                                        "unverified"), err  # fmt: skip
+                                        "unverified (--unsealed)"), err  # fmt: skip
     assert err[1].startswith("attnlab report: error: "), err
     for fragment in ("a's and b's perplexity records", "hold no per-window losses", "run the benchmark again"):
         assert fragment in err[1], err

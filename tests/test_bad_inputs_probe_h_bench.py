@@ -85,13 +85,15 @@ def test_impossible_figures_are_refused_naming_the_record(records, tmp_path, cap
     number = next(i for i, r in enumerate(rows, 1) if r["benchmark"] == benchmark)
     rows[number - 1] = unsealed({**rows[number - 1], field: value})  # an older attnlab's: checked by its figures
     write(tmp_path / "r", rows)
-    assert fails(capsys, ["report", str(tmp_path / "r")], f"record {number} ({benchmark}, tiny/seed0): {fragment}")
+    assert fails(capsys, ["report", str(tmp_path / "r"), "--unsealed"], f"record {number} ({benchmark}, tiny/seed0): "
+                 f"{fragment}")  # fmt: skip
     assert not (tmp_path / "r" / "report.md").exists()
     row = rows[number - 1]
     if benchmark == "memory":  # bytes of tensors are never NaN, whatever the model does (probe AJ1)
         row[field] = float("nan")
         (tmp_path / "r" / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        assert fails(capsys, ["report", str(tmp_path / "r")], f"field '{field}' is NaN, which is impossible")
+        assert fails(capsys, ["report", str(tmp_path / "r"), "--unsealed"], f"field '{field}' is NaN, which is "
+                     "impossible")  # fmt: skip
         return
     nan = float("nan")  # a diverged model's figures (its windows', so its loss, perplexity and intervals): shown
     row.update(loss=nan, ppl=nan, loss_ci=[nan, nan], ppl_ci=[nan, nan], window_loss=[nan] * len(row["window_loss"]))

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import fails, lm_task_folders, lm_task_yaml
 
+from attnlab.data.files import sealed
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -114,7 +116,7 @@ def test_a_perplexity_record_that_contradicts_itself_is_refused(tmp_path, capsys
     folder = tmp_path / "r"
     folder.mkdir()
     rows = [perplexity_record(), {**perplexity_record(), "model": "n", **damage}]
-    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "records.jsonl").write_text("".join(json.dumps(sealed(r)) + "\n" for r in rows))
     assert fails(capsys, ["report", str(folder)], "record 2 (perplexity, n): ", fragment, "(the file was changed)")
     assert not (folder / "report.md").exists() and not (folder / "tables").exists()
 
@@ -130,5 +132,5 @@ def test_figures_a_record_writes_rounded_still_agree(tmp_path):
 
     nan_windows = [(float("nan"), 6), (float("nan"), 8), (12.0, 5)]  # NaN windows: a NaN loss, interval and ppl
     diverged = {**perplexity_record(), "model": "d", **summarize_losses(nan_windows)}
-    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (rounded, diverged)))
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(sealed(r)) + "\n" for r in (rounded, diverged)))
     assert build_report(tmp_path)["markdown"].is_file()

@@ -42,7 +42,7 @@ def validate_fails(capsys, path: Path, *fragments) -> str:
 
 def bench_folder(folder: Path, *rows) -> Path:
     folder.mkdir(exist_ok=True)
-    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "records.jsonl").write_text("".join(json.dumps(sealed(r)) + "\n" for r in rows))
     return folder
 
 

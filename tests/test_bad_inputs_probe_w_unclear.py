@@ -303,8 +303,8 @@ def test_a_summary_whose_status_attnlab_never_writes_is_refused(tmp_path, capsys
            "it was changed by hand); its last checkpoint is the last step (2 of 2): delete summary.json alone and " \
            "run again to write it again from there"  # fmt: skip
     capsys.readouterr()
-    assert dry_run(capsys, [*argv, "--dry-run"]) == f"[1/1] base seed0: would be refused: {line}\n"
-    fails(capsys, argv, line)
+    assert dry_run(capsys, [*argv, "--dry-run", "--unsealed"]) == f"[1/1] base seed0: would be refused: {line}\n"
+    assert fails(capsys, [*argv, "--unsealed"], line)
     path.unlink()
     assert main(argv) == 0
     assert json.loads(path.read_text())["status"] == "complete"

@@ -185,8 +185,8 @@ def test_s1_a_genuine_finished_run_is_still_skipped(stopped, tmp_path, capsys, c
         summary["config_hash"] = hashlib.sha256(json.dumps(config["model"], sort_keys=True).encode()).hexdigest()[:12]
     (out / RUN / "summary.json").write_text(json.dumps(unsealed(summary)))  # an older attnlab's: no sha256 either
     capsys.readouterr()
-    assert dry_run(capsys, [*argv, "--dry-run"]).startswith("[1/1] base seed0: done already (val loss ")
-    assert main(argv) == 0 and "done already" in capsys.readouterr().out
+    assert dry_run(capsys, [*argv, "--dry-run", "--unsealed"]).startswith("[1/1] base seed0: done already (val loss ")
+    assert main([*argv, "--unsealed"]) == 0 and "done already" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- S2: the resume's loads, dry too

@@ -16,6 +16,7 @@ from helpers import fails, unsealed
 from test_integrity import dead_pid
 
 from attnlab.cli import main
+from attnlab.data.files import sealed
 
 pytestmark = pytest.mark.usefixtures("one_thread", "own_cache")
 
@@ -26,7 +27,7 @@ MEMORY = {"benchmark": "memory", "model": "m", "kind": "mha", "length": 64, "kv_
 
 def bench_folder(folder: Path, *rows) -> Path:
     folder.mkdir(exist_ok=True)
-    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "records.jsonl").write_text("".join(json.dumps(sealed(r)) + "\n" for r in rows))
     return folder
 
 

@@ -29,6 +29,7 @@ import attnlab
 from attnlab.cli import main
 from attnlab.config import DataConfig, TrainConfig
 from attnlab.data import prepare
+from attnlab.data.files import sealed
 from attnlab.errors import ConfigError
 from attnlab.train import train
 from attnlab.train.checkpoint import load_model_from_checkpoint
@@ -321,7 +322,7 @@ def test_a_label_of_html_characters_is_escaped_in_report_md_and_shown_as_written
     folder = tmp_path / "b<&>"
     folder.mkdir()
     rows = [record | {"model": label}, record | {"model": other}]
-    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "records.jsonl").write_text("".join(json.dumps(sealed(r)) + "\n" for r in rows))
     assert main(["report", str(folder)]) == 0
     capsys.readouterr()
     markdown, page = (folder / "report.md").read_text(), (folder / "report.html").read_text()

@@ -1,7 +1,8 @@
 """Seals on what attnlab writes and later trusts: each record `attnlab bench` appends (read by `attnlab report`) and
 a run's summary.json (read by `attnlab compare` and `attnlab run`) carry the sha256 of their other fields. A hand edit
 of any figure, however plausible (probe AK: a latency median beside its own samples, a best_step past the steps), is
-refused in one line; an older attnlab's unsealed file is read with one warning line saying what is checked."""
+refused in one line; an older attnlab's unsealed file is refused too, unless --unsealed is given: then it is read
+with one warning line saying its figures are unverified."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers import fails
+from helpers import fails, probe_manifest
 
 from attnlab.cli import main
 from attnlab.compare import markdown_now
@@ -98,18 +99,32 @@ def test_report_refuses_a_record_changed_after_bench_wrote_it(bench_folder, tmp_
     assert not (folder / "report.md").exists()
 
 
-def test_an_older_attnlabs_unsealed_records_are_reported_with_one_warning(bench_folder, tmp_path, capsys):
+def test_unsealed_records_are_refused_unless_unsealed_is_given_then_reported_with_one_warning(
+    bench_folder, tmp_path, capsys
+):
+    """An older attnlab's records (or records whose seal was taken out, then maybe edited: probe AM2) are not shown
+    as if verified: refused in one line saying both ways on; --unsealed reports them with one warning line."""
     folder = _edited(bench_folder, tmp_path, lambda r: {k: v for k, v in r.items() if k != SEAL})
-    assert main(["report", str(folder)]) == 0
+    assert fails(capsys, ["report", str(folder)], "records.jsonl: its records carry no sha256 (the first: record 1 (",
+                 "cannot tell whether their figures were changed", "give --unsealed to report them unverified",
+                 "or take those lines out and run the benchmark again")  # fmt: skip
+    assert not (folder / "report.md").exists()
+    assert main(["report", str(folder), "--unsealed"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "warning" in err[0] and "its records carry no sha256" in err[0], err
-    # an unsealed record is still checked by its figures
+    assert "shown unverified (--unsealed)" in err[0] and (folder / "report.md").exists()
+    # one record of many unsealed: counted; and an unsealed record is still checked by its figures
+    records = (folder / "records.jsonl").read_text().splitlines()
+    (folder / "records.jsonl").write_text("\n".join([*(json.dumps(sealed(json.loads(r))) for r in records[:-1]),
+                                                     records[-1]]) + "\n")  # fmt: skip
+    assert fails(capsys, ["report", str(folder)], f"1 of its {len(records)} records carry no sha256 (the first: "
+                 f"record {len(records)} (")  # fmt: skip
     folder = _edited(
         bench_folder,
         tmp_path / "more",
         lambda r: {**{k: v for k, v in r.items() if k != SEAL}, **({"ci_level": 1.5} if "ci_level" in r else {})},
     )
-    assert fails(capsys, ["report", str(folder)], "ci_level")
+    assert fails(capsys, ["report", str(folder), "--unsealed"], "ci_level")
 
 
 @pytest.fixture
@@ -141,13 +156,39 @@ def test_compare_and_run_refuse_a_summary_changed_after_the_run_wrote_it(runs, t
         finished_run(_summary(runs).parent, config)
 
 
-def test_an_older_attnlabs_unsealed_summary_is_compared_with_one_warning(runs, tmp_path, capsys):
+def test_an_unsealed_summary_is_refused_by_compare_unless_unsealed_is_given(runs, tmp_path, capsys):
     saved = json.loads(_summary(runs).read_text())
     _summary(runs).write_text(json.dumps({k: v for k, v in saved.items() if k != SEAL}))
-    assert main(["compare", str(runs), "--out", str(tmp_path / "cmp")]) == 0
+    argv = ["compare", str(runs), "--out", str(tmp_path / "cmp")]
+    assert fails(capsys, argv, f"{_summary(runs)}: no sha256 in it (an older attnlab wrote it, or it was taken out)",
+                 "give --unsealed to show it unverified, or delete that summary.json alone and `attnlab run` the "
+                 "manifest again (it writes it again, sealed, from the run's last checkpoint)")  # fmt: skip
+    assert not (tmp_path / "cmp").exists()
+    assert main([*argv, "--unsealed"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "summary.json: no sha256 in it" in err[0], err
+    assert len(err) == 1 and "summary.json: no sha256 in it" in err[0] and "unverified (--unsealed)" in err[0], err
     with warnings.catch_warnings(record=True) as said:  # `attnlab run`'s look before it trains: compare says it after
         warnings.simplefilter("always")
         assert markdown_now(runs)
     assert not said, [str(w.message) for w in said]
+
+
+def test_run_refuses_an_unsealed_summary_before_it_trains_unless_unsealed_is_given(tmp_path, capsys):
+    """`attnlab run` compares its runs when they are done: an unsealed summary under the manifest's folder (here
+    another target's, not selected) is refused before anything trains, not after; --unsealed takes it."""
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(f"a cat sat on mat {i} by the red door" for i in range(80)))
+    manifest = probe_manifest(tmp_path, text, "{seq_len: 16, batch_size: 2, steps: 2, eval_every: 2, eval_tokens: 64}",
+                              targets="  base: {}\n  other: {train: {lr: 1.0e-4}}\n")  # fmt: skip
+    out = tmp_path / "out"
+    assert main(["run", str(manifest), "--out", str(out), "--no-progress", "--target", "base"]) == 0
+    summary = out / "m" / "base" / "seed0" / "summary.json"
+    summary.write_text(json.dumps({k: v for k, v in json.loads(summary.read_text()).items() if k != SEAL}))
+    capsys.readouterr()
+    argv = ["run", str(manifest), "--out", str(out), "--no-progress", "--target", "other"]
+    for dry in ([], ["--dry-run"]):
+        assert fails(capsys, [*argv, *dry], f"{summary}: no sha256 in it", "give --unsealed")
+        assert not (out / "m" / "other").exists()
+    assert main([*argv, "--unsealed"]) == 0
+    assert (out / "m" / "other" / "seed0" / "summary.json").exists()
+    assert "no sha256 in it" in capsys.readouterr().err

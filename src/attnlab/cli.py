@@ -16,7 +16,6 @@ if __name__ == "__main__":  # `python -m attnlab.cli`: through the entry point, 
 import argparse
 import dataclasses
 import json
-import math
 import os
 import tempfile
 import warnings
@@ -44,6 +43,8 @@ from attnlab.cli_errors import (
     echoed_by_rank0,
     escaped_stdout,
     fail,
+    item_limit,
+    kv_policy_text,
     os_error_line,
     peer_lost_line,
     too_deep_line,
@@ -61,7 +62,7 @@ from attnlab.cli_models import (
 )
 from attnlab.cli_store import DEFAULT_NEW_TOKENS, REFERENCE_HELP, add_memory_parser, add_sampling_arguments
 from attnlab.cli_validate import LINK_LOOP, cmd_validate
-from attnlab.compare import compare
+from attnlab.compare import UNSEALED_HELP, compare
 from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT
 from attnlab.config_io import FILE_KINDS, load_config, other_config
@@ -112,16 +113,17 @@ def cmd_run(args) -> int:
     run_manifest(
         manifest, args.out, targets=args.target, seeds=args.seed, data_dir=args.data_dir, dry_run=args.dry_run,
         resume=not args.no_resume, progress=not args.no_progress, convert_only=args.convert_only,
+        unsealed=args.unsealed,
     )  # fmt: skip
     if not args.dry_run and not args.convert_only and os.environ.get("RANK", "0") == "0":  # rank 0 reports
-        result = compare(Path(args.out) / manifest.name, kept=kept)
+        result = compare(Path(args.out) / manifest.name, kept=kept, unsealed=args.unsealed)
         print("\n" + result["text"])
         print(f"table: {result['markdown']}  csv: {result['csv']}  plot: {result['plot']}")
     return 0
 
 
 def cmd_compare(args) -> int:
-    result = compare(args.runs_dir, args.out, args.baseline)
+    result = compare(args.runs_dir, args.out, args.baseline, unsealed=args.unsealed)
     print(result["text"])
     print(f"table: {result['markdown']}  csv: {result['csv']}  plot: {result['plot']}")
     return 0
@@ -342,28 +344,10 @@ def cmd_report(args) -> int:
             raise InputError(f"--paired {pair!r}: give two model labels as A:B (e.g. --paired gqa_bounded/seed0:"
                              "gqa_unbounded/seed0), A minus B")  # fmt: skip
         pairs.append((a, b))
-    result = build_report(args.dir, pairs)
+    result = build_report(args.dir, pairs, args.unsealed)
     counts = f"{len(result['tables'])} tables, {len(result['plots'])} plots"
     print(f"report: {result['markdown']}  {result['html']}  ({counts})")
     return 0
-
-
-def kv_policy_text(text: str) -> str:
-    """--kv-policy: a policy string; an empty one is refused (read as no policy, it ran the full-precision cache)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("is empty (give a policy, e.g. k=q8_0,v=q4_0, or leave the flag out)")
-    return text
-
-
-def item_limit(text: str) -> int | float:
-    """--limit of lm-eval: a whole number of items (as an int), or a fraction of them (lm-eval's limit below 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (give N items, or a fraction in (0, 1))")
-    return int(value) if value.is_integer() else value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -392,12 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resume", action="store_true",
                    help="ignore existing checkpoints (by default interrupted runs continue from them)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--unsealed", action="store_true", help=UNSEALED_HELP.format(what="run summaries"))
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("compare", help="table and plot of the runs under a folder")
     p.add_argument("runs_dir")
     p.add_argument("--out", default=None, help="where to write compare.md/.csv/val_loss.png (default RUNS_DIR; "
                    "not in a run's folder)")  # fmt: skip
     p.add_argument("--baseline", default=None, help="target the others are compared with")
+    p.add_argument("--unsealed", action="store_true", help=UNSEALED_HELP.format(what="run summaries"))
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("mc", help="zero-shot multiple choice (arc_easy, piqa, winogrande, hellaswag), lm-eval style")
     p.add_argument("task", help="arc_easy, piqa, winogrande or hellaswag")
@@ -427,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="the folder `attnlab bench` wrote (holds records.jsonl)")
     p.add_argument("--paired", action="append", default=[], metavar="A:B",
                    help="model labels A:B: perplexity of A minus B on the same windows, paired interval")  # fmt: skip
+    p.add_argument("--unsealed", action="store_true", help=UNSEALED_HELP.format(what="records"))
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes of a model config or reference")
     p.add_argument("config", help="a model config (.yaml or .json) or a model reference: " + REFERENCE_HELP)

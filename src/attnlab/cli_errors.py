@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import contextvars
 import errno
+import math
 import os
 import shlex
 import sys
@@ -445,3 +446,21 @@ def text_found(source: str, data_dir) -> bool:
         return download_plan(source, data_dir) is None
     except DataError:  # (a download it cannot make: the files are not here)
         return False
+
+
+def kv_policy_text(text: str) -> str:
+    """--kv-policy: a policy string; an empty one is refused (read as no policy, it ran the full-precision cache)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (give a policy, e.g. k=q8_0,v=q4_0, or leave the flag out)")
+    return text
+
+
+def item_limit(text: str) -> int | float:
+    """--limit of lm-eval: a whole number of items (as an int), or a fraction of them (lm-eval's limit below 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (give N items, or a fraction in (0, 1))")
+    return int(value) if value.is_integer() else value

@@ -39,10 +39,11 @@ SEED_DIR = re.compile(r"seed(\d+)")
 WHERE = "give the folder `attnlab run --out` wrote for a manifest, e.g. runs/quickstart"
 
 
-def collect_runs(runs_dir: str | Path, quiet: bool = False) -> list[dict]:
+def collect_runs(runs_dir: str | Path, quiet: bool = False, unsealed: bool = False) -> list[dict]:
     """Every finished run under runs_dir (runs_dir itself may be a target's or a run's folder): {target, seed,
     phase, dir, target_dir, config (its config.json without train.seed, as a string), summary, val_curve
-    [(tokens, loss)]}; one AttnlabWarning line names summaries without a seal (an older attnlab's) unless quiet."""
+    [(tokens, loss)]}. Summaries without a seal (an older attnlab's) are refused (DataError, unsealed_problem) unless
+    unsealed: then one AttnlabWarning line names them (unless quiet)."""
     runs_dir = Path(runs_dir)
     if runs_dir.is_file():
         raise DataError(f"{runs_dir}: a file, not a folder ({WHERE})")
@@ -77,13 +78,45 @@ def collect_runs(runs_dir: str | Path, quiet: bool = False) -> list[dict]:
         })  # fmt: skip
     if not runs:
         raise DataError(f"{runs_dir}: no finished runs (<target>/seed<S>/summary.json) in it or below it ({WHERE})")
-    unsealed = [run["dir"] for run in runs if seal_kept(run["summary"]) is None]
-    if unsealed and not quiet:  # (one line for them all; quiet: compare says it when it runs)
-        more, it = (f" and {len(unsealed) - 1} more", "them") if len(unsealed) > 1 else ("", "it")
-        warnings.warn(f"{unsealed[0]}/summary.json{more}: no sha256 in {it} (an older attnlab wrote {it}, or it was "
-                      f"taken out): attnlab cannot tell whether {it} changed since the run wrote {it}, so its figures "
-                      "are shown unverified", AttnlabWarning, stacklevel=2)  # fmt: skip
+    unverified = [Path(run["dir"]) / "summary.json" for run in runs if seal_kept(run["summary"]) is None]
+    if unverified and not unsealed:
+        raise DataError(unsealed_problem(unverified))
+    if unverified and not quiet:  # (one line for them all; quiet: compare says it when it runs)
+        more, it = (f" and {len(unverified) - 1} more", "them") if len(unverified) > 1 else ("", "it")
+        warnings.warn(f"{unverified[0]}{more}: no sha256 in {it} (an older attnlab wrote {it}, or it was taken out): "
+                      f"attnlab cannot tell whether {it} changed since the run wrote {it}, so its figures are shown "
+                      "unverified (--unsealed)", AttnlabWarning, stacklevel=2)  # fmt: skip
     return runs
+
+
+# `--unsealed` (report, compare, run): what has no seal is shown, unverified, rather than refused
+UNSEALED_HELP = (
+    "show {what} with no sha256 (an older attnlab's, or with it taken out: attnlab cannot tell whether "
+    "they changed since it wrote them) unverified, with a warning, rather than refuse them"
+)
+
+
+def unsealed_problem(paths: list[Path]) -> str:
+    """The one line refusing run summaries with no seal (paths: their summary.json files)."""
+    more, it, they = (f" and {len(paths) - 1} more", "them", "they") if len(paths) > 1 else ("", "it", "it")
+    return (f"{paths[0]}{more}: no sha256 in {it} (an older attnlab wrote {it}, or it was taken out), so attnlab "
+            f"cannot tell whether {it} changed since the run wrote {it}: give --unsealed to show {it} unverified, or "
+            f"delete {'each' if len(paths) > 1 else 'that'} summary.json alone and `attnlab run` the manifest again "
+            f"(it writes {it} again, sealed, from the run's last checkpoint)")  # fmt: skip
+
+
+def unsealed_summaries(runs_dir: Path) -> list[Path]:
+    """The summary.json files under runs_dir with no seal (those that read as JSON objects: compare names the
+    others itself)."""
+    found = []
+    for path in sorted(runs_dir.rglob("summary.json")) if runs_dir.is_dir() else ():
+        try:
+            summary = read_json_object(path)
+        except (DataError, OSError):
+            continue
+        if seal_kept(summary) is None:
+            found.append(path)
+    return found
 
 
 def unfinished_runs(runs_dir: str | Path) -> dict[Path, str]:
@@ -371,13 +404,18 @@ def to_csv(rows: list[dict]) -> str:
 
 
 def compare(
-    runs_dir: str | Path, out_dir: str | Path | None = None, baseline: str | None = None, kept: bytes | None = None
+    runs_dir: str | Path,
+    out_dir: str | Path | None = None,
+    baseline: str | None = None,
+    kept: bytes | None = None,
+    unsealed: bool = False,
 ) -> dict:
     """Writes compare.md, compare.csv and val_loss.png into out_dir (default runs_dir), all three or none; returns
     paths + text. A run's folder (or a folder inside one) is refused as out_dir: the run's files are training's.
-    kept: a compare.md with no record that `attnlab run` accepted before it trained (check_outputs)."""
+    kept: a compare.md with no record that `attnlab run` accepted before it trained (check_outputs). unsealed:
+    compare summaries with no seal (an older attnlab's), unverified, rather than refuse them."""
 
-    runs = collect_runs(runs_dir)
+    runs = collect_runs(runs_dir, unsealed=unsealed)
     unfinished = unfinished_runs(runs_dir)
     finished = {run["target"] for run in runs}
     if baseline is not None and baseline not in finished and baseline in unfinished.values():
@@ -422,7 +460,7 @@ def markdown_now(runs_dir: Path) -> str | None:
     if runs_dir.is_dir() and not any(runs_dir.rglob("summary.json")):
         return ""
     try:
-        runs = collect_runs(runs_dir, quiet=True)
+        runs = collect_runs(runs_dir, quiet=True, unsealed=True)
         return to_markdown(compare_table(runs), group_runs(runs)[1])
     except (DataError, InputError, OSError, ValueError, KeyError, TypeError):
         return None

@@ -22,7 +22,16 @@ from pathlib import Path
 
 import yaml
 
-from attnlab.compare import OWN_START, check_outputs, check_run_file, config_fix, markdown_now, summary_problem
+from attnlab.compare import (
+    OWN_START,
+    check_outputs,
+    check_run_file,
+    config_fix,
+    markdown_now,
+    summary_problem,
+    unsealed_problem,
+    unsealed_summaries,
+)
 from attnlab.config import idle_memory_problem, names_model
 from attnlab.config_checks import unknown_key_problem
 from attnlab.data.files import broken_link, lock_file_problem, read_json_object, seal_kept
@@ -366,17 +375,19 @@ def run_manifest(
     progress: bool = True,
     log=print,
     convert_only: bool = False,
+    unsealed: bool = False,
 ) -> list[dict]:
     """Runs the selected runs in order; returns one summary per run (None for dry runs). convert_only: make the
-    selected pretrained targets' conversions (<target>/converted, the cold models) and train nothing. A dry run
-    says what each run would do: train, resume from its checkpoint, skip (finished) or be refused (and why).
+    selected pretrained targets' conversions (<target>/converted, the cold models) and train nothing. unsealed: take
+    finished runs whose summary.json has no seal (an older attnlab's; refused otherwise, before anything runs). A
+    dry run says what each run would do: train, resume from its checkpoint, skip (finished) or be refused (and why).
 
     Each run folder is locked while its run trains (train.lock: a second `attnlab run` into it is refused), and
     nothing is written into it before every check has passed. Ctrl-C stops the runs once: a second one right
     after it is ignored while they stop (train.signals)."""
     with first_interrupt_only():
         return _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume, progress, log,
-                             convert_only)  # fmt: skip
+                             convert_only, unsealed)  # fmt: skip
 
 
 def command_line() -> str:
@@ -391,7 +402,7 @@ def command_line() -> str:
     return shlex.join(sys.argv)
 
 
-def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume, progress, log, convert_only):
+def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume, progress, log, convert_only, unsealed):
     link = broken_link(out_root)
     if link is not None:  # (a loop would end in pathlib's RuntimeError; a dangling link would be written through)
         raise ConfigError(f"--out {out_root}: {link}: remove the link, or give another --out")
@@ -409,6 +420,9 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
     root = Path(out_root) / manifest.name
     runs = select_runs(manifest, targets, seeds)
     downloads = check_runs(manifest, runs, out_root, data_dir)
+    unverified = [] if unsealed or convert_only else unsealed_summaries(root)
+    if unverified:  # (`attnlab run` compares the runs once they are done: refused now, not after the training)
+        raise DataError(unsealed_problem(unverified))
     if not convert_only:  # `attnlab run` compares the runs once they are done: the user's own compare.md said now
         # a compare.md with no record is refused now, not after the training, when it is not what compare would
         # write from the runs there now (compare refuses it at the end with the same line)

@@ -418,9 +418,10 @@ def loss_curves(records: list[dict], path: Path) -> Path | None:
 # ----------------------------------------------------------------------------- report
 
 
-def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict:
+def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = (), unsealed: bool = False) -> dict:
     """Writes tables/, plots, report.md and report.html into out_dir; returns their paths. pairs: (a, b) model
-    labels whose perplexity differences get a paired table (a minus b)."""
+    labels whose perplexity differences get a paired table (a minus b). unsealed: report records with no seal (an
+    older attnlab's), unverified, rather than refuse them."""
     out_dir = Path(out_dir)
     if out_dir.is_file():
         folder = (f"give the folder that holds it: {out_dir.parent}" if out_dir.name == "records.jsonl" else
@@ -430,7 +431,7 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = ()) -> dict
     records = read_records(records_path)
     if not records:
         raise DataError(f"{records_path}: holds no records (empty): run `attnlab bench ... --out {out_dir}` first")
-    check_records(records_path, records)  # (each record as attnlab wrote it, its figures agreeing)
+    check_records(records_path, records, unsealed)  # (each record as attnlab wrote it, its figures agreeing)
     warn_unknown_benchmarks(records_path, records, (*DRAWN, "kv_tune"))  # (kv-tune's: known, not drawn)
     for name, folder in (("tables", True), ("report.md", False), ("report.html", False)):  # before anything is written
         place = out_dir / name

@@ -113,22 +113,29 @@ def check_seals(records_path: Path, records: list[dict]) -> None:
 AGAIN = "take that line out, then run the benchmark again (attnlab bench measures what the file lacks)"
 
 
-def check_records(records_path: Path, records: list[dict]) -> None:
+def check_records(records_path: Path, records: list[dict], unsealed: bool = False) -> None:
     """Refuses (DataError, one line naming the record) a record changed after attnlab wrote it (check_seals), or one
-    whose figures are impossible or contradict each other (record_problem: an unsealed record, an older attnlab's,
-    is checked by its figures alone); one AttnlabWarning line counts the unsealed."""
+    whose figures are impossible or contradict each other (record_problem). Records with no seal (an older
+    attnlab's, or its seal taken out) are refused unless unsealed (`report --unsealed`): then they are checked by
+    their figures alone and one AttnlabWarning line counts them."""
     for number, record in enumerate(records, 1):
         if not isinstance(record.get("benchmark"), str) or not isinstance(record.get("model"), str):
             raise DataError(f"{records_path}: record {number} names no benchmark or model (the file was changed): "
                             f"{AGAIN}")  # fmt: skip
     check_seals(records_path, records)
+    count = sum(seal_kept(record) is None for record in records)
+    said = f"{count} of its {len(records)} records carry" if count < len(records) else "its records carry"
+    if count and not unsealed:
+        first = next(number for number, record in enumerate(records, 1) if seal_kept(record) is None)
+        raise DataError(f"{records_path}: {said} no sha256 (the first: {_which(first, records[first - 1])}; an older "
+                        "attnlab wrote them, or it was taken out), so attnlab cannot tell whether their figures were "
+                        "changed since it wrote them: give --unsealed to report them unverified, or take those lines "
+                        "out and run the benchmark again (attnlab bench measures what the file lacks)")  # fmt: skip
     for number, record in enumerate(records, 1):
         problem = record_problem(record)
         if problem:
             raise DataError(f"{records_path}: {_which(number, record)}: {problem} (the file was changed): {AGAIN}")
-    unsealed = sum(seal_kept(record) is None for record in records)
-    if unsealed:
-        said = f"{unsealed} of its {len(records)} records carry" if unsealed < len(records) else "its records carry"
+    if count:
         warnings.warn(f"{records_path}: {said} no sha256 (an older attnlab wrote them, or it was taken out): attnlab "
                       "cannot tell whether they were changed since it wrote them, so their figures are shown "
-                      "unverified", AttnlabWarning, stacklevel=3)  # fmt: skip
+                      "unverified (--unsealed)", AttnlabWarning, stacklevel=3)  # fmt: skip
