@@ -66,7 +66,7 @@ from attnlab.compare import UNSEALED_HELP, compare
 from attnlab.config import ModelConfig
 from attnlab.config_checks import MAX_INT
 from attnlab.config_io import FILE_KINDS, load_config, other_config
-from attnlab.data.files import link_loop, special_file
+from attnlab.data.files import link_loop, seal_kept, special_file
 from attnlab.data.stream import TextStream
 from attnlab.entry import Terminated, interrupted
 from attnlab.envcheck import kernels_env_problem, thread_env_problem
@@ -84,7 +84,7 @@ from attnlab.eval.probes import (
     summarize,
     summary_table,
 )
-from attnlab.eval.records import records_folder
+from attnlab.eval.records import read_records, records_folder
 from attnlab.eval.report import build_report
 from attnlab.eval.stats import paired_comparison
 from attnlab.generate import generate, room_problem
@@ -262,7 +262,8 @@ def cmd_bench(args) -> int:
     plan = load_plan(args.targets, benchmarks, args.set, args.data_dir)
     out = Path(args.out or Path("results") / plan.name)
     records = run_plan(plan, out)
-    print(f"records: {records}  (render them with: attnlab report {out})")
+    unsealed = " --unsealed" if any(seal_kept(r) is None for r in read_records(records)) else ""
+    print(f"records: {records}  (render them with: attnlab report {out}{unsealed})")
     return 0
 
 

@@ -49,12 +49,33 @@ def collect_runs(runs_dir: str | Path, quiet: bool = False, unsealed: bool = Fal
         raise DataError(f"{runs_dir}: a file, not a folder ({WHERE})")
     if not runs_dir.is_dir():
         raise DataError(f"{runs_dir}: no such directory ({WHERE})")
+    runs = read_runs(runs_dir)
+    if not runs:
+        raise DataError(f"{runs_dir}: no finished runs (<target>/seed<S>/summary.json) in it or below it ({WHERE})")
+    check_unsealed(runs, unsealed, quiet)
+    return runs
+
+
+def read_runs(runs_dir: Path, own: set[Path] | None = None, skip: set[Path] = frozenset()) -> list[dict]:
+    """collect_runs' runs, each file checked (DataError naming it: not a regular file, a summary changed after the
+    run wrote it, impossible figures), none refused for want of a seal. own: the run folders (resolved) `attnlab
+    run` of a manifest writes, when it looks before it trains: the others' fix is not to run it again. skip: run
+    folders (resolved) checked elsewhere (the runs `attnlab run` trains, as it reaches them), of which only a
+    readable summary with no seal is taken (for check_unsealed)."""
     above = runs_dir.resolve().parts[-2:]  # runs_dir and its parent: a run's folder is <target>/seed<S>
     runs = []
     for summary_path in sorted(runs_dir.rglob("summary.json")):
         parts = (*above, *summary_path.parent.relative_to(runs_dir).parts)
         seed_at = next((i for i, p in enumerate(parts) if i > 0 and SEED_DIR.fullmatch(p)), None)
         if seed_at is None:
+            continue
+        if summary_path.parent.resolve() in skip:
+            try:
+                check_run_file(summary_path)
+                summary = read_json_object(summary_path)
+            except DataError:  # (said by the run's own checks, in its words)
+                continue
+            runs += [{"dir": str(summary_path.parent), "summary": summary}] if seal_kept(summary) is None else []
             continue
         phase = parts[seed_at + 1 :]
         seed_dir = summary_path.parents[len(phase)]
@@ -73,20 +94,37 @@ def collect_runs(runs_dir: str | Path, quiet: bool = False, unsealed: bool = Fal
             "dir": str(summary_path.parent),
             "target_dir": str(seed_dir.parent),
             "config": _config(summary_path.parent / "config.json"),
-            "summary": _summary(summary_path),
+            "summary": _summary(summary_path, None if own is None or summary_path.parent.resolve() in own else
+                                foreign_fix(summary_path, runs_dir)),
             "val_curve": curve,
         })  # fmt: skip
-    if not runs:
-        raise DataError(f"{runs_dir}: no finished runs (<target>/seed<S>/summary.json) in it or below it ({WHERE})")
+    return runs
+
+
+def check_unsealed(runs: list[dict], unsealed: bool, quiet: bool, root: Path | None = None, own=None) -> None:
+    """Refuses (DataError, unsealed_problem) runs whose summary has no seal, unless unsealed: then one
+    AttnlabWarning line names them, unless quiet. root and own: read_runs' (`attnlab run`'s look before it trains)."""
     unverified = [Path(run["dir"]) / "summary.json" for run in runs if seal_kept(run["summary"]) is None]
     if unverified and not unsealed:
-        raise DataError(unsealed_problem(unverified))
+        foreign = [p for p in unverified if own is not None and p.parent.resolve() not in own]
+        raise DataError(unsealed_problem(foreign[:1], foreign_fix(foreign[0], root)) if foreign else
+                        unsealed_problem(unverified))  # fmt: skip
     if unverified and not quiet:  # (one line for them all; quiet: compare says it when it runs)
-        more, it = (f" and {len(unverified) - 1} more", "them") if len(unverified) > 1 else ("", "it")
+        many = len(unverified) > 1
+        more, it, they, its = (f" and {len(unverified) - 1} more", "them", "they", "their") if many else (
+            "", "it", "it", "its")  # fmt: skip
         warnings.warn(f"{unverified[0]}{more}: no sha256 in {it} (an older attnlab wrote {it}, or it was taken out): "
-                      f"attnlab cannot tell whether {it} changed since the run wrote {it}, so its figures are shown "
-                      "unverified (--unsealed)", AttnlabWarning, stacklevel=2)  # fmt: skip
-    return runs
+                      f"attnlab cannot tell whether {they} changed since the run wrote {it}, so {its} figures are "
+                      "shown unverified (--unsealed)", AttnlabWarning, stacklevel=3)  # fmt: skip
+
+
+def foreign_fix(path: Path, root: Path) -> str:
+    """The way on for a summary below a manifest's folder that no run of the manifest writes (another manifest's
+    target, an old copy): `attnlab run` does not write it again, and compare reads every run below the folder."""
+    return (
+        f"it is no run of this manifest, so `attnlab run` does not write it again: move its run folder "
+        f"({path.parent}) out of {root}, where compare reads every run"
+    )
 
 
 # `--unsealed` (report, compare, run): what has no seal is shown, unverified, rather than refused
@@ -96,27 +134,15 @@ UNSEALED_HELP = (
 )
 
 
-def unsealed_problem(paths: list[Path]) -> str:
-    """The one line refusing run summaries with no seal (paths: their summary.json files)."""
+def unsealed_problem(paths: list[Path], fix: str | None = None) -> str:
+    """The one line refusing run summaries with no seal (paths: their summary.json files; fix: in place of writing
+    them again, foreign_fix's)."""
     more, it, they = (f" and {len(paths) - 1} more", "them", "they") if len(paths) > 1 else ("", "it", "it")
+    again = fix or (f"delete {'each' if len(paths) > 1 else 'that'} summary.json alone and `attnlab run` the manifest "
+                    f"again (it writes {it} again, sealed, from the run's last checkpoint)")  # fmt: skip
     return (f"{paths[0]}{more}: no sha256 in {it} (an older attnlab wrote {it}, or it was taken out), so attnlab "
-            f"cannot tell whether {it} changed since the run wrote {it}: give --unsealed to show {it} unverified, or "
-            f"delete {'each' if len(paths) > 1 else 'that'} summary.json alone and `attnlab run` the manifest again "
-            f"(it writes {it} again, sealed, from the run's last checkpoint)")  # fmt: skip
-
-
-def unsealed_summaries(runs_dir: Path) -> list[Path]:
-    """The summary.json files under runs_dir with no seal (those that read as JSON objects: compare names the
-    others itself)."""
-    found = []
-    for path in sorted(runs_dir.rglob("summary.json")) if runs_dir.is_dir() else ():
-        try:
-            summary = read_json_object(path)
-        except (DataError, OSError):
-            continue
-        if seal_kept(summary) is None:
-            found.append(path)
-    return found
+            f"cannot tell whether {they} changed since the run wrote {it}: give --unsealed to show {it} unverified, "
+            f"or {again}")  # fmt: skip
 
 
 def unfinished_runs(runs_dir: str | Path) -> dict[Path, str]:
@@ -201,11 +227,12 @@ def _model_hash(model) -> str | None:
     return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _summary(path: Path) -> dict:
+def _summary(path: Path, fix: str | None = None) -> dict:
     """A run's summary.json, its figures checked (DataError naming the file when one is missing or not a number, is
-    impossible, or a perplexity that is not the exponential of its loss)."""
+    impossible, or a perplexity that is not the exponential of its loss). fix: foreign_fix's, for a run that
+    `attnlab run` does not write again."""
     # (the run's checkpoints are all there: `attnlab run` writes a finished run's summary again from its last one)
-    fix = (
+    fix = fix or (
         "delete summary.json alone and `attnlab run` the manifest again: it writes the summary again from the run's "
         "last checkpoint"
     )
@@ -431,6 +458,11 @@ def compare(
         warnings.warn(f"target {default!r} has no finished run: the baseline is {rows[0]['baseline']!r} instead",
                       AttnlabWarning, stacklevel=2)  # fmt: skip
     groups, notes = group_runs(runs)
+    unverified = [name for name, members in groups.items() if any(seal_kept(m["summary"]) is None for m in members)]
+    if unverified:  # (--unsealed: said in the files too, which are shared without the warning)
+        notes.append(f"Unverified: {', '.join(unverified)}: {'its' if len(unverified) == 1 else 'their'} summary.json "
+                     "carries no sha256 (an older attnlab's, or it was taken out), so attnlab cannot tell whether the "
+                     "figures were changed since the run wrote them; shown as read (--unsealed).")  # fmt: skip
     unlike = scoring_note(groups)
     if unlike:  # (group_runs says it in the table's notes too)
         warnings.warn(unlike, AttnlabWarning, stacklevel=2)

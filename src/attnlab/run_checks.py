@@ -27,7 +27,7 @@ from attnlab.errors import AttnlabWarning, ConfigError, DataError
 from attnlab.interop.convert import LOW_RANK
 from attnlab.jsonio import loads_json
 from attnlab.manifest import Manifest, RunSpec
-from attnlab.paths import as_reached, cache_folder_problem, inside
+from attnlab.paths import as_reached, cache_folder_problem, inside, system_folder
 from attnlab.retrofit import changes, check_pretrained, first_phases
 from attnlab.train.distributed import dist_env
 from attnlab.train.loop import check_training_data, vocab_problem
@@ -164,14 +164,16 @@ def unmakeable_folder(run_dirs: list[Path]) -> Path | None:
         if missing is None or missing.exists() or missing.is_symlink() or missing.parent == missing:
             continue
         parent = missing.parent
-        if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
-            return missing
+        if parent.is_dir() and (not os.access(parent, os.W_OK | os.X_OK) or system_folder(missing) is not None):
+            return missing  # (on a virtual file system, /proc or /sys, making it fails even for root)
     return None
 
 
 def unmakeable_error(folder: Path) -> OSError:
-    """The error making `folder` would end in: on a read-only file system EROFS (making its parent writable is not
-    the fix), else a permission error."""
+    """The error making `folder` would end in: on a virtual file system ENOENT, on a read-only one EROFS (making its
+    parent writable is not the fix), else a permission error."""
+    if system_folder(folder) is not None:
+        return FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(folder))
     code = errno.EROFS if read_only_file_system(folder.parent) else errno.EACCES
     return (OSError if code == errno.EROFS else PermissionError)(code, os.strerror(code), str(folder))
 

@@ -26,11 +26,11 @@ from attnlab.compare import (
     OWN_START,
     check_outputs,
     check_run_file,
+    check_unsealed,
     config_fix,
     markdown_now,
+    read_runs,
     summary_problem,
-    unsealed_problem,
-    unsealed_summaries,
 )
 from attnlab.config import idle_memory_problem, names_model
 from attnlab.config_checks import unknown_key_problem
@@ -420,9 +420,13 @@ def _run_manifest(manifest, out_root, targets, seeds, data_dir, dry_run, resume,
     root = Path(out_root) / manifest.name
     runs = select_runs(manifest, targets, seeds)
     downloads = check_runs(manifest, runs, out_root, data_dir)
-    unverified = [] if unsealed or convert_only else unsealed_summaries(root)
-    if unverified:  # (`attnlab run` compares the runs once they are done: refused now, not after the training)
-        raise DataError(unsealed_problem(unverified))
+    if not convert_only and root.is_dir():  # `attnlab run` compares the runs once they are done: what compare
+        # would refuse of the other runs there (a changed or unsealed summary, impossible figures, a fifo) is refused
+        # now, not after the training (a dry run too); the runs it trains are checked as it reaches them (in their
+        # words), and their summaries here for a seal only
+        own = {spec.run_dir(root).resolve() for spec in manifest.runs}
+        selected = {spec.run_dir(root).resolve() for spec in runs}
+        check_unsealed(read_runs(root, own, selected), unsealed, quiet=True, root=root, own=own)
     if not convert_only:  # `attnlab run` compares the runs once they are done: the user's own compare.md said now
         # a compare.md with no record is refused now, not after the training, when it is not what compare would
         # write from the runs there now (compare refuses it at the end with the same line)

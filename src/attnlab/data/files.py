@@ -240,10 +240,21 @@ def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
 SEAL = "sha256"  # the field of a record (or a run's summary.json) holding the sha256 of its other fields
 
 
-def _fields_digest(fields: dict) -> str:
+def _whole(value):
+    """value with every float that is a whole number (below 2**53, where a float holds every integer) as an int:
+    1.0 and 1 are one number, which tools that rewrite JSON (jq) write either way."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole(v) for k, v in value.items()}
+    return [_whole(v) for v in value] if isinstance(value, list) else value
+
+
+def _fields_digest(fields: dict, whole: bool = True) -> str:
     # over the fields as they read back from JSON (a tuple reads as a list, an integer key as a string): the form in
-    # which a reader sees them
-    text = json.dumps(json.loads(json.dumps(fields, sort_keys=True)), sort_keys=True)
+    # which a reader sees them; whole numbers as integers (whole=False: as the first sealed records were, 2026-12-07)
+    read = json.loads(json.dumps(fields, sort_keys=True))
+    text = json.dumps(_whole(read) if whole else read, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -259,7 +270,8 @@ def seal_kept(row: dict) -> bool | None:
     after it was written), None when it has none (an older attnlab's, before records were sealed, or taken out)."""
     if SEAL not in row:
         return None
-    return row[SEAL] == _fields_digest({k: v for k, v in row.items() if k != SEAL})
+    fields = {k: v for k, v in row.items() if k != SEAL}
+    return row[SEAL] in (_fields_digest(fields), _fields_digest(fields, whole=False))
 
 
 def open_text(path: str | Path) -> IO[str]:

@@ -508,7 +508,7 @@ def _run_plan(plan: BenchPlan, out_dir: Path, log) -> Path:
     records_path = out_dir / "records.jsonl"
     with bench_lock(out_dir):
         existing = read_records(records_path) if records_path.exists() else []
-        check_seals(records_path, existing)  # (a changed record would be skipped as measured)
+        check_seals(records_path, existing, measuring=True)  # (a changed record would be skipped as measured)
         recorded = {_key(r): r.get("weights") for r in existing}  # the latest record's weights, per key
         labels = plan_labels(plan.checkpoints, existing, plan.data_dir)
         plans = []  # (checkpoint, weights, label, todo): what each checkpoint still has to measure

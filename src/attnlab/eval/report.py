@@ -4,9 +4,7 @@ report can be redrawn at any time without running anything."""
 
 from __future__ import annotations
 
-import base64
 import csv
-import html
 import io
 import math
 import os
@@ -26,7 +24,14 @@ from attnlab.eval.plots import (
     record_drawings,
 )
 from attnlab.eval.records import bench_records, latest_and_distinct, pair_labels, read_records
-from attnlab.eval.report_outputs import check_outputs, check_records, record_outputs, warn_unknown_benchmarks
+from attnlab.eval.report_html import to_html
+from attnlab.eval.report_outputs import (
+    check_outputs,
+    check_records,
+    record_outputs,
+    unsealed_notes,
+    warn_unknown_benchmarks,
+)
 from attnlab.eval.stats import paired_comparison
 
 
@@ -88,11 +93,6 @@ def md_text(text: str) -> str:
     open another column: a folder called a|b) and '<', '>', '&' (which a renderer would read as HTML: a model
     labelled <script> is shown, not run). to_html reads them back."""
     return MD_SPECIAL.sub(r"\\\1", text)
-
-
-def _md_plain(text: str) -> str:
-    """md_text's text back."""
-    return re.sub(r"\\([\\|<>&])", r"\1", text)
 
 
 def _ok(rows: list[dict]) -> list[dict]:
@@ -425,7 +425,9 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = (), unseale
     out_dir = Path(out_dir)
     if out_dir.is_file():
         folder = (f"give the folder that holds it: {out_dir.parent}" if out_dir.name == "records.jsonl" else
-                  "give the folder `attnlab bench --out` wrote (it holds records.jsonl)")  # fmt: skip
+                  "give the folder `attnlab bench --out` wrote (it holds records.jsonl); a file `kv-eval --out` "
+                  "or `kv-tune --out` wrote: put it in a folder of its own as records.jsonl, and give that "
+                  "folder")  # fmt: skip
         raise InputError(f"{out_dir}: a file, not a folder of records; {folder}")
     records_path = bench_records(out_dir)  # (not found, a link loop, a device or fifo: refused before it is read)
     records = read_records(records_path)
@@ -439,7 +441,9 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = (), unseale
             what = "a folder" if place.is_dir() else "a file" if place.is_file() else "not a regular file"
             raise InputError(f"{place}: {what} where the report writes its {name}{' folder' * folder}: move it away, "
                              "then run the report again")  # fmt: skip
+    unverified = unsealed_notes(records)  # (--unsealed: said in the report's files too)
     records, notes = latest_and_distinct(records, records_path)
+    notes = unverified + notes
     models = list(dict.fromkeys(r["model"] for r in records))
     # a pair given twice is compared once (its rows would be the same twice)
     pairs = list(dict.fromkeys(pair_labels(f"{a}:{b}", models, records_path) for a, b in pairs))
@@ -558,40 +562,3 @@ def _drawn(path: Path, draw, notes: list[str], records_path: Path) -> Path | Non
         notes.append(f"{line}.")
         warnings.warn(f"{records_path}: {line}", AttnlabWarning, stacklevel=2)
     return result
-
-
-CELL = re.compile(r"\|((?:[^|\\]|\\.)*)(?=\|)")  # a Markdown table's cells: text up to the next unescaped '|'
-
-
-def to_html(markdown: str, base: Path) -> str:
-    """A self-contained HTML page from the report's Markdown: headings, paragraphs, tables, embedded PNGs."""
-    body, table = [], []
-
-    def flush_table():
-        if table:
-            rows = [[re.sub(r"\\(.)", r"\1", c).strip() for c in CELL.findall(line)] for line in table
-                    if not set(line) <= set("|- ")]  # fmt: skip
-            head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
-            cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
-            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>")
-            table.clear()
-
-    for line in markdown.splitlines():
-        if line.startswith("|"):
-            table.append(line)
-            continue
-        flush_table()
-        image = re.fullmatch(r"!\[(.*)\]\((.*)\)", line)
-        if line.startswith("#"):
-            level = len(line) - len(line.lstrip("#"))
-            body.append(f"<h{level}>{html.escape(_md_plain(line.lstrip('# ')))}</h{level}>")
-        elif image:
-            data = base64.b64encode((base / image.group(2)).read_bytes()).decode()
-            body.append(f'<img alt="{html.escape(image.group(1))}" src="data:image/png;base64,{data}">')
-        elif line.strip():
-            body.append(f"<p>{html.escape(_md_plain(line))}</p>")
-    flush_table()
-    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;"
-             "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px}img{max-width:100%}")  # fmt: skip
-    head = f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head>"
-    return head + f"<body>{''.join(body)}</body></html>"

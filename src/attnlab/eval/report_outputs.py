@@ -99,13 +99,20 @@ def _which(number: int, record: dict) -> str:
     return f"record {number} ({record.get('benchmark')}, {model})"  # (one line, whatever it holds)
 
 
-def check_seals(records_path: Path, records: list[dict]) -> None:
+def check_seals(records_path: Path, records: list[dict], measuring: bool = False) -> None:
     """Refuses (DataError, one line naming the record) a record changed after attnlab wrote it (its sha256 no longer
-    matches its fields): report would draw it, and bench would skip its benchmark as measured."""
+    matches its fields): report would draw it, and bench would skip its benchmark as measured. measuring (bench): one
+    AttnlabWarning line says records with no seal count as measured, and report shows them only with --unsealed."""
     for number, record in enumerate(records, 1):
         if seal_kept(record) is False:
             raise DataError(f"{records_path}: {_which(number, record)} was changed after attnlab wrote it (its sha256 "
                             f"no longer matches its fields): {AGAIN}")  # fmt: skip
+    unsealed = sum(seal_kept(record) is None for record in records)
+    if measuring and unsealed:
+        warnings.warn(f"{records_path}: {unsealed} of its {len(records)} records carry no sha256 (an older attnlab's, "
+                      "or it was taken out): bench takes what they measured as measured, and report shows them only "
+                      "with --unsealed (take those lines out to have them measured again)", AttnlabWarning,
+                      stacklevel=3)  # fmt: skip
 
 
 # A records file's damaged line: bench measures what its records lack, so taking the line out is the way to have it
@@ -139,3 +146,15 @@ def check_records(records_path: Path, records: list[dict], unsealed: bool = Fals
         warnings.warn(f"{records_path}: {said} no sha256 (an older attnlab wrote them, or it was taken out): attnlab "
                       "cannot tell whether they were changed since it wrote them, so their figures are shown "
                       "unverified (--unsealed)", AttnlabWarning, stacklevel=3)  # fmt: skip
+
+
+def unsealed_notes(records: list[dict]) -> list[str]:
+    """The report's note naming the records read with --unsealed (no seal): the files are shared without the
+    warning line, so they say it too."""
+    unverified = [r for r in records if seal_kept(r) is None]
+    if not unverified:
+        return []
+    which = list(dict.fromkeys(f"{r['model']} ({r['benchmark']})" for r in unverified))
+    return [f"Unverified: {len(unverified)} of the {len(records)} records carry no sha256 (an older attnlab's, or it "
+            "was taken out), so attnlab cannot tell whether their figures were changed since it wrote them; shown as "
+            f"read (--unsealed): {', '.join(which[:6])}{', ...' if len(which) > 6 else ''}."]  # fmt: skip
