@@ -256,7 +256,7 @@ def test_records_without_window_losses_or_a_common_setting_say_so(tmp_path, caps
         record("a", windows(0)),
         {"benchmark": "multiple_choice", "model": "b", "task": "arc_easy", "n": 10, "acc": 0.5},
     )
-    assert fails(capsys, ["report", folder, "--paired", "a:b"], "b has no perplexity or rope_extrapolation record")
+    assert fails(capsys, ["report", folder, "--paired", "a:b"], "b has no perplexity, rope_extrapolation or needle")
 
 
 def test_a_pair_that_cannot_be_paired_beside_one_that_can_is_said_in_a_warning(tmp_path, capsys):

@@ -413,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="tables, plots, report.md and report.html from a bench folder's records")
     p.add_argument("dir", help="the folder `attnlab bench` wrote (holds records.jsonl)")
     p.add_argument("--paired", action="append", default=[], metavar="A:B",
-                   help="model labels A:B: perplexity of A minus B on the same windows, paired interval")  # fmt: skip
+                   help="model labels A:B: perplexity of A minus B on the same windows, paired interval; "
+                   "passkey trials of A against B, McNemar's exact p")  # fmt: skip
     p.add_argument("--unsealed", action="store_true", help=UNSEALED_HELP.format(what="records"))
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("info", help="parameters by component and KV-cache bytes of a model config or reference")

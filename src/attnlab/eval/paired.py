@@ -1,20 +1,28 @@
 """`attnlab report --paired A:B`: which records of two models were scored on the same windows of the same tokens
 (so that their difference can be resampled window by window, eval.perplexity.paired_difference), and, for a pair
 that has none, one line saying why: no setting in common, other tokens at the same setting (another tokenizer or
-other data), records without per-window losses, or windows that differ (the text changed)."""
+other data), records without per-window losses, or windows that differ (the text changed). Passkey cells pair too:
+the trials both models were asked with the same key at the same token (needle_pairs), compared as a head-to-head."""
 
 from __future__ import annotations
 
 from attnlab.config import names_model
 from attnlab.eval.perplexity import paired_difference
+from attnlab.eval.stats import paired_comparison
 
 
-def paired_rows(records: list[dict], pairs: list[tuple[str, str]]) -> tuple[list[tuple], list[str]]:
+def paired_rows(
+    records: list[dict], pairs: list[tuple[str, str]], elsewhere: frozenset = frozenset()
+) -> tuple[list[tuple], list[str]]:
     """([(a, b, benchmark, a's record, paired_difference of a's and b's)] for every perplexity or extrapolation
     setting both were scored at on the same windows of the same tokens, per (a, b) in pairs; one line per pair that
-    gave none, saying why). records: those measured (status ok), one per model and setting."""
+    gave none, saying why). records: those measured (status ok), one per model and setting. elsewhere: pairs another
+    benchmark paired (needle_pairs), which get no line unless both models have a record of these benchmarks."""
     rows, unpaired = [], []
     for a, b in pairs:
+        if (a, b) in elsewhere and not all(any(r["benchmark"] in PAIRED and r["model"] == m for r in records)
+                                           for m in (a, b)):  # fmt: skip
+            continue
         found, reasons = [], []  # reasons: (rank, line); the most telling one is said
         for benchmark in PAIRED:
             scored = {m: [r for r in records if r["benchmark"] == benchmark and r["model"] == m] for m in (a, b)}
@@ -94,11 +102,42 @@ def _unpaired(a: dict, b: dict) -> tuple[int, str] | None:
 def _no_common_setting(records: list[dict], a: str, b: str) -> str:
     """Why a and b share no setting to pair: what each was scored at."""
     scored = {m: [r for r in records if r["benchmark"] in PAIRED and r["model"] == m] for m in (a, b)}
+    asked = [m for m in (a, b) if any(r["benchmark"] == "needle" and r["model"] == m for r in records)]
+    if len(asked) == 2 and not scored[a] and not scored[b]:
+        return (f"{a} and {b} were never given the same passkey trial (the same key at the same token of the same "
+                "filler, length and depth): run the needle benchmark on both with the same parameters and "
+                "tokenizer")  # fmt: skip
     if not scored[a] or not scored[b]:
         who = f"neither {a} nor {b} has" if not scored[a] and not scored[b] else f"{a if not scored[a] else b} has no"
-        return (f"{who} {' or '.join(PAIRED)} record to pair (run `attnlab bench --benchmarks perplexity` on "
-                "both)")  # fmt: skip
+        return (f"{who} {', '.join(PAIRED)} or needle record to pair (run `attnlab bench --benchmarks perplexity` "
+                "or needle on both)")  # fmt: skip
     shown = "; ".join(f"{m}: " + " | ".join(f"{r['benchmark']} at {_described(r, WINDOWS)}" for r in scored[m][:3])
                       + (" | ..." if len(scored[m]) > 3 else "") for m in (a, b))  # fmt: skip
     return (f"{a} and {b} were never scored at the same setting ({shown}): score both with the same dataset, "
             "split, seq_len, stride and max_tokens")  # fmt: skip
+
+
+def needle_pairs(records: list[dict], pairs: list[tuple[str, str]]) -> list[tuple[str, str, dict]]:
+    """[(a, b, stats.paired_comparison of their trials)] for each (a, b) in pairs whose models were both asked for
+    the same keys at the same places: each trial of a needle cell is a case, known by its cell (length, depth,
+    filler), its place in the cell, its key and the token the key starts at, so that two models' cases of one name
+    read the same text. McNemar's exact test counts only the trials one of the two got right."""
+    found = []
+    for a, b in pairs:
+        trials = {m: _needle_trials(records, m) for m in (a, b)}
+        common = [t for t in trials[a] if t in trials[b]]
+        if common:
+            rows = [[{"id": t, "correct": trials[m][t]} for t in common] for m in (a, b)]
+            found.append((a, b, paired_comparison(*rows, names=(a, b))))
+    return found
+
+
+def _needle_trials(records: list[dict], model: str) -> dict[str, bool]:
+    """{case name: right} of a model's needle trials (needle_pairs)."""
+    out = {}
+    for r in records:
+        if r["benchmark"] == "needle" and r.get("scope") == "cell" and r["model"] == model:
+            for i, trial in enumerate(r.get("results") or []):
+                name = f"{r['length']}@{r['depth']}#{i} {r.get('filler')}: {trial.get('key')}@{trial.get('needle_at')}"
+                out[name] = bool(trial.get("correct"))
+    return out

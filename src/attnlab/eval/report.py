@@ -16,7 +16,7 @@ from pathlib import Path
 from attnlab.data.files import atomic_write_text, outputs_together, read_json_lines
 from attnlab.errors import AttnlabWarning, DataError, InputError
 from attnlab.eval.bench_checks import status_notes
-from attnlab.eval.paired import paired_rows
+from attnlab.eval.paired import needle_pairs, paired_rows
 from attnlab.eval.plots import (
     PNG_METADATA,
     plot_val_loss,
@@ -117,11 +117,14 @@ def perplexity_table(records: list[dict]) -> Table | None:
                  "ppl", "ppl 95% CI"], body, "Intervals: percentile bootstrap over windows.")  # fmt: skip
 
 
-def paired_table(records: list[dict], pairs: list[tuple[str, str]]) -> tuple[Table | None, list[str]]:
+def paired_table(
+    records: list[dict], pairs: list[tuple[str, str]], elsewhere: frozenset = frozenset()
+) -> tuple[Table | None, list[str]]:
     """(the table of loss and perplexity of model a minus model b, per (a, b) in pairs, for every perplexity or
     extrapolation setting both were scored at on the same windows of the same tokens, with a paired bootstrap
-    interval over windows; one line per pair that gave no row, saying why: eval.paired)."""
-    rows, unpaired = paired_rows(_ok(records), pairs)
+    interval over windows; one line per pair that gave no row, saying why: eval.paired). elsewhere: the pairs
+    needle_paired_table compared (no line for them when they have nothing of this table's)."""
+    rows, unpaired = paired_rows(_ok(records), pairs, elsewhere)
     if not rows:
         return None, unpaired
     body = [[a, b, benchmark, record_a.get("seq_len"), d["tokens"], d["ppl_a"], d["ppl_b"], d["dppl"],
@@ -132,6 +135,21 @@ def paired_table(records: list[dict], pairs: list[tuple[str, str]]) -> tuple[Tab
                    "loss a - b", "95% CI"], body,
                   "Intervals: percentile bootstrap over windows, the same windows resampled for a and b.")  # fmt: skip
     return table, unpaired
+
+
+def needle_paired_table(records: list[dict], pairs: list[tuple[str, str]]) -> Table | None:
+    """Passkey retrieval of model a against model b on the trials both were given (the same key at the same token
+    of the same filler), per (a, b) in pairs: how many each alone got right, McNemar's exact p (eval.paired)."""
+    rows = needle_pairs(_ok(records), pairs)
+    if not rows:
+        return None
+    body = [[a, b, c["cases"], c["both_right"], c["a_only"], c["b_only"], c["accuracy_a"], c["accuracy_b"],
+             "{:+.2f} to {:+.2f}".format(c["ci_low"], c["ci_high"]), c["mcnemar_p"]] for a, b, c in rows]  # fmt: skip
+    return Table("needle_paired", "Passkey retrieval, paired (a against b on the same keys at the same tokens)",
+                 ["a", "b", "trials", "both right", "a alone", "b alone", "accuracy a", "accuracy b",
+                  "a - b 95% CI", "McNemar p"], body,
+                 "Intervals: percentile bootstrap over trials; p: McNemar's exact test on the trials one of the two "
+                 "got right.")  # fmt: skip
 
 
 def kv_quant_table(records: list[dict]) -> Table | None:
@@ -420,8 +438,8 @@ def loss_curves(records: list[dict], path: Path) -> Path | None:
 
 def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = (), unsealed: bool = False) -> dict:
     """Writes tables/, plots, report.md and report.html into out_dir; returns their paths. pairs: (a, b) model
-    labels whose perplexity differences get a paired table (a minus b). unsealed: report records with no seal (an
-    older attnlab's), unverified, rather than refuse them."""
+    labels whose perplexity differences (a minus b) and passkey trials get a paired table. unsealed: report records
+    with no seal (an older attnlab's), unverified, rather than refuse them."""
     out_dir = Path(out_dir)
     if out_dir.is_file():
         folder = (f"give the folder that holds it: {out_dir.parent}" if out_dir.name == "records.jsonl" else
@@ -447,14 +465,16 @@ def build_report(out_dir: str | Path, pairs: list[tuple[str, str]] = (), unseale
     models = list(dict.fromkeys(r["model"] for r in records))
     # a pair given twice is compared once (its rows would be the same twice)
     pairs = list(dict.fromkeys(pair_labels(f"{a}:{b}", models, records_path) for a, b in pairs))
-    paired, unpaired = paired_table(records, pairs)
-    if unpaired and paired is None:  # nothing could be paired: said before anything is written
+    needles = needle_paired_table(records, pairs)
+    found = frozenset((row[0], row[1]) for row in needles.rows) if needles else frozenset()
+    paired, unpaired = paired_table(records, pairs, found)
+    if unpaired and paired is None and needles is None:  # nothing could be paired: said before anything is written
         raise InputError(f"{records_path}: " + "; ".join(unpaired))
     for line in unpaired:
         notes.append(f"{line}.")
         warnings.warn(f"{records_path}: {line}", AttnlabWarning, stacklevel=2)
     tables = [t for t in (perplexity_table(records), paired, memory_table(records),
-                          latency_table(records), multiple_choice_table(records), needle_table(records),
+                          latency_table(records), multiple_choice_table(records), needle_table(records), needles,
                           sweep_table(records), extrapolation_table(records), stream_loss_table(records),
                           kv_quant_table(records))
               if t]  # fmt: skip
