@@ -53,10 +53,13 @@ def _argv(manifest: Path, out: Path, *more: str) -> list[str]:
     return ["run", str(manifest), "--out", str(out), "--no-progress", "--target", "base", *more]
 
 
-def _refused_before_training(capsys, manifest, out, *fragments, more=()) -> None:
+def _refused_before_training(capsys, manifest, out, *fragments, more=()) -> list[str]:
+    """The lines `attnlab run` and its dry run refuse with (each holding every fragment), nothing trained."""
+    lines = []
     for dry in ([], ["--dry-run"]):
-        assert fails(capsys, _argv(manifest, out, *more, *dry), *fragments)
+        lines.append(fails(capsys, _argv(manifest, out, *more, *dry), *fragments))
         assert not (out / "m" / "base").exists()  # nothing trained, nothing made
+    return lines
 
 
 @pytest.mark.parametrize("what", ["a fifo", "a link to /dev/zero"])
@@ -64,30 +67,30 @@ def test_an8_a_summary_that_is_a_fifo_or_a_device_is_refused_before_training_wit
     manifest, out = copy
     _other(out).unlink()
     os.mkfifo(_other(out)) if what == "a fifo" else _other(out).symlink_to("/dev/zero")
-    _refused_before_training(capsys, manifest, out, f"{_other(out)}: not a regular file")
+    assert _refused_before_training(capsys, manifest, out, f"{_other(out)}: not a regular file")
 
 
 def test_an1_a_changed_summary_of_another_target_is_refused_before_training(copy, capsys):
     manifest, out = copy
     saved = json.loads(_other(out).read_text())
     _other(out).write_text(json.dumps({**saved, "val_loss": saved["val_loss"] - 0.01}))
-    _refused_before_training(capsys, manifest, out, f"{_other(out)}: changed after the run wrote it",
-                             "delete summary.json alone and `attnlab run` the manifest again")  # fmt: skip
+    assert _refused_before_training(capsys, manifest, out, f"{_other(out)}: changed after the run wrote it",
+                                    "delete summary.json alone and `attnlab run` the manifest again")  # fmt: skip
 
 
 def test_an1_impossible_figures_under_unsealed_are_refused_before_training(copy, capsys):
     manifest, out = copy
     saved = {k: v for k, v in json.loads(_other(out).read_text()).items() if k != SEAL}
     _other(out).write_text(json.dumps({**saved, "val_loss": 1.0}))
-    _refused_before_training(capsys, manifest, out, f"{_other(out)}: field 'val_ppl' is ", "it was changed by hand",
-                             more=["--unsealed"])  # fmt: skip
+    assert _refused_before_training(capsys, manifest, out, f"{_other(out)}: field 'val_ppl' is ",
+                                    "it was changed by hand", more=["--unsealed"])  # fmt: skip
 
 
 def test_an1_a_folder_where_a_summary_goes_is_refused_before_training(copy, capsys):
     manifest, out = copy
     folder = out / "m" / "old" / "x" / "seed0" / "summary.json"
     folder.mkdir(parents=True)
-    _refused_before_training(capsys, manifest, out, f"{folder}: a folder, where a run keeps its summary.json")
+    assert _refused_before_training(capsys, manifest, out, f"{folder}: a folder, where a run keeps its summary.json")
 
 
 def test_an7_an_unsealed_summary_no_target_writes_is_told_to_move_out_and_that_works(copy, capsys):
@@ -97,9 +100,9 @@ def test_an7_an_unsealed_summary_no_target_writes_is_told_to_move_out_and_that_w
     saved = json.loads((old / "summary.json").read_text())
     (old / "summary.json").write_text(json.dumps({k: v for k, v in saved.items() if k != SEAL}))
     said = f"move its run folder ({old}) out of {out / 'm'}"
-    _refused_before_training(capsys, manifest, out, f"{old / 'summary.json'}: no sha256 in it", "give --unsealed to "
-                             "show it unverified, or it is no run of this manifest, so `attnlab run` does not write it "
-                             "again: ", said)  # fmt: skip
+    assert _refused_before_training(capsys, manifest, out, f"{old / 'summary.json'}: no sha256 in it",
+                                    "give --unsealed to show it unverified, or it is no run of this manifest, so "
+                                    "`attnlab run` does not write it again: ", said)  # fmt: skip
     assert (old / "summary.json").exists()  # not to be deleted: nothing writes it again
     shutil.move(out / "m" / "old", out / "elsewhere")
     assert main(_argv(manifest, out)) == 0

@@ -271,7 +271,7 @@ def seal_kept(row: dict) -> bool | None:
     if SEAL not in row:
         return None
     fields = {k: v for k, v in row.items() if k != SEAL}
-    return row[SEAL] in (_fields_digest(fields), _fields_digest(fields, whole=False))
+    return row[SEAL] == _fields_digest(fields) or row[SEAL] == _fields_digest(fields, whole=False)  # (older: rare)
 
 
 def open_text(path: str | Path) -> IO[str]:

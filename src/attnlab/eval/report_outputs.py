@@ -103,11 +103,12 @@ def check_seals(records_path: Path, records: list[dict], measuring: bool = False
     """Refuses (DataError, one line naming the record) a record changed after attnlab wrote it (its sha256 no longer
     matches its fields): report would draw it, and bench would skip its benchmark as measured. measuring (bench): one
     AttnlabWarning line says records with no seal count as measured, and report shows them only with --unsealed."""
-    for number, record in enumerate(records, 1):
-        if seal_kept(record) is False:
+    kept = [seal_kept(record) for record in records]  # (one sha256 per record)
+    for number, (record, ok) in enumerate(zip(records, kept, strict=True), 1):
+        if ok is False:
             raise DataError(f"{records_path}: {_which(number, record)} was changed after attnlab wrote it (its sha256 "
                             f"no longer matches its fields): {AGAIN}")  # fmt: skip
-    unsealed = sum(seal_kept(record) is None for record in records)
+    unsealed = kept.count(None)
     if measuring and unsealed:
         warnings.warn(f"{records_path}: {unsealed} of its {len(records)} records carry no sha256 (an older attnlab's, "
                       "or it was taken out): bench takes what they measured as measured, and report shows them only "
